@@ -1,0 +1,3 @@
+from omni_server.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,92 @@
+"""The Python backend API for stage authors (`model.py`).
+
+A stage's `model.py` holds one class. The runtime creates it with no arguments, then calls:
+
+    initialize(context)          once, before the stage reports ready; raise to refuse a config
+    execute(requests) -> list    scheduler "single" / "batch": one output or exception per request
+    generate(request)            scheduler "stream": a generator yielding chunks; its return value
+                                 (if any) is the payload handed to `next`
+    finalize()                   once, at shutdown
+
+plus, when the stage descriptor names them, a route method `route(request, outputs) -> str | list`
+choosing among the declared `next` stages, and a merge method `merge(request, inputs) -> dict`
+for fan-in (`wait_for`).
+
+Payloads (request inputs, outputs, chunks) are dicts whose values are None, bool, int, float,
+str, bytes, lists / tuples / dicts of those, numpy arrays or torch tensors. A stage treats its
+inputs as read-only: inside one process the upstream stage's very objects are passed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+Payload = dict[str, Any]
+
+
+class StageConfigError(ValueError):
+    """Raised by initialize() when the stage's parameters are not what it needs.
+
+    The message says what was required and what was found; the runtime prefixes the stage name.
+    """
+
+
+class RequestAborted(Exception):
+    """Raised inside a backend call when its request was aborted (client gone, pipeline failure)."""
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """What a backend learns about where it runs; handed to initialize()."""
+
+    stage: str
+    parameters: Mapping[str, Any]
+    device: str  # "cpu" or "cuda:N"
+    repository: Path
+    stage_dir: Path
+    replica: int = 0
+    tp_rank: int = 0
+    tp_size: int = 1
+    process_group: Any = None  # torch.distributed group of the TP ranks, None without TP
+
+
+@dataclass
+class Request:
+    """One request as a stage sees it."""
+
+    id: str
+    inputs: Payload
+    # Chunks arriving over `stream_to` edges into this stage; filled by the runtime.
+    _stream: Iterator[Payload] | None = field(default=None, repr=False)
+    _aborted: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted.is_set()
+
+    def check_aborted(self) -> None:
+        """Raise RequestAborted if the request was aborted; long loops call this between steps."""
+        if self._aborted.is_set():
+            raise RequestAborted(self.id)
+
+    def stream(self) -> Iterator[Payload]:
+        """Iterate the chunks streamed into this stage, in order, until the upstream end marker.
+
+        Blocks between chunks; raises RequestAborted if the request is aborted meanwhile.
+        A stage that is no `stream_to` target gets an empty iterator.
+        """
+        return self._stream if self._stream is not None else iter(())
+
+
+class StageBackend:
+    """Optional base class: documents the interface and gives no-op initialize / finalize."""
+
+    def initialize(self, context: StageContext) -> None:
+        pass
+
+    def finalize(self) -> None:
+        pass

@@ -1,0 +1,170 @@
+"""The compiled pipeline: typed, immutable, shared by the compiler, the runtime and the server.
+
+The compiler (`omni_server.repository.compiler`) is the only producer of these objects; every
+other room only reads them. All collections are tuples or read-only mappings so a plan can be
+handed to child processes (pickled) and shared between threads without copies or locks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+class SchedulerKind(StrEnum):
+    SINGLE = "single"  # one request at a time: execute([request])
+    BATCH = "batch"  # dynamic batches: execute(requests), max_batch_size / max_queue_delay_ms
+    STREAM = "stream"  # per-request generators: generate(request) yields chunks
+
+
+class EdgeKind(StrEnum):
+    NEXT = "next"  # a full payload handed on by static `next` or by the route function
+    STREAM = "stream"  # chunks along `stream_to`, beside normal routing
+
+
+class MpsMode(StrEnum):
+    OFF = "off"
+    AUTO = "auto"
+    ON = "on"
+
+
+@dataclass(frozen=True)
+class BackendRef:
+    """The stage's Python backend: a class in a file of the stage folder."""
+
+    file: Path  # absolute path of the stage's model.py (or the file the descriptor names)
+    class_name: str
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    kind: SchedulerKind = SchedulerKind.SINGLE
+    max_batch_size: int = 1
+    max_queue_delay_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Marks an engine stage (an autoregressive model with a KV budget)."""
+
+    max_total_tokens: int | None = None  # pinned token budget; weight sharing requires it
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str  # the stage folder's name
+    directory: Path  # absolute path of the stage folder
+    backend: BackendRef
+    parameters: Mapping[str, Any] = EMPTY  # free-form [parameters], handed to initialize()
+    process: str = ""  # logical process name; defaults to the stage name
+    gpu: tuple[int, ...] = ()  # () = CPU; one id per TP rank
+    tp_size: int = 1
+    gpu_memory_fraction: float | None = None  # placement budget, never inferred
+    next: tuple[str, ...] = ()  # static successors, or the route function's allowed targets
+    route: str | None = None  # name of a backend method choosing among `next`
+    terminal: bool = False
+    wait_for: tuple[str, ...] = ()  # fan-in: upstream stages this stage waits for
+    merge: str | None = None  # name of a backend method merging the wait_for payloads
+    stream_to: tuple[str, ...] = ()  # chunk stream targets, beside normal routing
+    process_local: tuple[str, ...] = ()  # successors whose edge must stay inside one process
+    scheduler: SchedulerSpec = field(default_factory=SchedulerSpec)
+    engine: EngineSpec | None = None
+
+    @property
+    def on_gpu(self) -> bool:
+        return bool(self.gpu)
+
+
+@dataclass(frozen=True)
+class Edge:
+    src: str
+    dst: str
+    kind: EdgeKind
+    process_local: bool = False
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A served model: its id in /v1/models and the entry of its pipeline."""
+
+    id: str
+    entry: str  # entry stage
+    tasks: tuple[str, ...]  # API tasks: "speech", "transcription", "chat", "realtime"
+    aliases: tuple[str, ...] = ()  # other ids accepted in requests (e.g. "tts-1")
+    voices: tuple[str, ...] = ()  # voices the pipeline knows (speech)
+    voice_aliases: Mapping[str, str] = EMPTY  # e.g. OpenAI's "alloy" -> "joe"
+    default_voice: str | None = None
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """A logical process: a grouping, spawn and placement boundary."""
+
+    name: str
+    stages: tuple[str, ...]
+    num_replicas: int = 1
+    replica_devices: tuple[int, ...] = ()  # N ids (N x T for TP size T), overrides stage gpus
+    tp_size: int = 1  # > 1 only for the process a TP stage owns
+
+
+@dataclass(frozen=True)
+class ProcessInstance:
+    """One OS process: a replica (and TP rank) of a logical process."""
+
+    process: str
+    replica: int
+    tp_rank: int
+    stages: tuple[str, ...]
+    devices: Mapping[str, int | None]  # stage -> GPU id, None for a CPU stage
+    tp_size: int = 1
+
+    @property
+    def name(self) -> str:
+        """`talker_ar@r0`, with `/tp1` appended for TP ranks other than 0."""
+        base = f"{self.process}@r{self.replica}"
+        return base if self.tp_size == 1 else f"{base}/tp{self.tp_rank}"
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    mps: MpsMode = MpsMode.OFF
+    weight_share: bool = False
+    gpu_memory_limit: float = 1.0  # per-GPU limit for the sum of declared fractions
+
+
+@dataclass(frozen=True)
+class Plan:
+    repository: Path
+    server: ServerOptions
+    stages: Mapping[str, StageSpec]
+    models: Mapping[str, ModelSpec]
+    processes: Mapping[str, ProcessSpec]
+    instances: tuple[ProcessInstance, ...]
+    edges: tuple[Edge, ...]
+
+    def process_of(self, stage: str) -> ProcessSpec:
+        return self.processes[self.stages[stage].process]
+
+    def same_process(self, src: str, dst: str) -> bool:
+        """True when both stages always live in one OS process (same logical process, no TP)."""
+        proc = self.process_of(src)
+        return proc.name == self.stages[dst].process and proc.tp_size == 1
+
+    def instances_of(self, process: str) -> tuple[ProcessInstance, ...]:
+        return tuple(i for i in self.instances if i.process == process)
+
+    def model(self, model_id: str) -> ModelSpec | None:
+        """The served model called `model_id` or one of its aliases."""
+        if model_id in self.models:
+            return self.models[model_id]
+        for spec in self.models.values():
+            if model_id in spec.aliases:
+                return spec
+        return None

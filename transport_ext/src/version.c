@@ -1,0 +1,3 @@
+#include "omni_transport.h"
+
+uint32_t omni_transport_abi_version(void) { return 1; }
