@@ -1,20 +1,51 @@
 """The compiled pipeline: typed, immutable, shared by the compiler, the runtime and the server.
 
 The compiler (`omni_server.repository.compiler`) is the only producer of these objects; every
-other room only reads them. All collections are tuples or read-only mappings so a plan can be
-handed to child processes (pickled) and shared between threads without copies or locks.
+other room only reads them. All collections are tuples or read-only mappings (`FrozenMap`) so a
+plan can be handed to child processes (pickled) and shared between threads without copies or
+locks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
-EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+class FrozenMap(Mapping[str, Any]):
+    """A read-only mapping that, unlike MappingProxyType, pickles (plans go to child processes)."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: Mapping[str, Any] | None = None) -> None:
+        self._data = dict(data or {})
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mapping) and dict(self.items()) == dict(other.items())
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._data.items()))
+
+    def __repr__(self) -> str:
+        return f"FrozenMap({self._data!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FrozenMap, (self._data,))
+
+
+EMPTY: Mapping[str, Any] = FrozenMap()
 
 
 class SchedulerKind(StrEnum):
@@ -127,7 +158,7 @@ class ProcessInstance:
 
     @property
     def name(self) -> str:
-        """`talker_ar@r0`, with `/tp1` appended for TP ranks other than 0."""
+        """`talker_ar@r0`; in a TP process the rank is appended: `thinker@r0/tp1`."""
         base = f"{self.process}@r{self.replica}"
         return base if self.tp_size == 1 else f"{base}/tp{self.tp_rank}"
 

@@ -1,0 +1,62 @@
+"""Build model repositories in temporary folders for tests.
+
+    root = make_repo(tmp_path, stages={"tts": 'backend = "Tts"\nterminal = true'},
+                     repository='[models.m]\nentry = "tts"\ntasks = ["speech"]')
+
+Each stage folder gets its `stage.toml` and a `model.py`: by default a trivial backend whose
+class name is read from the descriptor's `backend` field, or the source given in `models`.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from textwrap import dedent
+
+TRIVIAL_BACKEND = '''\
+from omni_server.backend import StageBackend
+
+
+class {name}(StageBackend):
+    """A test stage: echoes its inputs."""
+
+    def execute(self, requests):
+        return [dict(r.inputs) for r in requests]
+'''
+
+
+def make_repo(
+    root: Path,
+    stages: Mapping[str, str],
+    repository: str = "",
+    models: Mapping[str, str] | None = None,
+) -> Path:
+    """Write `repository.toml` and one folder per stage; returns `root`.
+
+    `stages` maps stage name -> stage.toml text; `models` optionally maps stage name -> the
+    source of its model.py (default: a trivial backend named after `backend`).
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "repository.toml").write_text(dedent(repository))
+    for name, text in stages.items():
+        folder = root / name
+        folder.mkdir(exist_ok=True)
+        text = dedent(text)
+        (folder / "stage.toml").write_text(text)
+        source = (models or {}).get(name)
+        if source is None:
+            source = TRIVIAL_BACKEND.format(name=_class_name(text) or "Backend")
+        (folder / "model.py").write_text(dedent(source))
+    return root
+
+
+def _class_name(stage_toml: str) -> str | None:
+    try:
+        backend = tomllib.loads(stage_toml).get("backend")
+    except tomllib.TOMLDecodeError:
+        return None  # a test of bad TOML: the backend does not matter
+    if not isinstance(backend, str):
+        return None
+    name = backend.rpartition(":")[2]
+    return name if name.isidentifier() else None

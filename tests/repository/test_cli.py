@@ -1,0 +1,207 @@
+"""`omni-server config resolve` and the serve entry's refusal of invalid repositories."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+import types
+from pathlib import Path
+
+import pytest
+from omni_server.cli import main
+from omni_server.repository.compiler import compile_repository
+from omni_server.repository.render import config_dict
+
+from tests.helpers.repo import make_repo
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    return make_repo(
+        tmp_path / "repo",
+        stages={
+            "frontend": 'backend = "F"\nnext = "synth"\n[parameters]\nlang = "en"\n'
+            'weights = { name = "x", sizes = [1, 2] }\n',
+            "synth": 'backend = "S"\nnext = "encoder"\nstream_to = "encoder"\ngpu = 0\n'
+            'gpu_memory_fraction = 0.3\n[scheduler]\nkind = "stream"\n',
+            "encoder": 'backend = "E"\nterminal = true\n[scheduler]\nkind = "batch"\n'
+            "max_batch_size = 4\nmax_queue_delay_ms = 2.5\n",
+        },
+        repository='[models.tts]\nentry = "frontend"\ntasks = ["speech"]\nvoices = ["joe"]\n'
+        'default_voice = "joe"\n[models.tts.voice_aliases]\nalloy = "joe"\n',
+    )
+
+
+def test_resolve_prints_config_and_topology(repo: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["config", "resolve", "--repo", str(repo)]) == 0
+    out = capsys.readouterr().out
+    config_text, topology = out.split("# processes", 1)
+    assert tomllib.loads(config_text) == config_dict(compile_repository(repo))
+    assert "frontend : frontend" in topology
+    assert "synth@r0    -> GPU 0" in topology
+    assert "encoder@r0  -> CPU" in topology
+
+
+def test_resolve_json_round_trips(repo: Path, capsys: pytest.CaptureFixture) -> None:
+    assert (
+        main(["config", "resolve", "--repo", str(repo), "--show", "config", "--format", "json"])
+        == 0
+    )
+    resolved = json.loads(capsys.readouterr().out)
+    assert resolved["stages"]["encoder"]["scheduler"] == {
+        "kind": "batch",
+        "max_batch_size": 4,
+        "max_queue_delay_ms": 2.5,
+    }
+    assert resolved["stages"]["frontend"]["parameters"]["weights"] == {"name": "x", "sizes": [1, 2]}
+    assert resolved["stages"]["synth"]["process"] == "synth"
+    assert resolved["models"]["tts"]["voice_aliases"] == {"alloy": "joe"}
+
+
+def test_resolved_config_compiles_back_to_the_same_plan(
+    repo: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The resolved TOML is the format itself: written back as files it gives the same plan."""
+    main(
+        [
+            "config",
+            "resolve",
+            "--repo",
+            str(repo),
+            "--show",
+            "config",
+            "--stages.encoder.max_batch_size",
+            "8",
+        ]
+    )
+    resolved = tomllib.loads(capsys.readouterr().out)
+    assert resolved["stages"]["encoder"]["scheduler"]["max_batch_size"] == 8
+    stages = resolved.pop("stages")
+    import tomli_w
+
+    copy = make_repo(
+        tmp_path / "copy",
+        stages={name: tomli_w.dumps(table) for name, table in stages.items()},
+        repository=tomli_w.dumps(resolved),
+    )
+    again = config_dict(compile_repository(copy))
+    assert again["stages"] == stages
+    assert again["models"] == resolved["models"]
+
+
+def test_resolve_topology_only_with_override(repo: Path, capsys: pytest.CaptureFixture) -> None:
+    code = main(
+        [
+            "config",
+            "resolve",
+            "--repo",
+            str(repo),
+            "--show",
+            "topology",
+            "--stages.frontend.process",
+            "pipeline",
+            "--stages.encoder.process=pipeline",
+        ]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# processes")
+    assert "pipeline : frontend, encoder" in out
+    assert "pipeline@r0 -> CPU" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--stages.synth.tp_size", "x"], "field 'stages.synth.tp_size': expected an integer"),
+        (["--stages.frontend.next", "ghost"], "stage 'frontend', field 'next': no stage 'ghost'"),
+        (["--bogus"], "unexpected argument '--bogus'"),
+    ],
+)
+def test_invalid_exits_2_with_one_line(
+    repo: Path, argv: list[str], fragment: str, capsys: pytest.CaptureFixture
+) -> None:
+    assert main(["config", "resolve", "--repo", str(repo), *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("omni-server: ")
+    assert fragment in lines[0]
+
+
+def test_serve_refuses_invalid_repository_before_serving(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    assert main(["--repo", str(tmp_path / "missing"), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "repository folder not found" in err
+
+
+def test_config_without_resolve(capsys: pytest.CaptureFixture) -> None:
+    assert main(["config"]) == 2
+    assert "omni-server config resolve" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_real_command_exit_code_and_no_traceback(tmp_path: Path) -> None:
+    """The installed entry point, as a user runs it, on a stage with broken TOML."""
+    bad = make_repo(
+        tmp_path / "bad",
+        stages={"tts": 'backend = "T"\nterminal = true\nnext = [\n'},
+        repository='[models.m]\nentry = "tts"\ntasks = ["speech"]\n',
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "omni_server", "config", "resolve", "--repo", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1
+    assert "tts/stage.toml" in result.stderr and "not valid TOML" in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_help_documents_both_commands() -> None:
+    serve = subprocess.run(
+        [sys.executable, "-m", "omni_server", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert serve.returncode == 0
+    assert "--repo" in serve.stdout and "config resolve" in serve.stdout
+    assert "--stages.<stage>.<field>" in serve.stdout
+    resolve = subprocess.run(
+        [sys.executable, "-m", "omni_server", "config", "resolve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert resolve.returncode == 0
+    assert "--show {config,topology}" in resolve.stdout and "--format {toml,json}" in resolve.stdout
+
+
+def test_serve_without_server_module(
+    repo: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Until the server room exists, serving says so (simulated: the module made unimportable)."""
+    monkeypatch.setitem(sys.modules, "omni_server.server", None)
+    assert main(["--repo", str(repo)]) == 2
+    assert capsys.readouterr().err == "omni-server: serving is not built yet\n"
+
+
+def test_serve_hands_the_compiled_plan_to_the_server(
+    repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CLI's half of serving: compile with overrides, then call server.serve(plan, ...).
+    The server room is replaced by a recorder here; its own tests run it for real."""
+    calls = []
+    fake = types.ModuleType("omni_server.server")
+    fake.serve = lambda plan, host, port: calls.append((plan, host, port)) or 0
+    monkeypatch.setitem(sys.modules, "omni_server.server", fake)
+    code = main(["--repo", str(repo), "--port", "8123", "--stages.encoder.max_batch_size", "2"])
+    assert code == 0
+    (plan, host, port), *_ = calls
+    assert (host, port) == ("127.0.0.1", 8123)
+    assert plan.stages["encoder"].scheduler.max_batch_size == 2
