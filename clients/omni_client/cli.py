@@ -1,8 +1,269 @@
-"""Console script (not yet)."""
+"""The `omni-client` command line: speak (to a file, stdout, a PCM stream, a batch), models, health.
 
+Exit status: 0 success; 1 the server failed or could not be reached (HTTP 5xx, connection
+refused or broken, timeout); 2 the command or request was wrong (bad arguments, HTTP 4xx such
+as an unknown voice, an unreadable input file or unwritable output); 130 interrupted.
+Every error is one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
 import sys
+from pathlib import Path
+from typing import Any
+
+from omni_client import protocol
+from omni_client.async_client import AsyncOmniClient
+from omni_client.batch import read_lines, synthesize_lines
+from omni_client.errors import APIError, OmniError, OmniUsageError
+from omni_client.sync_client import OmniClient
+
+PROG = "omni-client"
+EXIT_SERVER = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class CommandError(Exception):
+    """A one-line failure of the command, with its exit status."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("omni_client: not yet", file=sys.stderr)
-    return 2
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits 2 with a usage line on bad arguments
+    try:
+        return args.run(args)
+    except CommandError as e:
+        return _fail(str(e), e.status)
+    except APIError as e:
+        where = f" (param: {e.param})" if e.param else ""
+        return _fail(f"{e}{where}", EXIT_USAGE if e.is_client_error else EXIT_SERVER)
+    except OmniUsageError as e:
+        return _fail(str(e), EXIT_USAGE)
+    except OmniError as e:  # connection refused / broken, timeout, a non-JSON answer
+        return _fail(str(e), EXIT_SERVER)
+    except OSError as e:  # local files: unreadable input, unwritable output
+        return _fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e), EXIT_USAGE)
+    except KeyboardInterrupt:
+        return _fail("interrupted", EXIT_INTERRUPTED)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # connection options are accepted before or after the subcommand
+    connection = argparse.ArgumentParser(add_help=False)
+    group = connection.add_argument_group("server")
+    group.add_argument(
+        "--url",
+        default=argparse.SUPPRESS,
+        help=f"server base URL (default: ${protocol.URL_ENV} or {protocol.DEFAULT_URL})",
+    )
+    group.add_argument(
+        "--api-key",
+        default=argparse.SUPPRESS,
+        help=f"sent as 'Authorization: Bearer KEY' (default: ${protocol.API_KEY_ENV})",
+    )
+    group.add_argument(
+        "--timeout",
+        type=float,
+        default=argparse.SUPPRESS,
+        help="seconds to wait to connect and between received bytes "
+        f"(default: {protocol.DEFAULT_TIMEOUT_S:g})",
+    )
+
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        parents=[connection],
+        description="Client for omni-server's OpenAI-compatible speech API.",
+        epilog="exit status: 0 ok, 1 server or connection error, 2 usage or rejected request",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    speak = commands.add_parser(
+        "speak",
+        parents=[connection],
+        help="synthesize speech",
+        description="Synthesize TEXT into a file, stdout, a raw PCM stream, or a batch of files.",
+        epilog='examples:\n  omni-client speak "Hello." -o hello.wav\n'
+        '  omni-client speak --stream "Hello." | aplay -f S16_LE -r 24000 -c 1\n'
+        "  omni-client speak --file lines.txt --out-dir clips/ --concurrency 4",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    speak.add_argument("text", nargs="?", help="the text to speak ('-' reads stdin)")
+    speak.add_argument("-o", "--output", help="output file ('-' for stdout)")
+    speak.add_argument("--format", choices=protocol.FORMATS, help="default: from -o's extension")
+    speak.add_argument(
+        "--stream",
+        action="store_true",
+        help="write raw s16le mono PCM to stdout as it is synthesized",
+    )
+    speak.add_argument("--file", type=Path, help="batch: one clip per non-blank line of FILE")
+    speak.add_argument("--out-dir", type=Path, help="batch: folder for the clips (NNNN.FORMAT)")
+    speak.add_argument(
+        "--concurrency", type=_positive_int, default=4, help="batch: requests in flight (4)"
+    )
+    speak.add_argument("--quiet", action="store_true", help="batch: no progress bar")
+    speak.add_argument(
+        "--model", default=protocol.DEFAULT_MODEL, help=f"({protocol.DEFAULT_MODEL})"
+    )
+    speak.add_argument("--voice", help="a voice or OpenAI voice name (default: the model's)")
+    speak.add_argument("--speed", type=float, help="0.25 to 4.0 (server default 1.0)")
+    speak.add_argument("--seed", type=int, help="same seed, same text: bit-identical audio")
+    speak.add_argument("--instructions", help="style instructions, for models that take them")
+    speak.add_argument("--sample-rate", type=int, help="output sample rate in Hz")
+    speak.set_defaults(run=run_speak, parser=speak)
+
+    models = commands.add_parser("models", parents=[connection], help="list the served models")
+    models.add_argument("--json", action="store_true", help="print the full model objects")
+    models.set_defaults(run=run_models, parser=models)
+
+    health = commands.add_parser(
+        "health", parents=[connection], help="print the server's health; exit 1 if not ready"
+    )
+    health.set_defaults(run=run_health, parser=health)
+    return parser
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+
+def run_speak(args: argparse.Namespace) -> int:
+    _check_speak_args(args, args.parser)
+    options = _speech_options(args)
+    if args.file is not None:
+        return _speak_batch(args, options)
+    text = sys.stdin.read() if args.text == "-" else args.text
+    with _client(args) as client:
+        if args.stream:
+            return _write_stream(client.stream_pcm(text, **options))
+        to_stdout = args.output in (None, "-")
+        if to_stdout and sys.stdout.isatty():
+            raise CommandError(
+                "refusing to write audio to a terminal: give -o FILE, pipe the output, "
+                "or use --stream",
+                EXIT_USAGE,
+            )
+        format = args.format or ("mp3" if to_stdout else protocol.format_for_path(args.output))
+        audio = client.speech(text, format=format, **options)
+    if to_stdout:
+        sys.stdout.buffer.write(audio)
+        sys.stdout.buffer.flush()
+    else:
+        Path(args.output).write_bytes(audio)
+    return 0
+
+
+def run_models(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        models = client.models()
+    if args.json:
+        print(json.dumps(models, indent=2))
+    else:
+        for model in models:
+            print(model["id"])
+    return 0
+
+
+def run_health(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        print(json.dumps(client.health()))
+    return 0
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _check_speak_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if (args.text is None) == (args.file is None):
+        parser.error("give either TEXT or --file FILE")
+    if args.file is not None:
+        if args.out_dir is None:
+            parser.error("--file needs --out-dir DIR")
+        if args.output is not None or args.stream:
+            parser.error("--file writes into --out-dir; drop -o / --stream")
+    elif args.out_dir is not None:
+        parser.error("--out-dir is for batches (--file)")
+    if args.stream and (args.output is not None or args.format not in (None, "pcm")):
+        parser.error("--stream always writes raw PCM to stdout; drop -o / --format")
+
+
+def _speech_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "model": args.model,
+        "voice": args.voice,
+        "speed": args.speed,
+        "seed": args.seed,
+        "instructions": args.instructions,
+        "sample_rate": args.sample_rate,
+    }
+
+
+def _connection(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "base_url": getattr(args, "url", None),
+        "api_key": getattr(args, "api_key", None),
+        "timeout": getattr(args, "timeout", protocol.DEFAULT_TIMEOUT_S),
+    }
+
+
+def _client(args: argparse.Namespace) -> OmniClient:
+    return OmniClient(**_connection(args))
+
+
+def _write_stream(chunks: Any) -> int:
+    out = sys.stdout.buffer
+    try:
+        for chunk in chunks:
+            out.write(chunk)
+            out.flush()  # the player downstream should hear each sentence as soon as it exists
+    except BrokenPipeError:
+        # the reader went away (e.g. the player was closed); silence the interpreter's final flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise CommandError("output closed before the audio ended", EXIT_SERVER) from None
+    return 0
+
+
+def _speak_batch(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    lines = read_lines(args.file)
+    if not lines:
+        raise CommandError(f"{args.file}: no text lines", EXIT_USAGE)
+
+    async def run() -> Any:
+        async with AsyncOmniClient(**_connection(args)) as client:
+            return await synthesize_lines(
+                client,
+                lines,
+                args.out_dir,
+                format=args.format or "wav",
+                concurrency=args.concurrency,
+                progress=not args.quiet,
+                options=options,
+            )
+
+    result = asyncio.run(run())
+    if not result.rejected:
+        return 0
+    server_side = any(not e.is_client_error for _, e in result.rejected)
+    raise CommandError(
+        f"{len(result.rejected)} of {len(lines)} lines failed (see above)",
+        EXIT_SERVER if server_side else EXIT_USAGE,
+    )
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return status

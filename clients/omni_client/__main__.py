@@ -1,0 +1,3 @@
+from omni_client.cli import main
+
+raise SystemExit(main())
