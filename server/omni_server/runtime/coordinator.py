@@ -1,0 +1,260 @@
+"""The coordinator: request life cycle in the main process.
+
+It admits a request (binding one replica per replicated process, round robin per process),
+hands its inputs to the model's entry stage, collects chunks and results from terminal stages,
+merges several terminals' results, and fails or aborts a request everywhere it may have gone.
+Stages pass payloads to each other directly; the coordinator only sees the ends.
+
+A request completes when every terminal it can still reach has sent its result: the expected
+terminals start as all terminals reachable from the entry and shrink when a route method
+reports that it chose a subset of its `next` stages (`Routed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from omni_server.repository.plan import ModelSpec, Plan
+
+from .errors import PipelineError
+from .messages import (
+    Abort,
+    CoordinatorMessage,
+    Deliver,
+    Envelope,
+    HostMessage,
+    Payload,
+    Routed,
+    StageFailed,
+    TerminalChunk,
+    TerminalResult,
+    Timings,
+)
+from .topology import Topology
+
+log = logging.getLogger(__name__)
+
+StageObserver = Callable[[str, float, float], None]
+
+
+class CoordinatorLinks(Protocol):
+    def deliver(self, index: int, message: HostMessage) -> None:
+        """Data to an instance (entry payloads), in order with that instance's other data."""
+
+    def control(self, index: int, message: HostMessage) -> None:
+        """Control to an instance (abort); never queues behind data."""
+
+
+_END = object()
+
+
+class RequestHandle:
+    """One submitted request. Leaving `async with` before it finished aborts it everywhere."""
+
+    def __init__(self, coordinator: Coordinator, key: int, request_id: str) -> None:
+        self.id = request_id
+        self._coordinator = coordinator
+        self._key = key
+        self._chunks: asyncio.Queue[Any] = asyncio.Queue()
+        self._result: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        # a failure nobody awaited is still a handled outcome: no "never retrieved" warnings
+        self._result.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    @property
+    def done(self) -> bool:
+        return self._result.done()
+
+    def __aiter__(self) -> AsyncIterator[Payload]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Payload]:
+        while True:
+            item = await self._chunks.get()
+            if item is _END:
+                return
+            if isinstance(item, PipelineError):
+                raise item
+            yield item
+
+    async def result(self) -> Any:
+        return await asyncio.shield(self._result)
+
+    async def abort(self) -> None:
+        self._coordinator.abort(self._key)
+
+    async def __aenter__(self) -> RequestHandle:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if not self.done:
+            self._coordinator.abort(self._key)
+
+    # ---- coordinator side
+    def _chunk(self, chunk: Payload) -> None:
+        self._chunks.put_nowait(chunk)
+
+    def _finish(self, result: Any) -> None:
+        if not self._result.done():
+            self._result.set_result(result)
+            self._chunks.put_nowait(_END)
+
+    def _fail(self, error: PipelineError) -> None:
+        if not self._result.done():
+            self._result.set_exception(error)
+            self._chunks.put_nowait(error)
+
+
+@dataclass(eq=False)
+class _Flight:
+    handle: RequestHandle
+    model: ModelSpec
+    env: Envelope
+    touched: tuple[int, ...]  # instances the request may reach
+    expected: set[str]  # terminals still to report
+    single_terminal: str | None  # the model's only terminal (its payload is the result)
+    pruned: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    results: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+class Coordinator:
+    def __init__(self, plan: Plan, links: CoordinatorLinks, observers: list[StageObserver]) -> None:
+        self.plan = plan
+        self.topology = Topology(plan)
+        self.links = links
+        self.observers = observers
+        self.accepting = False
+        self.unavailable_reason = "the pipeline is not started"
+        self._flights: dict[int, _Flight] = {}
+        self._keys = itertools.count(1)
+        # submit() runs on the event loop; the lock keeps each process's round robin exact
+        # should admission ever be asked from other threads too
+        self._lock = threading.Lock()
+        self._next_replica = {name: itertools.count() for name in plan.processes}
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._flights)
+
+    def submit(
+        self, model: ModelSpec, inputs: Payload, request_id: str | None = None
+    ) -> RequestHandle:
+        """Admit a request and hand it to the model's entry stage (call on the runtime's loop).
+
+        Raises PipelineError("unavailable") when the pipeline is not running or unhealthy."""
+        if not self.accepting:
+            raise PipelineError(self.unavailable_reason, code="unavailable")
+        if model.id not in self.topology.model_processes:
+            raise PipelineError(f"model {model.id!r} is not in this pipeline", code="unavailable")
+        if not isinstance(inputs, dict):
+            raise TypeError(f"inputs must be a dict, got {type(inputs).__name__}")
+        key = next(self._keys)
+        env = Envelope(key, request_id or uuid.uuid4().hex, self._bind(model))
+        handle = RequestHandle(self, key, env.id)
+        terminals = self.topology.terminals(model.entry)
+        self._flights[key] = _Flight(
+            handle=handle,
+            model=model,
+            env=env,
+            touched=self.topology.touched(model, env.bindings),
+            expected=terminals,
+            single_terminal=next(iter(terminals)) if len(terminals) == 1 else None,
+        )
+        entry = self.topology.host_of(model.entry, env.bindings)
+        self.links.deliver(entry, Deliver(env, model.entry, "", inputs, []))
+        return handle
+
+    def _bind(self, model: ModelSpec) -> dict[str, int]:
+        bindings = {}
+        with self._lock:
+            for process in self.topology.model_processes[model.id]:
+                replicas = self.plan.processes[process].num_replicas
+                if replicas > 1:
+                    bindings[process] = next(self._next_replica[process]) % replicas
+        return bindings
+
+    def on_message(self, message: CoordinatorMessage) -> None:
+        match message:
+            case TerminalChunk():
+                flight = self._flights.get(message.key)
+                if flight is not None:
+                    flight.handle._chunk(message.chunk)
+            case TerminalResult():
+                flight = self._flights.get(message.key)
+                if flight is not None:
+                    flight.results[message.stage] = message.payload
+                    self._record(flight, message.timings)
+                    self._maybe_complete(flight)
+            case Routed():
+                flight = self._flights.get(message.key)
+                if flight is not None:
+                    flight.pruned[message.stage] = message.targets
+                    flight.expected = self.topology.terminals(flight.model.entry, flight.pruned)
+                    self._maybe_complete(flight)
+            case StageFailed():
+                flight = self._flights.get(message.key)
+                if flight is not None:
+                    error = PipelineError(message.message, code="stage_failed", stage=message.stage)
+                    self._fail(flight, error)
+            case _:
+                raise TypeError(f"coordinator got an unknown message {type(message).__name__}")
+
+    def _record(self, flight: _Flight, timings: Timings) -> None:
+        for stage, queue_s, compute_s in timings:
+            flight.timings.setdefault(stage, (queue_s, compute_s))
+
+    def _maybe_complete(self, flight: _Flight) -> None:
+        if not flight.expected <= flight.results.keys():
+            return
+        del self._flights[flight.env.key]
+        if flight.single_terminal is not None:
+            if flight.single_terminal not in flight.results:
+                error = PipelineError("no terminal stage was reached", code="stage_failed")
+                self._abort_everywhere(flight)
+                flight.handle._fail(error)
+                return
+            result = flight.results[flight.single_terminal]
+        else:
+            result = dict(flight.results)
+        flight.handle._finish(result)
+        for stage, (queue_s, compute_s) in flight.timings.items():
+            for observer in self.observers:
+                try:
+                    observer(stage, queue_s, compute_s)
+                except Exception:  # a metrics bug must not break the request path
+                    log.exception("stage observer %r failed", observer)
+
+    def _fail(self, flight: _Flight, error: PipelineError) -> None:
+        self._flights.pop(flight.env.key, None)
+        self._abort_everywhere(flight)
+        flight.handle._fail(error)
+
+    def _abort_everywhere(self, flight: _Flight, *, skip: int | None = None) -> None:
+        for index in flight.touched:
+            if index != skip and self.plan.instances[index].tp_rank == 0:
+                self.links.control(index, Abort((flight.env.key,)))
+
+    def abort(self, key: int) -> None:
+        flight = self._flights.get(key)
+        if flight is not None:
+            self._fail(flight, PipelineError("request aborted", code="aborted"))
+
+    def instance_died(self, index: int, message: str) -> None:
+        """Fail every request that may have reached instance `index` (it is gone)."""
+        for flight in [f for f in self._flights.values() if index in f.touched]:
+            self._flights.pop(flight.env.key)
+            self._abort_everywhere(flight, skip=index)
+            stages = self.plan.instances[index].stages
+            stage = stages[0] if len(stages) == 1 else None
+            flight.handle._fail(PipelineError(message, code="process_died", stage=stage))
+
+    def fail_all(self, error: PipelineError) -> None:
+        for flight in list(self._flights.values()):
+            self._fail(flight, error)

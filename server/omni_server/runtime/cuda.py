@@ -1,0 +1,102 @@
+"""CUDA tensors between stage processes on one GPU, through `omni_transport.cuda_ipc`.
+
+The only branch of the data plane that knows about GPUs. It engages when a message carries a
+CUDA tensor to a process that hosts a stage on the same GPU; everything else (CPU tensors, a
+receiver on another GPU or on none, a full pool) takes the host-copy path of `codec`.
+
+Sender: one exported device pool per (process, GPU), made on first use; a tensor crosses as a
+small record (pool, slot, offset, dtype, shape) inside the message header. Receiver: opens
+the pool once, copies the tensor out on the device (one device-to-device copy, so the
+backend owns a normal tensor and the sender's block comes back at once), then releases the
+block. Both sides run on the process's event-loop thread, as the pool and receiver require.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_POOL_BYTES = int(os.environ.get("OMNI_CUDA_POOL_BYTES", str(256 << 20)))
+
+# what crossed how, in this process (tests and diagnostics read it)
+stats = {"ipc_sent": 0, "ipc_received": 0}
+
+
+class CudaExporter:
+    """The sender side of one process: its pools, and which receivers share which GPUs."""
+
+    def __init__(self, name_prefix: str, peer_devices: dict[str, frozenset[int]]) -> None:
+        self._prefix = name_prefix
+        self._peer_devices = peer_devices
+        self._pools: dict[int, Any] = {}
+        self._disabled = False
+
+    def for_receiver(self, receiver: str) -> _Lane | None:
+        devices = self._peer_devices.get(receiver)
+        return _Lane(self, devices) if devices and not self._disabled else None
+
+    def export(self, tensor: Any) -> bytes | None:
+        """The record bytes of `tensor` moved into this process's pool, or None (host path)."""
+        from omni_transport import TransportError, cuda_ipc
+
+        device = tensor.device.index
+        pool = self._pools.get(device)
+        try:
+            if pool is None:
+                name = f"{self._prefix}-cuda{device}"
+                pool = self._pools[device] = cuda_ipc.CudaPool(name, _POOL_BYTES, device=device)
+            record = pool.export(tensor, timeout=0)
+        except cuda_ipc.PoolFull:
+            return None  # the receivers hold the pool: this tensor goes through the host
+        except TransportError as exc:  # no usable CUDA IPC here (driver, platform)
+            log.warning("CUDA IPC unavailable, tensors go through the host: %s", exc)
+            self._disabled = True
+            return None
+        stats["ipc_sent"] += 1
+        return record.to_bytes()
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+
+class _Lane:
+    """CUDA IPC towards one receiver: only for tensors on a GPU the receiver uses."""
+
+    def __init__(self, exporter: CudaExporter, devices: Iterable[int]) -> None:
+        self._exporter = exporter
+        self._devices = frozenset(devices)
+
+    def export(self, tensor: Any) -> bytes | None:
+        if tensor.device.index not in self._devices:
+            return None
+        return self._exporter.export(tensor)
+
+
+_receivers: dict[int, Any] = {}
+
+
+def open_tensor(record: bytes, device: int) -> Any:
+    """The receiver side: a tensor of our own with the record's contents (codec calls it)."""
+    from omni_transport import cuda_ipc
+
+    receiver = _receivers.get(device)
+    if receiver is None:
+        receiver = _receivers[device] = cuda_ipc.CudaReceiver(device=device)
+    rec = cuda_ipc.TensorRecord.from_bytes(record)
+    view = receiver.open(rec)
+    tensor = view.clone()  # queued after the wait on the sender's event
+    receiver.release(rec)  # waits for the clone, then hands the block back
+    stats["ipc_received"] += 1
+    return tensor
+
+
+def close_receivers() -> None:
+    for receiver in _receivers.values():
+        receiver.close()
+    _receivers.clear()

@@ -1,0 +1,208 @@
+"""A stage host: the stages of one process instance, on one asyncio loop.
+
+The host turns each incoming message into a call on the stage it names, sends each outgoing
+message either to a stage it hosts (a direct call: the object itself is passed) or through its
+`Links` to another instance or the coordinator, and remembers aborted requests so that their
+late messages are dropped. It never looks at how a link moves bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
+
+from omni_server.backend import StageConfigError, StageContext
+from omni_server.repository.plan import Plan, StageSpec
+from omni_server.scheduling import StageCalls
+
+from .loader import load_backend
+from .messages import (
+    Abort,
+    CoordinatorMessage,
+    Deliver,
+    Envelope,
+    HostMessage,
+    Shutdown,
+    StreamChunk,
+    StreamEnd,
+)
+from .stage import StageRunner
+from .topology import Topology
+
+log = logging.getLogger(__name__)
+
+_ABORT_MEMORY = 65536  # aborted keys remembered to drop late messages (oldest forgotten first)
+
+
+class Links(Protocol):
+    """Where a host's messages go when they leave it. Both calls never block and keep order."""
+
+    def to_instance(self, index: int, message: HostMessage) -> None: ...
+
+    def to_coordinator(self, message: CoordinatorMessage) -> None: ...
+
+
+class StageStartError(Exception):
+    """A stage could not start; the message names the stage."""
+
+
+CallsFactory = Callable[[StageSpec, Any], StageCalls]
+
+
+class StageHost:
+    def __init__(
+        self,
+        plan: Plan,
+        index: int,
+        links: Links,
+        *,
+        topology: Topology | None = None,
+        process_group: Any = None,
+        calls_factory: CallsFactory = StageCalls,
+    ) -> None:
+        self.plan = plan
+        self.index = index
+        self.instance = plan.instances[index]
+        self.links = links
+        self.topology = topology or Topology(plan)
+        self.stages: dict[str, StageRunner] = {}
+        self.shutdown_requested = asyncio.Event()
+        self._process_group = process_group
+        self._calls_factory = calls_factory
+        self._backends: dict[str, Any] = {}
+        self._executors: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._aborted: collections.OrderedDict[int, None] = collections.OrderedDict()
+
+    # ---- life cycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load and initialize every stage's backend, then start its scheduler."""
+        for name in self.instance.stages:
+            spec = self.plan.stages[name]
+            executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage-{name}")
+            self._executors[name] = executor
+            backend = await self._initialize(spec, executor)
+            runner = StageRunner(self, spec, self._calls_factory(spec, backend), executor)
+            self.stages[name] = runner
+            self.spawn(runner.scheduler.run())
+
+    async def _initialize(
+        self, spec: StageSpec, executor: concurrent.futures.ThreadPoolExecutor
+    ) -> Any:
+        device = self.instance.devices.get(spec.name)
+        context = StageContext(
+            stage=spec.name,
+            parameters=dict(spec.parameters),
+            device="cpu" if device is None else f"cuda:{device}",
+            repository=self.plan.repository,
+            stage_dir=spec.directory,
+            replica=self.instance.replica,
+            tp_rank=self.instance.tp_rank,
+            tp_size=self.instance.tp_size,
+            process_group=self._process_group,
+        )
+
+        def create() -> Any:
+            backend = load_backend(spec)
+            bind_thread_to_device(device)
+            backend.initialize(context)
+            return backend
+
+        loop = asyncio.get_running_loop()
+        try:
+            backend = await loop.run_in_executor(executor, create)
+        except StageConfigError as exc:
+            raise StageStartError(f"stage {spec.name}: {exc}") from exc
+        except Exception as exc:
+            raise StageStartError(
+                f"stage {spec.name}: initialize failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        self._backends[spec.name] = backend
+        return backend
+
+    async def stop(self) -> None:
+        """Abort what is in flight, stop the schedulers, finalize the backends."""
+        for runner in self.stages.values():
+            for key in list(runner._admitted):
+                runner.abort(key)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        for name, runner in self.stages.items():
+            try:
+                await loop.run_in_executor(self._executors[name], runner.calls.finalize)
+            except Exception:
+                log.exception("stage %s: finalize failed", name)
+        self._backends.clear()
+        for executor in self._executors.values():
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # a bug in the host itself: this process can no longer be trusted
+            log.error("stage host %s: task failed", self.instance.name, exc_info=task.exception())
+            self.shutdown_requested.set()
+
+    # ---- messages ------------------------------------------------------------------------
+
+    def handle(self, message: HostMessage) -> None:
+        """Dispatch one incoming message (event-loop thread)."""
+        match message:
+            case Deliver():
+                if message.env.key not in self._aborted:
+                    self.stages[message.stage].on_deliver(message)
+            case StreamChunk():
+                if message.env.key not in self._aborted:
+                    self.stages[message.stage].on_chunk(message)
+            case StreamEnd():
+                if message.env.key not in self._aborted:
+                    self.stages[message.stage].on_stream_end(message)
+            case Abort():
+                for key in message.keys:
+                    self._remember_abort(key)
+                    for runner in self.stages.values():
+                        runner.abort(key)
+            case Shutdown():
+                self.shutdown_requested.set()
+            case _:
+                raise TypeError(f"stage host got an unknown message {type(message).__name__}")
+
+    def is_aborted(self, key: int) -> bool:
+        return key in self._aborted
+
+    def _remember_abort(self, key: int) -> None:
+        self._aborted[key] = None
+        if len(self._aborted) > _ABORT_MEMORY:
+            self._aborted.popitem(last=False)
+
+    def send(self, env: Envelope, stage: str, message: HostMessage) -> None:
+        """Send a message to `stage`, wherever this request's binding puts it."""
+        index = self.topology.host_of(stage, env.bindings)
+        if index == self.index:
+            self.handle(message)
+        else:
+            self.links.to_instance(index, message)
+
+    def to_coordinator(self, message: CoordinatorMessage) -> None:
+        self.links.to_coordinator(message)
+
+
+def bind_thread_to_device(device: int | None) -> None:
+    """Make `device` the current CUDA device of this thread (each stage has its own compute
+    thread, and torch's current device is per thread). Nothing for CPU stages or without torch."""
+    torch = sys.modules.get("torch")
+    if device is not None and torch is not None and torch.cuda.is_available():
+        torch.cuda.set_device(device)

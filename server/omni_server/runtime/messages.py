@@ -1,0 +1,128 @@
+"""Every message between the coordinator and the stage hosts, as plain dataclasses.
+
+One request's identity rides every message as an `Envelope`: its wire key (unique per runtime),
+the caller's id, and its replica binding. Messages are the same objects whether they are passed
+by reference (same process) or encoded by `codec` (another process).
+
+Direction and channel (channels.py):
+  coordinator -> host   Deliver (the entry payload)                        data (ring)
+  host -> host          Deliver, StreamChunk, StreamEnd                    data (or a direct call)
+  host -> coordinator   TerminalChunk, TerminalResult, Routed, StageFailed data (ring)
+  coordinator -> host   Abort, Shutdown                                    control (ZMQ)
+  host -> coordinator   Ready, StartFailed                                 control (ZMQ)
+Control never queues behind data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+Payload = dict[str, Any]
+# (stage, queue_seconds, compute_seconds) of every stage a request passed, carried downstream
+Timings = list[tuple[str, float, float]]
+
+
+@dataclass(slots=True)
+class Envelope:
+    key: int  # the request's wire identity, unique for the runtime's life
+    id: str  # the caller's request id (what backends see as Request.id)
+    # replicated logical process -> the replica chosen at admission; absent means replica 0
+    bindings: dict[str, int] = field(default_factory=dict)
+
+
+# ---- into stage hosts ------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Deliver:
+    """A full payload for `stage`, from `source` (an upstream stage, or "" for the caller)."""
+
+    env: Envelope
+    stage: str
+    source: str
+    payload: Payload
+    timings: Timings = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StreamChunk:
+    """One chunk along the stream edge `source` -> `stage`; `seq` counts from 0 per edge."""
+
+    env: Envelope
+    stage: str
+    source: str
+    seq: int
+    chunk: Payload
+
+
+@dataclass(slots=True)
+class StreamEnd:
+    """The end marker of the stream edge `source` -> `stage`: no chunk follows."""
+
+    env: Envelope
+    stage: str
+    source: str
+    timings: Timings = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Abort:
+    """Drop these requests everywhere in the receiving process (late messages included)."""
+
+    keys: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class Shutdown:
+    pass
+
+
+# ---- to the coordinator ----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Ready:
+    instance: str
+
+
+@dataclass(slots=True)
+class StartFailed:
+    instance: str
+    message: str
+
+
+@dataclass(slots=True)
+class TerminalChunk:
+    key: int
+    stage: str
+    seq: int
+    chunk: Payload
+
+
+@dataclass(slots=True)
+class TerminalResult:
+    key: int
+    stage: str
+    payload: Payload | None
+    timings: Timings
+
+
+@dataclass(slots=True)
+class Routed:
+    """A route method chose a strict subset of `next`: terminals beyond the rest are not coming."""
+
+    key: int
+    stage: str
+    targets: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class StageFailed:
+    key: int
+    stage: str
+    message: str  # "stage <name>: <what the backend raised>"
+
+
+HostMessage = Deliver | StreamChunk | StreamEnd | Abort | Shutdown
+CoordinatorMessage = Ready | StartFailed | TerminalChunk | TerminalResult | Routed | StageFailed

@@ -1,0 +1,223 @@
+"""One stage inside a stage host: inputs -> scheduler -> outputs.
+
+Inputs: payloads (one, or one per `wait_for` stage, merged by the backend's merge method) and
+chunks along stream_to edges. A request is admitted to the scheduler once its payload inputs
+are complete. A stage fed by stream_to edges is admitted at the first stream message (inputs
+empty) when every stage handing it a payload also streams to it: the chunks carry what it
+needs, and those payloads only close their edges (TTS: acoustic --stream_to + next--> encoder).
+Outputs: chunks go to every stream_to stage (and to the caller when terminal); at the end, the
+end markers go along the stream_to edges, then the final payload to the chosen `next` stages
+(and to the caller when terminal).
+
+Same-process receivers get the very payload object; when it goes to several receivers each gets
+its own shallow copy of the dict (isolated containers over shared, read-only values).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+from typing import TYPE_CHECKING, Any
+
+from omni_server.backend import Request, StageConfigError
+from omni_server.repository.plan import StageSpec
+from omni_server.scheduling import BackendContractError, StageCalls, WorkItem, make_scheduler
+
+from .messages import (
+    Deliver,
+    Envelope,
+    Payload,
+    Routed,
+    StageFailed,
+    StreamChunk,
+    StreamEnd,
+    TerminalChunk,
+    TerminalResult,
+    Timings,
+)
+from .streams import StreamInbox
+
+if TYPE_CHECKING:
+    from .host import StageHost
+
+log = logging.getLogger(__name__)
+
+
+_DONE_MEMORY = 4096
+
+
+class _FanIn:
+    def __init__(self) -> None:
+        self.payloads: dict[str, Payload] = {}
+        self.timings: Timings = []
+
+
+class StageRunner:
+    def __init__(
+        self,
+        host: StageHost,
+        spec: StageSpec,
+        calls: StageCalls,
+        executor: concurrent.futures.ThreadPoolExecutor,
+    ) -> None:
+        self.host = host
+        self.spec = spec
+        self.name = spec.name
+        self.calls = calls
+        self.executor = executor
+        self.scheduler = make_scheduler(spec.scheduler, calls, self, executor)
+        topo = host.topology
+        self._stream_sources = topo.stream_preds[spec.name]
+        # A stream_to target starts at its first stream message, unless it waits for payloads
+        # from stages that do not stream to it (then it starts when those are in).
+        self._starts_on_stream = (
+            bool(self._stream_sources)
+            and not spec.wait_for
+            and set(topo.next_preds[spec.name]) <= set(self._stream_sources)
+        )
+        self._fan_in: dict[int, _FanIn] = {}
+        self._inboxes: dict[int, StreamInbox] = {}
+        self._admitted: dict[int, WorkItem] = {}
+        self._seq: dict[int, int] = {}
+        # requests finished here, so a late stream message does not start them again
+        self._done: collections.OrderedDict[int, None] = collections.OrderedDict()
+
+    # ---- inputs (event-loop thread) --------------------------------------------------------
+
+    def on_deliver(self, msg: Deliver) -> None:
+        if self._starts_on_stream:
+            # The payload of a stage that also streams here: the request started at the first
+            # chunk, which carried what this stage needs; the payload only closes the edge.
+            return
+        if not self.spec.wait_for:
+            self._admit(msg.env, msg.payload, msg.timings)
+            return
+        fan_in = self._fan_in.setdefault(msg.env.key, _FanIn())
+        fan_in.payloads[msg.source] = msg.payload
+        fan_in.timings.extend(msg.timings)
+        if all(s in fan_in.payloads for s in self.spec.wait_for):
+            del self._fan_in[msg.env.key]
+            self.host.spawn(self._merge(msg.env, fan_in))
+
+    async def _merge(self, env: Envelope, fan_in: _FanIn) -> None:
+        request = Request(id=env.id, inputs={})
+        loop = asyncio.get_running_loop()
+        try:
+            merged = await loop.run_in_executor(
+                self.executor, self.calls.merge, request, fan_in.payloads
+            )
+        except Exception as exc:  # noqa: BLE001 - the merge method raised: fail this request
+            self._report_failure(env.key, exc)
+            return
+        if self.host.is_aborted(env.key):
+            return
+        self._admit(env, merged, fan_in.timings)
+
+    def on_chunk(self, msg: StreamChunk) -> None:
+        if msg.env.key in self._done:
+            return
+        inbox = self._inbox(msg.env)
+        inbox.put(msg.chunk)
+        if self._starts_on_stream and msg.env.key not in self._admitted:
+            self._admit(msg.env, {}, [])
+        self.scheduler.wake()
+
+    def on_stream_end(self, msg: StreamEnd) -> None:
+        if msg.env.key in self._done:
+            return
+        self._inbox(msg.env).end(msg.source, msg.timings)
+        if self._starts_on_stream and msg.env.key not in self._admitted:
+            self._admit(msg.env, {}, [])
+        self.scheduler.wake()
+
+    def _inbox(self, env: Envelope) -> StreamInbox:
+        inbox = self._inboxes.get(env.key)
+        if inbox is None:
+            inbox = self._inboxes[env.key] = StreamInbox(env.id, self._stream_sources)
+        return inbox
+
+    def _admit(self, env: Envelope, inputs: Payload, timings: Timings) -> None:
+        inbox = self._inbox(env) if self._stream_sources else None
+        request = Request(id=env.id, inputs=inputs, _stream=iter(inbox) if inbox else None)
+        item = WorkItem(env=env, request=request, timings=timings, stream=inbox)
+        self._admitted[env.key] = item
+        self.scheduler.admit(item)
+
+    def abort(self, key: int) -> None:
+        self._fan_in.pop(key, None)
+        self._seq.pop(key, None)
+        item = self._admitted.pop(key, None)
+        if item is not None:
+            item.request._aborted.set()
+            self.scheduler.abort(key)
+        inbox = self._inboxes.pop(key, None)
+        if inbox is not None:
+            inbox.abort()
+
+    # ---- outcomes (StageCallbacks, event-loop thread) --------------------------------------
+
+    def chunk(self, item: WorkItem, chunk: Payload) -> None:
+        seq = self._seq.get(item.key, 0)
+        self._seq[item.key] = seq + 1
+        env, spec = item.env, self.spec
+        copies = _isolated(chunk, len(spec.stream_to) + spec.terminal)
+        for dst in spec.stream_to:
+            self.host.send(env, dst, StreamChunk(env, dst, self.name, seq, next(copies)))
+        if spec.terminal:
+            self.host.to_coordinator(TerminalChunk(item.key, self.name, seq, next(copies)))
+
+    def complete(self, item: WorkItem, payload: Payload | None, targets: tuple[str, ...]) -> None:
+        key, env, spec = item.key, item.env, self.spec
+        self._forget(key)
+        inbox = self._inboxes.pop(key, None)
+        timings = [*item.timings, *(inbox.timings if inbox else ()), self._timing(item)]
+        if spec.route is not None and set(targets) != set(spec.next):
+            self.host.to_coordinator(Routed(key, self.name, targets))
+        for dst in spec.stream_to:
+            self.host.send(env, dst, StreamEnd(env, dst, self.name, timings))
+        copies = _isolated(payload, len(targets) + spec.terminal)
+        if spec.terminal:
+            self.host.to_coordinator(TerminalResult(key, self.name, next(copies), timings))
+        for dst in targets:
+            self.host.send(env, dst, Deliver(env, dst, self.name, next(copies), timings))
+
+    def _forget(self, key: int) -> None:
+        self._admitted.pop(key, None)
+        self._seq.pop(key, None)
+        self._done[key] = None
+        if len(self._done) > _DONE_MEMORY:
+            self._done.popitem(last=False)
+
+    def fail(self, item: WorkItem, error: BaseException) -> None:
+        self.abort(item.key)
+        self._report_failure(item.key, error)
+
+    def _report_failure(self, key: int, error: BaseException) -> None:
+        message = describe(error)
+        log.warning("stage %s failed request %d: %s", self.name, key, message, exc_info=error)
+        self.host.to_coordinator(StageFailed(key, self.name, f"stage {self.name}: {message}"))
+
+    def _timing(self, item: WorkItem) -> tuple[str, float, float]:
+        return (self.name, item.queue_s, item.compute_s)
+
+
+def _isolated(payload: Any, receivers: int) -> Any:
+    """Yield the payload once per receiver: itself for one, a shallow dict copy for each of many."""
+    if receivers <= 1 or not isinstance(payload, dict):
+        while True:
+            yield payload
+    while True:
+        yield dict(payload)
+
+
+_PLAIN = (Exception, RuntimeError, ValueError, BackendContractError, StageConfigError)
+
+
+def describe(error: BaseException) -> str:
+    """What went wrong, for the caller: the message, prefixed by the type unless it is generic."""
+    text = str(error)
+    if type(error) in _PLAIN and text:
+        return text
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

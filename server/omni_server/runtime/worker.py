@@ -1,0 +1,191 @@
+"""A stage process: `python -m omni_server.runtime.worker RUN_DIR RUN_ID INDEX PARENT_PID [PORT]`.
+
+Hosts the stages of plan instance INDEX (the plan is pickled in RUN_DIR/plan.pkl). It dies with
+its parent (PR_SET_PDEATHSIG), reports Ready or StartFailed to the coordinator, then serves
+until Shutdown (or SIGTERM). A TP rank other than 0 hosts no stage: it mirrors rank 0's calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from omni_server.repository.plan import Plan
+
+from . import codec
+from .channels import COORDINATOR, Endpoint
+from .host import StageHost, StageStartError, bind_thread_to_device
+from .messages import CoordinatorMessage, HostMessage, Ready, Shutdown, StartFailed
+from .topology import Topology
+
+log = logging.getLogger("omni_server.worker")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before the prctl took effect
+        os._exit(1)
+
+
+class _WorkerLinks:
+    def __init__(self, endpoint: Endpoint) -> None:
+        self._endpoint = endpoint
+
+    def to_instance(self, index: int, message: HostMessage) -> None:
+        self._endpoint.send_data(str(index), message)
+
+    def to_coordinator(self, message: CoordinatorMessage) -> None:
+        self._endpoint.send_data(COORDINATOR, message)
+
+
+async def serve(plan: Plan, run_dir: Path, run_id: str, index: int, port: int | None) -> int:
+    instance = plan.instances[index]
+    topology = Topology(plan)
+    peer_devices = {
+        str(n): frozenset(d for d in inst.devices.values() if d is not None)
+        for n, inst in enumerate(plan.instances)
+        if n != index
+    }
+    endpoint = Endpoint(run_dir, run_id, str(index), _ring_capacity(), peer_devices)
+    codec.set_local_devices(frozenset(d for d in instance.devices.values() if d is not None))
+    senders = [str(i) for i in sorted(topology.senders_to(index))]
+    if topology.takes_entries(index):
+        senders.append(COORDINATOR)
+    endpoint.create_inbound(senders)
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    try:
+        if instance.tp_rank > 0:
+            return await _serve_tp_peer(plan, index, endpoint, stop, port)
+        group = control = None
+        calls_factory: Any = None
+        if instance.tp_size > 1:
+            group, control = await _join_tp(plan, index, port)
+            from .tp import TPLeaderCalls
+
+            def calls_factory(spec: Any, backend: Any) -> Any:
+                return TPLeaderCalls(spec, backend, control)
+
+        kwargs = {"calls_factory": calls_factory} if calls_factory else {}
+        host = StageHost(
+            plan, index, _WorkerLinks(endpoint), topology=topology, process_group=group, **kwargs
+        )
+        try:
+            await host.start()
+        except StageStartError as exc:
+            endpoint.send_control(COORDINATOR, StartFailed(instance.name, str(exc)))
+            await asyncio.sleep(0.1)  # let ZMQ hand the message over before we exit
+            return 1
+        endpoint.start_receiving(host.handle, lambda _: host.shutdown_requested.set())
+        endpoint.send_control(COORDINATOR, Ready(instance.name))
+        waiters = [asyncio.ensure_future(e.wait()) for e in (stop, host.shutdown_requested)]
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for w in waiters:
+            w.cancel()
+        await host.stop()
+        await endpoint.flush()
+        return 0
+    finally:
+        await endpoint.close()
+
+
+async def _join_tp(plan: Plan, index: int, port: int | None) -> tuple[Any, Any]:
+    from .tp import init_process_group
+
+    instance = plan.instances[index]
+    assert port is not None, "a TP instance needs a rendezvous port"
+    (stage,) = instance.stages  # a TP stage owns its process
+    return await asyncio.to_thread(
+        init_process_group, instance.tp_rank, instance.tp_size, port, instance.devices[stage]
+    )
+
+
+async def _serve_tp_peer(
+    plan: Plan, index: int, endpoint: Endpoint, stop: asyncio.Event, port: int | None
+) -> int:
+    from omni_server.scheduling import StageCalls
+
+    from .tp import follow
+
+    instance = plan.instances[index]
+    group, control = await _join_tp(plan, index, port)
+    host = StageHost(plan, index, _WorkerLinks(endpoint), process_group=group)
+    (stage,) = instance.stages
+    try:
+        backend = await host._initialize(plan.stages[stage], host_executor(host, stage))
+    except StageStartError as exc:
+        endpoint.send_control(COORDINATOR, StartFailed(instance.name, str(exc)))
+        await asyncio.sleep(0.1)
+        return 1
+    calls = StageCalls(plan.stages[stage], backend)
+    done = asyncio.get_running_loop().create_future()
+
+    def run() -> None:
+        try:
+            bind_thread_to_device(instance.devices[stage])
+            follow(calls, control)
+        finally:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+    loop = asyncio.get_running_loop()
+    threading.Thread(target=run, name=f"tp-peer-{stage}", daemon=True).start()
+
+    def on_message(message: Any) -> None:
+        if isinstance(message, Shutdown):
+            stop.set()
+
+    endpoint.start_receiving(on_message, lambda _: stop.set())
+    endpoint.send_control(COORDINATOR, Ready(instance.name))
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([done, stopper], return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if not done.done():  # told to stop: give the leader's finalize a moment to reach us
+        await asyncio.wait([done], timeout=2.0)
+    return 0
+
+
+def host_executor(host: StageHost, stage: str) -> Any:
+    import concurrent.futures
+
+    executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage-{stage}")
+    host._executors[stage] = executor
+    return executor
+
+
+def _ring_capacity() -> int:
+    return int(os.environ.get("OMNI_RING_CAPACITY", str(8 << 20)))
+
+
+def main(argv: list[str]) -> int:
+    run_dir, run_id, index, parent = Path(argv[0]), argv[1], int(argv[2]), int(argv[3])
+    port = int(argv[4]) if len(argv) > 4 and argv[4] else None
+    die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops us
+    with open(run_dir / "plan.pkl", "rb") as f:
+        plan: Plan = pickle.load(f)
+    name = plan.instances[index].name
+    logging.basicConfig(
+        level=os.environ.get("OMNI_LOG_LEVEL", "WARNING"),
+        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
+    )
+    code = asyncio.run(serve(plan, run_dir, run_id, index, port))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # a TP peer thread may still sit in a collective: do not wait for it
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,42 @@
+"""Scheduling: turns a stage's admitted requests into backend calls (single, batch, stream)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+from omni_server.repository.plan import SchedulerKind, SchedulerSpec
+
+from .base import Scheduler, StageCallbacks, WorkItem
+from .batch import BatchScheduler
+from .calls import BackendContractError, StageCalls
+from .stream import StreamScheduler
+
+__all__ = [
+    "BackendContractError",
+    "BatchScheduler",
+    "Scheduler",
+    "StageCallbacks",
+    "StageCalls",
+    "StreamScheduler",
+    "WorkItem",
+    "make_scheduler",
+]
+
+
+def make_scheduler(
+    spec: SchedulerSpec,
+    calls: StageCalls,
+    callbacks: StageCallbacks,
+    executor: concurrent.futures.ThreadPoolExecutor,
+) -> Scheduler:
+    if spec.kind is SchedulerKind.STREAM:
+        return StreamScheduler(calls, callbacks, executor)
+    if spec.kind is SchedulerKind.BATCH:
+        return BatchScheduler(
+            calls,
+            callbacks,
+            executor,
+            max_batch_size=spec.max_batch_size,
+            max_queue_delay_ms=spec.max_queue_delay_ms,
+        )
+    return BatchScheduler(calls, callbacks, executor)

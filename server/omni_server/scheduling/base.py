@@ -1,0 +1,120 @@
+"""The scheduler interface: how one stage's admitted requests become backend calls.
+
+A stage host owns one scheduler per stage. The host admits requests (inputs complete), aborts
+them, and wakes the scheduler when stream input arrives; the scheduler decides what runs next,
+runs backend calls through `StageCalls` on the stage's single compute thread, and reports every
+outcome through `StageCallbacks` on the event loop. Nothing here knows about transports or
+processes, so a continuous-batching step loop for autoregressive stages is one more subclass:
+admit() feeds its waiting queue, run() alternates schedule -> step -> postprocess, and chunk() /
+complete() report tokens as they come.
+
+Invariants:
+- admit / abort / wake and every callback run on the event-loop thread;
+- every backend call of one stage runs on that stage's one compute thread, one at a time
+  (backends need no locks, and TP ranks see the same call order);
+- every admitted request ends in exactly one complete() or fail(), unless it is aborted first,
+  after which no callback mentions it.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from omni_server.backend import Request
+from omni_server.runtime.messages import Envelope, Payload, Timings
+
+from .calls import StageCalls
+
+T = TypeVar("T")
+
+
+class StreamInput(Protocol):
+    @property
+    def ready(self) -> bool:
+        """A chunk (or the end marker) is waiting: a step reading the stream will not block."""
+        ...
+
+
+@dataclass(eq=False)
+class WorkItem:
+    """One admitted request at one stage."""
+
+    env: Envelope
+    request: Request
+    timings: Timings  # of the stages upstream
+    stream: StreamInput | None = None  # chunks along stream_to edges into this stage
+    admitted_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None
+    compute_s: float = 0.0
+
+    @property
+    def key(self) -> int:
+        return self.env.key
+
+    @property
+    def runnable(self) -> bool:
+        return self.stream is None or self.stream.ready
+
+    def started(self, now: float) -> None:
+        if self.started_at is None:
+            self.started_at = now
+
+    @property
+    def queue_s(self) -> float:
+        return (self.started_at or self.admitted_at) - self.admitted_at
+
+
+class StageCallbacks(Protocol):
+    """Outcomes, reported on the event-loop thread."""
+
+    def chunk(self, item: WorkItem, chunk: Payload) -> None: ...
+
+    def complete(self, item: WorkItem, payload: Payload | None, targets: tuple[str, ...]) -> None:
+        """The request is done here; `targets` are the `next` stages its payload goes to."""
+
+    def fail(self, item: WorkItem, error: BaseException) -> None: ...
+
+
+class Scheduler(abc.ABC):
+    def __init__(
+        self,
+        calls: StageCalls,
+        callbacks: StageCallbacks,
+        executor: concurrent.futures.ThreadPoolExecutor,
+    ) -> None:
+        self.calls = calls
+        self.callbacks = callbacks
+        self._executor = executor
+        self._wakeup = asyncio.Event()
+
+    @abc.abstractmethod
+    def admit(self, item: WorkItem) -> None:
+        """Queue a request whose inputs are complete."""
+
+    @abc.abstractmethod
+    def abort(self, key: int) -> None:
+        """Forget a request: it is not run again and no callback mentions it any more.
+
+        The host has already set the request's abort flag, so a running call sees it.
+        """
+
+    @abc.abstractmethod
+    async def run(self) -> None:
+        """The scheduling loop; runs until cancelled."""
+
+    def wake(self) -> None:
+        """Stream input arrived for an admitted request."""
+        self._wakeup.set()
+
+    async def _compute(self, fn: Callable[..., T], *args: Any) -> tuple[T, float, float]:
+        """Run one backend call on the stage's compute thread: (result, start, seconds)."""
+        loop = asyncio.get_running_loop()
+        start = time.monotonic()
+        result = await loop.run_in_executor(self._executor, fn, *args)
+        return result, start, time.monotonic() - start

@@ -1,0 +1,107 @@
+"""Backend calls as the schedulers make them, with the backend contract checked.
+
+Every method runs on the stage's compute thread. Backend exceptions propagate to the scheduler,
+which fails the request they belong to; contract violations (a wrong number of outputs, a
+non-dict payload, a route naming an undeclared stage) raise `BackendContractError` naming
+the stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from omni_server.backend import Request
+from omni_server.repository.plan import StageSpec
+
+Payload = dict[str, Any]
+# execute() outcome per request: (payload, next targets) or the exception that failed it
+Outcome = tuple[Payload | None, tuple[str, ...]] | BaseException
+
+
+class BackendContractError(RuntimeError):
+    """The backend broke the stage-author contract (docs/backends.md)."""
+
+
+class StageCalls:
+    def __init__(self, spec: StageSpec, backend: Any) -> None:
+        self.spec = spec
+        self.backend = backend
+        self._route = getattr(backend, spec.route) if spec.route else None
+        self._merge = getattr(backend, spec.merge) if spec.merge else None
+
+    def execute(self, requests: list[Request]) -> list[Outcome]:
+        outputs = self.backend.execute(requests)
+        if not isinstance(outputs, list | tuple) or len(outputs) != len(requests):
+            got = len(outputs) if isinstance(outputs, list | tuple) else type(outputs).__name__
+            raise BackendContractError(
+                f"execute() must return a list with one output per request: "
+                f"{len(requests)} requests, got {got}"
+            )
+        outcomes: list[Outcome] = []
+        for request, output in zip(requests, outputs, strict=True):
+            if isinstance(output, BaseException):
+                outcomes.append(output)
+                continue
+            try:
+                payload = self._check_payload(output, "execute() output")
+                outcomes.append((payload, self.targets(request, payload)))
+            except Exception as exc:  # noqa: BLE001 - a bad output or route fails its request only
+                outcomes.append(exc)
+        return outcomes
+
+    def generate(self, request: Request) -> Iterator[Payload]:
+        return self.backend.generate(request)
+
+    def step(self, request: Request, generator: Iterator[Payload]) -> Any:
+        """Advance one request's generator by one chunk.
+
+        Returns ("chunk", chunk) or ("done", payload, targets); the backend's exceptions propagate.
+        """
+        try:
+            chunk = next(generator)
+        except StopIteration as stop:
+            payload = None if stop.value is None else self._check_payload(stop.value, "return")
+            return ("done", payload, self.targets(request, payload))
+        return ("chunk", self._check_payload(chunk, "chunk"))
+
+    def close(self, request: Request, generator: Iterator[Payload]) -> None:
+        close = getattr(generator, "close", None)
+        if close is not None:
+            close()
+
+    def finalize(self) -> None:
+        finalize = getattr(self.backend, "finalize", None)
+        if finalize is not None:
+            finalize()
+
+    def merge(self, request: Request, inputs: dict[str, Payload]) -> Payload:
+        assert self._merge is not None
+        return self._check_payload(self._merge(request, inputs), f"{self.spec.merge}()")
+
+    def targets(self, request: Request, payload: Payload | None) -> tuple[str, ...]:
+        """The `next` stages this request's payload goes to."""
+        spec = self.spec
+        if not spec.next:
+            return ()
+        if payload is None:
+            raise BackendContractError(
+                f"returned no payload, but the stage hands one to {', '.join(spec.next)}"
+            )
+        if self._route is None:
+            return spec.next
+        chosen = self._route(request, payload)
+        targets = (chosen,) if isinstance(chosen, str) else tuple(chosen)
+        unknown = [t for t in targets if t not in spec.next]
+        if unknown:
+            raise BackendContractError(
+                f"{spec.route}() chose {', '.join(map(repr, unknown))}, "
+                f"not among next = {list(spec.next)}"
+            )
+        return targets
+
+    @staticmethod
+    def _check_payload(value: Any, what: str) -> Payload:
+        if not isinstance(value, dict):
+            raise BackendContractError(f"{what} must be a dict, got {type(value).__name__}")
+        return value

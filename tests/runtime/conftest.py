@@ -1,0 +1,42 @@
+"""Runtime test helpers: start a runtime for a test and prove that stopping it leaves nothing."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from omni_server.repository.plan import Plan
+from omni_server.runtime import Runtime
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def segments(run_id: str) -> list[str]:
+    return sorted(p for p in os.listdir("/dev/shm") if p.startswith(f"omni-{run_id}-"))
+
+
+@contextlib.asynccontextmanager
+async def running(plan: Plan, **kwargs) -> AsyncIterator[Runtime]:
+    """A started runtime; on exit it is stopped and checked for leaks (processes, segments,
+    run directory)."""
+    runtime = Runtime(plan, **kwargs)
+    await runtime.start()
+    pids = list(runtime.processes().values())
+    group = runtime._group
+    try:
+        yield runtime
+    finally:
+        await runtime.stop()
+        await runtime.stop()  # idempotent
+        assert not [p for p in pids if alive(p)], "stage processes outlived stop()"
+        if group is not None:
+            assert segments(group.run_id) == [], "shared-memory segments outlived stop()"
+            assert not group.run_dir.exists(), "run directory outlived stop()"

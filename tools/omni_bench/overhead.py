@@ -1,0 +1,146 @@
+"""Runtime overhead: an empty 3-stage pipeline (a -> b -> c, backends return their inputs), so
+everything measured is the framework: admission, scheduling, compute-thread hand-offs, transport
+between stages, and the coordinator.
+
+    omni-bench overhead [--requests 2000] [--concurrency 1,2,4,8,16,32,64] [--payload-kib 0]
+                        [--layouts inline,one-process,split] [--scheduler single|batch]
+
+Layouts: `inline` (stage hosts on the caller's loop, objects passed), `one-process` (all three
+stages in one stage process: objects passed between them, the ring to and from the coordinator),
+`split` (one process per stage: every hop crosses a shared-memory ring). Closed loop: `c`
+clients each submit their next request when the previous one completes. Prints requests/s and
+latency per level; at c=1 the mean latency is the framework's cost of one request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from omni_server.repository.compiler import compile_repository
+from omni_server.repository.plan import Plan
+from omni_server.runtime import Runtime
+
+LAYOUTS = {
+    "inline": ("p", "p", "p"),
+    "one-process": ("p", "p", "p"),
+    "split": ("a", "b", "c"),
+}
+
+BACKEND = """\
+from omni_server.backend import StageBackend
+
+
+class Empty(StageBackend):
+    def execute(self, requests):
+        return [r.inputs for r in requests]
+"""
+
+
+def empty_pipeline(root: Path, layout: str, scheduler: str) -> Plan:
+    procs = LAYOUTS[layout]
+    wiring = ['next = "b"', 'next = "c"', "terminal = true"]
+    sched = {
+        "single": "",
+        "batch": '[scheduler]\nkind = "batch"\nmax_batch_size = 64\nmax_queue_delay_ms = 0\n',
+    }[scheduler]
+    for name, process, wire in zip("abc", procs, wiring, strict=True):
+        folder = root / name
+        folder.mkdir(parents=True)
+        toml = f'backend = "model.py:Empty"\nprocess = "{process}"\n{wire}\n{sched}'
+        (folder / "stage.toml").write_text(toml)
+        (folder / "model.py").write_text(BACKEND)
+    (root / "repository.toml").write_text('[models.empty]\nentry = "a"\ntasks = ["speech"]\n')
+    return compile_repository(root)
+
+
+async def measure(runtime: Runtime, concurrency: int, requests: int, payload: dict) -> dict:
+    model = runtime.plan.models["empty"]
+    latencies: list[float] = []
+    remaining = requests
+
+    async def client() -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            start = time.perf_counter()
+            await runtime.submit(model, payload).result()
+            latencies.append(time.perf_counter() - start)
+
+    # warm-up: first messages attach rings, first calls start threads
+    await asyncio.gather(*(runtime.submit(model, payload).result() for _ in range(32)))
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - start
+    latencies.sort()
+    return {
+        "concurrency": concurrency,
+        "rps": len(latencies) / elapsed,
+        "mean_ms": statistics.fmean(latencies) * 1000,
+        "p50_ms": latencies[len(latencies) // 2] * 1000,
+        "p99_ms": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1000,
+    }
+
+
+async def run(args: argparse.Namespace) -> list[tuple[str, dict]]:
+    payload: dict = {"text": "hello"}
+    if args.payload_kib:
+        payload["array"] = np.zeros(args.payload_kib * 256, dtype=np.float32)
+    rows = []
+    for layout in args.layouts:
+        with tempfile.TemporaryDirectory(prefix="omni-overhead-") as tmp:
+            plan = empty_pipeline(Path(tmp), layout, args.scheduler)
+            runtime = Runtime(plan, inline=layout == "inline")
+            await runtime.start()
+            try:
+                for c in args.concurrency:
+                    row = await measure(runtime, c, args.requests, payload)
+                    rows.append((layout, row))
+                    print(_line(layout, row), flush=True)
+            finally:
+                await runtime.stop()
+    return rows
+
+
+def _line(layout: str, row: dict) -> str:
+    return (
+        f"| {layout:<11} | {row['concurrency']:>3} | {row['rps']:>8.0f} | {row['mean_ms']:>7.2f} "
+        f"| {row['p50_ms']:>7.2f} | {row['p99_ms']:>7.2f} |"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omni-bench overhead", description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=2000, help="requests per level")
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32,64")
+    parser.add_argument("--payload-kib", type=int, default=0, help="float32 array per request")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--scheduler", choices=("single", "batch"), default="single")
+    args = parser.parse_args(argv)
+    try:
+        args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        parser.error(f"--concurrency: a comma-separated list of integers, got {args.concurrency!r}")
+    args.layouts = args.layouts.split(",")
+    unknown = [x for x in args.layouts if x not in LAYOUTS]
+    if unknown:
+        parser.error(f"--layouts: unknown {', '.join(unknown)}; valid: {', '.join(LAYOUTS)}")
+    payload = f"{args.payload_kib} KiB array" if args.payload_kib else "a small dict"
+    print(
+        f"empty 3-stage pipeline, scheduler {args.scheduler}, payload {payload}, "
+        f"{args.requests} requests per level"
+    )
+    print("| layout      |   c |    req/s | mean ms |  p50 ms |  p99 ms |")
+    print("|-------------|----:|---------:|--------:|--------:|--------:|")
+    asyncio.run(run(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
