@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from omni_client import OmniClient
 
+from omni_client import OmniClient
 from tests.clients.audio import decode
 from tests.clients.conftest import SENTENCES
 

@@ -6,6 +6,7 @@ import asyncio
 
 import numpy as np
 import pytest
+
 from omni_client import (
     APIError,
     AsyncOmniClient,
@@ -14,7 +15,6 @@ from omni_client import (
     OmniTimeoutError,
     OmniUsageError,
 )
-
 from tests.clients.audio import decode, pcm_samples
 from tests.clients.conftest import SENTENCES
 from tests.clients.recording_server import RecordingServer

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from omni_client import OmniClient
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,10 +10,10 @@ import types
 from pathlib import Path
 
 import pytest
+
 from omni_server.cli import main
 from omni_server.repository.compiler import compile_repository
 from omni_server.repository.render import config_dict
-
 from tests.helpers.repo import make_repo
 
 

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from omni_server.cli import main
 from omni_server.repository.schema import (
     ENGINE_FIELDS,

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
 from omni_server.repository.compiler import compile_repository
 from omni_server.repository.errors import RepositoryError
-
 from tests.helpers.repo import make_repo
 
 FRONTEND = 'backend = "Frontend"\nnext = "synth"\n'
@@ -91,6 +91,7 @@ ACCEPTED = [
             "synth": SYNTH.replace("[scheduler]", 'process = "pipeline"\n[scheduler]'),
         },
     ),
+    Case("tp-on-cpu-ranks", stages={"encoder": ENCODER + "tp_size = 2\n"}),
     Case(
         "tp-stage-owns-process", stages={"encoder": gpu_stage("E", "gpu = [0, 1]\ntp_size = 2\n")}
     ),
@@ -464,11 +465,6 @@ REJECTED = [
         "tp-gpu-count",
         stages={"encoder": gpu_stage("E", "gpu = [0, 1, 2]\ntp_size = 2\n")},
         error=("stage.toml", "encoder", "gpu", "3 GPU ids for tp_size = 2"),
-    ),
-    Case(
-        "tp-without-gpu",
-        stages={"encoder": ENCODER + "tp_size = 2\n"},
-        error=("stage.toml", "encoder", "tp_size", "needs gpu"),
     ),
     Case(
         "tp-ranks-share-gpu",

@@ -11,7 +11,6 @@ from pathlib import Path
 
 from omni_server.repository.compiler import compile_repository
 from omni_server.repository.plan import Plan
-
 from tests.helpers.repo import make_repo
 
 # One file for every test stage: each stage.toml picks its class.

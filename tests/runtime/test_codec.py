@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
 from omni_server.runtime.codec import decode, encode
 from omni_server.runtime.messages import Deliver, Envelope
 

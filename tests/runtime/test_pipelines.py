@@ -7,8 +7,8 @@ import collections
 
 import numpy as np
 import pytest
-from omni_server.runtime import PipelineError
 
+from omni_server.runtime import PipelineError
 from tests.runtime.conftest import running
 from tests.runtime.pipelines import _stage, build, chain, stream
 

@@ -8,8 +8,8 @@ import signal
 import time
 
 import pytest
-from omni_server.runtime import PipelineError
 
+from omni_server.runtime import PipelineError
 from tests.runtime.conftest import running
 from tests.runtime.pipelines import chain
 

@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 import torch
-from omni_server.repository.plan import Plan
 
+from omni_server.repository.plan import Plan
 from tests.runtime.conftest import running
 from tests.runtime.pipelines import _stage, build
 

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from omni_server.repository.compiler import compile_repository
 from omni_server.repository.plan import Plan
 from omni_server.runtime import Runtime

@@ -57,9 +57,8 @@ def parse_stage(rs: RawStage) -> StageSpec:
     gpu = _names_or_ints(data.get("gpu"))
     if "gpu" in data and not gpu:
         raise fail("gpu", "gpu = [] names no GPU; drop the field for a CPU stage")
+    # Without `gpu` a TP stage runs its ranks on the CPU (torch.distributed over gloo).
     tp_size = data.get("tp_size", 1)
-    if tp_size > 1 and not gpu:
-        raise fail("tp_size", f"tp_size = {tp_size} needs gpu = [{tp_size} GPU ids], one per rank")
     if gpu and len(gpu) != tp_size:
         raise fail(
             "gpu",

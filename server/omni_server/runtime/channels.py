@@ -23,6 +23,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+
 from omni_transport import RecordTooLarge, Ring, RingClosed, RingFull
 
 from .codec import decode, encode

@@ -27,9 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omni_transport import unlink_leftovers
-
 from omni_server.repository.plan import Plan
+from omni_transport import unlink_leftovers
 
 from .channels import COORDINATOR, Endpoint
 from .errors import PipelineError

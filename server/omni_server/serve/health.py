@@ -1,0 +1,37 @@
+"""Health probes: `/health/live` (the HTTP server answers), `/health/ready` (requests can be
+served), `/health` (both, with the detail an operator reads). Not ready or unhealthy is a 503
+with OpenAI's error JSON, so load balancers and humans read the same answer."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from omni_server.serve.errors import error_response
+from omni_server.serve.state import STATE
+
+
+async def live(request: web.Request) -> web.Response:
+    return web.json_response({"status": "live"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    runtime = request.app[STATE].runtime
+    if not runtime.ready:
+        return error_response(503, "the pipeline is not ready", code="not_ready")
+    if not runtime.healthy:
+        return error_response(503, "the pipeline is unhealthy", code="unavailable")
+    return web.json_response({"status": "ready"})
+
+
+async def health(request: web.Request) -> web.Response:
+    """`ready`: the runtime has started; `healthy`: ready and no stage process has died."""
+    state = request.app[STATE]
+    is_ready, healthy = bool(state.runtime.ready), bool(state.runtime.healthy)
+    status = "ok" if healthy else ("unhealthy" if is_ready else "not_ready")
+    body = {
+        "status": status,
+        "ready": is_ready,
+        "healthy": healthy,
+        "models": list(state.plan.models),
+    }
+    return web.json_response(body, status=200 if healthy else 503)

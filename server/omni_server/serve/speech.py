@@ -1,0 +1,190 @@
+"""`POST /v1/audio/speech`: text in, audio out, whole or streamed as each sentence is ready.
+
+Three ways to answer (the request's `stream_format`):
+  absent   one response with a Content-Length once all audio is ready
+  "audio"  the body's bytes, chunked, as the pipeline's terminal stage emits them
+  "sse"    `speech.audio.delta` events (base64 of the same bytes), then `speech.audio.done`
+
+Streams are prepared lazily at the first chunk, so a pipeline that fails before any audio still
+gets a 500 with the stage's message. A stream that fails later is cut (the connection closed,
+no final chunk, no `speech.audio.done`): a client must never take a truncated stream for a
+complete one. Leaving the request handle's context, for any reason (a client gone, a failure,
+server shutdown), aborts the request in every stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import math
+from typing import Any
+
+from aiohttp import web
+
+from omni_server.runtime import PipelineError, RequestHandle
+from omni_server.serve.errors import STREAM_STARTED, ApiError
+from omni_server.serve.metrics import RequestTrack
+from omni_server.serve.speech_request import (
+    PCM_SAMPLE_RATE,
+    SpeechRequest,
+    parse_speech_request,
+    speech_model,
+)
+from omni_server.serve.state import STATE
+
+log = logging.getLogger(__name__)
+
+CLIENT_GONE = 499  # status recorded (never sent) when the client left before the end
+USAGE_FRAME_SECONDS = 0.02  # usage.output_tokens counts 20 ms frames: this voice has no tokens
+
+
+async def create_speech(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    with state.metrics.track("speech") as track:
+        body = await read_json(request)
+        model = speech_model(body, state.plan)
+        track.model = model.id
+        speech = parse_speech_request(body, model)
+        require_ready(state.runtime)
+        with state.metrics.in_pipeline(speech.model.id):
+            try:
+                handle = state.runtime.submit(speech.model, speech.pipeline_inputs())
+            except PipelineError as exc:
+                raise pipeline_error(exc) from exc
+            async with handle:
+                # aiohttp cancels the handler when the client disconnects (handler_cancellation)
+                # and a write racing the disconnect raises; either way, leaving `async with`
+                # aborts the request in every stage.
+                try:
+                    return await _answer(request, speech, handle, track)
+                except asyncio.CancelledError:
+                    _cancelled(request, track, handle)
+                    raise
+                except ConnectionResetError:
+                    _cancelled(request, track, handle)
+                    return web.Response(status=CLIENT_GONE)  # nobody is left to read it
+
+
+def _cancelled(request: web.Request, track: RequestTrack, handle: RequestHandle) -> None:
+    """Account a request that ended early: its client left, or the server is shutting down."""
+    if request.transport is None or request.transport.is_closing():
+        track.fail(CLIENT_GONE, "client_disconnected")
+        log.info("speech request %s aborted: client disconnected", handle.id)
+    else:
+        track.fail(503, "server_shutdown")
+        log.info("speech request %s aborted: the server is shutting down", handle.id)
+
+
+async def read_json(request: web.Request) -> Any:
+    raw = await request.read()  # bodies over client_max_size raise 413 here
+    try:
+        return json.loads(raw)
+    except ValueError as exc:  # also UnicodeDecodeError
+        message = f"the request body is not valid JSON: {exc}"
+        raise ApiError(400, message, code="invalid_json") from None
+
+
+def require_ready(runtime) -> None:
+    """503 unless the runtime takes requests (`ready`: started; `healthy`: no stage died)."""
+    if not runtime.ready:
+        raise ApiError(503, "the pipeline is not ready; see /health/ready", code="not_ready")
+    if not runtime.healthy:
+        raise ApiError(503, "the pipeline is unhealthy; see /health", code="unavailable")
+
+
+def pipeline_error(exc: PipelineError) -> ApiError:
+    """503 when the pipeline cannot take requests at all, else 500 with the stage's message."""
+    if exc.code == "unavailable":
+        return ApiError(503, exc.message, code="unavailable")
+    where = f"stage '{exc.stage}'" if exc.stage else "the pipeline"
+    return ApiError(500, f"{where} failed: {exc.message}", code="pipeline_error")
+
+
+async def _answer(
+    request: web.Request, speech: SpeechRequest, handle: RequestHandle, track: RequestTrack
+) -> web.StreamResponse:
+    whole = bytearray()
+    response: web.StreamResponse | None = None
+    try:
+        async for chunk in handle:
+            audio: bytes = chunk["audio"]
+            if audio:
+                track.first_audio()
+            if speech.stream_format is None:
+                whole += audio
+                continue
+            if response is None:
+                response = await _start_stream(request, speech, handle)
+            if audio:
+                await response.write(_encode_chunk(speech, audio))
+        result = await handle.result()
+    except PipelineError as exc:
+        error = pipeline_error(exc)
+        if response is None:
+            raise error from exc
+        track.fail(200, "pipeline_error")
+        log.warning("speech request %s cut mid-stream: %s", handle.id, error.message)
+        if request.transport is not None:
+            request.transport.close()  # no final chunk: the client sees a broken stream
+        return response
+
+    track.audio_seconds = _audio_seconds(result)
+    if speech.stream_format is None:
+        return web.Response(body=bytes(whole), headers=_headers(speech, handle))
+    if response is None:  # no audio at all (e.g. input with nothing to speak)
+        response = await _start_stream(request, speech, handle)
+    if speech.stream_format == "sse":
+        await response.write(_sse({"type": "speech.audio.done", "usage": _usage(speech, result)}))
+    await response.write_eof()
+    return response
+
+
+async def _start_stream(
+    request: web.Request, speech: SpeechRequest, handle: RequestHandle
+) -> web.StreamResponse:
+    headers = _headers(speech, handle)
+    if speech.stream_format == "sse":
+        headers["Content-Type"] = "text/event-stream"
+        headers["Cache-Control"] = "no-cache"
+    response = web.StreamResponse(headers=headers)
+    response.enable_chunked_encoding()
+    request[STREAM_STARTED] = True
+    await response.prepare(request)
+    return response
+
+
+def _headers(speech: SpeechRequest, handle: RequestHandle) -> dict[str, str]:
+    headers = {"Content-Type": speech.content_type, "X-Request-Id": handle.id}
+    if speech.response_format == "pcm":
+        headers["X-Sample-Rate"] = str(speech.sample_rate or PCM_SAMPLE_RATE)
+        headers["X-Channels"] = "1"
+        headers["X-Bit-Depth"] = "16"
+    return headers
+
+
+def _encode_chunk(speech: SpeechRequest, audio: bytes) -> bytes:
+    if speech.stream_format == "sse":
+        delta = base64.b64encode(audio).decode("ascii")
+        return _sse({"type": "speech.audio.delta", "audio": delta})
+    return audio
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
+
+
+def _usage(speech: SpeechRequest, result: Any) -> dict[str, int]:
+    input_tokens = len(speech.text)  # characters: the voice phonemizes text, it has no tokenizer
+    output_tokens = math.ceil(_audio_seconds(result) / USAGE_FRAME_SECONDS)
+    return {
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+def _audio_seconds(result: Any) -> float:
+    """The result's `audio_seconds` (the speech contract); 0 for a pipeline that reports none."""
+    return float(result.get("audio_seconds", 0.0)) if isinstance(result, dict) else 0.0

@@ -1,0 +1,181 @@
+"""Validation of `POST /v1/audio/speech` bodies: the OpenAI fields plus our extensions.
+
+Every rejection is a 400 naming the field (`param`) and what would be valid; an unknown model is
+a 404 listing the served ones. Fields this server does not know are ignored, as OpenAI clients
+send `extra_body` fields meant for other servers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omni_server.audio import CONTENT_TYPES, DEFAULT_SAMPLE_RATES, FORMATS, check_sample_rate
+from omni_server.repository.plan import ModelSpec, Plan
+from omni_server.serve.errors import ApiError, invalid_field
+from omni_server.serve.models import resolve_model
+
+MAX_INPUT_CHARS = 4096
+MIN_SPEED, MAX_SPEED = 0.25, 4.0
+MAX_SEED = 2**63 - 1
+PCM_SAMPLE_RATE = DEFAULT_SAMPLE_RATES["pcm"]  # OpenAI's pcm: 24 kHz, s16le, mono
+STREAM_FORMATS = ("audio", "sse")
+
+
+@dataclass(frozen=True)
+class SpeechRequest:
+    model: ModelSpec
+    text: str
+    voice: str  # canonical: one of model.voices
+    response_format: str
+    speed: float
+    stream_format: str | None  # None: one whole response with a Content-Length
+    seed: int | None
+    sample_rate: int | None
+
+    @property
+    def content_type(self) -> str:
+        return CONTENT_TYPES[self.response_format]
+
+    def pipeline_inputs(self) -> dict[str, Any]:
+        """The entry stage's inputs (the speech contract with the pipeline)."""
+        return {
+            "text": self.text,
+            "voice": self.voice,
+            "speed": self.speed,
+            "seed": self.seed,
+            "response_format": self.response_format,
+            "stream": self.stream_format is not None,
+            "sample_rate": self.sample_rate,
+        }
+
+
+def speech_model(body: Any, plan: Plan) -> ModelSpec:
+    """The served model a speech request names: checked first, so errors can be counted by it."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    return resolve_model(plan, _required_str(body, "model"), task="speech")
+
+
+def parse_speech_request(body: dict[str, Any], model: ModelSpec) -> SpeechRequest:
+    """The rest of the request, for the model `speech_model` found."""
+    response_format = _choice(body, "response_format", FORMATS, default="mp3")
+    stream_format = _choice(body, "stream_format", STREAM_FORMATS, default=None)
+    # accepted and type-checked for OpenAI compatibility; the speech contract with the pipeline
+    # has no instructions field yet, so no voice can act on them
+    _optional_str(body, "instructions")
+    return SpeechRequest(
+        model=model,
+        text=_input_text(body),
+        voice=_voice(body, model),
+        response_format=response_format,
+        speed=_number(body, "speed", MIN_SPEED, MAX_SPEED, default=1.0),
+        stream_format=stream_format,
+        seed=_integer(body, "seed", 0, MAX_SEED),
+        sample_rate=_sample_rate(body, response_format),
+    )
+
+
+def _input_text(body: dict[str, Any]) -> str:
+    text = _required_str(body, "input")
+    if not text.strip():
+        raise invalid_field("input", "'input' is empty; give 1 to 4096 characters of text")
+    if len(text) > MAX_INPUT_CHARS:
+        raise invalid_field(
+            "input",
+            f"'input' has {len(text)} characters; at most {MAX_INPUT_CHARS} are allowed",
+            code="string_above_max_length",
+        )
+    return text
+
+
+def _voice(body: dict[str, Any], model: ModelSpec) -> str:
+    raw = body.get("voice")
+    if raw is None:
+        if model.default_voice is None:
+            raise invalid_field(
+                "voice",
+                f"'voice' is required; valid voices: {_voice_names(model)}",
+                code="missing_required_parameter",
+            )
+        return model.default_voice
+    if isinstance(raw, dict):
+        raw = raw.get("id")
+    if not isinstance(raw, str):
+        raise invalid_field(
+            "voice",
+            "'voice' must be a voice name or an object {\"id\": name}",
+            code="invalid_type",
+        )
+    if raw in model.voices:
+        return raw
+    if raw in model.voice_aliases:
+        return model.voice_aliases[raw]
+    raise invalid_field(
+        "voice",
+        f"unknown voice '{raw}' for model '{model.id}'; valid voices: {_voice_names(model)}",
+    )
+
+
+def _voice_names(model: ModelSpec) -> str:
+    return ", ".join([*model.voices, *model.voice_aliases]) or "none"
+
+
+def _sample_rate(body: dict[str, Any], response_format: str) -> int | None:
+    rate = _integer(body, "sample_rate", 1, 2**31 - 1)
+    if rate is not None:
+        try:
+            check_sample_rate(response_format, rate)
+        except ValueError as exc:
+            raise invalid_field("sample_rate", f"'sample_rate': {exc}") from None
+    return rate
+
+
+def _required_str(body: dict[str, Any], name: str) -> str:
+    if name not in body or body[name] is None:
+        raise invalid_field(name, f"'{name}' is required", code="missing_required_parameter")
+    value = body[name]
+    if not isinstance(value, str):
+        raise invalid_field(name, f"'{name}' must be a string", code="invalid_type")
+    return value
+
+
+def _optional_str(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise invalid_field(name, f"'{name}' must be a string", code="invalid_type")
+    return value
+
+
+def _choice(body: dict[str, Any], name: str, choices: tuple[str, ...], default: str | None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if value not in choices:
+        raise invalid_field(name, f"'{name}' must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
+def _number(body: dict[str, Any], name: str, low: float, high: float, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    # bool is an int in Python, never a speed in JSON
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise invalid_field(name, f"'{name}' must be a number", code="invalid_type")
+    if not low <= value <= high:
+        raise invalid_field(name, f"'{name}' must be between {low} and {high}; got {value}")
+    return float(value)
+
+
+def _integer(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid_field(name, f"'{name}' must be an integer", code="invalid_type")
+    if not low <= value <= high:
+        raise invalid_field(name, f"'{name}' must be between {low} and {high}; got {value}")
+    return value

@@ -1,0 +1,99 @@
+"""`serve(plan)`: run the pipeline and its HTTP server until SIGINT or SIGTERM.
+
+Order matters. The HTTP port is bound first, so a taken port fails in a second, before any stage
+process is spawned, and `/health/live` answers (`/health/ready` says 503) while stages load.
+Shutdown runs the other way round: stop accepting and finish or cancel in-flight requests (their
+handles abort in every stage), then stop the runtime, which reaps its processes and segments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+from aiohttp import web
+
+from omni_server.repository.plan import Plan
+from omni_server.runtime import Runtime
+from omni_server.serve import create_app
+
+log = logging.getLogger("omni_server")
+
+# In-flight requests get this long to finish after a stop signal before they are cancelled.
+SHUTDOWN_GRACE_SECONDS = 5.0
+
+
+def serve(plan: Plan, host: str = "127.0.0.1", port: int = 8000) -> int:
+    """Serve `plan` on http://host:port until a stop signal; 0 after a clean stop, 1 if the
+    port cannot be bound or the pipeline fails to start."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+    return asyncio.run(_serve(plan, host, port))
+
+
+async def _serve(plan: Plan, host: str, port: int) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    runtime = Runtime(plan)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its
+    # request in every stage instead of computing audio nobody will read.
+    runner = web.AppRunner(
+        create_app(runtime),
+        handler_cancellation=True,
+        shutdown_timeout=SHUTDOWN_GRACE_SECONDS,
+        access_log=None,
+    )
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        try:
+            await site.start()
+        except OSError as exc:
+            log.error("cannot listen on %s:%d: %s", host, port, exc.strerror or exc)
+            return 1
+        bound = _bound_port(runner, port)
+        if not await _start_runtime(runtime, stop):
+            return 1 if not stop.is_set() else 0
+        models = ", ".join(plan.models) or "none"
+        log.info("omni-server ready on http://%s:%d (models: %s)", host, bound, models)
+        await stop.wait()
+        log.info("omni-server stopping")
+    finally:
+        await runner.cleanup()
+        await runtime.stop()
+    log.info("omni-server stopped")
+    return 0
+
+
+async def _start_runtime(runtime: Runtime, stop: asyncio.Event) -> bool:
+    """Start the runtime unless a stop signal comes first; False when it did not start."""
+    starting = asyncio.ensure_future(runtime.start())
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if not starting.done():
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        return False
+    if starting.exception() is not None:
+        log.error("the pipeline failed to start: %s", starting.exception())
+        return False
+    return True
+
+
+def _bound_port(runner: web.AppRunner, requested: int) -> int:
+    """The port actually bound (differs from the request for port 0)."""
+    for address in runner.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            return int(address[1])
+    return requested

@@ -1,0 +1,202 @@
+"""Pipeline failures and start-up, on a one-stage repository whose stage fails on request.
+
+The stage is real (a real process, the real runtime); only its "model" is a stand-in that emits
+silence and raises where the text asks it to, because the embedded voice cannot be made to fail.
+Its initialize() waits for a gate file, so the test can observe the server while stages load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx2
+import openai
+import pytest
+from openai import OpenAI
+
+from tests.helpers.repo import make_repo
+from tests.serve.server_process import ServerProcess, descendants
+from tests.serve.test_endpoints import samples, value
+
+pytestmark = pytest.mark.timeout(180)
+
+FLAKY_SPEAKER = '''\
+import time
+from pathlib import Path
+
+from omni_server.backend import StageBackend
+
+
+class FlakySpeaker(StageBackend):
+    """Emits 50 ms chunks of silence; fails before any audio or after the first chunk on cue."""
+
+    def initialize(self, context):
+        gate = Path(context.parameters["gate"])
+        deadline = time.monotonic() + 60
+        while not gate.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"gate {gate} never opened")
+            time.sleep(0.05)
+
+    def generate(self, request):
+        text = request.inputs["text"]
+        if "early" in text:
+            raise RuntimeError("injected failure before any audio")
+        yield {"audio": bytes(2400)}
+        if "midway" in text:
+            time.sleep(0.3)  # let the first chunk reach the client before the failure
+            raise RuntimeError("injected failure after the first chunk")
+        yield {"audio": bytes(2400)}
+        return {"sample_rate": 24000, "audio_seconds": 0.1, "format": "pcm", "sentences": 1}
+'''
+
+
+@pytest.fixture(scope="module")
+def flaky(tmp_path_factory):
+    root = tmp_path_factory.mktemp("flaky")
+    gate = root / "gate"
+    repo = make_repo(
+        root / "repo",
+        stages={
+            "speaker": f"""
+                backend = "FlakySpeaker"
+                terminal = true
+                [scheduler]
+                kind = "stream"
+                [parameters]
+                gate = "{gate}"
+            """
+        },
+        repository="""
+            [models.flaky]
+            entry = "speaker"
+            tasks = ["speech"]
+            voices = ["silence"]
+        """,
+        models={"speaker": FLAKY_SPEAKER},
+    )
+    server = ServerProcess.start(repo, root / "server.log", wait_ready=False)
+    try:
+        server.wait_live()
+        yield server, gate
+    finally:
+        server.stop(check=True)
+
+
+def test_not_ready_while_stages_load_then_ready(flaky):
+    server, gate = flaky
+    status, body = server.get_json("/health/ready")
+    assert status == 503 and body["error"]["type"] == "server_error"
+    with (
+        OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client,
+        pytest.raises(openai.InternalServerError) as caught,
+    ):
+        client.audio.speech.create(model="flaky", voice="silence", input="hello")
+    assert caught.value.status_code == 503
+    gate.touch()
+    server.wait_ready()
+    assert server.get_json("/health")[0] == 200
+
+
+@pytest.fixture
+def client(flaky):
+    server, gate = flaky
+    gate.touch()
+    server.wait_ready()
+    with OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def test_stage_failure_before_audio_is_500_with_its_message(client: OpenAI):
+    for stream_format in (None, "audio", "sse"):
+        extra = {} if stream_format is None else {"stream_format": stream_format}
+        with pytest.raises(openai.InternalServerError) as caught:
+            client.audio.speech.create(
+                model="flaky", voice="silence", input="fail early", response_format="pcm", **extra
+            )
+        assert caught.value.status_code == 500
+        assert caught.value.code == "pipeline_error"
+        message = caught.value.body["message"]
+        assert "speaker" in message and "injected failure before any audio" in message
+
+
+def test_whole_response_failing_midway_is_500(client: OpenAI):
+    with pytest.raises(openai.InternalServerError) as caught:
+        client.audio.speech.create(
+            model="flaky", voice="silence", input="fail midway", response_format="pcm"
+        )
+    assert "injected failure after the first chunk" in caught.value.body["message"]
+
+
+def test_audio_stream_failing_midway_ends_without_its_final_chunk(client: OpenAI):
+    received = b""
+    with client.audio.speech.with_streaming_response.create(
+        model="flaky",
+        voice="silence",
+        input="fail midway",
+        response_format="pcm",
+        stream_format="audio",
+    ) as response:
+        assert response.status_code == 200
+        with pytest.raises(httpx2.RemoteProtocolError):
+            for chunk in response.iter_bytes():
+                received += chunk
+    assert received == bytes(2400)  # the first chunk, then a broken stream
+
+
+def test_sse_stream_failing_midway_never_sends_done(client: OpenAI):
+    events = []
+    with (
+        client.audio.speech.with_streaming_response.create(
+            model="flaky",
+            voice="silence",
+            input="fail midway",
+            response_format="pcm",
+            stream_format="sse",
+        ) as response,
+        pytest.raises(httpx2.RemoteProtocolError),
+    ):
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                events.append(json.loads(line[5:]))
+    assert [event["type"] for event in events] == ["speech.audio.delta"]
+
+
+def test_failures_are_counted(flaky, client: OpenAI):
+    server, _ = flaky
+    before = samples(server.metrics())
+    with pytest.raises(openai.InternalServerError):
+        client.audio.speech.create(model="flaky", voice="silence", input="fail early")
+    ok = client.audio.speech.create(
+        model="flaky", voice="silence", input="fine", response_format="pcm"
+    )
+    assert ok.content == bytes(4800)
+    after = samples(server.metrics())
+    labels = {"endpoint": "speech", "model": "flaky"}
+    assert (
+        value(after, "omni_requests_total", status="500", **labels)
+        == value(before, "omni_requests_total", status="500", **labels) + 1
+    )
+    assert value(after, "omni_request_failures_total", reason="pipeline_error", **labels) > value(
+        before, "omni_request_failures_total", reason="pipeline_error", **labels
+    )
+
+
+def test_dead_stage_process_makes_the_server_unhealthy(flaky, client: OpenAI):
+    """Last in this module: it leaves the flaky server without its stage process."""
+    server, _ = flaky
+    [stage_process] = descendants(server.proc.pid)
+    os.kill(stage_process, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while server.get_json("/health")[0] == 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    status, body = server.get_json("/health")
+    assert status == 503 and body["status"] == "unhealthy"
+    assert server.get_json("/health/ready")[1]["error"]["code"] == "unavailable"
+    with pytest.raises(openai.InternalServerError) as caught:
+        client.audio.speech.create(model="flaky", voice="silence", input="hello")
+    assert caught.value.status_code == 503 and caught.value.code == "unavailable"
+    assert server.get_json("/health/live")[0] == 200  # the HTTP server itself is fine

@@ -1,0 +1,41 @@
+"""Served audio is intelligible: the bundled Whisper tiny.en transcribes it back to its text."""
+
+from __future__ import annotations
+
+import pytest
+from openai import OpenAI
+
+from omni_server.audio import decode
+from omni_server.audio.whisper import load_whisper, transcribe, word_error_rate
+
+pytestmark = pytest.mark.timeout(300)
+
+# No digits: Whisper writes numbers as digits, so references spell nothing it would rewrite.
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Please call me back when you get home tonight.",
+    "The weather will be sunny and warm for the rest of the week.",
+    "She sells sea shells by the sea shore.",
+]
+
+
+@pytest.mark.parametrize(("response_format", "stream_format"), [("mp3", None), ("pcm", "audio")])
+def test_served_speech_transcribes_with_low_wer(
+    client: OpenAI, response_format: str, stream_format: str | None
+):
+    whisper = load_whisper()
+    hypotheses = []
+    for sentence in SENTENCES:
+        extra = {} if stream_format is None else {"stream_format": stream_format}
+        with client.audio.speech.with_streaming_response.create(
+            model="tts-1",
+            voice="alloy",
+            input=sentence,
+            response_format=response_format,
+            extra_body={"seed": 11},
+            **extra,
+        ) as response:
+            body = response.read()
+        hypotheses.append(transcribe(whisper, *decode(body, response_format)))
+    wer = word_error_rate(SENTENCES, hypotheses)
+    assert wer < 0.15, f"WER {wer:.2f}: {list(zip(SENTENCES, hypotheses, strict=True))}"
