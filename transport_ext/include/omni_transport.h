@@ -1,5 +1,9 @@
 /* Public C API of the omni-server native transport. Bound to Python by omni_transport/_ffi.py
- * (cffi ABI mode): every declaration here is mirrored there. */
+ * (cffi ABI mode): every declaration here is mirrored there. The shared-memory layout, the
+ * memory-ordering contract and slot ownership are described in docs/transport.md.
+ *
+ * Every function returning int returns OMNI_OK or one of the OMNI_E* codes below; after an
+ * error, omni_last_error() (thread-local) says what happened. */
 #ifndef OMNI_TRANSPORT_H
 #define OMNI_TRANSPORT_H
 
@@ -7,7 +11,133 @@
 
 #define OMNI_API __attribute__((visibility("default")))
 
-/* ABI version of this library; the Python side refuses a library of another version. */
+#define OMNI_ABI_VERSION 5
+
+enum {
+    OMNI_OK = 0,
+    OMNI_EFULL = 1,        /* push with timeout 0 on a ring without room */
+    OMNI_EEMPTY = 2,       /* pop with timeout 0 on an empty ring */
+    OMNI_ETIMEOUT = 3,     /* the timeout passed */
+    OMNI_ECLOSED = 4,      /* the peer closed the ring or died */
+    OMNI_ETOOLARGE = 5,    /* the record can never fit in the ring */
+    OMNI_ESYS = 6,         /* a system call failed (message says which, with errno) */
+    OMNI_EROLE = 7,        /* another live process already holds this side of the ring */
+    OMNI_EFORMAT = 8,      /* not a ring of this version, or a corrupt record */
+    OMNI_ENOCUDA = 9,      /* the CUDA driver library could not be loaded */
+    OMNI_ECUDA = 10,       /* a CUDA driver call failed */
+    OMNI_EINVAL = 11,      /* bad argument */
+};
+
 OMNI_API uint32_t omni_transport_abi_version(void);
+OMNI_API const char *omni_last_error(void);
+
+/* ---- named segments (shared by the ring and the CUDA pool's release table) ---- */
+
+/* A process-local handle on a named POSIX shared-memory segment (mode 0600). The segment keeps
+ * the pids of its users; it is unlinked by the last user that closes, or by a closing user that
+ * finds every other recorded user dead. Any thread may call these; a handle is not thread safe. */
+typedef struct omni_segment omni_segment;
+OMNI_API int omni_segment_create(const char *name, uint64_t size, omni_segment **out);
+OMNI_API int omni_segment_attach(const char *name, omni_segment **out);
+OMNI_API uint8_t *omni_segment_data(omni_segment *s); /* size bytes, 64-byte aligned, zeroed at create */
+OMNI_API uint64_t omni_segment_size(const omni_segment *s);
+OMNI_API void omni_segment_close(omni_segment *s);
+/* Remove /dev/shm segments whose name starts with prefix and that no live process uses
+ * (crash cleanup). Writes the removed names into out (each NUL-terminated, an empty name
+ * ends the list, as many as fit in out_len) and their count into *removed. */
+OMNI_API int omni_unlink_leftovers(const char *prefix, char *out, uint64_t out_len,
+                                   int *removed);
+
+/* Atomic access to 32-bit words of a segment (e.g. the CUDA pool's block states). */
+OMNI_API uint32_t omni_load_acquire_u32(const uint32_t *p);
+OMNI_API void omni_store_release_u32(uint32_t *p, uint32_t v);
+
+/* ---- SPSC ring ---- */
+
+typedef struct omni_ring omni_ring;
+
+enum { OMNI_PRODUCER = 0, OMNI_CONSUMER = 1 };
+
+#define OMNI_RECORD_INLINE_BUFS 8
+
+/* A record popped from the ring, valid until it is released. All words are uint64_t (Python
+ * reads the struct in one unpack). Offsets `at` and `*_off` are bytes from omni_ring_data(r):
+ * the record and everything in it is contiguous there, thanks to the mirror mapping. The first
+ * OMNI_RECORD_INLINE_BUFS buffers are described inline, the others by omni_record_buffer. */
+typedef struct {
+    uint64_t end;          /* ring position after this record: pass to omni_ring_release */
+    uint64_t at;           /* offset of the record in the data area, < capacity */
+    uint64_t size;         /* bytes of the record, framing included */
+    uint64_t header_off;
+    uint64_t header_len;
+    uint64_t nbufs;
+    uint64_t buf_off[OMNI_RECORD_INLINE_BUFS];
+    uint64_t buf_len[OMNI_RECORD_INLINE_BUFS];
+} omni_record;
+
+/* capacity is rounded up to a power of two (at least one page). The data area is mapped twice,
+ * back to back, so that every record is contiguous in memory even when it wraps. */
+OMNI_API int omni_ring_create(const char *name, uint64_t capacity, omni_ring **out);
+OMNI_API int omni_ring_attach(const char *name, omni_ring **out);
+/* Marks this side closed, wakes the peer, unmaps; the handle is freed. With keep_mapping the
+ * memory stays mapped (until the process exits) for views the caller could not take back. */
+OMNI_API void omni_ring_close(omni_ring *r);
+OMNI_API void omni_ring_close_ex(omni_ring *r, int keep_mapping);
+OMNI_API uint64_t omni_ring_capacity(const omni_ring *r);
+/* How long a blocking wait spins before it declares itself asleep (0: never spin). */
+OMNI_API void omni_ring_set_spin_ns(omni_ring *r, uint64_t spin_ns);
+/* Takes a side of the ring for this handle; push / pop claim on first use. */
+OMNI_API int omni_ring_claim(omni_ring *r, int role);
+
+/* Producer only. Copies header and buffers into one record; blocks while the ring is full.
+ * timeout_ns < 0: wait forever; 0: OMNI_EFULL at once. */
+OMNI_API int omni_ring_push(omni_ring *r, const void *header, uint64_t header_len,
+                            const void *const *bufs, const uint64_t *lens, uint32_t nbufs,
+                            int64_t timeout_ns);
+/* Consumer only. The record stays owned by the consumer until released; records must be
+ * released in pop order (release(end) frees everything before end). */
+OMNI_API int omni_ring_pop(omni_ring *r, int64_t timeout_ns, omni_record *rec);
+OMNI_API int omni_record_buffer(const omni_ring *r, const omni_record *rec, uint32_t i,
+                                uint64_t *off, uint64_t *len);
+/* The data area (2 * capacity bytes of address space: the area and its mirror). */
+OMNI_API const uint8_t *omni_ring_data(const omni_ring *r);
+OMNI_API void omni_ring_release(omni_ring *r, uint64_t end);
+
+/* For event loops, either side (an unclaimed handle is taken as the consumer). The doorbell fd
+ * becomes readable after omni_ring_arm returned OMNI_OK and the peer made progress (consumer:
+ * a record was published; producer: a record was released) or closed. arm returns OMNI_OK when
+ * armed (go to sleep), OMNI_EFULL when there is progress already (not armed: pop, or retry the
+ * push), OMNI_ECLOSED when the peer is gone (for a consumer: and the ring is empty). disarm
+ * drains the doorbell and clears the sleeping flag. peer_fd is a pidfd of the peer (readable
+ * when it dies), or -1 while no peer has attached. */
+OMNI_API int omni_ring_doorbell_fd(omni_ring *r);
+OMNI_API int omni_ring_peer_fd(omni_ring *r);
+OMNI_API int omni_ring_arm(omni_ring *r);
+OMNI_API void omni_ring_disarm(omni_ring *r);
+/* Checks the peer (state flag, then liveness): 1 when it closed or died, else 0. */
+OMNI_API int omni_ring_peer_gone(omni_ring *r);
+
+/* ---- CUDA IPC (driver API resolved with dlopen at run time) ---- */
+
+#define OMNI_IPC_HANDLE_BYTES 64
+OMNI_API int omni_cuda_available(void);
+/* Memory: allocate / free a device pool in the current (or the device's primary) context. */
+OMNI_API int omni_cuda_set_device(int device);
+OMNI_API int omni_cuda_mem_alloc(uint64_t nbytes, uint64_t *dptr);
+OMNI_API int omni_cuda_mem_free(uint64_t dptr);
+OMNI_API int omni_cuda_ipc_get_mem_handle(uint64_t dptr, uint8_t *handle64);
+OMNI_API int omni_cuda_ipc_open_mem_handle(const uint8_t *handle64, uint64_t *dptr);
+OMNI_API int omni_cuda_ipc_close_mem_handle(uint64_t dptr);
+/* Events: interprocess events (timing disabled). stream is a CUstream / cudaStream_t value. */
+OMNI_API int omni_cuda_event_create_ipc(uint64_t *event);
+OMNI_API int omni_cuda_event_destroy(uint64_t event);
+OMNI_API int omni_cuda_event_record(uint64_t event, uint64_t stream);
+OMNI_API int omni_cuda_event_synchronize(uint64_t event);
+OMNI_API int omni_cuda_event_query(uint64_t event); /* OMNI_OK done, OMNI_EEMPTY not yet */
+OMNI_API int omni_cuda_ipc_get_event_handle(uint64_t event, uint8_t *handle64);
+OMNI_API int omni_cuda_ipc_open_event_handle(const uint8_t *handle64, uint64_t *event);
+OMNI_API int omni_cuda_stream_wait_event(uint64_t stream, uint64_t event);
+OMNI_API int omni_cuda_memcpy_dtod_async(uint64_t dst, uint64_t src, uint64_t nbytes,
+                                         uint64_t stream);
 
 #endif

@@ -1,8 +1,41 @@
-"""omni_transport: the native data plane between stage processes (shared-memory rings, CUDA IPC)."""
+"""omni_transport: the native data plane between stage processes.
+
+- Ring: a named shared-memory SPSC ring, one per edge direction (omni_transport.ring).
+- push_arrays / record_arrays: numpy arrays through a ring, zero-copy on the read side.
+- omni_transport.cuda_ipc: CUDA tensors across processes through an exported device pool.
+"""
 
 from omni_transport._ffi import ABI_VERSION, lib
+from omni_transport.arrays import push_arrays, record_arrays
+from omni_transport.errors import (
+    CudaError,
+    CudaUnavailable,
+    RecordTooLarge,
+    RingClosed,
+    RingError,
+    RingFull,
+    RingTimeout,
+    TransportError,
+)
+from omni_transport.ring import Record, Ring, unlink_leftovers
 
-__all__ = ["ABI_VERSION", "abi_version"]
+__all__ = [
+    "ABI_VERSION",
+    "CudaError",
+    "CudaUnavailable",
+    "Record",
+    "RecordTooLarge",
+    "Ring",
+    "RingClosed",
+    "RingError",
+    "RingFull",
+    "RingTimeout",
+    "TransportError",
+    "abi_version",
+    "push_arrays",
+    "record_arrays",
+    "unlink_leftovers",
+]
 
 
 def abi_version() -> int:

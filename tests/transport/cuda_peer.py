@@ -1,0 +1,51 @@
+"""The consumer process of test_cuda_ipc.py: opens tensors from the producer's pool, reports
+what it sees, and releases them only when told. Messages come over one ring, replies go back
+over another, both as JSON headers."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from omni_transport import Ring
+from omni_transport.cuda_ipc import CudaReceiver, TensorRecord
+
+
+def main() -> int:
+    inbox = Ring.attach(sys.argv[1], role="consumer")
+    outbox = Ring.attach(sys.argv[2], role="producer")
+    rx = CudaReceiver()
+    held: list[TensorRecord] = []
+    try:
+        while True:
+            with inbox.pop(timeout=120) as rec:
+                msg = bytes(rec.header)
+            if msg == b"stop":
+                return 0
+            if msg == b"release":
+                for trec in held:
+                    rx.release(trec)
+                outbox.push(json.dumps({"released": len(held)}).encode())
+                held.clear()
+                continue
+            trec = TensorRecord.from_bytes(msg)
+            tensor = rx.open(trec)
+            reply = {
+                "dtype": str(tensor.dtype).removeprefix("torch."),
+                "shape": list(tensor.shape),
+                "sum": float(tensor.double().sum()),
+                "first": tensor.flatten()[:4].double().tolist(),
+                # zero-copy: the tensor lies in the opened pool at the record's offset
+                "offset_seen": tensor.data_ptr() - rx._pools[trec.pool].dptr,
+            }
+            del tensor
+            held.append(trec)
+            outbox.push(json.dumps(reply).encode())
+    finally:
+        rx.close()
+        inbox.close()
+        outbox.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,380 @@
+"""CUDA tensors across processes on one GPU, without copies and without a handle per tensor.
+
+The producer exports one device pool once (CudaPool). A tensor allocated in the pool crosses as
+a small TensorRecord (pool, slot, offset, nbytes, dtype, shape); the consumer (CudaReceiver)
+opens the pool's memory handle once and caches it, waits on the producer's event for that slot
+on its own stream, and returns a tensor viewing the pool. The producer reuses a block only after
+the consumer released it.
+
+Shared state of a pool, in a named segment (omni_transport segment, mode 0600):
+
+    offset 0     memory handle of the pool (64 B)
+    offset 64    pool size (u64), device ordinal (u32), slot count (u32)
+    offset 128   slot state, u32 per slot: 1 = in flight (producer stored it, release order,
+                 before pushing the record), 0 = free (consumer stored it, release order, after
+                 its GPU work on the tensor finished)
+    after that   IPC event handle per slot (64 B each), written by the producer before the
+                 slot is first used
+
+Producer side: CudaPool (one thread). Consumer side: CudaReceiver (one thread).
+Without a CUDA driver every entry point raises CudaUnavailable.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from omni_transport._ffi import ffi, lib
+from omni_transport.errors import CudaUnavailable, TransportError, check, error_for
+from omni_transport.ring import Record, Ring
+
+_HANDLE = 64
+_META = 64
+_STATES = 128
+_ALIGN = 512  # every block starts on a 512-byte boundary of the pool
+
+
+class PoolFull(TransportError):
+    """No free block of the pool before the timeout: the consumer holds too much."""
+
+
+def cuda_available() -> bool:
+    """True when the CUDA driver loads and a context can be made current."""
+    return bool(lib.omni_cuda_available())
+
+
+def _require_cuda() -> None:
+    if not lib.omni_cuda_available():
+        raise CudaUnavailable(ffi.string(lib.omni_last_error()).decode(errors="replace"))
+
+
+def _torch() -> Any:
+    import torch  # imported lazily: the ring does not need torch
+
+    return torch
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """What crosses the ring for one tensor (about 100 bytes of JSON)."""
+
+    pool: str
+    slot: int
+    offset: int
+    nbytes: int
+    dtype: str  # torch dtype name, e.g. "float16"
+    shape: tuple[int, ...]
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(
+            [self.pool, self.slot, self.offset, self.nbytes, self.dtype, list(self.shape)]
+        ).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes | memoryview) -> TensorRecord:
+        pool, slot, offset, nbytes, dtype, shape = json.loads(bytes(data))
+        return cls(pool, slot, offset, nbytes, dtype, tuple(shape))
+
+
+class _CudaMemory:
+    """__cuda_array_interface__ over raw device bytes. It does not own them: tensors made from
+    a pool are valid until the pool (producer) or the receiver (consumer) is closed."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 2,
+        }
+
+
+def _pool_bytes(ptr: int, nbytes: int) -> Any:
+    """The whole pool as one uint8 CUDA tensor, made once per pool and process."""
+    return _torch().as_tensor(_CudaMemory(ptr, nbytes), device="cuda")
+
+
+def _tensor_in(pool: Any, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]) -> Any:
+    # bytes -> dtype: works for every dtype, bfloat16 included (which the interface lacks);
+    # slicing the cached pool tensor costs microseconds, a new interface object far more
+    return pool[offset : offset + nbytes].view(getattr(_torch(), dtype)).view(shape)
+
+
+def _stream() -> int:
+    return int(_torch().cuda.current_stream().cuda_stream)
+
+
+class _Shared:
+    """The pool's shared segment (see the module docstring)."""
+
+    def __init__(self, seg: Any):
+        self.seg = seg
+        self.base = lib.omni_segment_data(seg)
+        meta = ffi.cast("uint64_t *", self.base + _HANDLE)
+        self.nbytes = int(meta[0])
+        counts = ffi.cast("uint32_t *", self.base + _HANDLE + 8)
+        self.device, self.slots = int(counts[0]), int(counts[1])
+        self.states = ffi.cast("uint32_t *", self.base + _STATES)
+
+    @staticmethod
+    def size(slots: int) -> int:
+        return _STATES + 4 * slots + _HANDLE * slots
+
+    def event_handle(self, slot: int) -> Any:
+        return self.base + _STATES + 4 * self.slots + _HANDLE * slot
+
+    def state(self, slot: int) -> int:
+        return int(lib.omni_load_acquire_u32(self.states + slot))
+
+    def set_state(self, slot: int, value: int) -> None:
+        lib.omni_store_release_u32(self.states + slot, value)
+
+
+class CudaPool:
+    """Producer side: a device pool exported once, blocks handed out and taken back."""
+
+    def __init__(self, name: str, nbytes: int, *, device: int = 0, slots: int = 1024):
+        _require_cuda()
+        torch = _torch()
+        torch.cuda.set_device(device)
+        torch.cuda.current_stream()  # makes torch's (primary) context current on this thread
+        self.name = name
+        self.nbytes = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        out = ffi.new("omni_segment **")
+        check(lib.omni_segment_create(name.encode(), _Shared.size(slots), out))
+        self._events: dict[int, int] = {}
+        self._dptr = 0
+        try:
+            p = ffi.new("uint64_t *")
+            check(lib.omni_cuda_mem_alloc(self.nbytes, p))
+            self._dptr = int(p[0])
+            base = lib.omni_segment_data(out[0])
+            check(lib.omni_cuda_ipc_get_mem_handle(self._dptr, base))
+            ffi.cast("uint64_t *", base + _HANDLE)[0] = self.nbytes
+            ffi.cast("uint32_t *", base + _HANDLE + 8)[0:2] = [device, slots]
+            self._shared = _Shared(out[0])
+        except BaseException:
+            if self._dptr:
+                lib.omni_cuda_mem_free(self._dptr)
+            lib.omni_segment_close(out[0])
+            raise
+        self._bytes = _pool_bytes(self._dptr, self.nbytes)
+        self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # (offset, size), sorted
+        self._free_slots = list(range(slots - 1, -1, -1))
+        self._in_flight: dict[int, tuple[int, int]] = {}  # slot -> (offset, size)
+        self._blocks: dict[int, tuple[int, int]] = {}  # data_ptr -> (offset, size)
+
+    # ---- blocks ----
+
+    def empty(self, shape: tuple[int, ...], dtype: Any, timeout: float | None = None) -> Any:
+        """A tensor in the pool, to fill and then send() without a copy."""
+        torch = _torch()
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        offset = self._allocate(max(nbytes, 1), timeout)
+        tensor = _tensor_in(
+            self._bytes, offset, nbytes, str(dtype).removeprefix("torch."), tuple(shape)
+        )
+        self._blocks[tensor.data_ptr()] = (offset, (max(nbytes, 1) + _ALIGN - 1) // _ALIGN * _ALIGN)
+        return tensor
+
+    def free(self, tensor: Any) -> None:
+        """Gives back a block from empty() that was never exported."""
+        block = self._blocks.pop(tensor.data_ptr(), None)
+        if block is None:
+            raise ValueError("free() takes a tensor from empty() of this pool, not yet exported")
+        self._give_back(*block)
+
+    def _allocate(self, nbytes: int, timeout: float | None) -> int:
+        size = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        if size > self.nbytes:
+            raise PoolFull(f"pool {self.name!r}: {nbytes} bytes exceed its {self.nbytes} bytes")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 20e-6
+        while True:
+            self.reap()
+            for i, (off, free) in enumerate(self._free):
+                if free >= size:
+                    self._free[i : i + 1] = [(off + size, free - size)] if free > size else []
+                    return off
+            if deadline is not None and time.monotonic() >= deadline:
+                raise PoolFull(f"pool {self.name!r}: no free {size} bytes before the timeout")
+            # Releases are not signalled to the producer: back off (bounded at 1 ms).
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+
+    def _give_back(self, off: int, size: int) -> None:
+        self._free.append((off, size))
+        self._free.sort()
+        merged: list[tuple[int, int]] = []
+        for o, s in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == o:
+                merged[-1] = (merged[-1][0], merged[-1][1] + s)
+            else:
+                merged.append((o, s))
+        self._free = merged
+
+    def reap(self) -> int:
+        """Takes back the blocks the consumer released; returns how many."""
+        done = [s for s in self._in_flight if self._shared.state(s) == 0]
+        for slot in done:
+            self._give_back(*self._in_flight.pop(slot))
+            self._free_slots.append(slot)
+        return len(done)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    # ---- sending ----
+
+    def export(self, tensor: Any, timeout: float | None = None) -> TensorRecord:
+        """The record for a tensor made by empty() (no copy); any other CUDA tensor is first
+        copied into a fresh block (one device-to-device copy). After this the block belongs to
+        the consumer until it releases it: do not write the tensor again."""
+        if not tensor.is_cuda:
+            raise ValueError("export() takes a CUDA tensor; use push_arrays for host memory")
+        block = self._blocks.pop(tensor.data_ptr(), None) if tensor.is_contiguous() else None
+        if block is None:
+            src = tensor.contiguous()
+            copy = self.empty(tuple(src.shape), src.dtype, timeout)
+            copy.copy_(src)
+            block = self._blocks.pop(copy.data_ptr())
+            tensor = copy
+        if not self._free_slots:
+            self.reap()
+        if not self._free_slots:
+            self._blocks[tensor.data_ptr()] = block
+            raise PoolFull(f"pool {self.name!r}: all {self._shared.slots} slots in flight")
+        slot = self._free_slots.pop()
+        stream = _stream()
+        event = self._events.get(slot)
+        if event is None:
+            e = ffi.new("uint64_t *")
+            check(lib.omni_cuda_event_create_ipc(e))
+            event = self._events[slot] = int(e[0])
+            check(lib.omni_cuda_ipc_get_event_handle(event, self._shared.event_handle(slot)))
+        # the consumer's stream waits on this event: our writes to the block come first
+        check(lib.omni_cuda_event_record(event, stream))
+        self._in_flight[slot] = block
+        self._shared.set_state(slot, 1)  # ordered before the ring push that carries the record
+        nbytes = tensor.numel() * tensor.element_size()
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        return TensorRecord(self.name, slot, block[0], nbytes, dtype, tuple(tensor.shape))
+
+    def close(self) -> None:
+        """Frees the pool. Consumers must have closed their receivers (their mapping of the
+        pool is undefined after the owner frees it)."""
+        if self._dptr:
+            for event in self._events.values():
+                lib.omni_cuda_event_destroy(event)
+            self._events.clear()
+            self._bytes = None
+            lib.omni_cuda_mem_free(self._dptr)
+            self._dptr = 0
+            lib.omni_segment_close(self._shared.seg)
+
+    def __enter__(self) -> CudaPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _OpenPool:
+    def __init__(self, name: str):
+        out = ffi.new("omni_segment **")
+        check(lib.omni_segment_attach(name.encode(), out))
+        self.shared = _Shared(out[0])
+        p = ffi.new("uint64_t *")
+        rc = lib.omni_cuda_ipc_open_mem_handle(self.shared.base, p)
+        if rc != lib.OMNI_OK:
+            lib.omni_segment_close(out[0])
+            raise error_for(rc)
+        self.dptr = int(p[0])
+        self.bytes = _pool_bytes(self.dptr, self.shared.nbytes)
+        self.events: dict[int, int] = {}
+
+    def event(self, slot: int) -> int:
+        e = self.events.get(slot)
+        if e is None:
+            p = ffi.new("uint64_t *")
+            check(lib.omni_cuda_ipc_open_event_handle(self.shared.event_handle(slot), p))
+            e = self.events[slot] = int(p[0])
+        return e
+
+    def close(self) -> None:
+        for e in self.events.values():
+            lib.omni_cuda_event_destroy(e)
+        self.bytes = None
+        lib.omni_cuda_ipc_close_mem_handle(self.dptr)
+        lib.omni_segment_close(self.shared.seg)
+
+
+class CudaReceiver:
+    """Consumer side: opens each pool once, turns records into tensors, releases blocks."""
+
+    def __init__(self, *, device: int = 0):
+        _require_cuda()
+        torch = _torch()
+        torch.cuda.set_device(device)
+        torch.cuda.current_stream()
+        self._pools: dict[str, _OpenPool] = {}
+        self._done = ffi.new("uint64_t *")
+        check(lib.omni_cuda_event_create_ipc(self._done))
+
+    def open(self, rec: TensorRecord) -> Any:
+        """A tensor viewing the producer's block; work queued on the current stream after
+        this call sees the producer's writes. Valid until release(rec)."""
+        pool = self._pools.get(rec.pool)
+        if pool is None:
+            pool = self._pools[rec.pool] = _OpenPool(rec.pool)
+        if pool.shared.state(rec.slot) != 1:
+            raise TransportError(f"pool {rec.pool!r} slot {rec.slot} is not in flight")
+        check(lib.omni_cuda_stream_wait_event(_stream(), pool.event(rec.slot)))
+        return _tensor_in(pool.bytes, rec.offset, rec.nbytes, rec.dtype, rec.shape)
+
+    def release(self, rec: TensorRecord) -> None:
+        """Hands the block back once the GPU work queued so far on the current stream is
+        done (it waits for that work)."""
+        check(lib.omni_cuda_event_record(self._done[0], _stream()))
+        check(lib.omni_cuda_event_synchronize(self._done[0]))
+        self._pools[rec.pool].shared.set_state(rec.slot, 0)
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+        if self._done[0]:
+            lib.omni_cuda_event_destroy(self._done[0])
+            self._done[0] = 0
+
+    def __enter__(self) -> CudaReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---- over a ring ----
+
+
+def send_tensor(ring: Ring, pool: CudaPool, tensor: Any, timeout: float | None = None) -> None:
+    """Pushes one tensor's record; the tensor's block is the consumer's until released."""
+    ring.push(pool.export(tensor, timeout).to_bytes(), timeout=timeout)
+
+
+def recv_tensor(
+    ring: Ring, receiver: CudaReceiver, timeout: float | None = None
+) -> tuple[Any, TensorRecord]:
+    """Pops a record from send_tensor: (tensor, record); call receiver.release(record) when
+    done with the tensor."""
+    rec: Record = ring.pop(timeout)
+    with rec:
+        trec = TensorRecord.from_bytes(rec.header)
+    return receiver.open(trec), trec

@@ -1,0 +1,342 @@
+"""The shared-memory ring between two stage processes (one edge direction, SPSC).
+
+A producer copies each record (a header plus N buffers) into the ring once; the consumer reads it
+in place through memoryviews and releases it, in pop order, when done. Layout, ordering and
+ownership: docs/transport.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from omni_transport._ffi import ffi, lib
+from omni_transport.errors import RingError, RingFull, error_for
+
+# How long an asyncio waiter sleeps between liveness checks while the producer has not attached
+# yet (once it has, its pidfd is watched and death is seen at once).
+_LIVENESS_POLL_S = 0.05
+_DEFAULT_SPIN_US = 20.0
+_INLINE_BUFS = 8  # OMNI_RECORD_INLINE_BUFS: buffers described by the pop call itself
+
+
+def _timeout_ns(timeout: float | None) -> int:
+    if timeout is None:
+        return -1
+    if timeout < 0:
+        raise ValueError(f"timeout {timeout}: give seconds >= 0, or None to wait forever")
+    return int(timeout * 1e9)
+
+
+class Record:
+    """One popped record: zero-copy views into the ring, valid until release().
+
+    The slot belongs to the consumer until the record is released; records are handed back to
+    the producer in pop order (a record released early frees its space once all older records
+    are released too). Do not use the views (or arrays built on them) after release."""
+
+    __slots__ = ("_end", "_released", "_ring", "buffers", "header")
+
+    def __init__(self, ring: Ring, end: int, header: memoryview, buffers: list[memoryview]):
+        self._ring = ring
+        self._end = end
+        self._released = False
+        self.header = header
+        self.buffers = buffers
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._ring._release(self)
+
+    def __enter__(self) -> Record:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        sizes = [b.nbytes for b in self.buffers]
+        return f"Record(header={self.header.nbytes} B, buffers={sizes}, released={self._released})"
+
+
+class Ring:
+    """A handle on a named SPSC ring. One handle is one side: the first push() makes it the
+    producer, the first pop() the consumer (or pass role= to create / attach). A handle belongs
+    to one thread at a time; close() it from that thread."""
+
+    def __init__(self, handle: Any, name: str, role: str | None, spin_us: float):
+        self._h = handle
+        self._pid = os.getpid()  # a forked child's copy of the handle must not close our side
+        self._name = name
+        self._capacity = int(lib.omni_ring_capacity(handle))
+        self._outstanding: collections.deque[Record] = collections.deque()
+        self._rec = ffi.new("omni_record *")
+        self._words = ffi.cast("uint64_t *", self._rec)  # omni_record is all uint64_t words
+        self._off = ffi.new("uint64_t *")
+        self._len = ffi.new("uint64_t *")
+        # the data area and its mirror as one read-only view: a record is a slice of it. Every
+        # slice handed out keeps _area_obj referenced (through the view's managed buffer), which
+        # is how close() knows whether views are still alive.
+        self._area_obj = ffi.buffer(lib.omni_ring_data(handle), 2 * self._capacity)
+        self._area: memoryview | None = memoryview(self._area_obj).toreadonly()
+        self._bufs = ffi.new("void *[]", 8)  # push's argument arrays, reused
+        self._lens = ffi.new("uint64_t[]", 8)
+        self.spin_us = spin_us
+        if role is not None:
+            self.claim(role)
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        capacity: int = 64 << 20,
+        *,
+        role: str | None = None,
+        spin_us: float = _DEFAULT_SPIN_US,
+    ) -> Ring:
+        """A fresh named segment (mode 0600); fails if the name exists. capacity is rounded up
+        to a power of two of at least one page."""
+        out = ffi.new("omni_ring **")
+        rc = lib.omni_ring_create(name.encode(), capacity, out)
+        if rc != lib.OMNI_OK:
+            raise error_for(rc)
+        return cls(out[0], name, role, spin_us)
+
+    @classmethod
+    def attach(
+        cls, name: str, *, role: str | None = None, spin_us: float = _DEFAULT_SPIN_US
+    ) -> Ring:
+        """Opens an existing ring by name, from any process of the same user."""
+        out = ffi.new("omni_ring **")
+        rc = lib.omni_ring_attach(name.encode(), out)
+        if rc != lib.OMNI_OK:
+            raise error_for(rc)
+        return cls(out[0], name, role, spin_us)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def spin_us(self) -> float:
+        return self._spin_us
+
+    @spin_us.setter
+    def spin_us(self, value: float) -> None:
+        """How long a blocking push / pop spins before it sleeps (0: sleep at once)."""
+        self._spin_us = float(value)
+        lib.omni_ring_set_spin_ns(self._handle(), int(value * 1000))
+
+    def claim(self, role: str) -> None:
+        """Takes the 'producer' or 'consumer' side now (push / pop do it on first use)."""
+        code = {"producer": lib.OMNI_PRODUCER, "consumer": lib.OMNI_CONSUMER}.get(role)
+        if code is None:
+            raise ValueError(f"role {role!r}: 'producer' or 'consumer'")
+        self._check(lib.omni_ring_claim(self._handle(), code))
+
+    # ---- producer ----
+
+    def push(
+        self, header: bytes, buffers: Sequence[Any] = (), timeout: float | None = None
+    ) -> None:
+        """Copies header and buffers (any C-contiguous buffer objects) into one record.
+        Blocks while the ring is full; timeout=0 raises RingFull at once. Raises RingTimeout,
+        RingClosed (the consumer closed or died), RecordTooLarge."""
+        h = self._h
+        if h is None:
+            h = self._handle()
+        tns = -1 if timeout is None else _timeout_ns(timeout)
+        if not isinstance(header, bytes):
+            header = ffi.from_buffer(header)
+        n = len(buffers)
+        if not n:
+            rc = lib.omni_ring_push(h, header, len(header), ffi.NULL, ffi.NULL, 0, tns)
+        else:
+            # the views keep the buffers pinned until the call returns
+            views = [ffi.from_buffer(b) for b in buffers]
+            if n > len(self._lens):
+                self._bufs = ffi.new("void *[]", n)
+                self._lens = ffi.new("uint64_t[]", n)
+            bufs, lens = self._bufs, self._lens
+            for i, v in enumerate(views):
+                bufs[i] = v
+                lens[i] = len(v)
+            rc = lib.omni_ring_push(h, header, len(header), bufs, lens, n, tns)
+        if rc:
+            raise error_for(rc)
+
+    # ---- consumer ----
+
+    def pop(self, timeout: float | None = None) -> Record:
+        """The next record; blocks until one arrives. Raises RingTimeout, or RingClosed once
+        the producer closed or died and every record it published was popped."""
+        h = self._h
+        if h is None:
+            h = self._handle()
+        rc = lib.omni_ring_pop(h, -1 if timeout is None else _timeout_ns(timeout), self._rec)
+        if rc:
+            raise error_for(rc)
+        return self._record()
+
+    def try_pop(self) -> Record | None:
+        """The next record, or None when the ring is empty (RingClosed when the producer
+        closed and the ring is drained)."""
+        rc = lib.omni_ring_pop(self._handle(), 0, self._rec)
+        if rc == lib.OMNI_EEMPTY:
+            return None
+        if rc != lib.OMNI_OK:
+            raise error_for(rc)
+        return self._record()
+
+    async def pop_async(self) -> Record:
+        """pop() for asyncio: the loop watches the ring's doorbell fd (and the producer's
+        pidfd), no thread. The producer rings the doorbell only after this side declared it is
+        going to sleep, so a busy stream costs no system call per record."""
+        while True:
+            rec = self.try_pop()
+            if rec is not None:
+                return rec
+            await self._sleep_until_progress()
+
+    async def push_async(self, header: bytes, buffers: Sequence[Any] = ()) -> None:
+        """push() for asyncio: while the ring is full, waits on this side's doorbell (rung by
+        the consumer's release) and the consumer's pidfd, without blocking the loop."""
+        while True:
+            try:
+                self.push(header, buffers, timeout=0)
+                return
+            except RingFull:
+                pass
+            await self._sleep_until_progress()
+
+    async def _sleep_until_progress(self) -> None:
+        """Declares this side asleep and waits for the peer's progress (or its end); returns
+        at once when the peer made progress while we armed."""
+        h = self._handle()
+        rc = lib.omni_ring_arm(h)
+        if rc == lib.OMNI_EFULL:  # progress already: no need to sleep
+            return
+        if rc != lib.OMNI_OK:
+            raise error_for(rc)
+        loop = asyncio.get_running_loop()
+        bell = lib.omni_ring_doorbell_fd(h)
+        peer = lib.omni_ring_peer_fd(h)
+        woken = loop.create_future()
+
+        def wake() -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        loop.add_reader(bell, wake)
+        if peer >= 0:
+            loop.add_reader(peer, wake)
+        try:
+            # without the peer's pidfd yet, look again now and then (it may never attach)
+            await asyncio.wait([woken], timeout=None if peer >= 0 else _LIVENESS_POLL_S)
+        finally:
+            loop.remove_reader(bell)
+            if peer >= 0:
+                loop.remove_reader(peer)
+            lib.omni_ring_disarm(h)
+
+    def _record(self) -> Record:
+        w = self._words  # omni_record: end, at, size, header_off, header_len, nbufs, offs, lens
+        area = self._area
+        hoff = w[3]
+        header = area[hoff : hoff + w[4]]
+        n = w[5]
+        if n <= _INLINE_BUFS:
+            buffers = []
+            for i in range(n):
+                off = w[6 + i]
+                buffers.append(area[off : off + w[6 + _INLINE_BUFS + i]])
+        else:
+            buffers = []
+            for i in range(n):
+                self._check(lib.omni_record_buffer(self._h, self._rec, i, self._off, self._len))
+                buffers.append(area[self._off[0] : self._off[0] + self._len[0]])
+        rec = Record(self, w[0], header, buffers)
+        self._outstanding.append(rec)
+        return rec
+
+    def _release(self, rec: Record) -> None:
+        # Space returns to the producer only up to the oldest record still held.
+        out = self._outstanding
+        end = None
+        while out and out[0]._released:
+            end = out.popleft()._end
+        if end is not None and self._h is not None:
+            lib.omni_ring_release(self._h, end)
+
+    @property
+    def held(self) -> int:
+        """Records popped and not yet released."""
+        return sum(not r._released for r in self._outstanding)
+
+    # ---- lifetime ----
+
+    def close(self) -> None:
+        """Closes this side: a blocked peer gets RingClosed; the segment is unlinked when the
+        last user closes. If views of records (or arrays over them) are still alive, the memory
+        stays mapped until the process exits, so they do not crash; they stay readable but no
+        longer belong to anyone."""
+        if self._h is not None and self._pid == os.getpid():
+            h, self._h = self._h, None
+            self._outstanding.clear()
+            if self._area is not None:
+                self._area.release()
+                self._area = None
+            # ours plus getrefcount's argument; more means a handed-out view is alive
+            views_alive = sys.getrefcount(self._area_obj) > 2
+            lib.omni_ring_close_ex(h, int(views_alive))
+
+    @property
+    def closed(self) -> bool:
+        return self._h is None
+
+    def __enter__(self) -> Ring:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Ring({self._name!r}, capacity={self._capacity}, closed={self.closed})"
+
+    def _handle(self) -> Any:
+        if self._h is None:
+            raise RingError(f"ring {self._name!r} is closed")
+        return self._h
+
+    @staticmethod
+    def _check(rc: int) -> None:
+        if rc != lib.OMNI_OK:
+            raise error_for(rc)
+
+
+def unlink_leftovers(prefix: str) -> list[str]:
+    """Removes /dev/shm segments named prefix* that no live process uses (crash cleanup; the
+    supervisor calls it). Segments with a live user are left alone. Returns the names removed."""
+    out = ffi.new("char[]", 1 << 16)
+    removed = ffi.new("int *")
+    rc = lib.omni_unlink_leftovers(prefix.encode(), out, len(out), removed)
+    if rc != lib.OMNI_OK:
+        raise error_for(rc)
+    names = ffi.unpack(out, len(out)).split(b"\0")
+    return [n.decode() for n in names[: removed[0]] if n]

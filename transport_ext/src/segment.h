@@ -1,0 +1,44 @@
+/* Named shared-memory segments: layout of the first page and the process-local handle. */
+#ifndef OMNI_SEGMENT_H
+#define OMNI_SEGMENT_H
+
+#include <stdint.h>
+
+#include "common.h"
+
+#define OMNI_SEG_MAGIC 0x31474553494d4f4fULL /* "OOMISEG1" little endian */
+#define OMNI_SEG_VERSION 1
+#define OMNI_SEG_MAX_USERS 16
+#define OMNI_SEG_KIND_PLAIN 1
+#define OMNI_SEG_KIND_RING 2
+#define OMNI_SEG_NAME_MAX 200
+
+/* Offset 0 of every segment. Written once by the creator before `magic` is published with a
+ * release store (attachers load it with acquire); afterwards only `users` changes (CAS). */
+struct seg_header {
+    uint64_t magic;
+    uint32_t version;
+    uint32_t kind;
+    uint64_t file_size;    /* bytes of the file */
+    uint64_t data_offset;  /* start of the user area (one page) */
+    uint64_t mirror_len;   /* ring kind: the last mirror_len bytes are mapped twice */
+    uint64_t nonce;        /* random: names the ring's doorbell sockets */
+    int32_t users[OMNI_SEG_MAX_USERS]; /* pids of processes that have it open (0: free slot) */
+};
+
+struct omni_segment {
+    char name[OMNI_SEG_NAME_MAX + 2]; /* "/" + name */
+    uint8_t *base;                    /* mapping of the file, then the mirror when any */
+    uint64_t map_len;
+    int slot;                         /* our index in users[] */
+    struct seg_header *hdr;
+};
+
+OMNI_HIDDEN int omni_seg_open(struct omni_segment *s, const char *name, int create, int kind,
+                              uint64_t data_size, uint64_t mirror_len);
+OMNI_HIDDEN void omni_seg_close(struct omni_segment *s);
+/* Leaves the user table (and unlinks when last) but keeps the mapping: views into it that the
+ * caller could not take back stay readable until the process exits. */
+OMNI_HIDDEN void omni_seg_close_keep_mapping(struct omni_segment *s);
+
+#endif
