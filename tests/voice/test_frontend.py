@@ -1,0 +1,122 @@
+"""The text frontend: normalization, sentence splitting and phonemization with espeak-ng."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from omni_server.audio.inprocess import load_stage
+from omni_server.backend import Request, StageConfigError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def frontend(repository):
+    return load_stage(repository / "text_frontend")
+
+
+def phonemes(frontend, text: str) -> list[str]:
+    payload = frontend.prepare({"text": text, "voice": "joe"})
+    return [s["phonemes"] for s in payload["sentences"]]
+
+
+def test_numbers_are_read_as_words(frontend):
+    [digits] = phonemes(frontend, "I have 42 apples.")
+    [words] = phonemes(frontend, "I have forty two apples.")
+    assert digits == words
+
+
+def test_abbreviations_do_not_end_the_sentence(frontend):
+    said = phonemes(frontend, "Dr. Smith met Mr. Jones on Jan. 3rd.")
+    assert len(said) == 1, said
+    assert said == phonemes(frontend, "Doctor Smith met Mister Jones on January third.")
+
+
+def test_etc_keeps_its_sentence_end_only_where_it_has_one(frontend):
+    assert len(phonemes(frontend, "Apples, pears, etc. Then we left.")) == 2
+    assert len(phonemes(frontend, "Apples, pears, etc. and then we left.")) == 1
+
+
+def test_currency_is_spelled_out(frontend):
+    [said] = phonemes(frontend, "It costs $42.50.")
+    assert said == phonemes(frontend, "It costs forty two dollars and fifty cents.")[0]
+
+
+def test_sentences_are_split_and_typographic_punctuation_normalized(frontend):
+    said = phonemes(frontend, "\u201cHello,\u201d she said \u2014 softly. Are you there? Yes!")
+    assert len(said) == 3
+    assert said[1].endswith("?") and said[2].endswith("!")
+
+
+def test_phoneme_ids_follow_the_voice_id_map(frontend):
+    payload = frontend.prepare({"text": "Hi.", "voice": "joe"})
+    [sentence] = payload["sentences"]
+    ids = sentence["phoneme_ids"]
+    assert ids.dtype == np.int64
+    # BOS, then every phoneme followed by PAD (0), then EOS
+    assert ids[0] == 1 and ids[-1] == 2 and len(ids) == 2 * len(sentence["phonemes"]) + 3
+    assert np.all(ids[1:-1:2] == 0)
+
+
+def test_long_sentence_is_cut_at_clause_and_word_boundaries(frontend, repository):
+    uncut = load_stage(repository / "text_frontend", parameters={"max_sentence_phonemes": 10**6})
+    clause = "the rain kept falling over the quiet little town by the river"
+    text = ", ".join([clause] * 12) + "."  # one sentence of ~700 phonemes
+    said = phonemes(frontend, text)
+    assert len(said) > 1
+    assert all(len(s) <= frontend.max_sentence_phonemes for s in said)
+    assert len(phonemes(uncut, text)) == 1
+    assert "".join(said).replace(" ", "") == phonemes(uncut, text)[0].replace(" ", "")
+    words_only = phonemes(frontend, " ".join([clause] * 12))  # no punctuation at all
+    assert len(words_only) > 1 and all(len(s) <= frontend.max_sentence_phonemes for s in words_only)
+
+
+def test_request_options_pass_through(frontend):
+    payload = frontend.prepare(
+        {
+            "text": "Hi.",
+            "voice": "joe",
+            "speed": 1.5,
+            "seed": 7,
+            "response_format": "pcm",
+            "stream": True,
+            "sample_rate": 16000,
+        }
+    )
+    assert {
+        k: payload[k]
+        for k in ("voice", "speed", "seed", "response_format", "stream", "sample_rate")
+    } == {
+        "voice": "joe",
+        "speed": 1.5,
+        "seed": 7,
+        "response_format": "pcm",
+        "stream": True,
+        "sample_rate": 16000,
+    }
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"text": "  "}, "text must be a non-empty string"),
+        ({"voice": "alloy"}, "unknown voice 'alloy'; valid: joe"),
+        ({"speed": 5.0}, "speed must lie in 0.25..4.0"),
+        ({"response_format": "ogg"}, "response_format must be one of"),
+        ({"response_format": "opus", "sample_rate": 22050}, "opus supports sample rates"),
+        ({"seed": "7"}, "seed must be an integer"),
+    ],
+)
+def test_bad_request_fails_alone_with_a_clear_message(frontend, change, message):
+    good = {"text": "Hello.", "voice": "joe"}
+    results = frontend.execute([Request("bad", {**good, **change}), Request("good", good)])
+    assert isinstance(results[0], ValueError) and message in str(results[0])
+    assert isinstance(results[1], dict) and len(results[1]["sentences"]) == 1
+
+
+def test_config_error_says_what_was_required_and_found(repository):
+    with pytest.raises(StageConfigError, match=r"parameters.voices must be a table.*found 'joe'"):
+        load_stage(repository / "text_frontend", parameters={"voices": "joe"})
+    with pytest.raises(StageConfigError, match=r"parameters.voices.joe: package 'no_such_voice'"):
+        load_stage(repository / "text_frontend", parameters={"voices": {"joe": "no_such_voice"}})
