@@ -3,33 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import pytest
 import torch
 
-from omni_server.repository.plan import Plan
 from tests.runtime.conftest import running
 from tests.runtime.pipelines import _stage, build
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def _cpu_tp(plan: Plan, size: int) -> Plan:
-    """The plan with every stage tensor-parallel on CPU (gloo).
-
-    The compiler accepts tp_size > 1 only with one GPU per rank; this machine has none, so the
-    test widens the compiled plan itself: what the runtime gets is what a GPU plan looks like,
-    minus the device ids.
-    """
-    stages = {n: dataclasses.replace(s, tp_size=size) for n, s in plan.stages.items()}
-    processes = {n: dataclasses.replace(p, tp_size=size) for n, p in plan.processes.items()}
-    instances = tuple(
-        dataclasses.replace(i, tp_rank=rank, tp_size=size)
-        for i in plan.instances
-        for rank in range(size)
-    )
-    return dataclasses.replace(plan, stages=stages, processes=processes, instances=instances)
 
 
 def _expected(x: list[list[float]]) -> torch.Tensor:
@@ -38,15 +19,21 @@ def _expected(x: list[list[float]]) -> torch.Tensor:
 
 
 async def test_tp2_over_gloo_matches_the_unsharded_computation(tmp_path):
+    # tp_size without `gpu`: the compiler places both ranks on the CPU (gloo)
     stages = {
         "mm": _stage(
             "ShardedLinear",
-            'next = "rows"\n[scheduler]\nkind = "batch"\n'
+            'next = "rows"\ntp_size = 2\n[scheduler]\nkind = "batch"\n'
             "max_batch_size = 4\nmax_queue_delay_ms = 20\n",
         ),
-        "rows": _stage("ShardedStream", 'terminal = true\n[scheduler]\nkind = "stream"\n'),
+        "rows": _stage(
+            "ShardedStream", 'terminal = true\ntp_size = 2\n[scheduler]\nkind = "stream"\n'
+        ),
     }
-    plan = _cpu_tp(build(tmp_path, stages, '[models.m]\nentry = "mm"\ntasks = ["speech"]\n'), 2)
+    plan = build(tmp_path, stages, '[models.m]\nentry = "mm"\ntasks = ["speech"]\n')
+    assert {(i.name, i.tp_size, i.devices[i.stages[0]]) for i in plan.instances} == {
+        (f"{s}@r0/tp{rank}", 2, None) for s in ("mm", "rows") for rank in (0, 1)
+    }
     async with running(plan) as runtime:
         assert sorted(runtime.processes()) == [
             "mm@r0/tp0",

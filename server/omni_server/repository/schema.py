@@ -194,7 +194,11 @@ STAGE_FIELDS = _fields(
     Field("process", Kind.STR, "logical process; stages naming one process share it", "<stage>"),
     Field("gpu", Kind.GPU, "GPU id, or one id per TP rank; absent = CPU"),
     Field(
-        "tp_size", Kind.INT, "tensor-parallel size; len(gpu) must equal it", default=1, minimum=1
+        "tp_size",
+        Kind.INT,
+        "tensor-parallel size; with gpu, len(gpu) must equal it; without, CPU ranks (gloo)",
+        default=1,
+        minimum=1,
     ),
     Field(
         "gpu_memory_fraction",

@@ -8,14 +8,17 @@ it receives on (it creates them before it reports ready; a sender attaches on fi
 - Control messages (abort, shutdown, ready) go on ZMQ: they never wait behind data.
 
 Sends never block the event loop: when a ring is full the message waits in the sender's backlog
-(order kept) and a task retries until the receiver frees space. Received buffers are copied
-out of the ring once and the record released at once, so a slow stage never holds ring space.
+(order kept) and one task per ring drains it with `Ring.push_async`, which sleeps on the ring's
+doorbell (rung by the receiver's release) and the receiver's pidfd: no polling. Received
+buffers are copied out of the ring once and the record released at once, so a slow stage never
+holds ring space.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -161,9 +164,15 @@ class Endpoint:
             outlet = self._outlets[receiver] = _RingOutlet(self, receiver, name, lane)
         outlet.send(message)
 
-    def send_control(self, receiver: str, message: Any) -> None:
+    def send_control(self, receiver: str, message: Any, linger: float = 0.0) -> None:
+        """`linger`: how long close() may still spend delivering this message to a live peer
+        (a last word before the process exits, such as StartFailed); by default close() drops
+        what is undelivered, so a dead peer never holds us up."""
         header, buffers = encode(message)
-        self._push(receiver).send_multipart([_CONTROL, header, *buffers], copy=False)
+        sock = self._push(receiver)
+        if linger > 0:
+            sock.setsockopt(zmq.LINGER, int(linger * 1000))
+        sock.send_multipart([_CONTROL, header, *buffers], copy=False)
 
     def _spill(self, receiver: str, seq: int, header: bytes, buffers: list[Any]) -> None:
         frames = [_SPILL, self.name.encode(), str(seq).encode(), header, *buffers]
@@ -180,18 +189,19 @@ class Endpoint:
         return sock
 
     async def flush(self, timeout: float = 2.0) -> None:
-        """Wait (a bounded time) until every backlog is in its ring."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        while any(o.backlog for o in self._outlets.values()):
-            if asyncio.get_running_loop().time() > deadline:
-                return
-            await asyncio.sleep(0.005)
+        """Wait (at most `timeout` seconds) until every backlog is in its ring."""
+        waits = [o.drained.wait() for o in self._outlets.values() if not o.drained.is_set()]
+        if waits:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*waits), timeout)
 
     async def close(self) -> None:
-        # receivers first: a pop waiting on a ring must be gone before the ring is closed
+        # waiters first: a pop or push waiting on a ring's doorbell must be gone before the
+        # ring (and its fds) is closed
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(o.stop() for o in self._outlets.values()))
         for outlet in self._outlets.values():
             outlet.close()
         for ring in self._inbound.values():
@@ -199,13 +209,17 @@ class Endpoint:
         if self._cuda is not None:
             self._cuda.close()
         for sock in self._pushes.values():
-            sock.close(linger=0)
+            sock.close()  # with the socket's LINGER: 0 unless a last word was sent on it
         self._pull.close(linger=0)
-        self._ctx.term()
+        self._ctx.term()  # returns once every lingering message is delivered or timed out
 
 
 class _RingOutlet:
-    """The sending side of one ring: ordered, never blocking, spilling what does not fit."""
+    """The sending side of one ring: ordered, never blocking, spilling what does not fit.
+
+    Invariant: while `backlog` is non-empty, new messages queue behind it (order) and exactly
+    one drain task is pushing its head; `drained` is set exactly when the backlog is empty (or
+    its drain failed: a bug, raised by the next send)."""
 
     def __init__(
         self, endpoint: Endpoint, receiver: str, name: str, cuda: _Lane | None = None
@@ -217,10 +231,15 @@ class _RingOutlet:
         self._ring: Ring | None = None
         self._seq = 0
         self.backlog: collections.deque[tuple[bytes, list[Any]]] = collections.deque()
+        self.drained = asyncio.Event()
+        self.drained.set()
         self._drain: asyncio.Task[None] | None = None
+        self._failed: BaseException | None = None
         self._closed = False
 
     def send(self, message: Any) -> None:
+        if self._failed is not None:
+            raise RuntimeError(f"ring {self._name}: sending failed") from self._failed
         if self._closed:
             return
         header, buffers = encode(message, self._cuda)
@@ -230,8 +249,9 @@ class _RingOutlet:
         left = self._try(header, buffers)
         if left is not None:
             self.backlog.append(left)
-            if self._drain is None or self._drain.done():
-                self._drain = asyncio.get_running_loop().create_task(self._drain_backlog())
+            self.drained.clear()
+            self._drain = asyncio.get_running_loop().create_task(self._drain_backlog())
+            self._drain.add_done_callback(self._drain_done)
 
     def _try(self, header: bytes, buffers: list[Any]) -> tuple[bytes, list[Any]] | None:
         """Push one message now; returns what must wait in the backlog (None: nothing)."""
@@ -249,28 +269,59 @@ class _RingOutlet:
             marker, _ = encode(_Spilled(self._endpoint.name, seq))
             return self._try(marker, [])
         except RingClosed:
-            # the receiver died: its death fails the requests concerned; drop what we send it
-            log.warning("ring %s: receiver gone, dropping messages", self._name)
-            self._closed = True
+            self._receiver_gone()
         return None
 
-    async def _drain_backlog(self) -> None:
-        delay = 0.0002
-        while self.backlog and not self._closed:
-            left = self._try(*self.backlog[0])
-            if left is None:
-                self.backlog.popleft()
-                delay = 0.0002
-            else:
-                self.backlog[0] = left  # a spilled message leaves only its marker behind
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.01)
-        if self._closed:
-            self.backlog.clear()
+    def _receiver_gone(self) -> None:
+        # the receiver died: its death fails the requests concerned; drop what we send it
+        log.warning("ring %s: receiver gone, dropping messages", self._name)
+        self._closed = True
 
-    def close(self) -> None:
+    async def _drain_backlog(self) -> None:
+        assert self._ring is not None  # _try attached it before anything was backlogged
+        try:
+            while self.backlog and not self._closed:
+                # the head was refused for lack of space only (a spilled message left just its
+                # marker), so it fits once the receiver releases enough
+                try:
+                    await self._ring.push_async(*self.backlog[0])
+                except RingClosed:
+                    self._receiver_gone()
+                    break
+                self.backlog.popleft()
+                # push what fits now without a doorbell round trip; stop at the first refusal
+                while self.backlog and not self._closed:
+                    left = self._try(*self.backlog[0])
+                    if left is not None:
+                        self.backlog[0] = left
+                        break
+                    self.backlog.popleft()
+        finally:
+            if self._closed:
+                self.backlog.clear()
+
+    def _drain_done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            # a bug (push_async raises nothing else for a record that fits): the backlog is
+            # stuck, so the next send to this receiver raises it
+            self._failed = task.exception()
+            log.error("ring %s: backlog drain failed", self._name, exc_info=self._failed)
+        if not self.backlog or self._failed is not None:
+            self.drained.set()
+
+    async def stop(self) -> None:
+        """Stop sending: drop the backlog and wait until no push waits on the ring's doorbell
+        (its fds must stay open until then)."""
         self._closed = True
         if self._drain is not None:
             self._drain.cancel()
+            await asyncio.gather(self._drain, return_exceptions=True)
+        self.backlog.clear()
+        self.drained.set()
+
+    def close(self) -> None:
+        """Close the ring; after stop() (a drain still waiting on its doorbell would outlive
+        the fds it watches)."""
+        assert self._drain is None or self._drain.done(), "close() before stop()"
         if self._ring is not None:
             self._ring.close()

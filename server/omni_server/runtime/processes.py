@@ -199,6 +199,8 @@ class ProcessGroup:
                 loop.remove_reader(pidfd)
             os.close(pidfd)
         self._pidfds.clear()
+        # Supervision never polls: exits arrive through pidfds. This blocking, bounded wait only
+        # reaps a process whose pidfd has not fired even after SIGKILL (stuck in the kernel).
         for proc in self._procs:
             if proc is not None and proc.returncode is None:
                 with contextlib.suppress(subprocess.TimeoutExpired):

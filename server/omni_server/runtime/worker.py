@@ -29,6 +29,8 @@ from .topology import Topology
 log = logging.getLogger("omni_server.worker")
 
 _PR_SET_PDEATHSIG = 1
+# how long closing the endpoint may spend delivering StartFailed before the process exits
+_LAST_WORD_S = 2.0
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -86,8 +88,7 @@ async def serve(plan: Plan, run_dir: Path, run_id: str, index: int, port: int | 
         try:
             await host.start()
         except StageStartError as exc:
-            endpoint.send_control(COORDINATOR, StartFailed(instance.name, str(exc)))
-            await asyncio.sleep(0.1)  # let ZMQ hand the message over before we exit
+            endpoint.send_control(COORDINATOR, StartFailed(instance.name, str(exc)), _LAST_WORD_S)
             return 1
         endpoint.start_receiving(host.handle, lambda _: host.shutdown_requested.set())
         endpoint.send_control(COORDINATOR, Ready(instance.name))
@@ -127,8 +128,7 @@ async def _serve_tp_peer(
     try:
         backend = await host._initialize(plan.stages[stage], host_executor(host, stage))
     except StageStartError as exc:
-        endpoint.send_control(COORDINATOR, StartFailed(instance.name, str(exc)))
-        await asyncio.sleep(0.1)
+        endpoint.send_control(COORDINATOR, StartFailed(instance.name, str(exc)), _LAST_WORD_S)
         return 1
     calls = StageCalls(plan.stages[stage], backend)
     done = asyncio.get_running_loop().create_future()
