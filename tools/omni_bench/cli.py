@@ -1,8 +1,49 @@
-"""Console script (not yet)."""
+"""The `omni-bench` command line: one subcommand per benchmark.
 
+    omni-bench speech     load test of /v1/audio/speech against peers (omni_bench.speech)
+    omni-bench transport  the transport benchmark (omni_bench.transport)
+    omni-bench overhead   the runtime overhead benchmark (omni_bench.overhead)
+
+Each subcommand module exposes `main(argv) -> int`; modules load only when their subcommand
+runs, so one benchmark's heavy imports never slow another.
+"""
+
+from __future__ import annotations
+
+import importlib
 import sys
+
+SUBCOMMANDS = {
+    "speech": ("omni_bench.speech", "load test of the speech endpoint, with peers and WER"),
+    "transport": ("omni_bench.transport", "transport latency and GB/s vs memcpy, pyzmq, SHM"),
+    "overhead": ("omni_bench.overhead", "framework overhead of an empty 3-stage pipeline"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: omni-bench {" + ",".join(SUBCOMMANDS) + "} [options]", ""]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("omni_bench: not yet", file=sys.stderr)
-    return 2
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(
+            f"omni-bench: unknown subcommand {name!r}; expected one of {', '.join(SUBCOMMANDS)}",
+            file=sys.stderr,
+        )
+        return 2
+    module_name = SUBCOMMANDS[name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name != module_name:
+            raise  # a real missing dependency inside the module must surface
+        print(f"omni-bench: the {name} benchmark is not installed ({module_name})", file=sys.stderr)
+        return 2
+    return int(module.main(rest) or 0)

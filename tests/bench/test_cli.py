@@ -1,0 +1,48 @@
+"""Bad command lines end with exit code 2 and one line, no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from omni_bench.cli import main
+from omni_bench.peers import free_port
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    code = "import sys; from omni_bench.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["frobnicate"], "unknown subcommand 'frobnicate'"),
+        (["speech", "--peer", "in-process", "--concurrency", "1,x"], "expected integers"),
+        (["speech", "--peer", "in-process", "--dataset", "/nonexistent.txt"], "/nonexistent.txt"),
+        (["speech"], "nothing to measure"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err
+    assert len(err.splitlines()) == 1
+
+
+def test_unreachable_server_is_exit_2_without_traceback():
+    port = free_port()  # nothing listens here
+    proc = run("speech", "--url", f"http://127.0.0.1:{port}", "--requests", "1")
+    assert proc.returncode == 2
+    assert f"cannot reach http://127.0.0.1:{port}" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_help_lists_the_subcommands(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "speech" in out and "transport" in out

@@ -1,0 +1,281 @@
+"""`omni-bench speech`: the load driver.
+
+For each concurrency level and each target (our server, then each peer), `concurrency` workers
+share one queue of `requests` texts taken in order from the dataset (wrapping around) and each
+sends its next request as soon as its previous one ends: closed-loop load, the same texts in the
+same order for every target. Only one target is under load at a time, so they never compete for
+the CPU; levels are interleaved across targets (c=1 on each, then c=2 on each, ...) so that other
+work on the machine affects every target alike. The first clip returned for each text is kept
+for `--wer`, which runs only after all timing is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from omni_bench import proc_cpu, report, server_stats
+from omni_bench.audio import Clip
+from omni_bench.metrics import LevelSummary, RequestTiming, summarize
+from omni_bench.peers import PEERS, make_peer
+from omni_bench.targets import OpenAISpeechTarget, SpeechTarget
+
+DEFAULT_DATASET = Path(__file__).parent / "data" / "sentences.txt"
+FORMATS = ("pcm", "wav", "mp3", "opus", "aac", "flac")
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported as one line with exit code 2."""
+
+
+def load_dataset(path: Path) -> list[str]:
+    """One text per line (a sentence or a short paragraph); blank lines and `#` lines skipped."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise UsageError(f"--dataset {path}: {err.strerror}") from err
+    texts = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not texts:
+        raise UsageError(f"--dataset {path}: no texts (one per line expected)")
+    return texts
+
+
+@dataclass
+class TargetResult:
+    name: str
+    levels: list[LevelSummary] = field(default_factory=list)
+    clips: dict[str, Clip] = field(default_factory=dict)
+    wer: dict | None = None
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "levels": [asdict(x) for x in self.levels], "wer": self.wer}
+
+
+async def run_level(
+    target: SpeechTarget, texts: list[str], concurrency: int, requests: int, keep: dict[str, Clip]
+) -> tuple[list[RequestTiming], float]:
+    """Closed-loop load at one concurrency; returns the timings and the level's wall time."""
+    queue = [texts[i % len(texts)] for i in range(requests)]
+    queue.reverse()  # pop() from the end takes them in dataset order
+    timings: list[RequestTiming] = []
+    bar = tqdm(total=requests, desc=f"{target.name} c={concurrency}", unit="req", leave=False)
+
+    async def worker() -> None:
+        while queue:
+            text = queue.pop()
+            timing, clip = await target.synthesize(text)
+            timings.append(timing)
+            if clip is not None and text not in keep:
+                keep[text] = clip
+            bar.update(1)
+
+    start = time.perf_counter()
+    try:
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    finally:
+        bar.close()
+    return timings, time.perf_counter() - start
+
+
+async def measure_level(
+    target: SpeechTarget,
+    result: TargetResult,
+    texts: list[str],
+    concurrency: int,
+    requests: int,
+    pids: dict[str, int],
+) -> None:
+    """One level of one target, with the server's own breakdown and the CPU each side used."""
+    stats = getattr(target, "stats", None)  # only our server explains its time
+    load = os.getloadavg()[0]
+    before = await stats() if stats else None
+    cpu_before = {name: proc_cpu.snapshot(pid) for name, pid in pids.items()}
+    timings, wall = await run_level(target, texts, concurrency, requests, result.clips)
+    level = summarize(concurrency, timings, wall)
+    level.cpu = {
+        name: proc_cpu.cores(cpu_before[name], proc_cpu.snapshot(pid), wall)
+        for name, pid in pids.items()
+    }
+    after = await stats() if stats else None
+    if before is not None and after is not None:
+        level.server = server_stats.breakdown(before, after)
+    print(report.level_line(target.name, level, load), file=sys.stderr)
+    result.levels.append(level)
+
+
+async def bench(
+    targets: list[SpeechTarget],
+    texts: list[str],
+    levels: list[int],
+    requests: int,
+    warmup: int,
+    server_pid: int | None = None,
+) -> list[TargetResult]:
+    """All targets start first; then each level runs on each target in turn (interleaved), so
+    a change in what else loads the machine touches every target alike."""
+    results = [TargetResult(t.name) for t in targets]
+    async with contextlib.AsyncExitStack() as stack:
+        for target in targets:
+            await target.start()
+            stack.push_async_callback(target.close)
+            for text in texts[:warmup]:  # first requests pay for lazy loading; not measured
+                timing, _ = await target.synthesize(text)
+                if timing.error:
+                    raise RuntimeError(f"{target.name}: warm-up request failed: {timing.error}")
+        for concurrency in levels:
+            for target, result in zip(targets, results, strict=True):
+                pids = {"bench": os.getpid()}
+                if server_pid is not None and hasattr(target, "stats"):
+                    pids["server"] = server_pid
+                await measure_level(target, result, texts, concurrency, requests, pids)
+    return results
+
+
+def machine() -> dict:
+    cpu = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "loadavg_at_start": os.getloadavg(),
+    }
+
+
+def parse_levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--concurrency {text!r}: expected integers like 1,2,4,8,16") from None
+    if not levels or min(levels) < 1:
+        raise UsageError(f"--concurrency {text!r}: expected integers >= 1")
+    return levels
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="omni-bench speech",
+        description="Load-test a speech endpoint and peers: TTFA, latency, RTF, throughput, WER.",
+    )
+    p.add_argument("--url", help="our server, e.g. http://127.0.0.1:8000 (omit to run peers only)")
+    p.add_argument("--model", help="model id (default: the first one /v1/models lists)")
+    p.add_argument("--voice", help="voice name sent with each request (default: none sent)")
+    p.add_argument("--concurrency", default="1,2,4,8,16", help="levels, comma separated")
+    p.add_argument("--requests", type=int, default=0, help="per level (default: dataset size)")
+    p.add_argument("--dataset", type=Path, default=DEFAULT_DATASET, help="one text per line")
+    p.add_argument("--stream", action="store_true", help='stream_format "audio" (chunked as ready)')
+    p.add_argument("--format", default="pcm", choices=FORMATS, help="response_format")
+    p.add_argument("--peer", action="append", default=[], choices=PEERS, help="also measure a peer")
+    p.add_argument(
+        "--repo", type=Path, default=Path("repository"), help="repository the in-process peer runs"
+    )
+    p.add_argument("--wer", action="store_true", help="score WER with Whisper tiny.en")
+    p.add_argument(
+        "--seed", type=int, help="seed every request (ours and in-process): identical audio"
+    )
+    p.add_argument(
+        "--server-pid", type=int, help="our server's pid (local): report its CPU per thread"
+    )
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each target")
+    p.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
+    return p
+
+
+async def run(args: argparse.Namespace) -> dict:
+    texts = load_dataset(args.dataset)
+    levels = parse_levels(args.concurrency)
+    requests = args.requests or len(texts)
+    if requests < 1:
+        raise UsageError("--requests must be >= 1")
+    if not args.url and not args.peer:
+        raise UsageError("nothing to measure: give --url, --peer, or both")
+    targets: list[SpeechTarget] = []
+    if args.url:
+        targets.append(
+            OpenAISpeechTarget(
+                args.url,
+                model=args.model,
+                voice=args.voice,
+                response_format=args.format,
+                stream=args.stream,
+                seed=args.seed,
+            )
+        )
+    if "in-process" in args.peer and not (args.repo / "repository.toml").is_file():
+        raise UsageError(f"--repo {args.repo}: no repository.toml (the in-process peer needs it)")
+    targets += [
+        make_peer(
+            name, repository=args.repo, max_concurrency=max(levels),
+            response_format=args.format, stream=args.stream, seed=args.seed,
+        )
+        for name in dict.fromkeys(args.peer)
+    ]  # fmt: skip
+
+    if args.server_pid is not None and not Path(f"/proc/{args.server_pid}").is_dir():
+        raise UsageError(f"--server-pid {args.server_pid}: no such process")
+    warmup = min(args.warmup, len(texts))
+    results = await bench(targets, texts, levels, requests, warmup, args.server_pid)
+    if args.wer:
+        from omni_bench.wer import Transcriber, evaluate
+
+        transcriber = Transcriber()
+        for r in results:
+            with tqdm(total=len(r.clips), desc=f"WER {r.name}", unit="clip", leave=False) as bar:
+                r.wer = evaluate(r.clips, transcriber, bar).as_dict()
+    return {
+        "machine": machine() | {"loadavg_at_end": os.getloadavg()},
+        "command": " ".join(["omni-bench speech", *args.argv]),
+        "settings": {
+            "url": args.url,
+            "format": args.format,
+            "stream": args.stream,
+            "seed": args.seed,
+            "concurrency": levels,
+            "requests_per_level": requests,
+            "dataset": str(args.dataset),
+            "dataset_texts": len(texts),
+        },
+        "targets": [r.as_dict() for r in results],
+    }
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    try:
+        result = asyncio.run(run(args))
+    except UsageError as err:
+        print(f"omni-bench speech: {err}", file=sys.stderr)
+        return 2
+    except ConnectionError as err:
+        print(f"omni-bench speech: {err}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "speech.json").write_text(json.dumps(result, indent=2) + "\n")
+    table = report.markdown(result)
+    (args.out / "speech.md").write_text(table)
+    report.plots(result, args.out)
+    print(table)
+    print(f"results in {args.out}/ (speech.json, speech.md, ttfa.png, throughput.png)")
+    failed = sum(level["failed"] for t in result["targets"] for level in t["levels"])
+    if failed:
+        print(f"omni-bench speech: {failed} request(s) failed (see errors in speech.json)")
+        return 1
+    return 0
