@@ -98,7 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     speak.add_argument("text", nargs="?", help="the text to speak ('-' reads stdin)")
     speak.add_argument("-o", "--output", help="output file ('-' for stdout)")
-    speak.add_argument("--format", choices=protocol.FORMATS, help="default: from -o's extension")
+    speak.add_argument(
+        "--format",
+        choices=protocol.FORMATS,
+        help="default: from -o's extension; mp3 to stdout; wav for --file",
+    )
     speak.add_argument(
         "--stream",
         action="store_true",

@@ -42,9 +42,12 @@ def _serve_parser() -> argparse.ArgumentParser:
         prog="omni-server",
         usage="%(prog)s --repo DIR [--host HOST] [--port PORT] [overrides ...]\n"
         "       %(prog)s config resolve --help",
-        description="Serve a model repository: OpenAI-compatible speech, transcription, chat\n"
-        "and realtime APIs over the pipeline its stage folders declare. Invalid repositories\n"
-        "exit with code 2 and one line naming the file, stage and field.",
+        description="Serve a model repository over an OpenAI-compatible HTTP API (speech:\n"
+        "POST /v1/audio/speech; GET /v1/models, /health, /metrics, / the playground),\n"
+        "running the pipeline its stage folders declare. Logs 'omni-server ready on ...'\n"
+        "once every stage has started; SIGINT / SIGTERM stop it (exit 0). Invalid\n"
+        "repositories exit with code 2 and one line naming the file, stage and field; a port\n"
+        "that cannot be bound or a pipeline that fails to start exits 1.",
         epilog=OVERRIDES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,

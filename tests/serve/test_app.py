@@ -75,3 +75,56 @@ async def test_stopped_runtime_answers_503(runtime, aiohttp_client):
     assert (await response.json())["error"]["code"] == "not_ready"
     health = await client.get("/health")
     assert health.status == 503 and (await health.json())["status"] == "not_ready"
+
+
+WHOLE_BODY = """\
+from omni_server.backend import StageBackend
+
+
+class WholeBody(StageBackend):
+    # scheduler "single": no chunks; the result carries the body (or, on cue, forgets it)
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            if request.inputs["text"] == "forget the audio":
+                out.append({"sample_rate": 24000})
+            else:
+                out.append({"audio": b"\\x01\\x00" * 240, "audio_seconds": 0.01})
+        return out
+"""
+
+
+@pytest.fixture
+async def whole_body_runtime(tmp_path):
+    repo = make_repo(
+        tmp_path,
+        stages={"speaker": 'backend = "WholeBody"\nterminal = true'},
+        repository='[models.quiet]\nentry = "speaker"\ntasks = ["speech"]\nvoices = ["hush"]\n'
+        'default_voice = "hush"',
+        models={"speaker": WHOLE_BODY},
+    )
+    runtime = Runtime(compile_repository(repo), inline=True)
+    await runtime.start()
+    yield runtime
+    await runtime.stop()
+
+
+@pytest.mark.parametrize("stream_format", [None, "audio"])
+async def test_a_non_streaming_terminal_returns_the_body_in_its_result(
+    whole_body_runtime, aiohttp_client, stream_format
+):
+    client = await aiohttp_client(create_app(whole_body_runtime))
+    body = dict(SPEECH, **({"stream_format": stream_format} if stream_format else {}))
+    response = await client.post("/v1/audio/speech", json=body)
+    assert response.status == 200
+    assert await response.read() == b"\x01\x00" * 240
+
+
+async def test_a_terminal_that_produces_no_audio_is_a_server_error(
+    whole_body_runtime, aiohttp_client
+):
+    client = await aiohttp_client(create_app(whole_body_runtime))
+    response = await client.post("/v1/audio/speech", json=dict(SPEECH, input="forget the audio"))
+    assert response.status == 500
+    message = (await response.json())["error"]["message"]
+    assert "produced no audio" in message and "sample_rate" in message

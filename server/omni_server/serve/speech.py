@@ -107,9 +107,11 @@ async def _answer(
 ) -> web.StreamResponse:
     whole = bytearray()
     response: web.StreamResponse | None = None
+    chunks = 0
     try:
         async for chunk in handle:
-            audio: bytes = chunk["audio"]
+            chunks += 1
+            audio = _chunk_audio(chunk)
             if audio:
                 track.first_audio()
             if speech.stream_format is None:
@@ -120,6 +122,9 @@ async def _answer(
             if audio:
                 await response.write(_encode_chunk(speech, audio))
         result = await handle.result()
+        # A terminal stage that does not stream (scheduler single / batch) hands the whole body
+        # over in its result; one that streams reports what it sent (`audio_seconds`).
+        tail = _result_audio(result, streamed=chunks > 0)
     except PipelineError as exc:
         error = pipeline_error(exc)
         if response is None:
@@ -131,10 +136,14 @@ async def _answer(
         return response
 
     track.audio_seconds = _audio_seconds(result)
+    if tail:
+        track.first_audio()
     if speech.stream_format is None:
-        return web.Response(body=bytes(whole), headers=_headers(speech, handle))
-    if response is None:  # no audio at all (e.g. input with nothing to speak)
+        return web.Response(body=bytes(whole + tail), headers=_headers(speech, handle))
+    if response is None:  # no chunk: a non-streaming terminal, or nothing to speak ("...")
         response = await _start_stream(request, speech, handle)
+    if tail:
+        await response.write(_encode_chunk(speech, tail))
     if speech.stream_format == "sse":
         await response.write(_sse({"type": "speech.audio.done", "usage": _usage(speech, result)}))
     await response.write_eof()
@@ -183,6 +192,36 @@ def _usage(speech: SpeechRequest, result: Any) -> dict[str, int]:
         "output_tokens": output_tokens,
         "total_tokens": input_tokens + output_tokens,
     }
+
+
+def _chunk_audio(chunk: Any) -> bytes:
+    """The body bytes of one terminal chunk: the speech contract is `{"audio": bytes}`."""
+    audio = chunk.get("audio") if isinstance(chunk, dict) else None
+    if not isinstance(audio, bytes | bytearray):
+        keys = sorted(chunk) if isinstance(chunk, dict) else type(chunk).__name__
+        raise PipelineError(
+            f"a speech pipeline's terminal chunks must be {{'audio': bytes}}; got {keys}",
+            code="stage_failed",
+        )
+    return bytes(audio)
+
+
+def _result_audio(result: Any, *, streamed: bool) -> bytes:
+    """Body bytes carried by the terminal result; refuses a result that accounts for no audio.
+
+    Without this check a terminal stage that returned its audio under another key would
+    answer 200 with an empty body: a failure dressed as a success.
+    """
+    if isinstance(result, dict) and isinstance(result.get("audio"), bytes | bytearray):
+        return bytes(result["audio"])
+    if streamed or (isinstance(result, dict) and "audio_seconds" in result):
+        return b""
+    keys = sorted(result) if isinstance(result, dict) else type(result).__name__
+    raise PipelineError(
+        "the speech pipeline's terminal stage produced no audio: it must stream "
+        f"{{'audio': bytes}} chunks or return {{'audio': bytes}}; its result had {keys}",
+        code="stage_failed",
+    )
 
 
 def _audio_seconds(result: Any) -> float:
