@@ -19,6 +19,8 @@ from tests.helpers.repo import make_repo
 FRONTEND = 'backend = "Frontend"\nnext = "synth"\n'
 SYNTH = 'backend = "Synth"\nnext = "encoder"\nstream_to = "encoder"\n[scheduler]\nkind = "stream"\n'
 ENCODER = 'backend = "Encoder"\nterminal = true\n'
+# for cases where the encoder is tensor-parallel: a TP stage cannot be a stream target
+PLAIN_SYNTH = 'backend = "Synth"\nnext = "encoder"\n'
 MODELS = '[models.tts]\nentry = "frontend"\ntasks = ["speech"]\nvoices = ["joe"]\n'
 
 
@@ -91,9 +93,13 @@ ACCEPTED = [
             "synth": SYNTH.replace("[scheduler]", 'process = "pipeline"\n[scheduler]'),
         },
     ),
-    Case("tp-on-cpu-ranks", stages={"encoder": ENCODER + "tp_size = 2\n"}),
     Case(
-        "tp-stage-owns-process", stages={"encoder": gpu_stage("E", "gpu = [0, 1]\ntp_size = 2\n")}
+        "tp-on-cpu-ranks",
+        stages={"synth": PLAIN_SYNTH, "encoder": ENCODER + "tp_size = 2\n"},
+    ),
+    Case(
+        "tp-stage-owns-process",
+        stages={"synth": PLAIN_SYNTH, "encoder": gpu_stage("E", "gpu = [0, 1]\ntp_size = 2\n")},
     ),
     Case(
         "cpu-replicas-need-no-devices", repository=MODELS + "[processes.synth]\nnum_replicas = 3\n"
@@ -115,6 +121,7 @@ ACCEPTED = [
     Case(
         "tp-replicas-n-times-t",
         stages={
+            "synth": PLAIN_SYNTH,
             "encoder": gpu_stage("E", "gpu = [0, 1]\ntp_size = 2\ngpu_memory_fraction = 0.4\n"),
         },
         repository=MODELS
@@ -467,6 +474,11 @@ REJECTED = [
         error=("stage.toml", "encoder", "gpu", "3 GPU ids for tp_size = 2"),
     ),
     Case(
+        "tp-stage-as-stream-target",
+        stages={"encoder": ENCODER + "tp_size = 2\n"},  # SYNTH streams to it
+        error=("stage.toml", "synth", "stream_to", "tensor-parallel"),
+    ),
+    Case(
         "tp-ranks-share-gpu",
         stages={"encoder": gpu_stage("E", "gpu = [1, 1]\ntp_size = 2\n")},
         error=("stage.toml", "encoder", "gpu", "TP ranks may not share a GPU"),
@@ -482,6 +494,7 @@ REJECTED = [
     Case(
         "tp-replica-ranks-share-gpu",
         stages={
+            "synth": PLAIN_SYNTH,
             "encoder": gpu_stage("E", "gpu = [0, 1]\ntp_size = 2\ngpu_memory_fraction = 0.4\n"),
         },
         repository=MODELS
@@ -547,6 +560,7 @@ REJECTED = [
     Case(
         "replica-devices-n-times-t",
         stages={
+            "synth": PLAIN_SYNTH,
             "encoder": gpu_stage("E", "gpu = [0, 1]\ntp_size = 2\ngpu_memory_fraction = 0.2\n"),
         },
         repository=MODELS + "[processes.encoder]\nnum_replicas = 2\nreplica_devices = [1, 2]\n",
@@ -643,6 +657,7 @@ REJECTED = [
     Case(
         "weight-share-tp-engine",
         stages={
+            "synth": PLAIN_SYNTH,
             "encoder": gpu_stage(
                 "E",
                 "gpu = [0, 1]\ntp_size = 2\ngpu_memory_fraction = 0.4\n[engine]\n"

@@ -117,11 +117,17 @@ def _line(layout: str, row: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="omni-bench overhead", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="omni-bench overhead",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--requests", type=int, default=2000, help="requests per level")
-    parser.add_argument("--concurrency", default="1,2,4,8,16,32,64")
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32,64", help="levels, comma separated")
     parser.add_argument("--payload-kib", type=int, default=0, help="float32 array per request")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument(
+        "--layouts", default=",".join(LAYOUTS), help="process layouts, comma separated"
+    )
     parser.add_argument("--scheduler", choices=("single", "batch"), default="single")
     args = parser.parse_args(argv)
     try:

@@ -126,12 +126,12 @@ async def bench(
     results = [TargetResult(t.name) for t in targets]
     async with contextlib.AsyncExitStack() as stack:
         for target in targets:
+            stack.push_async_callback(target.close)  # first: a start that fails still closes
             await target.start()
-            stack.push_async_callback(target.close)
             for text in texts[:warmup]:  # first requests pay for lazy loading; not measured
                 timing, _ = await target.synthesize(text)
                 if timing.error:
-                    raise RuntimeError(f"{target.name}: warm-up request failed: {timing.error}")
+                    raise WarmupFailed(f"{target.name}: warm-up request failed: {timing.error}")
         for concurrency in levels:
             for target, result in zip(targets, results, strict=True):
                 pids = {"bench": os.getpid()}
@@ -177,11 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", help="our server, e.g. http://127.0.0.1:8000 (omit to run peers only)")
     p.add_argument("--model", help="model id (default: the first one /v1/models lists)")
     p.add_argument("--voice", help="voice name sent with each request (default: none sent)")
-    p.add_argument("--concurrency", default="1,2,4,8,16", help="levels, comma separated")
-    p.add_argument("--requests", type=int, default=0, help="per level (default: dataset size)")
+    p.add_argument(
+        "--concurrency", default="1,2,4,8,16", help="levels, comma separated (default: 1,2,4,8,16)"
+    )
+    p.add_argument("--requests", type=int, default=0, help="per level (0: the dataset size)")
     p.add_argument("--dataset", type=Path, default=DEFAULT_DATASET, help="one text per line")
     p.add_argument("--stream", action="store_true", help='stream_format "audio" (chunked as ready)')
-    p.add_argument("--format", default="pcm", choices=FORMATS, help="response_format")
+    p.add_argument(
+        "--format", default="pcm", choices=FORMATS, help="response_format (default: pcm)"
+    )
     p.add_argument("--peer", action="append", default=[], choices=PEERS, help="also measure a peer")
     p.add_argument(
         "--repo", type=Path, default=Path("repository"), help="repository the in-process peer runs"
@@ -193,8 +197,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--server-pid", type=int, help="our server's pid (local): report its CPU per thread"
     )
-    p.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each target")
-    p.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
+    p.add_argument(
+        "--warmup", type=int, default=2, help="unmeasured requests before each target (default: 2)"
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-results"),
+        help="output folder (default: bench-results)",
+    )
     return p
 
 
@@ -256,6 +267,10 @@ async def run(args: argparse.Namespace) -> dict:
     }
 
 
+class WarmupFailed(RuntimeError):
+    """A target failed before measuring began: nothing to report."""
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
@@ -267,6 +282,9 @@ def main(argv: list[str]) -> int:
     except ConnectionError as err:
         print(f"omni-bench speech: {err}", file=sys.stderr)
         return 2
+    except WarmupFailed as err:
+        print(f"omni-bench speech: {err}", file=sys.stderr)
+        return 1
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "speech.json").write_text(json.dumps(result, indent=2) + "\n")
     table = report.markdown(result)

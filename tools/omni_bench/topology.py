@@ -79,7 +79,7 @@ async def measure(overrides: list[str]) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only", nargs="*", default=[], help="topology names containing these")
     args = parser.parse_args()

@@ -500,12 +500,16 @@ def run_cuda(iterations: int, progress: Callable[[str], None]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="omni-bench transport", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="omni-bench transport",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     ap.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
     ap.add_argument("--sizes", help="comma-separated payload sizes in bytes")
     ap.add_argument("--markdown", help="also write the tables to this file")
     ap.add_argument("--cuda", action="store_true", help="only the CUDA tensor crossing")
-    ap.add_argument("--cuda-iterations", type=int, default=200)
+    ap.add_argument("--cuda-iterations", type=int, default=200, help="measured crossings (CUDA)")
     args = ap.parse_args(argv)
 
     def progress(msg: str) -> None:

@@ -128,7 +128,7 @@ def throughput(voices: list[InProcessVoice], jobs: int = 24) -> tuple[float, flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     voice = InProcessVoice(REPOSITORY)

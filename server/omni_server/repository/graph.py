@@ -43,6 +43,17 @@ def check_wiring(
                         stage=spec.name,
                         field=field,
                     )
+                if field == "stream_to" and stages[target].tp_size > 1:
+                    # Only TP rank 0 hears from other stages; its peers would never see the
+                    # chunks, so their collective calls would fall out of step.
+                    raise RepositoryError(
+                        f"stream target '{target}' is tensor-parallel (tp_size "
+                        f"{stages[target].tp_size}); chunks reach only its rank 0, so a TP stage "
+                        "cannot take a stream: hand it the full payload with `next` instead",
+                        file=files[spec.name],
+                        stage=spec.name,
+                        field=field,
+                    )
     _check_fan_in(stages, files)
     order = _topological_order(stages, files)
     _check_models(stages, models, files, repository_file)
