@@ -5,78 +5,20 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import pytest
 
-from omni_bench.peers import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
-READY_TIMEOUT_S = 120.0
+from tests.helpers.server import EMBEDDED_REPO, ServerProcess
 
 
 @pytest.fixture
 def server(tmp_path):
-    port = free_port()
-    log = (tmp_path / "server.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "omni_server", "--repo", str(ROOT / "repository"),
-         "--port", str(port)],
-        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{_tail(tmp_path)}")
-            try:
-                with urllib.request.urlopen(f"{url}/health/ready", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not ready in {READY_TIMEOUT_S}s:\n{_tail(tmp_path)}")
-            time.sleep(0.25)
-        run_ids = _run_ids(proc.pid)
-        yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
-    # This server's own segments (other suites on the machine may hold theirs): none may remain.
-    assert run_ids, "found no worker process of the server"
-    assert proc.returncode == 0, f"server exit code {proc.returncode} after SIGTERM"
-    leaked = [p.name for rid in run_ids for p in Path("/dev/shm").glob(f"omni-{rid}-*")]
-    assert not leaked, f"server left shared memory behind: {leaked}"
-
-
-def _run_ids(pid: int) -> set[str]:
-    """Run ids of the server's workers (`omni_server.runtime.worker DIR RUN_ID ...`), which
-    name its /dev/shm segments `omni-RUN_ID-*`."""
-    ids = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            argv = Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")
-            if "omni_server.runtime.worker" in argv:
-                ids.add(argv[argv.index("omni_server.runtime.worker") + 2])
-    return ids
-
-
-def _tail(tmp_path: Path) -> str:
-    return (tmp_path / "server.log").read_text(errors="replace")[-3000:]
+    """The server's URL; on teardown it must exit 0 on SIGTERM leaving no process or segment."""
+    with ServerProcess.start(EMBEDDED_REPO, tmp_path / "server.log") as running:
+        assert running.run_ids(), "found no worker process of the server"
+        yield running.url
 
 
 @pytest.mark.timeout(300)

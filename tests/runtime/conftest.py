@@ -3,24 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 from omni_server.repository.plan import Plan
 from omni_server.runtime import Runtime
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def segments(run_id: str) -> list[str]:
-    return sorted(p for p in os.listdir("/dev/shm") if p.startswith(f"omni-{run_id}-"))
+from tests.helpers.proc import alive, run_segments
 
 
 @contextlib.asynccontextmanager
@@ -38,5 +25,5 @@ async def running(plan: Plan, **kwargs) -> AsyncIterator[Runtime]:
         await runtime.stop()  # idempotent
         assert not [p for p in pids if alive(p)], "stage processes outlived stop()"
         if group is not None:
-            assert segments(group.run_id) == [], "shared-memory segments outlived stop()"
+            assert run_segments(group.run_id) == [], "shared-memory segments outlived stop()"
             assert not group.run_dir.exists(), "run directory outlived stop()"

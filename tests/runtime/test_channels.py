@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 
 from omni_server.runtime.channels import Endpoint
-
-from .conftest import segments
+from tests.helpers.proc import run_segments
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,7 +65,7 @@ async def test_a_full_ring_backlogs_in_order_and_drains_when_the_receiver_pops(t
     assert [m["i"] for m in got] == [m["i"] for m in sent]
     for want, have in zip(sent, got, strict=True):
         assert np.array_equal(want["data"], have["data"])
-    assert segments(run_id) == []
+    assert run_segments(run_id) == []
 
 
 async def test_a_receiver_gone_drops_the_backlog_and_releases_flush(tmp_path):
@@ -85,4 +84,4 @@ async def test_a_receiver_gone_drops_the_backlog_and_releases_flush(tmp_path):
         await sender.flush(timeout=30)
     finally:
         await sender.close()
-    assert segments(run_id) == []
+    assert run_segments(run_id) == []

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime.conftest import alive, running, segments
+from tests.helpers.proc import alive, run_segments
+from tests.runtime.conftest import running
 from tests.runtime.pipelines import chain
 
 pytestmark = pytest.mark.timeout(120)
@@ -53,16 +54,16 @@ async def test_stage_processes_die_with_a_killed_server_and_leftovers_are_remove
         assert line, "the server process exited before it reported its stage processes"
         info = json.loads(line)
         assert len(info["pids"]) == 3 and all(alive(p) for p in info["pids"])
-        assert segments(info["run_id"])  # the run's rings exist
+        assert run_segments(info["run_id"])  # the run's rings exist
         os.kill(server.pid, signal.SIGKILL)
         server.wait()
         deadline = time.monotonic() + 10
         while any(alive(p) for p in info["pids"]) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not [p for p in info["pids"] if alive(p)], "stage processes outlived the server"
-        assert segments(info["run_id"]), "nobody was left to clean up: segments remain"
+        assert run_segments(info["run_id"]), "nobody was left to clean up: segments remain"
         async with running(plan):  # a new server removes what the dead run left
-            assert segments(info["run_id"]) == []
+            assert run_segments(info["run_id"]) == []
     finally:
         server.kill()
         server.wait()

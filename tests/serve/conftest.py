@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from openai import OpenAI
 
-from tests.serve.server_process import EMBEDDED_REPO, ServerProcess
+from tests.helpers.server import EMBEDDED_REPO, ServerProcess
 
 
 @pytest.fixture(scope="session")

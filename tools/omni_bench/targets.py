@@ -108,21 +108,13 @@ class OpenAISpeechTarget:
 
     async def synthesize(self, text: str) -> tuple[RequestTiming, Clip | None]:
         assert self._session is not None, "start() first"
-        timing = RequestTiming(text=text, start=time.perf_counter())
-        try:
-            async with self._session.post(
-                f"{self.url}/v1/audio/speech", json=self.request_body(text)
-            ) as response:
-                if response.status != 200:
-                    timing.error = await error_text(response)
-                    timing.end = time.perf_counter()
-                    return timing, None
-                body = await read_timed_body(response, timing)
-        except (aiohttp.ClientError, TimeoutError) as err:
-            timing.error = f"{type(err).__name__}: {err}"
-            timing.end = time.perf_counter()
-            return timing, None
-        return finish(timing, body, self.response_format)
+        return await timed_post(
+            self._session,
+            f"{self.url}/v1/audio/speech",
+            self.request_body(text),
+            text,
+            self.response_format,
+        )
 
     async def stats(self) -> server_stats.Snapshot | None:
         assert self._session is not None, "start() first"
@@ -132,6 +124,26 @@ class OpenAISpeechTarget:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+async def timed_post(
+    session: aiohttp.ClientSession, url: str, body: dict, text: str, response_format: str
+) -> tuple[RequestTiming, Clip | None]:
+    """POST one JSON request for `text` and time its answer; an HTTP error, a broken connection
+    or a body without audio is a failed request, its reason in `timing.error`."""
+    timing = RequestTiming(text=text, start=time.perf_counter())
+    try:
+        async with session.post(url, json=body) as response:
+            if response.status != 200:
+                timing.error = await error_text(response)
+                timing.end = time.perf_counter()
+                return timing, None
+            audio = await read_timed_body(response, timing)
+    except (aiohttp.ClientError, TimeoutError) as err:
+        timing.error = f"{type(err).__name__}: {err}"
+        timing.end = time.perf_counter()
+        return timing, None
+    return finish(timing, audio, response_format)
 
 
 def finish(

