@@ -10,8 +10,7 @@ from typing import Any
 
 import aiohttp
 
-from omni_client import protocol
-from omni_client.errors import APIError, OmniConnectionError, OmniError, OmniTimeoutError
+from omni_client import errors, protocol
 
 
 class AsyncOmniClient:
@@ -62,7 +61,7 @@ class AsyncOmniClient:
         sample_rate: int | None = None,
     ) -> bytes:
         """The whole encoded audio of `text` (`format`: mp3, opus, aac, flac, wav or pcm)."""
-        body = protocol.speech_body(
+        request = protocol.speech_request(
             text,
             model=model,
             voice=voice,
@@ -73,7 +72,7 @@ class AsyncOmniClient:
             sample_rate=sample_rate,
             stream=False,
         )
-        async with self._request("POST", "/v1/audio/speech", json=body) as response:
+        async with self._send(request) as response:
             return await response.read()
 
     async def speech_to_file(
@@ -106,7 +105,7 @@ class AsyncOmniClient:
         Each chunk holds whole samples. Leaving the loop early (then `aclose()`, or
         `contextlib.aclosing`) closes the connection, which tells the server to abort.
         """
-        body = protocol.speech_body(
+        request = protocol.speech_request(
             text,
             model=model,
             voice=voice,
@@ -118,7 +117,7 @@ class AsyncOmniClient:
             stream=True,
         )
         aligner = protocol.SampleAligner()
-        async with self._request("POST", "/v1/audio/speech", json=body) as response:
+        async with self._send(request) as response:
             async for data in response.content.iter_any():
                 if chunk := aligner.feed(data):
                     yield chunk
@@ -128,13 +127,11 @@ class AsyncOmniClient:
 
     async def models(self) -> list[dict[str, Any]]:
         """The served models (`GET /v1/models`): dicts with at least `id`."""
-        async with self._request("GET", "/v1/models") as response:
-            return (await _json(response))["data"]
+        return (await self._json(protocol.MODELS))["data"]
 
     async def health(self) -> dict[str, Any]:
         """`GET /health`: the server's status JSON; an `APIError` while it is not ready."""
-        async with self._request("GET", "/health") as response:
-            return await _json(response)
+        return await self._json(protocol.HEALTH)
 
     # -- transport -----------------------------------------------------------------------------
 
@@ -149,32 +146,28 @@ class AsyncOmniClient:
         return self._session
 
     @asynccontextmanager
-    async def _request(
-        self, method: str, path: str, **kwargs: Any
-    ) -> AsyncIterator[aiohttp.ClientResponse]:
+    async def _send(self, request: protocol.Request) -> AsyncIterator[aiohttp.ClientResponse]:
         """An open, successful response; transport failures become typed errors."""
         try:
-            async with self._http().request(method, path, **kwargs) as response:
+            async with self._http().request(
+                request.method, request.path, json=request.json
+            ) as response:
                 if response.status >= 400:
                     body = await response.read()
-                    raise APIError.from_body(response.status, body, response.reason or "")
+                    raise errors.APIError.from_body(response.status, body, response.reason or "")
                 yield response
         # aiohttp's timeouts are both ClientError and TimeoutError: test for timeouts first
         except TimeoutError as e:
-            raise OmniTimeoutError(f"{self.base_url}: timed out ({type(e).__name__})") from e
+            raise errors.timed_out(self.base_url, e) from e
         except aiohttp.ClientConnectorError as e:
-            raise OmniConnectionError(f"{self.base_url}: cannot connect ({e})") from e
+            raise errors.cannot_connect(self.base_url, e) from e
         except aiohttp.ClientError as e:
-            raise OmniConnectionError(
-                f"{self.base_url}: connection broken before the answer was complete "
-                f"({type(e).__name__}: {e})"
-            ) from e
+            raise errors.broken_off(self.base_url, f"{type(e).__name__}: {e}") from e
 
-
-async def _json(response: aiohttp.ClientResponse) -> Any:
-    try:
-        return await response.json(content_type=None)
-    except ValueError as e:
-        raise OmniError(
-            f"{response.url}: expected JSON, got {response.headers.get('Content-Type')}"
-        ) from e
+    async def _json(self, request: protocol.Request) -> Any:
+        async with self._send(request) as response:
+            return protocol.decode_json(
+                await response.read(),
+                url=str(response.url),
+                content_type=response.headers.get("Content-Type"),
+            )

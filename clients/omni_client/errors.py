@@ -70,5 +70,22 @@ class OmniTimeoutError(OmniConnectionError, TimeoutError):
     """No byte arrived (or could be sent) within the client's timeout."""
 
 
+# The wording of transport failures, one for both clients whatever their HTTP library calls them.
+
+
+def timed_out(url: str, cause: BaseException) -> OmniTimeoutError:
+    return OmniTimeoutError(f"{url}: timed out ({type(cause).__name__})")
+
+
+def cannot_connect(url: str, cause: BaseException) -> OmniConnectionError:
+    return OmniConnectionError(f"{url}: cannot connect ({cause})")
+
+
+def broken_off(url: str, detail: str) -> OmniConnectionError:
+    return OmniConnectionError(
+        f"{url}: connection broken before the answer was complete ({detail})"
+    )
+
+
 def _str_or_none(value: Any) -> str | None:
     return None if value is None else str(value)

@@ -1,12 +1,16 @@
-"""What both clients share: defaults, the speech request body, formats and file extensions."""
+"""What both clients share, apart from the HTTP library that sends it: defaults, the URL and
+headers, the API's requests, the decoding of answers, whole PCM samples, formats and file
+extensions."""
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omni_client.errors import OmniUsageError
+from omni_client.errors import OmniError, OmniUsageError
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 URL_ENV = "OMNI_SERVER_URL"
@@ -56,7 +60,20 @@ def format_for_path(path: str | os.PathLike[str]) -> str:
         ) from None
 
 
-def speech_body(
+@dataclass(frozen=True)
+class Request:
+    """One API call as the client sends it; each client hands it to its own HTTP library."""
+
+    method: str
+    path: str
+    json: dict[str, Any] | None = None  # the JSON body; None sends no body
+
+
+MODELS = Request("GET", "/v1/models")
+HEALTH = Request("GET", "/health")
+
+
+def speech_request(
     text: str,
     *,
     model: str,
@@ -67,9 +84,9 @@ def speech_body(
     instructions: str | None,
     sample_rate: int | None,
     stream: bool,
-) -> dict[str, Any]:
-    """The JSON body of `POST /v1/audio/speech`. Values are checked by the server, not here,
-    so that every client gets the same error messages; options left at None are not sent."""
+) -> Request:
+    """`POST /v1/audio/speech`. Values are checked by the server, not here, so that every
+    client gets the same error messages; options left at None are not sent."""
     body: dict[str, Any] = {"model": model, "input": text, "response_format": format}
     if voice is not None:  # else the model's default voice
         body["voice"] = voice
@@ -83,7 +100,16 @@ def speech_body(
         body["sample_rate"] = sample_rate
     if stream:
         body["stream_format"] = "audio"
-    return body
+    return Request("POST", "/v1/audio/speech", body)
+
+
+def decode_json(body: bytes, *, url: str, content_type: str | None) -> Any:
+    """The JSON of a successful answer; anything else (say, a proxy's HTML page) is an error
+    that names what came instead."""
+    try:
+        return json.loads(body)
+    except ValueError as e:  # also UnicodeDecodeError, and an empty body
+        raise OmniError(f"{url}: expected JSON, got {content_type}") from e
 
 
 class SampleAligner:
@@ -101,4 +127,4 @@ class SampleAligner:
 
     def finish(self) -> None:
         if self._carry:
-            raise OmniUsageError("PCM stream ended mid-sample (odd number of bytes)")
+            raise OmniError("PCM stream ended mid-sample (odd number of bytes)")  # server fault

@@ -10,8 +10,7 @@ from typing import Any
 
 import httpx2
 
-from omni_client import protocol
-from omni_client.errors import APIError, OmniConnectionError, OmniError, OmniTimeoutError
+from omni_client import errors, protocol
 
 
 class OmniClient:
@@ -60,7 +59,7 @@ class OmniClient:
         sample_rate: int | None = None,
     ) -> bytes:
         """The whole encoded audio of `text` (`format`: mp3, opus, aac, flac, wav or pcm)."""
-        body = protocol.speech_body(
+        request = protocol.speech_request(
             text,
             model=model,
             voice=voice,
@@ -71,7 +70,7 @@ class OmniClient:
             sample_rate=sample_rate,
             stream=False,
         )
-        with self._request("POST", "/v1/audio/speech", json=body) as response:
+        with self._send(request) as response:
             return _read_all(response)
 
     def speech_to_file(
@@ -104,7 +103,7 @@ class OmniClient:
         Each chunk holds whole samples. Stopping the iteration early closes the connection,
         which tells the server to abort the request.
         """
-        body = protocol.speech_body(
+        request = protocol.speech_request(
             text,
             model=model,
             voice=voice,
@@ -116,7 +115,7 @@ class OmniClient:
             stream=True,
         )
         aligner = protocol.SampleAligner()
-        with self._request("POST", "/v1/audio/speech", json=body) as response:
+        with self._send(request) as response:
             for data in _iter_bytes(response):
                 if chunk := aligner.feed(data):
                     yield chunk
@@ -126,28 +125,34 @@ class OmniClient:
 
     def models(self) -> list[dict[str, Any]]:
         """The served models (`GET /v1/models`): dicts with at least `id`."""
-        with self._request("GET", "/v1/models") as response:
-            return _json(response)["data"]
+        return self._json(protocol.MODELS)["data"]
 
     def health(self) -> dict[str, Any]:
         """`GET /health`: the server's status JSON; an `APIError` while it is not ready."""
-        with self._request("GET", "/health") as response:
-            return _json(response)
+        return self._json(protocol.HEALTH)
 
     # -- transport -----------------------------------------------------------------------------
 
     @contextmanager
-    def _request(self, method: str, path: str, **kwargs: Any) -> Iterator[httpx2.Response]:
+    def _send(self, request: protocol.Request) -> Iterator[httpx2.Response]:
         """An open, successful streaming response; transport failures become typed errors."""
         with (
             _translated_errors(self.base_url),
-            self._http.stream(method, path, **kwargs) as response,
+            self._http.stream(request.method, request.path, json=request.json) as response,
         ):
             if response.status_code >= 400:
-                raise APIError.from_body(
+                raise errors.APIError.from_body(
                     response.status_code, response.read(), response.reason_phrase
                 )
             yield response
+
+    def _json(self, request: protocol.Request) -> Any:
+        with self._send(request) as response:
+            return protocol.decode_json(
+                _read_all(response),
+                url=str(response.request.url),
+                content_type=response.headers.get("content-type"),
+            )
 
 
 @contextmanager
@@ -155,17 +160,13 @@ def _translated_errors(url: str) -> Iterator[None]:
     try:
         yield
     except httpx2.TimeoutException as e:
-        raise OmniTimeoutError(f"{url}: timed out ({type(e).__name__})") from e
+        raise errors.timed_out(url, e) from e
+    except httpx2.ConnectError as e:
+        raise errors.cannot_connect(url, e) from e
+    except httpx2.RemoteProtocolError as e:
+        raise errors.broken_off(url, str(e)) from e
     except httpx2.TransportError as e:
-        raise OmniConnectionError(f"{url}: {_describe(e)}") from e
-
-
-def _describe(error: httpx2.TransportError) -> str:
-    if isinstance(error, httpx2.ConnectError):
-        return f"cannot connect ({error})"
-    if isinstance(error, httpx2.RemoteProtocolError):
-        return f"connection broken before the answer was complete ({error})"
-    return f"{type(error).__name__}: {error}"
+        raise errors.OmniConnectionError(f"{url}: {type(e).__name__}: {e}") from e
 
 
 def _iter_bytes(response: httpx2.Response) -> Iterator[bytes]:
@@ -175,13 +176,3 @@ def _iter_bytes(response: httpx2.Response) -> Iterator[bytes]:
 
 def _read_all(response: httpx2.Response) -> bytes:
     return b"".join(_iter_bytes(response))
-
-
-def _json(response: httpx2.Response) -> Any:
-    response.read()
-    try:
-        return response.json()
-    except ValueError as e:
-        raise OmniError(
-            f"{response.request.url}: expected JSON, got {response.headers.get('content-type')}"
-        ) from e
