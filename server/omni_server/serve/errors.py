@@ -83,7 +83,7 @@ _HTTP_CODES = {
 
 # Set on a request once its streamed response has sent headers: an error can no longer be a
 # JSON response, only a cut stream.
-STREAM_STARTED = "omni_stream_started"
+STREAM_STARTED = web.RequestKey("omni_stream_started", bool)
 
 
 @web.middleware
