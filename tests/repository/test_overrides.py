@@ -102,6 +102,10 @@ def test_parse_tokens_rejects(tokens: list[str], fragment: str) -> None:
             ],
             lambda p: [i.devices["synth"] for i in p.instances_of("synth")] == [0, 0],
         ),
+        (
+            ["--processes.frontend.num_replicas", "2", "--processes.frontend.binding=least_loaded"],
+            lambda p: p.processes["frontend"].binding == "least_loaded",
+        ),
         (["--server.mps", "auto"], lambda p: p.server.mps == "auto"),
         (
             ["--stages.frontend.next", '["synth", "encoder"]'],
@@ -175,6 +179,11 @@ def test_accepted_overrides(repo: Path, tokens: list[str], check) -> None:
             ["--processes.synth.replica_devices", "a,b"],
             "processes.synth.replica_devices",
             "list of integers",
+        ),
+        (
+            ["--processes.synth.binding", "least-loaded"],
+            "processes.synth.binding",
+            'expected one of "round_robin", "least_loaded", got "least-loaded"',
         ),
         (["--models.tts.tasks.x", "1"], "models.tts.tasks.x", "expected --models.<id>.<field>"),
         (["--engine.x", "1"], "engine.x", "valid roots: stages, processes, models, server"),

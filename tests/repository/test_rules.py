@@ -105,6 +105,23 @@ ACCEPTED = [
         "cpu-replicas-need-no-devices", repository=MODELS + "[processes.synth]\nnum_replicas = 3\n"
     ),
     Case(
+        "least-loaded-binding",
+        repository=MODELS + '[processes.synth]\nnum_replicas = 2\nbinding = "least_loaded"\n',
+    ),
+    Case(
+        "round-robin-binding",
+        repository=MODELS + '[processes.synth]\nnum_replicas = 2\nbinding = "round_robin"\n',
+    ),
+    Case(
+        "binding-of-one-replica-is-harmless",
+        repository=MODELS + '[processes.synth]\nbinding = "least_loaded"\n',
+    ),
+    Case(
+        "binding-by-override",
+        repository=MODELS + "[processes.synth]\nnum_replicas = 2\n",
+        overrides=["--processes.synth.binding", "least_loaded"],
+    ),
+    Case(
         "gpu-replicas-on-two-gpus",
         stages={
             "encoder": gpu_stage("E", "gpu = 0\ngpu_memory_fraction = 0.5\n"),
@@ -546,6 +563,27 @@ REJECTED = [
         error=("repository.toml", None, "processes.synth.num_replicas", ">= 1"),
     ),
     Case(
+        "unknown-binding",
+        repository=MODELS + '[processes.synth]\nnum_replicas = 2\nbinding = "random"\n',
+        error=(
+            "repository.toml",
+            None,
+            "processes.synth.binding",
+            'expected one of "round_robin", "least_loaded", got "random"',
+        ),
+    ),
+    Case(
+        "binding-not-a-string",
+        repository=MODELS + "[processes.synth]\nnum_replicas = 2\nbinding = 1\n",
+        error=("repository.toml", None, "processes.synth.binding", '"least_loaded", got 1'),
+    ),
+    Case(
+        "binding-override-unknown",
+        repository=MODELS + "[processes.synth]\nnum_replicas = 2\n",
+        overrides=["--processes.synth.binding", "fastest"],
+        error=("command line", None, "processes.synth.binding", 'got "fastest"'),
+    ),
+    Case(
         "gpu-replicas-without-devices",
         stages={"encoder": gpu_stage("E", "gpu = 0\n")},
         repository=MODELS + "[processes.encoder]\nnum_replicas = 2\n",
@@ -703,6 +741,27 @@ def test_rejected(tmp_path: Path, case: Case) -> None:
     for part in (file_name, stage, field_name):
         if part is not None:
             assert part in str(err)
+
+
+@pytest.mark.parametrize(
+    ("repository", "overrides", "expected"),
+    [
+        ("[processes.synth]\nnum_replicas = 2\n", [], "round_robin"),  # the default
+        ('[processes.synth]\nnum_replicas = 2\nbinding = "least_loaded"\n', [], "least_loaded"),
+        (
+            '[processes.synth]\nnum_replicas = 2\nbinding = "least_loaded"\n',
+            ["--processes.synth.binding", "round_robin"],
+            "round_robin",
+        ),
+        ("", ["--processes.synth.binding", "least_loaded"], "least_loaded"),
+    ],
+)
+def test_binding_reaches_the_plan(
+    tmp_path: Path, repository: str, overrides: list[str], expected: str
+) -> None:
+    plan = compile_repository(build(tmp_path, Case("x", repository=MODELS + repository)), overrides)
+    assert plan.processes["synth"].binding == expected
+    assert {p.binding for n, p in plan.processes.items() if n != "synth"} == {"round_robin"}
 
 
 def test_missing_repository_file(tmp_path: Path) -> None:

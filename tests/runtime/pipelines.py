@@ -265,9 +265,17 @@ def chain(root: Path, layout: str) -> Plan:
     return build(root, stages, '[models.m]\nentry = "a"\ntasks = ["speech"]\n', processes)
 
 
-def stream(root: Path, layout: str, marker_dir: Path | None = None, front: int = 1, back: int = 1):
+def stream(
+    root: Path,
+    layout: str,
+    marker_dir: Path | None = None,
+    front: int = 1,
+    back: int = 1,
+    binding: str | None = None,
+):
     """[a ->] speak --stream_to + next--> voice (terminal); layout 'one', 'split' or 'replicated'
-    (a in process front, speak + voice in process back, with `front` / `back` replicas)."""
+    (a in process front, speak + voice in process back, with `front` / `back` replicas, bound
+    by `binding` when given)."""
     params = f'[parameters]\nmarker_dir = "{marker_dir}"\nk = 0\n' if marker_dir else ""
     procs = {"one": ("p", "p"), "split": ("speak", "voice"), "replicated": ("back", "back")}
     speak_proc, voice_proc = procs[layout]
@@ -286,4 +294,6 @@ def stream(root: Path, layout: str, marker_dir: Path | None = None, front: int =
         processes = (
             f"[processes.front]\nnum_replicas = {front}\n[processes.back]\nnum_replicas = {back}\n"
         )
+        if binding is not None:
+            processes += f'binding = "{binding}"\n'  # [processes.back] is the last table
     return build(root, stages, f'[models.m]\nentry = "{entry}"\ntasks = ["speech"]\n', processes)

@@ -25,7 +25,7 @@ async def test_seeded_audio_is_identical_through_the_runtime(voice, repository, 
     runtime = Runtime(plan)
     await runtime.start()
     try:
-        for _ in range(2):  # round robin: both replicas where there are two
+        for _ in range(2):  # two requests in turn: ties alternate, so both replicas serve
             handle = runtime.submit(
                 plan.models["piper-joe"],
                 {"text": TEXT, "voice": "joe", "speed": 1.0, "seed": 5,

@@ -112,6 +112,7 @@ def build_processes(
             num_replicas=replicas,
             replica_devices=devices,
             tp_size=tp_size,
+            binding=data.get("binding", PROCESS_FIELDS["binding"].default),
         )
     return processes
 

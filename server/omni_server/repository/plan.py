@@ -143,6 +143,7 @@ class ProcessSpec:
     num_replicas: int = 1
     replica_devices: tuple[int, ...] = ()  # N ids (N x T for TP size T), overrides stage gpus
     tp_size: int = 1  # > 1 only for the process a TP stage owns
+    binding: str = "round_robin"  # replica choice at admission: round_robin | least_loaded
 
 
 @dataclass(frozen=True)

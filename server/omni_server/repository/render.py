@@ -31,7 +31,11 @@ def config_dict(plan: Plan) -> dict[str, Any]:
         },
         "models": {m.id: _model(m) for m in plan.models.values()},
         "processes": {
-            p.name: {"num_replicas": p.num_replicas, "replica_devices": list(p.replica_devices)}
+            p.name: {
+                "num_replicas": p.num_replicas,
+                "replica_devices": list(p.replica_devices),
+                "binding": p.binding,
+            }
             for p in plan.processes.values()
         },
         "stages": {s.name: _stage(s) for s in plan.stages.values()},

@@ -256,6 +256,9 @@ MODEL_FIELDS = _fields(
     Field("voice_aliases", Kind.STR_MAP, "alias -> voice (targets must be in voices)", {}),
 )
 
+# Replica binding policies; the first is the default (the reference design's round robin).
+BINDINGS = ("round_robin", "least_loaded")
+
 PROCESS_FIELDS = _fields(
     Field("num_replicas", Kind.INT, "copies of the whole logical process", default=1, minimum=1),
     Field(
@@ -263,6 +266,14 @@ PROCESS_FIELDS = _fields(
         Kind.INT_LIST,
         "GPU per replica (N ids, N x T for TP size T); overrides its stages' gpu",
         [],
+    ),
+    Field(
+        "binding",
+        Kind.ENUM,
+        "how admission picks a request's replica, kept for the request's life: in turn "
+        "(round_robin) or the one with the fewest requests in flight (least_loaded)",
+        BINDINGS[0],
+        BINDINGS,
     ),
 )
 

@@ -1,8 +1,9 @@
 """The coordinator: request life cycle in the main process.
 
-It admits a request (binding one replica per replicated process, round robin per process),
-hands its inputs to the model's entry stage, collects chunks and results from terminal stages,
-merges several terminals' results, and fails or aborts a request everywhere it may have gone.
+It admits a request (binding one replica per replicated process by the process's `binding`
+policy: in turn, or the replica with the fewest requests in flight), hands its inputs to the
+model's entry stage, collects chunks and results from terminal stages, merges several
+terminals' results, and fails or aborts a request everywhere it may have gone.
 Stages pass payloads to each other directly; the coordinator only sees the ends.
 
 A request completes when every terminal it can still reach has sent its result: the expected
@@ -134,14 +135,24 @@ class Coordinator:
         self.unavailable_reason = "the pipeline is not started"
         self._flights: dict[int, _Flight] = {}
         self._keys = itertools.count(1)
-        # submit() runs on the event loop; the lock keeps each process's round robin exact
-        # should admission ever be asked from other threads too
+        # submit() and the retiring paths run on the event loop; the lock keeps each process's
+        # cursor and counts exact should they ever be called from other threads too
         self._lock = threading.Lock()
-        self._next_replica = {name: itertools.count() for name in plan.processes}
+        replicated = {n: p for n, p in plan.processes.items() if p.num_replicas > 1}
+        self._cursor = dict.fromkeys(replicated, 0)  # the next replica in turn, per process
+        # Invariant: _load[p][r] == flights in self._flights bound to replica r of p. Raised
+        # in _bind, lowered in _retire (the one way out of self._flights once admitted) or
+        # when admission itself fails.
+        self._load = {n: [0] * p.num_replicas for n, p in replicated.items()}
 
     @property
     def in_flight(self) -> int:
         return len(self._flights)
+
+    def replica_load(self, process: str) -> tuple[int, ...]:
+        """Requests in flight bound to each replica of a replicated process (a snapshot)."""
+        with self._lock:
+            return tuple(self._load[process])
 
     def submit(
         self, model: ModelSpec, inputs: Payload, request_id: str | None = None
@@ -156,29 +167,57 @@ class Coordinator:
         if not isinstance(inputs, dict):
             raise TypeError(f"inputs must be a dict, got {type(inputs).__name__}")
         key = next(self._keys)
-        env = Envelope(key, request_id or uuid.uuid4().hex, self._bind(model))
-        handle = RequestHandle(self, key, env.id)
+        request_id = request_id or uuid.uuid4().hex
+        handle = RequestHandle(self, key, request_id)
         terminals = self.topology.terminals(model.entry)
-        self._flights[key] = _Flight(
-            handle=handle,
-            model=model,
-            env=env,
-            touched=self.topology.touched(model, env.bindings),
-            expected=terminals,
-            single_terminal=next(iter(terminals)) if len(terminals) == 1 else None,
-        )
-        entry = self.topology.host_of(model.entry, env.bindings)
-        self.links.deliver(entry, Deliver(env, model.entry, "", inputs, []))
+        env = Envelope(key, request_id, self._bind(model))
+        try:
+            self._flights[key] = _Flight(
+                handle=handle,
+                model=model,
+                env=env,
+                touched=self.topology.touched(model, env.bindings),
+                expected=terminals,
+                single_terminal=next(iter(terminals)) if len(terminals) == 1 else None,
+            )
+            entry = self.topology.host_of(model.entry, env.bindings)
+            self.links.deliver(entry, Deliver(env, model.entry, "", inputs, []))
+        except BaseException:  # not admitted (e.g. inputs the codec refuses): nothing was sent
+            self._flights.pop(key, None)
+            self._release(env.bindings)
+            raise
         return handle
 
     def _bind(self, model: ModelSpec) -> dict[str, int]:
         bindings = {}
         with self._lock:
             for process in self.topology.model_processes[model.id]:
-                replicas = self.plan.processes[process].num_replicas
-                if replicas > 1:
-                    bindings[process] = next(self._next_replica[process]) % replicas
+                load = self._load.get(process)
+                if load is None:
+                    continue  # one replica: nothing to choose
+                start = self._cursor[process]
+                if self.plan.processes[process].binding == "least_loaded":
+                    # the least loaded replica; among equals the first from the cursor on, so
+                    # ties rotate exactly like round robin
+                    n = len(load)
+                    replica = min(((start + i) % n for i in range(n)), key=load.__getitem__)
+                else:
+                    replica = start
+                self._cursor[process] = (replica + 1) % len(load)
+                load[replica] += 1
+                bindings[process] = replica
         return bindings
+
+    def _retire(self, flight: _Flight) -> None:
+        """Take a flight out of the books, lowering its replicas' load once however often it
+        is called (a flight may be failed by a message and by a death in one loop turn)."""
+        if self._flights.pop(flight.env.key, None) is not None:
+            self._release(flight.env.bindings)
+
+    def _release(self, bindings: dict[str, int]) -> None:
+        with self._lock:
+            for process, replica in bindings.items():
+                self._load[process][replica] -= 1
 
     def on_message(self, message: CoordinatorMessage) -> None:
         match message:
@@ -213,7 +252,7 @@ class Coordinator:
     def _maybe_complete(self, flight: _Flight) -> None:
         if not flight.expected <= flight.results.keys():
             return
-        del self._flights[flight.env.key]
+        self._retire(flight)
         if flight.single_terminal is not None:
             if flight.single_terminal not in flight.results:
                 error = PipelineError("no terminal stage was reached", code="stage_failed")
@@ -232,7 +271,7 @@ class Coordinator:
                     log.exception("stage observer %r failed", observer)
 
     def _fail(self, flight: _Flight, error: PipelineError) -> None:
-        self._flights.pop(flight.env.key, None)
+        self._retire(flight)
         self._abort_everywhere(flight)
         flight.handle._fail(error)
 
@@ -249,7 +288,7 @@ class Coordinator:
     def instance_died(self, index: int, message: str) -> None:
         """Fail every request that may have reached instance `index` (it is gone)."""
         for flight in [f for f in self._flights.values() if index in f.touched]:
-            self._flights.pop(flight.env.key)
+            self._retire(flight)
             self._abort_everywhere(flight, skip=index)
             stages = self.plan.instances[index].stages
             stage = stages[0] if len(stages) == 1 else None
