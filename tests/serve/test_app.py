@@ -27,17 +27,24 @@ class Silence(StageBackend):
 """
 
 
-@pytest.fixture
-async def runtime(tmp_path):
+async def started_inline(tmp_path, stage_toml: str, model_py: str) -> Runtime:
+    """A one-stage speech model `quiet` (voice `hush`), compiled and started inline."""
     repo = make_repo(
         tmp_path,
-        stages={"speaker": 'backend = "Silence"\nterminal = true\n[scheduler]\nkind = "stream"'},
+        stages={"speaker": stage_toml},
         repository='[models.quiet]\nentry = "speaker"\ntasks = ["speech"]\nvoices = ["hush"]\n'
         'default_voice = "hush"',
-        models={"speaker": SILENCE},
+        models={"speaker": model_py},
     )
     runtime = Runtime(compile_repository(repo), inline=True)
     await runtime.start()
+    return runtime
+
+
+@pytest.fixture
+async def runtime(tmp_path):
+    stage = 'backend = "Silence"\nterminal = true\n[scheduler]\nkind = "stream"'
+    runtime = await started_inline(tmp_path, stage, SILENCE)
     yield runtime
     await runtime.stop()
 
@@ -96,15 +103,7 @@ class WholeBody(StageBackend):
 
 @pytest.fixture
 async def whole_body_runtime(tmp_path):
-    repo = make_repo(
-        tmp_path,
-        stages={"speaker": 'backend = "WholeBody"\nterminal = true'},
-        repository='[models.quiet]\nentry = "speaker"\ntasks = ["speech"]\nvoices = ["hush"]\n'
-        'default_voice = "hush"',
-        models={"speaker": WHOLE_BODY},
-    )
-    runtime = Runtime(compile_repository(repo), inline=True)
-    await runtime.start()
+    runtime = await started_inline(tmp_path, 'backend = "WholeBody"\nterminal = true', WHOLE_BODY)
     yield runtime
     await runtime.stop()
 
