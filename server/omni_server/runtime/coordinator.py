@@ -6,9 +6,9 @@ model's entry stage, collects chunks and results from terminal stages, merges se
 terminals' results, and fails or aborts a request everywhere it may have gone.
 Stages pass payloads to each other directly; the coordinator only sees the ends.
 
-A request completes when every terminal it can still reach has sent its result: the expected
-terminals start as all terminals reachable from the entry and shrink when a route method
-reports that it chose a subset of its `next` stages (`Routed`).
+A request completes when every terminal reachable from its entry has reported: its result, or
+`TerminalSkipped` when route methods upstream left it out. The result holds only the terminals
+that produced one; a request whose terminals were all skipped fails.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from .messages import (
     Envelope,
     HostMessage,
     Payload,
-    Routed,
     StageFailed,
     TerminalChunk,
     TerminalResult,
+    TerminalSkipped,
     Timings,
 )
 from .topology import Topology
@@ -118,9 +118,9 @@ class _Flight:
     model: ModelSpec
     env: Envelope
     touched: tuple[int, ...]  # instances the request may reach
-    expected: set[str]  # terminals still to report
+    expected: set[str]  # terminals that will report (a result or TerminalSkipped)
     single_terminal: str | None  # the model's only terminal (its payload is the result)
-    pruned: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    skipped: set[str] = field(default_factory=set)
     results: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, tuple[float, float]] = field(default_factory=dict)
 
@@ -170,7 +170,7 @@ class Coordinator:
         request_id = request_id or uuid.uuid4().hex
         handle = RequestHandle(self, key, request_id)
         terminals = self.topology.terminals(model.entry)
-        env = Envelope(key, request_id, self._bind(model))
+        env = Envelope(key, request_id, self._bind(model), model.entry)
         try:
             self._flights[key] = _Flight(
                 handle=handle,
@@ -231,11 +231,10 @@ class Coordinator:
                     flight.results[message.stage] = message.payload
                     self._record(flight, message.timings)
                     self._maybe_complete(flight)
-            case Routed():
+            case TerminalSkipped():
                 flight = self._flights.get(message.key)
                 if flight is not None:
-                    flight.pruned[message.stage] = message.targets
-                    flight.expected = self.topology.terminals(flight.model.entry, flight.pruned)
+                    flight.skipped.add(message.stage)
                     self._maybe_complete(flight)
             case StageFailed():
                 flight = self._flights.get(message.key)
@@ -250,15 +249,15 @@ class Coordinator:
             flight.timings.setdefault(stage, (queue_s, compute_s))
 
     def _maybe_complete(self, flight: _Flight) -> None:
-        if not flight.expected <= flight.results.keys():
+        if not flight.expected <= flight.results.keys() | flight.skipped:
+            return
+        if not flight.results:
+            skipped = ", ".join(sorted(flight.skipped))
+            message = f"no result: route methods skipped every terminal stage ({skipped})"
+            self._fail(flight, PipelineError(message, code="stage_failed"))
             return
         self._retire(flight)
         if flight.single_terminal is not None:
-            if flight.single_terminal not in flight.results:
-                error = PipelineError("no terminal stage was reached", code="stage_failed")
-                self._abort_everywhere(flight)
-                flight.handle._fail(error)
-                return
             result = flight.results[flight.single_terminal]
         else:
             result = dict(flight.results)

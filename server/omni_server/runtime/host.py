@@ -28,6 +28,7 @@ from .messages import (
     Envelope,
     HostMessage,
     Shutdown,
+    Skipped,
     StreamChunk,
     StreamEnd,
 )
@@ -164,6 +165,9 @@ class StageHost:
             case Deliver():
                 if message.env.key not in self._aborted:
                     self.stages[message.stage].on_deliver(message)
+            case Skipped():
+                if message.env.key not in self._aborted:
+                    self.stages[message.stage].on_skipped(message)
             case StreamChunk():
                 if message.env.key not in self._aborted:
                     self.stages[message.stage].on_chunk(message)

@@ -6,8 +6,9 @@ by reference (same process) or encoded by `codec` (another process).
 
 Direction and channel (channels.py):
   coordinator -> host   Deliver (the entry payload)                        data (ring)
-  host -> host          Deliver, StreamChunk, StreamEnd                    data (or a direct call)
-  host -> coordinator   TerminalChunk, TerminalResult, Routed, StageFailed data (ring)
+  host -> host          Deliver, Skipped, StreamChunk, StreamEnd           data (or a direct call)
+  host -> coordinator   TerminalChunk, TerminalResult, TerminalSkipped,    data (ring)
+                        StageFailed
   coordinator -> host   Abort, Shutdown                                    control (ZMQ)
   host -> coordinator   Ready, StartFailed                                 control (ZMQ)
 Control never queues behind data.
@@ -29,6 +30,8 @@ class Envelope:
     id: str  # the caller's request id (what backends see as Request.id)
     # replicated logical process -> the replica chosen at admission; absent means replica 0
     bindings: dict[str, int] = field(default_factory=dict)
+    # the model's entry stage: which upstreams of a stage this request can reach ("" = all)
+    entry: str = ""
 
 
 # ---- into stage hosts ------------------------------------------------------------------------
@@ -43,6 +46,16 @@ class Deliver:
     source: str
     payload: Payload
     timings: Timings = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Skipped:
+    """No payload from `source` for `stage`: a route method did not choose `stage`, or `source`
+    was itself skipped (and then sends nothing else, so this also ends its stream edge)."""
+
+    env: Envelope
+    stage: str
+    source: str
 
 
 @dataclass(slots=True)
@@ -109,12 +122,11 @@ class TerminalResult:
 
 
 @dataclass(slots=True)
-class Routed:
-    """A route method chose a strict subset of `next`: terminals beyond the rest are not coming."""
+class TerminalSkipped:
+    """The terminal `stage` was skipped for this request: it produces no result."""
 
     key: int
     stage: str
-    targets: tuple[str, ...]
 
 
 @dataclass(slots=True)
@@ -124,5 +136,7 @@ class StageFailed:
     message: str  # "stage <name>: <what the backend raised>"
 
 
-HostMessage = Deliver | StreamChunk | StreamEnd | Abort | Shutdown
-CoordinatorMessage = Ready | StartFailed | TerminalChunk | TerminalResult | Routed | StageFailed
+HostMessage = Deliver | Skipped | StreamChunk | StreamEnd | Abort | Shutdown
+CoordinatorMessage = (
+    Ready | StartFailed | TerminalChunk | TerminalResult | TerminalSkipped | StageFailed
+)

@@ -7,7 +7,13 @@ empty) when every stage handing it a payload also streams to it: the chunks carr
 needs, and those payloads only close their edges (TTS: acoustic --stream_to + next--> encoder).
 Outputs: chunks go to every stream_to stage (and to the caller when terminal); at the end, the
 end markers go along the stream_to edges, then the final payload to the chosen `next` stages
-(and to the caller when terminal).
+(and to the caller when terminal), and a `Skipped` notice to each `next` stage not chosen.
+
+Skipping: a stage whose payload senders (its `wait_for`, or the upstreams this request can
+reach) all sent `Skipped` does not run: it sends `Skipped` to every successor (which also ends
+its stream edges) and, when terminal, `TerminalSkipped` to the coordinator. A fan-in stage counts
+a skipped upstream as arrived without a payload and merges the payloads that came. So every
+stage a request can reach hears from each of its upstreams, and nothing waits forever.
 
 Same-process receivers get the very payload object; when it goes to several receivers each gets
 its own shallow copy of the dict (isolated containers over shared, read-only values).
@@ -29,12 +35,13 @@ from .messages import (
     Deliver,
     Envelope,
     Payload,
-    Routed,
+    Skipped,
     StageFailed,
     StreamChunk,
     StreamEnd,
     TerminalChunk,
     TerminalResult,
+    TerminalSkipped,
     Timings,
 )
 from .streams import StreamInbox
@@ -51,6 +58,7 @@ _DONE_MEMORY = 4096
 class _FanIn:
     def __init__(self) -> None:
         self.payloads: dict[str, Payload] = {}
+        self.skipped: set[str] = set()  # upstreams that will send no payload
         self.timings: Timings = []
 
 
@@ -77,7 +85,12 @@ class StageRunner:
             and not spec.wait_for
             and set(topo.next_preds[spec.name]) <= set(self._stream_sources)
         )
+        # the stages whose payloads (stream messages, for a stage started by them) start this one
+        self._payload_preds = (
+            topo.stream_preds[spec.name] if self._starts_on_stream else topo.next_preds[spec.name]
+        )
         self._fan_in: dict[int, _FanIn] = {}
+        self._skips: dict[int, set[str]] = {}  # not yet admitted: upstreams that sent Skipped
         self._inboxes: dict[int, StreamInbox] = {}
         self._admitted: dict[int, WorkItem] = {}
         self._seq: dict[int, int] = {}
@@ -97,9 +110,48 @@ class StageRunner:
         fan_in = self._fan_in.setdefault(msg.env.key, _FanIn())
         fan_in.payloads[msg.source] = msg.payload
         fan_in.timings.extend(msg.timings)
-        if all(s in fan_in.payloads for s in self.spec.wait_for):
-            del self._fan_in[msg.env.key]
-            self.host.spawn(self._merge(msg.env, fan_in))
+        self._fan_in_step(msg.env, fan_in)
+
+    def on_skipped(self, msg: Skipped) -> None:
+        key = msg.env.key
+        if key in self._done:
+            return
+        if msg.source in self._stream_sources:
+            # a skipped streamer sends nothing more; after a route skip the edge already ended
+            self._inbox(msg.env).end(msg.source, [])
+            self.scheduler.wake()
+        if self.spec.wait_for:
+            fan_in = self._fan_in.setdefault(key, _FanIn())
+            fan_in.skipped.add(msg.source)
+            self._fan_in_step(msg.env, fan_in)
+            return
+        if key in self._admitted:
+            return  # another upstream's payload started it
+        skipped = self._skips.setdefault(key, set())
+        skipped.add(msg.source)
+        if skipped >= self.host.topology.reached(self._payload_preds, msg.env.entry):
+            self._skip(msg.env)
+
+    def _fan_in_step(self, env: Envelope, fan_in: _FanIn) -> None:
+        arrived = fan_in.payloads.keys() | fan_in.skipped
+        if not arrived >= set(self.spec.wait_for):
+            return
+        del self._fan_in[env.key]
+        if fan_in.payloads:
+            self.host.spawn(self._merge(env, fan_in))
+        else:
+            self._skip(env)
+
+    def _skip(self, env: Envelope) -> None:
+        """Every payload sender skipped this stage: do not run, pass the skip on."""
+        key, spec = env.key, self.spec
+        self._skips.pop(key, None)
+        self._inboxes.pop(key, None)
+        self._forget(key)  # late stream chunks from live streamers are dropped
+        for dst in dict.fromkeys((*spec.next, *spec.stream_to)):
+            self.host.send(env, dst, Skipped(env, dst, self.name))
+        if spec.terminal:
+            self.host.to_coordinator(TerminalSkipped(key, self.name))
 
     async def _merge(self, env: Envelope, fan_in: _FanIn) -> None:
         request = Request(id=env.id, inputs={})
@@ -142,11 +194,13 @@ class StageRunner:
         inbox = self._inbox(env) if self._stream_sources else None
         request = Request(id=env.id, inputs=inputs, _stream=iter(inbox) if inbox else None)
         item = WorkItem(env=env, request=request, timings=timings, stream=inbox)
+        self._skips.pop(env.key, None)
         self._admitted[env.key] = item
         self.scheduler.admit(item)
 
     def abort(self, key: int) -> None:
         self._fan_in.pop(key, None)
+        self._skips.pop(key, None)
         self._seq.pop(key, None)
         item = self._admitted.pop(key, None)
         if item is not None:
@@ -173,8 +227,6 @@ class StageRunner:
         self._forget(key)
         inbox = self._inboxes.pop(key, None)
         timings = [*item.timings, *(inbox.timings if inbox else ()), self._timing(item)]
-        if spec.route is not None and set(targets) != set(spec.next):
-            self.host.to_coordinator(Routed(key, self.name, targets))
         for dst in spec.stream_to:
             self.host.send(env, dst, StreamEnd(env, dst, self.name, timings))
         copies = _isolated(payload, len(targets) + spec.terminal)
@@ -182,6 +234,9 @@ class StageRunner:
             self.host.to_coordinator(TerminalResult(key, self.name, next(copies), timings))
         for dst in targets:
             self.host.send(env, dst, Deliver(env, dst, self.name, next(copies), timings))
+        for dst in spec.next:
+            if dst not in targets:  # the route left it out: it must not wait for this payload
+                self.host.send(env, dst, Skipped(env, dst, self.name))
 
     def _forget(self, key: int) -> None:
         self._admitted.pop(key, None)

@@ -3,7 +3,7 @@ can reach. Pure functions of the plan and a request's replica binding."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -41,22 +41,31 @@ class Topology:
                 preds[dst].append(spec.name)
         return {s: tuple(p) for s, p in preds.items()}
 
-    def reachable(self, entry: str, pruned: Mapping[str, Iterable[str]] = {}) -> set[str]:
-        """Stages a request entering at `entry` can reach; `pruned` replaces some stages' `next`
-        with what their route method chose."""
-        seen = {entry}
-        todo = [entry]
-        while todo:
-            spec = self.plan.stages[todo.pop()]
-            nexts = pruned.get(spec.name, spec.next)
-            for dst in (*nexts, *spec.stream_to):
-                if dst not in seen:
-                    seen.add(dst)
-                    todo.append(dst)
-        return seen
+    def reachable(self, entry: str) -> frozenset[str]:
+        """Stages a request entering at `entry` can reach (cached per entry)."""
+        found = self._reachable.get(entry)
+        if found is None:
+            seen = {entry}
+            todo = [entry]
+            while todo:
+                spec = self.plan.stages[todo.pop()]
+                for dst in (*spec.next, *spec.stream_to):
+                    if dst not in seen:
+                        seen.add(dst)
+                        todo.append(dst)
+            found = self._reachable[entry] = frozenset(seen)
+        return found
 
-    def terminals(self, entry: str, pruned: Mapping[str, Iterable[str]] = {}) -> set[str]:
-        return {s for s in self.reachable(entry, pruned) if self.plan.stages[s].terminal}
+    @cached_property
+    def _reachable(self) -> dict[str, frozenset[str]]:
+        return {}
+
+    def terminals(self, entry: str) -> set[str]:
+        return {s for s in self.reachable(entry) if self.plan.stages[s].terminal}
+
+    def reached(self, preds: tuple[str, ...], entry: str) -> frozenset[str]:
+        """The stages among `preds` that a request entering at `entry` can reach ("" = all)."""
+        return frozenset(preds) if not entry else frozenset(preds) & self.reachable(entry)
 
     @cached_property
     def model_processes(self) -> dict[str, tuple[str, ...]]:
