@@ -15,7 +15,7 @@ from typing import Any
 from omni_server.repository import graph, placement
 from omni_server.repository.descriptor import check_unique, parse_stage
 from omni_server.repository.errors import RepositoryError
-from omni_server.repository.loader import RawRepository, load_repository
+from omni_server.repository.files import RawRepository, load_repository
 from omni_server.repository.overrides import apply_overrides
 from omni_server.repository.plan import (
     FrozenMap,

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_server.repository.errors import RepositoryError
-from omni_server.repository.loader import NAME, RawStage
+from omni_server.repository.files import NAME, RawStage
 from omni_server.repository.plan import (
     BackendRef,
     EngineSpec,

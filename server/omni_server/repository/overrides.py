@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from omni_server.repository.errors import RepositoryError
-from omni_server.repository.loader import RawRepository
+from omni_server.repository.files import RawRepository
 from omni_server.repository.schema import (
     ENGINE_FIELDS,
     MODEL_FIELDS,

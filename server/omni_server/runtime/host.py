@@ -20,7 +20,7 @@ from omni_server.backend import StageConfigError, StageContext
 from omni_server.repository.plan import Plan, StageSpec
 from omni_server.scheduling import StageCalls
 
-from .loader import load_backend
+from .backends import load_backend
 from .messages import (
     Abort,
     CoordinatorMessage,
