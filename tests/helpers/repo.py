@@ -4,7 +4,8 @@
                      repository='[models.m]\nentry = "tts"\ntasks = ["speech"]')
 
 Each stage folder gets its `stage.toml` and a `model.py`: by default a trivial backend whose
-class name is read from the descriptor's `backend` field, or the source given in `models`.
+class name is read from the descriptor's `backend` field, or the file given in `models` (a
+backend under `tests/fixtures/`), or the source text given there.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ def make_repo(
     root: Path,
     stages: Mapping[str, str],
     repository: str = "",
-    models: Mapping[str, str] | None = None,
+    models: Mapping[str, str | Path] | None = None,
 ) -> Path:
     """Write `repository.toml` and one folder per stage; returns `root`.
 
-    `stages` maps stage name -> stage.toml text; `models` optionally maps stage name -> the
-    source of its model.py (default: a trivial backend named after `backend`).
+    `stages` maps stage name -> stage.toml text; `models` optionally maps stage name -> its
+    model.py: a file to copy, or source text (default: a trivial backend named after `backend`).
     """
     root.mkdir(parents=True, exist_ok=True)
     (root / "repository.toml").write_text(dedent(repository))
@@ -47,6 +48,8 @@ def make_repo(
         source = (models or {}).get(name)
         if source is None:
             source = TRIVIAL_BACKEND.format(name=_class_name(text) or "Backend")
+        elif isinstance(source, Path):
+            source = source.read_text()
         (folder / "model.py").write_text(dedent(source))
     return root
 

@@ -1,29 +1,6 @@
-"""Runtime test helpers: start a runtime for a test and prove that stopping it leaves nothing."""
+"""The runtime tests' helper `running` lives in tests/helpers/runtime.py; this name stays until
+every test module imports it from there."""
 
-from __future__ import annotations
+from tests.helpers.runtime import running
 
-import contextlib
-from collections.abc import AsyncIterator
-
-from omni_server.repository.plan import Plan
-from omni_server.runtime import Runtime
-from tests.helpers.proc import alive, run_segments
-
-
-@contextlib.asynccontextmanager
-async def running(plan: Plan, **kwargs) -> AsyncIterator[Runtime]:
-    """A started runtime; on exit it is stopped and checked for leaks (processes, segments,
-    run directory)."""
-    runtime = Runtime(plan, **kwargs)
-    await runtime.start()
-    pids = list(runtime.processes().values())
-    group = runtime._group
-    try:
-        yield runtime
-    finally:
-        await runtime.stop()
-        await runtime.stop()  # idempotent
-        assert not [p for p in pids if alive(p)], "stage processes outlived stop()"
-        if group is not None:
-            assert run_segments(group.run_id) == [], "shared-memory segments outlived stop()"
-            assert not group.run_dir.exists(), "run directory outlived stop()"
+__all__ = ["running"]

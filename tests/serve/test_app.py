@@ -1,33 +1,25 @@
 """`create_app` in-process, over a real runtime placed inline, through aiohttp's test client.
 
-The stage is a stand-in that speaks silence (fast and deterministic); everything else is real:
-the compiler, the runtime, the app, HTTP round trips.
+The stage is a stand-in that speaks silence, fast and deterministic (tests/fixtures/silence.py,
+whole_body.py); everything else is real: the compiler, the runtime, the app, HTTP round trips.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from omni_server.repository.compiler import compile_repository
 from omni_server.runtime import Runtime
 from omni_server.serve import create_app
+from tests.fixtures import FIXTURES
 from tests.helpers.repo import make_repo
 
 pytestmark = pytest.mark.timeout(60)
 
-SILENCE = """\
-from omni_server.backend import StageBackend
 
-
-class Silence(StageBackend):
-    def generate(self, request):
-        for _ in range(3):
-            yield {"audio": bytes(480)}
-        return {"sample_rate": 24000, "audio_seconds": 0.03, "format": "pcm", "sentences": 3}
-"""
-
-
-async def started_inline(tmp_path, stage_toml: str, model_py: str) -> Runtime:
+async def started_inline(tmp_path, stage_toml: str, model_py: Path) -> Runtime:
     """A one-stage speech model `quiet` (voice `hush`), compiled and started inline."""
     repo = make_repo(
         tmp_path,
@@ -44,7 +36,7 @@ async def started_inline(tmp_path, stage_toml: str, model_py: str) -> Runtime:
 @pytest.fixture
 async def runtime(tmp_path):
     stage = 'backend = "Silence"\nterminal = true\n[scheduler]\nkind = "stream"'
-    runtime = await started_inline(tmp_path, stage, SILENCE)
+    runtime = await started_inline(tmp_path, stage, FIXTURES / "silence.py")
     yield runtime
     await runtime.stop()
 
@@ -84,26 +76,11 @@ async def test_stopped_runtime_answers_503(runtime, aiohttp_client):
     assert health.status == 503 and (await health.json())["status"] == "not_ready"
 
 
-WHOLE_BODY = """\
-from omni_server.backend import StageBackend
-
-
-class WholeBody(StageBackend):
-    # scheduler "single": no chunks; the result carries the body (or, on cue, forgets it)
-    def execute(self, requests):
-        out = []
-        for request in requests:
-            if request.inputs["text"] == "forget the audio":
-                out.append({"sample_rate": 24000})
-            else:
-                out.append({"audio": b"\\x01\\x00" * 240, "audio_seconds": 0.01})
-        return out
-"""
-
-
 @pytest.fixture
 async def whole_body_runtime(tmp_path):
-    runtime = await started_inline(tmp_path, 'backend = "WholeBody"\nterminal = true', WHOLE_BODY)
+    runtime = await started_inline(
+        tmp_path, 'backend = "WholeBody"\nterminal = true', FIXTURES / "whole_body.py"
+    )
     yield runtime
     await runtime.stop()
 

@@ -7,8 +7,8 @@ import time
 import pytest
 from openai import OpenAI
 
+from tests.helpers.metrics import samples, value
 from tests.serve.speech_texts import MANY_SENTENCES, ONE_SENTENCE
-from tests.serve.test_endpoints import samples, value
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -6,9 +6,9 @@ import urllib.request
 
 import pytest
 from openai import OpenAI
-from prometheus_client.parser import text_string_to_metric_families
 
 from omni_server.repository.compiler import compile_repository
+from tests.helpers.metrics import samples, value
 from tests.helpers.server import EMBEDDED_REPO
 from tests.serve.speech_texts import ONE_SENTENCE
 
@@ -38,18 +38,6 @@ def test_health_probes(server):
     assert server.get_json("/health/ready") == (200, {"status": "ready"})
     status, body = server.get_json("/health")
     assert status == 200 and body["status"] == "ok" and body["models"] == ["piper-joe"]
-
-
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return out
-
-
-def value(metrics: dict, name: str, **labels: str) -> float:
-    return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def test_metrics_count_requests_latency_and_stages(server, client: OpenAI):

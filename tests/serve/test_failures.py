@@ -1,8 +1,9 @@
 """Pipeline failures and start-up, on a one-stage repository whose stage fails on request.
 
-The stage is real (a real process, the real runtime); only its "model" is a stand-in that emits
-silence and raises where the text asks it to, because the embedded voice cannot be made to fail.
-Its initialize() waits for a gate file, so the test can observe the server while stages load.
+The stage is real (a real process, the real runtime); only its "model" is a stand-in
+(tests/fixtures/flaky_speaker.py) that emits silence and raises where the text asks it to,
+because the embedded voice cannot be made to fail. Its initialize() waits for a gate file, so the
+test can observe the server while stages load.
 """
 
 from __future__ import annotations
@@ -17,48 +18,21 @@ import openai
 import pytest
 from openai import OpenAI
 
+from tests.fixtures import FIXTURES
+from tests.helpers.metrics import samples, value
 from tests.helpers.proc import descendants
 from tests.helpers.repo import make_repo
 from tests.helpers.server import ServerProcess
-from tests.serve.test_endpoints import samples, value
 
 pytestmark = pytest.mark.timeout(180)
-
-FLAKY_SPEAKER = '''\
-import time
-from pathlib import Path
-
-from omni_server.backend import StageBackend
-
-
-class FlakySpeaker(StageBackend):
-    """Emits 50 ms chunks of silence; fails before any audio or after the first chunk on cue."""
-
-    def initialize(self, context):
-        gate = Path(context.parameters["gate"])
-        deadline = time.monotonic() + 60
-        while not gate.exists():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"gate {gate} never opened")
-            time.sleep(0.05)
-
-    def generate(self, request):
-        text = request.inputs["text"]
-        if "early" in text:
-            raise RuntimeError("injected failure before any audio")
-        yield {"audio": bytes(2400)}
-        if "midway" in text:
-            time.sleep(0.3)  # let the first chunk reach the client before the failure
-            raise RuntimeError("injected failure after the first chunk")
-        yield {"audio": bytes(2400)}
-        return {"sample_rate": 24000, "audio_seconds": 0.1, "format": "pcm", "sentences": 1}
-'''
 
 
 @pytest.fixture(scope="module")
 def flaky(tmp_path_factory):
     root = tmp_path_factory.mktemp("flaky")
     gate = root / "gate"
+    first_chunk = root / "first-chunk"
+    os.mkfifo(first_chunk, 0o600)
     repo = make_repo(
         root / "repo",
         stages={
@@ -69,6 +43,7 @@ def flaky(tmp_path_factory):
                 kind = "stream"
                 [parameters]
                 gate = "{gate}"
+                first_chunk = "{first_chunk}"
             """
         },
         repository="""
@@ -77,7 +52,7 @@ def flaky(tmp_path_factory):
             tasks = ["speech"]
             voices = ["silence"]
         """,
-        models={"speaker": FLAKY_SPEAKER},
+        models={"speaker": FIXTURES / "flaky_speaker.py"},
     )
     server = ServerProcess.start(repo, root / "server.log", wait_ready=False)
     try:
@@ -102,6 +77,15 @@ def test_not_ready_while_stages_load_then_ready(flaky):
     assert server.get_json("/health")[0] == 200
 
 
+def tell_the_stage_the_client_has_the_first_chunk(server: ServerProcess) -> None:
+    """One byte into the FIFO the stage reads before a "when told" failure."""
+    fifo = os.open(server.log_path.parent / "first-chunk", os.O_WRONLY | os.O_NONBLOCK)
+    try:
+        os.write(fifo, b"!")
+    finally:
+        os.close(fifo)
+
+
 @pytest.fixture
 def client(flaky):
     server, gate = flaky
@@ -113,7 +97,12 @@ def client(flaky):
 
 def test_stage_failure_before_audio_is_500_with_its_message(client: OpenAI):
     for stream_format in (None, "audio", "sse"):
-        extra = {} if stream_format is None else {"stream_format": stream_format}
+        # None: the whole response (`"stream": false`); the others stream
+        extra = (
+            {"extra_body": {"stream": False}}
+            if stream_format is None
+            else {"stream_format": stream_format}
+        )
         with pytest.raises(openai.InternalServerError) as caught:
             client.audio.speech.create(
                 model="flaky", voice="silence", input="fail early", response_format="pcm", **extra
@@ -127,34 +116,43 @@ def test_stage_failure_before_audio_is_500_with_its_message(client: OpenAI):
 def test_whole_response_failing_midway_is_500(client: OpenAI):
     with pytest.raises(openai.InternalServerError) as caught:
         client.audio.speech.create(
-            model="flaky", voice="silence", input="fail midway", response_format="pcm"
+            model="flaky",
+            voice="silence",
+            input="fail midway",
+            response_format="pcm",
+            extra_body={"stream": False},
         )
     assert "injected failure after the first chunk" in caught.value.body["message"]
 
 
-def test_audio_stream_failing_midway_ends_without_its_final_chunk(client: OpenAI):
+def test_audio_stream_failing_midway_ends_without_its_final_chunk(flaky, client: OpenAI):
+    server, _ = flaky
     received = b""
     with client.audio.speech.with_streaming_response.create(
         model="flaky",
         voice="silence",
-        input="fail midway",
+        input="fail midway when told",
         response_format="pcm",
         stream_format="audio",
     ) as response:
         assert response.status_code == 200
         with pytest.raises(httpx2.RemoteProtocolError):
             for chunk in response.iter_bytes():
+                told = len(received) >= 2400
                 received += chunk
+                if not told and len(received) >= 2400:
+                    tell_the_stage_the_client_has_the_first_chunk(server)
     assert received == bytes(2400)  # the first chunk, then a broken stream
 
 
-def test_sse_stream_failing_midway_never_sends_done(client: OpenAI):
+def test_sse_stream_failing_midway_never_sends_done(flaky, client: OpenAI):
+    server, _ = flaky
     events = []
     with (
         client.audio.speech.with_streaming_response.create(
             model="flaky",
             voice="silence",
-            input="fail midway",
+            input="fail midway when told",
             response_format="pcm",
             stream_format="sse",
         ) as response,
@@ -163,6 +161,8 @@ def test_sse_stream_failing_midway_never_sends_done(client: OpenAI):
         for line in response.iter_lines():
             if line.startswith("data:"):
                 events.append(json.loads(line[5:]))
+                if len(events) == 1:
+                    tell_the_stage_the_client_has_the_first_chunk(server)
     assert [event["type"] for event in events] == ["speech.audio.delta"]
 
 

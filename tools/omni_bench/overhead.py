@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import statistics
 import sys
 import tempfile
@@ -34,14 +35,7 @@ LAYOUTS = {
     "split": ("a", "b", "c"),
 }
 
-BACKEND = """\
-from omni_server.backend import StageBackend
-
-
-class Empty(StageBackend):
-    def execute(self, requests):
-        return [r.inputs for r in requests]
-"""
+EMPTY_STAGE = Path(__file__).with_name("empty_stage.py")  # the backend of every stage
 
 
 def empty_pipeline(root: Path, layout: str, scheduler: str) -> Plan:
@@ -56,7 +50,7 @@ def empty_pipeline(root: Path, layout: str, scheduler: str) -> Plan:
         folder.mkdir(parents=True)
         toml = f'backend = "model.py:Empty"\nprocess = "{process}"\n{wire}\n{sched}'
         (folder / "stage.toml").write_text(toml)
-        (folder / "model.py").write_text(BACKEND)
+        shutil.copyfile(EMPTY_STAGE, folder / "model.py")
     (root / "repository.toml").write_text('[models.empty]\nentry = "a"\ntasks = ["speech"]\n')
     return compile_repository(root)
 
