@@ -29,6 +29,8 @@ GOOD = {"model": "tts-1", "voice": "alloy", "input": ONE_SENTENCE}
         ({"voice": "bob"}, "voice", "valid voices: joe, alloy"),
         ({"voice": {"name": "joe"}}, "voice", "object"),
         ({"stream_format": "chunks"}, "stream_format", "audio, sse"),
+        ({"extra_body": {"stream": "yes"}}, "stream", "true or false"),
+        ({"stream_format": "sse", "extra_body": {"stream": False}}, "stream", "one of them"),
         ({"extra_body": {"seed": "abc"}}, "seed", "integer"),
         ({"extra_body": {"sample_rate": 12345}, "response_format": "mp3"}, "sample_rate", "mp3"),
     ],

@@ -36,13 +36,43 @@ def assert_plausible_speech(samples: np.ndarray, rate: int, text: str) -> None:
 @pytest.mark.parametrize("response_format", FORMATS)
 def test_every_format_decodes_to_speech(client: OpenAI, response_format: str):
     # OpenAI's own names (model tts-1, voice alloy): examples written for OpenAI run unchanged.
+    # `"stream": false` (our extension) asks for the whole body with its Content-Length.
     audio = client.audio.speech.create(
-        model="tts-1", voice="alloy", input=ONE_SENTENCE, response_format=response_format
+        model="tts-1",
+        voice="alloy",
+        input=ONE_SENTENCE,
+        response_format=response_format,
+        extra_body={"stream": False},
     )
     assert audio.response.headers["content-type"] == CONTENT_TYPES[response_format]
     assert int(audio.response.headers["content-length"]) == len(audio.content)
+    assert "transfer-encoding" not in audio.response.headers
     samples, rate = decode(audio.content, response_format)
     assert_plausible_speech(samples, rate, ONE_SENTENCE)
+
+
+@pytest.mark.parametrize("extra", [{}, {"stream": True}], ids=["default", "stream-true"])
+def test_speech_streams_by_default_as_openai_does(client: OpenAI, extra: dict):
+    # OpenAI's stream_format defaults to "audio"; SGLang-Omni's `stream: true` means the same
+    with client.audio.speech.with_streaming_response.create(
+        model="tts-1",
+        voice="alloy",
+        input=THREE_SENTENCES,
+        response_format="pcm",
+        extra_body={"seed": 21, **extra},
+    ) as response:
+        assert response.headers["transfer-encoding"] == "chunked"
+        assert "content-length" not in response.headers
+        chunks = [chunk for chunk in response.iter_bytes() if chunk]
+    assert len(chunks) >= 2, "the whole body came in one piece"
+    whole = client.audio.speech.create(
+        model="tts-1",
+        voice="alloy",
+        input=THREE_SENTENCES,
+        response_format="pcm",
+        extra_body={"seed": 21, "stream": False},
+    )
+    assert b"".join(chunks) == whole.content  # the same audio, only the framing differs
 
 
 def test_default_format_is_mp3_and_voice_may_be_an_object(client: OpenAI):

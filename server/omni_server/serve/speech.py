@@ -1,9 +1,10 @@
 """`POST /v1/audio/speech`: text in, audio out, whole or streamed as each sentence is ready.
 
-Three ways to answer (the request's `stream_format`):
-  absent   one response with a Content-Length once all audio is ready
-  "audio"  the body's bytes, chunked, as the pipeline's terminal stage emits them
+Three ways to answer (the request's `stream_format`, and our `stream` extension):
+  "audio"  the body's bytes, chunked, as the pipeline's terminal stage emits them (OpenAI's
+           default: a request without `stream_format` gets it; `"stream": true` too)
   "sse"    `speech.audio.delta` events (base64 of the same bytes), then `speech.audio.done`
+  `"stream": false`  one response with a Content-Length once all audio is ready
 
 Streams are prepared lazily at the first chunk, so a pipeline that fails before any audio still
 gets a 500 with the stage's message. A stream that fails later is cut (the connection closed,

@@ -20,6 +20,8 @@ MIN_SPEED, MAX_SPEED = 0.25, 4.0
 MAX_SEED = 2**63 - 1
 PCM_SAMPLE_RATE = DEFAULT_SAMPLE_RATES["pcm"]  # OpenAI's pcm: 24 kHz, s16le, mono
 STREAM_FORMATS = ("audio", "sse")
+# OpenAI streams speech unless told otherwise: a request without `stream_format` gets "audio".
+DEFAULT_STREAM_FORMAT = "audio"
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,7 @@ class SpeechRequest:
     voice: str  # canonical: one of model.voices
     response_format: str
     speed: float
-    stream_format: str | None  # None: one whole response with a Content-Length
+    stream_format: str | None  # None: one whole response with a Content-Length ("stream": false)
     seed: int | None
     sample_rate: int | None
 
@@ -60,7 +62,7 @@ def speech_model(body: Any, plan: Plan) -> ModelSpec:
 def parse_speech_request(body: dict[str, Any], model: ModelSpec) -> SpeechRequest:
     """The rest of the request, for the model `speech_model` found."""
     response_format = _choice(body, "response_format", FORMATS, default="mp3")
-    stream_format = _choice(body, "stream_format", STREAM_FORMATS, default=None)
+    stream_format = _stream_format(body)
     # accepted and type-checked for OpenAI compatibility; the speech contract with the pipeline
     # has no instructions field yet, so no voice can act on them
     _optional_str(body, "instructions")
@@ -87,6 +89,28 @@ def _input_text(body: dict[str, Any]) -> str:
             code="string_above_max_length",
         )
     return text
+
+
+def _stream_format(body: dict[str, Any]) -> str | None:
+    """How the body travels: "audio" (OpenAI's default), "sse", or None for one whole response.
+
+    `stream` is an extension: `true` is SGLang-Omni's way to ask for a stream (a synonym of the
+    default), `false` asks for the whole body with a Content-Length. It cannot contradict an
+    explicit `stream_format`.
+    """
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise invalid_field("stream", "'stream' must be true or false", code="invalid_type")
+    stream_format = _choice(body, "stream_format", STREAM_FORMATS, default=None)
+    if stream is False:
+        if stream_format is not None:
+            raise invalid_field(
+                "stream",
+                f"'stream': false asks for one whole response, but 'stream_format' is "
+                f"{stream_format!r}; send one of them",
+            )
+        return None
+    return stream_format or DEFAULT_STREAM_FORMAT
 
 
 def _voice(body: dict[str, Any], model: ModelSpec) -> str:
