@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_bench.wer import Transcriber, score
-from omni_server.audio.whisper import normalize_text
+from omni_bench.wer import Transcriber, normalize_text, score
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "repository"
 

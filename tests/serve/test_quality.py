@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from openai import OpenAI
 
+from omni_bench.wer import word_error_rate
 from omni_server.audio import decode
-from omni_server.audio.whisper import load_whisper, transcribe, word_error_rate
+from omni_server.audio.whisper import Recognizer, load_whisper
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -23,7 +24,7 @@ SENTENCES = [
 def test_served_speech_transcribes_with_low_wer(
     client: OpenAI, response_format: str, stream_format: str | None
 ):
-    whisper = load_whisper()
+    whisper = Recognizer(load_whisper())
     hypotheses = []
     for sentence in SENTENCES:
         # None: the whole response (`"stream": false`); "audio": streamed as it is synthesized
@@ -37,6 +38,6 @@ def test_served_speech_transcribes_with_low_wer(
             **extra,
         ) as response:
             body = response.read()
-        hypotheses.append(transcribe(whisper, *decode(body, response_format)))
+        hypotheses.append(whisper.transcribe(*decode(body, response_format)))
     wer = word_error_rate(SENTENCES, hypotheses)
     assert wer < 0.15, f"WER {wer:.2f}: {list(zip(SENTENCES, hypotheses, strict=True))}"

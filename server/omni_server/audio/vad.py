@@ -243,7 +243,9 @@ def segment_speech(
     """The utterances of a whole 16 kHz clip (Silero unless another detector is given)."""
     detector = detector or SileroVad()
     probs = detector.probabilities(audio)
-    return utterances_from(probs, detector.frame_samples / SAMPLE_RATE, options)
+    found = utterances_from(probs, detector.frame_samples / SAMPLE_RATE, options)
+    limit = np.asarray(audio).size / SAMPLE_RATE  # the last frame is zero-padded past the end
+    return [Utterance(u.start, min(u.end, limit)) for u in found if u.start < limit]
 
 
 def utterances_from(

