@@ -147,3 +147,16 @@ def test_wav_header_layout():
 def test_unsupported_sample_rates_are_refused_by_name(fmt, rate, message):
     with pytest.raises(ValueError, match=message):
         check_sample_rate(fmt, rate)
+
+
+def test_pcm_and_wav_of_the_same_samples_decode_to_the_same_floats():
+    """The one decoder scales raw pcm as FFmpeg scales s16 inside a container (1/32768)."""
+    tone = (0.5 * np.sin(2 * np.pi * 330 * np.arange(4800) / 24000)).astype(np.float32)
+    bodies = {}
+    for fmt in ("pcm", "wav"):
+        encoder = AudioEncoder(fmt, 24000, streaming=False)
+        bodies[fmt] = encoder.encode(tone) + encoder.finish()
+    pcm, wav = decode(bodies["pcm"], "pcm", pcm_rate=24000), decode(bodies["wav"], "wav")
+    assert pcm.sample_rate == wav.sample_rate == 24000
+    np.testing.assert_array_equal(pcm.samples, wav.samples)
+    np.testing.assert_allclose(pcm.samples, tone, atol=1e-4)

