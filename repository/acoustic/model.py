@@ -188,7 +188,7 @@ def session_options(intra_op_threads: int) -> ort.SessionOptions:
 
 
 class Acoustic(StageBackend):
-    """Streams one chunk per sentence to the encoder; returns the request's totals."""
+    """Streams one chunk per sentence to the encoder (its only successor: a stream_to edge)."""
 
     def initialize(self, context: StageContext) -> None:
         params = context.parameters
@@ -233,12 +233,10 @@ class Acoustic(StageBackend):
             "stream": bool(inputs["stream"]),
         }
         sentences = inputs["sentences"]
-        samples = 0
         for index, sentence in enumerate(sentences):
             request.check_aborted()
             rng = unseeded if seed is None else sentence_rng(int(seed), index)
             audio = voice.synthesize(sentence["phoneme_ids"], speed=speed, rng=rng)
-            samples += len(audio)
             yield {
                 "audio": audio,  # [samples] float32
                 "sample_rate": voice.sample_rate,
@@ -254,8 +252,3 @@ class Acoustic(StageBackend):
                 "sentences": 0,
                 "encoding": encoding,
             }
-        return {
-            "sentences": len(sentences),
-            "sample_rate": voice.sample_rate,
-            "audio_seconds": samples / voice.sample_rate,
-        }

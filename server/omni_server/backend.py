@@ -25,7 +25,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-Payload = dict[str, Any]
+from omni_server.envelope import Payload
+
+__all__ = [
+    "Payload",
+    "Request",
+    "RequestAborted",
+    "StageBackend",
+    "StageConfigError",
+    "StageContext",
+]
 
 
 class StageConfigError(ValueError):

@@ -49,7 +49,7 @@ def stream(
     back: int = 1,
     binding: str | None = None,
 ):
-    """[a ->] speak --stream_to + next--> voice (terminal); layout 'one', 'split' or 'replicated'
+    """[a ->] speak --stream_to--> voice (terminal); layout 'one', 'split' or 'replicated'
     (a in process front, speak + voice in process back, with `front` / `back` replicas, bound
     by `binding` when given)."""
     params = f'[parameters]\nmarker_dir = "{marker_dir}"\nk = 0\n' if marker_dir else ""
@@ -57,9 +57,7 @@ def stream(
     speak_proc, voice_proc = procs[layout]
     stream = '[scheduler]\nkind = "stream"\n'
     stages = {
-        "speak": _stage(
-            "Speak", 'next = "voice"\nstream_to = "voice"\n' + stream + params, speak_proc
-        ),
+        "speak": _stage("Speak", 'stream_to = "voice"\n' + stream + params, speak_proc),
         "voice": _stage("Voice", "terminal = true\n" + stream + params, voice_proc),
     }
     entry = "speak"

@@ -67,7 +67,7 @@ async def test_fan_in_merges_only_the_branches_the_route_chose(tmp_path, layout)
 
 
 def _two_terminals(root, processes: bool):
-    """pre routes to [left, speak]: left -> tail (terminal); speak --stream_to + next--> voice
+    """pre routes to [left, speak]: left -> tail (terminal); speak --stream_to--> voice
     (terminal, started by the stream). Leaving out one branch skips one terminal."""
     p = (lambda name: name) if processes else (lambda name: "p")
     stream = '[scheduler]\nkind = "stream"\n'
@@ -75,7 +75,7 @@ def _two_terminals(root, processes: bool):
         "pre": _stage("Split", 'next = ["left", "speak"]\nroute = "route"\n', p("pre")),
         "left": _stage("Add", 'next = "tail"\n[parameters]\nk = 1\n', p("left")),
         "tail": _stage("Add", "terminal = true\n[parameters]\nk = 2\n", p("tail")),
-        "speak": _stage("Speak", 'next = "voice"\nstream_to = "voice"\n' + stream, p("speak")),
+        "speak": _stage("Speak", 'stream_to = "voice"\n' + stream, p("speak")),
         "voice": _stage("Voice", "terminal = true\n" + stream, p("voice")),
     }
     return build(root, stages, MODEL)

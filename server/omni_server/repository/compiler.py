@@ -31,6 +31,7 @@ from omni_server.repository.schema import (
     SERVER_FIELDS,
     TASKS,
     check_fields,
+    field_value,
 )
 
 
@@ -111,9 +112,9 @@ def _check_repository_tables(raw: RawRepository) -> None:
 def _server(raw: RawRepository) -> ServerOptions:
     data = check_fields(_table(raw, "server"), SERVER_FIELDS, file=raw.file, prefix="server.")
     return ServerOptions(
-        mps=MpsMode(data.get("mps", "off")),
-        weight_share=data.get("weight_share", "off") == "on",
-        gpu_memory_limit=float(data.get("gpu_memory_limit", 1.0)),
+        mps=MpsMode(field_value(data, SERVER_FIELDS, "mps")),
+        weight_share=field_value(data, SERVER_FIELDS, "weight_share") == "on",
+        gpu_memory_limit=float(field_value(data, SERVER_FIELDS, "gpu_memory_limit")),
     )
 
 
@@ -152,14 +153,14 @@ def _models(raw: RawRepository, stages: Mapping[str, StageSpec]) -> dict[str, Mo
                 field=prefix + "tasks",
             )
         check_unique(tasks, file=raw.file, stage=None, field=prefix + "tasks")
-        aliases = tuple(data.get("aliases", ()))
+        aliases = tuple(field_value(data, MODEL_FIELDS, "aliases"))
         for name, field in [(model_id, "models"), *((a, prefix + "aliases") for a in aliases)]:
             if name in taken:
                 raise RepositoryError(
                     f"'{name}' already names model '{taken[name]}'", file=raw.file, field=field
                 )
             taken[name] = model_id
-        voices = tuple(data.get("voices", ()))
+        voices = tuple(field_value(data, MODEL_FIELDS, "voices"))
         check_unique(voices, file=raw.file, stage=None, field=prefix + "voices")
         default_voice = data.get("default_voice")
         if default_voice is not None and default_voice not in voices:
@@ -168,7 +169,7 @@ def _models(raw: RawRepository, stages: Mapping[str, StageSpec]) -> dict[str, Mo
                 file=raw.file,
                 field=prefix + "default_voice",
             )
-        voice_aliases = data.get("voice_aliases", {})
+        voice_aliases = field_value(data, MODEL_FIELDS, "voice_aliases")
         for alias, voice in voice_aliases.items():
             if voice not in voices:
                 raise RepositoryError(
@@ -190,6 +191,6 @@ def _models(raw: RawRepository, stages: Mapping[str, StageSpec]) -> dict[str, Mo
             voices=voices,
             voice_aliases=FrozenMap(voice_aliases),
             default_voice=default_voice,
-            description=data.get("description", ""),
+            description=field_value(data, MODEL_FIELDS, "description"),
         )
     return models

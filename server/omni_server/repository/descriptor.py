@@ -20,7 +20,14 @@ from omni_server.repository.plan import (
     SchedulerSpec,
     StageSpec,
 )
-from omni_server.repository.schema import STAGE_FIELDS, STAGE_TABLES, check_fields
+from omni_server.repository.schema import (
+    ENGINE_FIELDS,
+    SCHEDULER_FIELDS,
+    STAGE_FIELDS,
+    STAGE_TABLES,
+    check_fields,
+    field_value,
+)
 
 DEFAULT_BACKEND_FILE = "model.py"
 IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -38,27 +45,73 @@ def check_unique(values: tuple[Any, ...], *, file: Path, stage: str | None, fiel
         seen.add(v)
 
 
+class _Fail:
+    """Errors about one stage descriptor: file and stage named, the field given per error."""
+
+    def __init__(self, rs: RawStage) -> None:
+        self.rs = rs
+
+    def __call__(self, field: str, message: str) -> RepositoryError:
+        return RepositoryError(message, file=self.rs.file, stage=self.rs.name, field=field)
+
+    def unique(self, values: tuple[Any, ...], field: str) -> None:
+        check_unique(values, file=self.rs.file, stage=self.rs.name, field=field)
+
+
 def parse_stage(rs: RawStage) -> StageSpec:
     """Type-check one stage descriptor and apply the per-stage rules."""
     data = check_fields(rs.data, STAGE_FIELDS, file=rs.file, stage=rs.name)
     for table, fields in STAGE_TABLES.items():
         if table in data:
             check_fields(data[table], fields, file=rs.file, stage=rs.name, prefix=f"{table}.")
-
-    def fail(field: str, message: str) -> RepositoryError:
-        return RepositoryError(message, file=rs.file, stage=rs.name, field=field)
-
-    backend = _backend(rs, fail)
-    process = data.get("process", rs.name)
+    fail = _Fail(rs)
+    process = data.get("process", rs.name)  # the default is the stage's own name
     if not NAME.match(process):
         raise fail("process", "a process name may hold only letters, digits, '_' and '-'")
+    gpu, tp_size, fraction = _placement(data, fail)
+    scheduler = _scheduler(data.get("scheduler", {}), fail)
+    nxt, route, terminal, stream_to = _routing(data, scheduler, fail)
+    wait_for, merge = _fan_in(data, fail)
+    process_local = _names(_value(data, "process_local"))
+    for target in process_local:
+        if target not in nxt and target not in stream_to:
+            raise fail(
+                "process_local",
+                f"'{target}' is not a successor of this stage; successors: "
+                f"{list(dict.fromkeys((*nxt, *stream_to)))}",
+            )
+    return StageSpec(
+        name=rs.name,
+        directory=rs.directory,
+        backend=_backend(rs, fail),
+        parameters=_freeze(_value(data, "parameters")),
+        process=process,
+        gpu=gpu,
+        tp_size=tp_size,
+        gpu_memory_fraction=fraction,
+        next=nxt,
+        route=route,
+        terminal=terminal,
+        wait_for=wait_for,
+        merge=merge,
+        stream_to=stream_to,
+        process_local=process_local,
+        scheduler=scheduler,
+        engine=_engine(data),
+    )
 
-    # Placement: a GPU id per TP rank.
+
+def _value(data: dict[str, Any], name: str) -> Any:
+    return field_value(data, STAGE_FIELDS, name)
+
+
+def _placement(data: dict[str, Any], fail: _Fail) -> tuple[tuple[int, ...], int, float | None]:
+    """A GPU id per TP rank (none: the CPU), the TP size, the GPU memory fraction."""
     gpu = _names_or_ints(data.get("gpu"))
     if "gpu" in data and not gpu:
         raise fail("gpu", "gpu = [] names no GPU; drop the field for a CPU stage")
     # Without `gpu` a TP stage runs its ranks on the CPU (torch.distributed over gloo).
-    tp_size = data.get("tp_size", 1)
+    tp_size: int = _value(data, "tp_size")
     if gpu and len(gpu) != tp_size:
         raise fail(
             "gpu",
@@ -69,22 +122,42 @@ def parse_stage(rs: RawStage) -> StageSpec:
     fraction = data.get("gpu_memory_fraction")
     if fraction is not None and not gpu:
         raise fail("gpu_memory_fraction", "a CPU stage budgets no GPU memory; set gpu or drop it")
+    return gpu, tp_size, float(fraction) if fraction is not None else None
 
-    # Routing: exactly one of `next`, `next` + `route`, `terminal = true`.
-    nxt = _names(data.get("next", []))
+
+def _routing(
+    data: dict[str, Any], scheduler: SchedulerSpec, fail: _Fail
+) -> tuple[tuple[str, ...], str | None, bool, tuple[str, ...]]:
+    """Where a stage's output goes: `next` (static, or chosen by `route`), `stream_to`
+    (chunks), or nowhere because it is terminal. A stage may have stream successors only."""
+    nxt = _names(_value(data, "next"))
     route = data.get("route")
-    terminal = data.get("terminal", False)
+    terminal: bool = _value(data, "terminal")
+    stream_to = _names(_value(data, "stream_to"))
+    fail.unique(nxt, "next")
+    fail.unique(stream_to, "stream_to")
     if terminal and nxt:
         raise fail("terminal", "a terminal stage has no next; give terminal = true or next")
     if route is not None and not nxt:
         raise fail("route", "a route method chooses among next; declare next = [...] too")
-    if not terminal and not nxt:
-        raise fail("next", "no routing: give next = [...], next with route, or terminal = true")
+    if not terminal and not nxt and not stream_to:
+        raise fail(
+            "next",
+            "no routing: give next = [...], next with route, stream_to = [...], or terminal = true",
+        )
     if route is not None and not IDENTIFIER.match(route):
         raise fail("route", f"'{route}' is not a method name of the backend class")
-    check_unique(nxt, file=rs.file, stage=rs.name, field="next")
+    if stream_to and scheduler.kind is not SchedulerKind.STREAM:
+        raise fail(
+            "stream_to",
+            'only a stream stage yields chunks: set [scheduler] kind = "stream" '
+            f'(it is "{scheduler.kind}")',
+        )
+    return nxt, route, terminal, stream_to
 
-    wait_for = tuple(data.get("wait_for", []))
+
+def _fan_in(data: dict[str, Any], fail: _Fail) -> tuple[tuple[str, ...], str | None]:
+    wait_for = tuple(_value(data, "wait_for"))
     merge = data.get("merge")
     if wait_for and merge is None:
         raise fail("merge", 'wait_for needs merge = "<backend method>" combining the inputs')
@@ -92,51 +165,18 @@ def parse_stage(rs: RawStage) -> StageSpec:
         raise fail("merge", "merge combines the wait_for inputs; declare wait_for = [...]")
     if merge is not None and not IDENTIFIER.match(merge):
         raise fail("merge", f"'{merge}' is not a method name of the backend class")
-    check_unique(wait_for, file=rs.file, stage=rs.name, field="wait_for")
-
-    scheduler = _scheduler(data.get("scheduler", {}), fail)
-    stream_to = _names(data.get("stream_to", []))
-    check_unique(stream_to, file=rs.file, stage=rs.name, field="stream_to")
-    if stream_to and scheduler.kind is not SchedulerKind.STREAM:
-        raise fail(
-            "stream_to",
-            'only a stream stage yields chunks: set [scheduler] kind = "stream" '
-            f'(it is "{scheduler.kind}")',
-        )
-    process_local = _names(data.get("process_local", []))
-    for target in process_local:
-        if target not in nxt and target not in stream_to:
-            raise fail(
-                "process_local",
-                f"'{target}' is not a successor of this stage; successors: "
-                f"{list(dict.fromkeys((*nxt, *stream_to)))}",
-            )
-
-    engine = None
-    if "engine" in data:
-        engine = EngineSpec(max_total_tokens=data["engine"].get("max_total_tokens"))
-    return StageSpec(
-        name=rs.name,
-        directory=rs.directory,
-        backend=backend,
-        parameters=_freeze(data.get("parameters", {})),
-        process=process,
-        gpu=gpu,
-        tp_size=tp_size,
-        gpu_memory_fraction=float(fraction) if fraction is not None else None,
-        next=nxt,
-        route=route,
-        terminal=terminal,
-        wait_for=wait_for,
-        merge=merge,
-        stream_to=stream_to,
-        process_local=process_local,
-        scheduler=scheduler,
-        engine=engine,
-    )
+    fail.unique(wait_for, "wait_for")
+    return wait_for, merge
 
 
-def _backend(rs: RawStage, fail: Any) -> BackendRef:
+def _engine(data: dict[str, Any]) -> EngineSpec | None:
+    if "engine" not in data:
+        return None
+    table = data["engine"]
+    return EngineSpec(max_total_tokens=field_value(table, ENGINE_FIELDS, "max_total_tokens"))
+
+
+def _backend(rs: RawStage, fail: _Fail) -> BackendRef:
     if "backend" not in rs.data:
         raise fail("backend", 'required: backend = "model.py:ClassName" (or "ClassName")')
     spec: str = rs.data["backend"]
@@ -153,10 +193,10 @@ def _backend(rs: RawStage, fail: Any) -> BackendRef:
     return BackendRef(file=file, class_name=class_name)
 
 
-def _scheduler(data: dict[str, Any], fail: Any) -> SchedulerSpec:
-    kind = SchedulerKind(data.get("kind", "single"))
-    size = data.get("max_batch_size", 1)
-    delay = float(data.get("max_queue_delay_ms", 0.0))
+def _scheduler(data: dict[str, Any], fail: _Fail) -> SchedulerSpec:
+    kind = SchedulerKind(field_value(data, SCHEDULER_FIELDS, "kind"))
+    size: int = field_value(data, SCHEDULER_FIELDS, "max_batch_size")
+    delay = float(field_value(data, SCHEDULER_FIELDS, "max_queue_delay_ms"))
     if kind is not SchedulerKind.BATCH:
         if size != 1:
             raise fail("scheduler.max_batch_size", f'batches need kind = "batch" (it is "{kind}")')

@@ -23,6 +23,7 @@ from typing import Any
 
 from omni_server.repository.errors import RepositoryError
 from omni_server.repository.plan import (
+    BindingPolicy,
     Edge,
     FrozenMap,
     ProcessInstance,
@@ -30,7 +31,7 @@ from omni_server.repository.plan import (
     ServerOptions,
     StageSpec,
 )
-from omni_server.repository.schema import PROCESS_FIELDS, check_fields
+from omni_server.repository.schema import PROCESS_FIELDS, check_fields, field_value
 
 # Sums of declared fractions are compared with this much slack (0.1 + 0.2 must fit 0.3).
 EPSILON = 1e-9
@@ -73,8 +74,8 @@ def build_processes(
         data = table.get(name, {})
         field = f"processes.{name}."
         tp_size = max(stages[s].tp_size for s in group)
-        replicas = data.get("num_replicas", 1)
-        devices = tuple(data.get("replica_devices", ()))
+        replicas = field_value(data, PROCESS_FIELDS, "num_replicas")
+        devices = tuple(field_value(data, PROCESS_FIELDS, "replica_devices"))
         on_gpu = any(stages[s].on_gpu for s in group)
         if devices and not on_gpu:
             raise RepositoryError(
@@ -112,7 +113,7 @@ def build_processes(
             num_replicas=replicas,
             replica_devices=devices,
             tp_size=tp_size,
-            binding=data.get("binding", PROCESS_FIELDS["binding"].default),
+            binding=BindingPolicy(field_value(data, PROCESS_FIELDS, "binding")),
         )
     return processes
 

@@ -54,6 +54,13 @@ class SchedulerKind(StrEnum):
     STREAM = "stream"  # per-request generators: generate(request) yields chunks
 
 
+class BindingPolicy(StrEnum):
+    """How admission picks a request's replica of a replicated process (runtime/binding.py)."""
+
+    ROUND_ROBIN = "round_robin"  # in turn (the reference design's rule); the default
+    LEAST_LOADED = "least_loaded"  # the replica with the fewest requests in flight
+
+
 class EdgeKind(StrEnum):
     NEXT = "next"  # a full payload handed on by static `next` or by the route function
     STREAM = "stream"  # chunks along `stream_to`, beside normal routing
@@ -143,7 +150,7 @@ class ProcessSpec:
     num_replicas: int = 1
     replica_devices: tuple[int, ...] = ()  # N ids (N x T for TP size T), overrides stage gpus
     tp_size: int = 1  # > 1 only for the process a TP stage owns
-    binding: str = "round_robin"  # replica choice at admission: round_robin | least_loaded
+    binding: BindingPolicy = BindingPolicy.ROUND_ROBIN  # replica choice at admission
 
 
 @dataclass(frozen=True)

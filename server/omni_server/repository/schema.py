@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_server.repository.errors import RepositoryError
+from omni_server.repository.plan import BindingPolicy, MpsMode, SchedulerKind
 
 
 class Kind(StrEnum):
@@ -163,8 +164,8 @@ SCHEDULER_FIELDS = _fields(
         Kind.ENUM,
         "how requests reach the backend: one at a time (execute([r])), dynamic batches "
         "(execute(batch)), or per-request streams (generate(r) yields chunks)",
-        default="single",
-        choices=("single", "batch", "stream"),
+        default=SchedulerKind.SINGLE,
+        choices=tuple(SchedulerKind),
     ),
     Field("max_batch_size", Kind.INT, "largest batch (kind = batch)", default=1, minimum=1),
     Field(
@@ -227,7 +228,7 @@ STAGE_TABLES: Mapping[str, Mapping[str, Field]] = {
 # ---- repository.toml ----------------------------------------------------------------------
 
 SERVER_FIELDS = _fields(
-    Field("mps", Kind.ENUM, "CUDA MPS for processes sharing a GPU", "off", ("off", "auto", "on")),
+    Field("mps", Kind.ENUM, "CUDA MPS for processes sharing a GPU", MpsMode.OFF, tuple(MpsMode)),
     Field(
         "weight_share",
         Kind.ENUM,
@@ -256,9 +257,6 @@ MODEL_FIELDS = _fields(
     Field("voice_aliases", Kind.STR_MAP, "alias -> voice (targets must be in voices)", {}),
 )
 
-# Replica binding policies; the first is the default (the reference design's round robin).
-BINDINGS = ("round_robin", "least_loaded")
-
 PROCESS_FIELDS = _fields(
     Field("num_replicas", Kind.INT, "copies of the whole logical process", default=1, minimum=1),
     Field(
@@ -272,14 +270,19 @@ PROCESS_FIELDS = _fields(
         Kind.ENUM,
         "how admission picks a request's replica, kept for the request's life: in turn "
         "(round_robin) or the one with the fewest requests in flight (least_loaded)",
-        BINDINGS[0],
-        BINDINGS,
+        BindingPolicy.ROUND_ROBIN,
+        tuple(BindingPolicy),
     ),
 )
 
 # repository.toml's top-level tables: [server] holds SERVER_FIELDS; [models.<id>] and
 # [processes.<name>] hold one table of MODEL_FIELDS / PROCESS_FIELDS per entry.
 REPOSITORY_TABLES = ("server", "models", "processes")
+
+
+def field_value(data: Mapping[str, Any], fields: Mapping[str, Field], name: str) -> Any:
+    """The table's value of field `name`, or the default the field declares (the one source)."""
+    return data.get(name, fields[name].default)
 
 
 def check_fields(

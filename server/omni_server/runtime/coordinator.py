@@ -1,9 +1,8 @@
 """The coordinator: request life cycle in the main process.
 
-It admits a request (binding one replica per replicated process by the process's `binding`
-policy: in turn, or the replica with the fewest requests in flight), hands its inputs to the
-model's entry stage, collects chunks and results from terminal stages, merges several
-terminals' results, and fails or aborts a request everywhere it may have gone.
+It admits a request (binding one replica per replicated process: `binding.ReplicaBinder`),
+hands its inputs to the model's entry stage, collects chunks and results from terminal stages,
+merges several terminals' results, and fails or aborts a request everywhere it may have gone.
 Stages pass payloads to each other directly; the coordinator only sees the ends.
 
 A request completes when every terminal reachable from its entry has reported: its result, or
@@ -16,41 +15,31 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
+from omni_server.envelope import Envelope, Payload, Timings
 from omni_server.repository.plan import ModelSpec, Plan
 
+from .binding import ReplicaBinder
 from .errors import PipelineError
+from .links import Links
 from .messages import (
     Abort,
     CoordinatorMessage,
     Deliver,
-    Envelope,
-    HostMessage,
-    Payload,
     StageFailed,
     TerminalChunk,
     TerminalResult,
     TerminalSkipped,
-    Timings,
 )
 from .topology import Topology
 
 log = logging.getLogger(__name__)
 
 StageObserver = Callable[[str, float, float], None]
-
-
-class CoordinatorLinks(Protocol):
-    def deliver(self, index: int, message: HostMessage) -> None:
-        """Data to an instance (entry payloads), in order with that instance's other data."""
-
-    def control(self, index: int, message: HostMessage) -> None:
-        """Control to an instance (abort); never queues behind data."""
 
 
 _END = object()
@@ -126,24 +115,34 @@ class _Flight:
 
 
 class Coordinator:
-    def __init__(self, plan: Plan, links: CoordinatorLinks, observers: list[StageObserver]) -> None:
+    """Requests in flight. Closed until open(links); close(reason) fails what is in flight and
+    refuses new requests with that reason (as PipelineError "unavailable")."""
+
+    def __init__(self, plan: Plan, observers: list[StageObserver]) -> None:
         self.plan = plan
         self.topology = Topology(plan)
-        self.links = links
         self.observers = observers
-        self.accepting = False
-        self.unavailable_reason = "the pipeline is not started"
+        self._links: Links | None = None
+        self._closed_reason: str | None = "the pipeline is not started"
         self._flights: dict[int, _Flight] = {}
         self._keys = itertools.count(1)
-        # submit() and the retiring paths run on the event loop; the lock keeps each process's
-        # cursor and counts exact should they ever be called from other threads too
-        self._lock = threading.Lock()
-        replicated = {n: p for n, p in plan.processes.items() if p.num_replicas > 1}
-        self._cursor = dict.fromkeys(replicated, 0)  # the next replica in turn, per process
-        # Invariant: _load[p][r] == flights in self._flights bound to replica r of p. Raised
-        # in _bind, lowered in _retire (the one way out of self._flights once admitted) or
-        # when admission itself fails.
-        self._load = {n: [0] * p.num_replicas for n, p in replicated.items()}
+        self._binder = ReplicaBinder(plan)
+
+    def open(self, links: Links) -> None:
+        """Start admitting requests; `links` reach the stage hosts."""
+        self._links = links
+        self._closed_reason = None
+
+    def close(self, reason: str, *, fail_in_flight: bool = True) -> None:
+        """Refuse new requests with `reason`; fail every request in flight with it, unless
+        `fail_in_flight` is False (requests that can still finish are left to finish)."""
+        self._closed_reason = reason
+        if fail_in_flight:
+            self.fail_all(PipelineError(reason, code="unavailable"))
+
+    @property
+    def accepting(self) -> bool:
+        return self._closed_reason is None
 
     @property
     def in_flight(self) -> int:
@@ -151,8 +150,7 @@ class Coordinator:
 
     def replica_load(self, process: str) -> tuple[int, ...]:
         """Requests in flight bound to each replica of a replicated process (a snapshot)."""
-        with self._lock:
-            return tuple(self._load[process])
+        return self._binder.load(process)
 
     def submit(
         self, model: ModelSpec, inputs: Payload, request_id: str | None = None
@@ -160,8 +158,8 @@ class Coordinator:
         """Admit a request and hand it to the model's entry stage (call on the runtime's loop).
 
         Raises PipelineError("unavailable") when the pipeline is not running or unhealthy."""
-        if not self.accepting:
-            raise PipelineError(self.unavailable_reason, code="unavailable")
+        if self._closed_reason is not None or self._links is None:
+            raise PipelineError(self._closed_reason or "not started", code="unavailable")
         if model.id not in self.topology.model_processes:
             raise PipelineError(f"model {model.id!r} is not in this pipeline", code="unavailable")
         if not isinstance(inputs, dict):
@@ -170,7 +168,8 @@ class Coordinator:
         request_id = request_id or uuid.uuid4().hex
         handle = RequestHandle(self, key, request_id)
         terminals = self.topology.terminals(model.entry)
-        env = Envelope(key, request_id, self._bind(model), model.entry)
+        bindings = self._binder.bind(self.topology.model_processes[model.id])
+        env = Envelope(key, request_id, bindings, model.entry)
         try:
             self._flights[key] = _Flight(
                 handle=handle,
@@ -181,43 +180,18 @@ class Coordinator:
                 single_terminal=next(iter(terminals)) if len(terminals) == 1 else None,
             )
             entry = self.topology.host_of(model.entry, env.bindings)
-            self.links.deliver(entry, Deliver(env, model.entry, "", inputs, []))
+            self._links.to_instance(entry, Deliver(env, model.entry, "", inputs, []))
         except BaseException:  # not admitted (e.g. inputs the codec refuses): nothing was sent
             self._flights.pop(key, None)
-            self._release(env.bindings)
+            self._binder.release(env.bindings)
             raise
         return handle
-
-    def _bind(self, model: ModelSpec) -> dict[str, int]:
-        bindings = {}
-        with self._lock:
-            for process in self.topology.model_processes[model.id]:
-                load = self._load.get(process)
-                if load is None:
-                    continue  # one replica: nothing to choose
-                start = self._cursor[process]
-                if self.plan.processes[process].binding == "least_loaded":
-                    # the least loaded replica; among equals the first from the cursor on, so
-                    # ties rotate exactly like round robin
-                    n = len(load)
-                    replica = min(((start + i) % n for i in range(n)), key=load.__getitem__)
-                else:
-                    replica = start
-                self._cursor[process] = (replica + 1) % len(load)
-                load[replica] += 1
-                bindings[process] = replica
-        return bindings
 
     def _retire(self, flight: _Flight) -> None:
         """Take a flight out of the books, lowering its replicas' load once however often it
         is called (a flight may be failed by a message and by a death in one loop turn)."""
         if self._flights.pop(flight.env.key, None) is not None:
-            self._release(flight.env.bindings)
-
-    def _release(self, bindings: dict[str, int]) -> None:
-        with self._lock:
-            for process, replica in bindings.items():
-                self._load[process][replica] -= 1
+            self._binder.release(flight.env.bindings)
 
     def on_message(self, message: CoordinatorMessage) -> None:
         match message:
@@ -276,8 +250,8 @@ class Coordinator:
 
     def _abort_everywhere(self, flight: _Flight, *, skip: int | None = None) -> None:
         for index in flight.touched:
-            if index != skip and self.plan.instances[index].tp_rank == 0:
-                self.links.control(index, Abort((flight.env.key,)))
+            if index != skip and self.plan.instances[index].tp_rank == 0 and self._links:
+                self._links.control(index, Abort((flight.env.key,)))
 
     def abort(self, key: int) -> None:
         flight = self._flights.get(key)

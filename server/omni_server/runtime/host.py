@@ -14,18 +14,19 @@ import concurrent.futures
 import logging
 import sys
 from collections.abc import Callable, Coroutine
-from typing import Any, Protocol
+from typing import Any
 
 from omni_server.backend import StageConfigError, StageContext
+from omni_server.envelope import Envelope
 from omni_server.repository.plan import Plan, StageSpec
 from omni_server.scheduling import StageCalls
 
 from .backends import load_backend
+from .links import Links
 from .messages import (
     Abort,
     CoordinatorMessage,
     Deliver,
-    Envelope,
     HostMessage,
     Shutdown,
     Skipped,
@@ -38,14 +39,6 @@ from .topology import Topology
 log = logging.getLogger(__name__)
 
 _ABORT_MEMORY = 65536  # aborted keys remembered to drop late messages (oldest forgotten first)
-
-
-class Links(Protocol):
-    """Where a host's messages go when they leave it. Both calls never block and keep order."""
-
-    def to_instance(self, index: int, message: HostMessage) -> None: ...
-
-    def to_coordinator(self, message: CoordinatorMessage) -> None: ...
 
 
 class StageStartError(Exception):
@@ -85,17 +78,21 @@ class StageHost:
     async def start(self) -> None:
         """Load and initialize every stage's backend, then start its scheduler."""
         for name in self.instance.stages:
+            backend = await self.initialize_backend(name)
             spec = self.plan.stages[name]
-            executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage-{name}")
-            self._executors[name] = executor
-            backend = await self._initialize(spec, executor)
-            runner = StageRunner(self, spec, self._calls_factory(spec, backend), executor)
+            calls = self._calls_factory(spec, backend)
+            runner = StageRunner(self, spec, calls, self._executors[name])
             self.stages[name] = runner
             self.spawn(runner.scheduler.run())
 
-    async def _initialize(
-        self, spec: StageSpec, executor: concurrent.futures.ThreadPoolExecutor
-    ) -> Any:
+    async def initialize_backend(self, stage: str) -> Any:
+        """Give `stage` its compute thread, load its backend class and call initialize() there.
+
+        start() does this for every stage; a TP peer rank, which runs no scheduler, calls it for
+        its one stage alone. Raises StageStartError naming the stage."""
+        spec = self.plan.stages[stage]
+        executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage-{stage}")
+        self._executors[stage] = executor
         device = self.instance.devices.get(spec.name)
         context = StageContext(
             stage=spec.name,
@@ -130,8 +127,7 @@ class StageHost:
     async def stop(self) -> None:
         """Abort what is in flight, stop the schedulers, finalize the backends."""
         for runner in self.stages.values():
-            for key in list(runner._admitted):
-                runner.abort(key)
+            runner.abort_all()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

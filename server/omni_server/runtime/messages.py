@@ -17,22 +17,8 @@ Control never queues behind data.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-Payload = dict[str, Any]
-# (stage, queue_seconds, compute_seconds) of every stage a request passed, carried downstream
-Timings = list[tuple[str, float, float]]
-
-
-@dataclass(slots=True)
-class Envelope:
-    key: int  # the request's wire identity, unique for the runtime's life
-    id: str  # the caller's request id (what backends see as Request.id)
-    # replicated logical process -> the replica chosen at admission; absent means replica 0
-    bindings: dict[str, int] = field(default_factory=dict)
-    # the model's entry stage: which upstreams of a stage this request can reach ("" = all)
-    entry: str = ""
-
+from omni_server.envelope import Envelope, Payload, Timings
 
 # ---- into stage hosts ------------------------------------------------------------------------
 

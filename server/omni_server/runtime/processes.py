@@ -32,7 +32,8 @@ from omni_transport import unlink_leftovers
 
 from .channels import COORDINATOR, Endpoint
 from .errors import PipelineError
-from .messages import CoordinatorMessage, HostMessage, Ready, Shutdown, StartFailed
+from .links import ChannelLinks
+from .messages import CoordinatorMessage, Ready, Shutdown, StartFailed
 from .topology import Topology
 
 log = logging.getLogger(__name__)
@@ -173,23 +174,24 @@ class ProcessGroup:
 
     # ---- running -----------------------------------------------------------------------------
 
-    def deliver(self, index: int, message: HostMessage) -> None:
-        assert self._endpoint is not None
-        self._endpoint.send_data(str(index), message)
+    @property
+    def links(self) -> ChannelLinks:
+        """The coordinator's links to the stage processes (valid once start() returned)."""
+        assert self._endpoint is not None, "the process group is not started"
+        return ChannelLinks(self._endpoint, alive=self._alive)
 
-    def control(self, index: int, message: HostMessage) -> None:
-        exited = self._exited[index] if index < len(self._exited) else None
-        if self._endpoint is not None and exited is not None and not exited.done():
-            self._endpoint.send_control(str(index), message)
+    def _alive(self, index: int) -> bool:
+        return index < len(self._exited) and not self._exited[index].done()
 
     # ---- stop --------------------------------------------------------------------------------
 
     async def stop(self) -> None:
         self._stopping = True
         alive = [i for i, fut in enumerate(self._exited) if not fut.done()]
-        for index in alive:
-            if self.plan.instances[index].tp_rank == 0:
-                self.control(index, Shutdown())
+        if self._endpoint is not None:
+            for index in alive:
+                if self.plan.instances[index].tp_rank == 0:
+                    self.links.control(index, Shutdown())
         await self._wait_exits(alive, _STOP_GRACE_S, signal.SIGTERM)
         await self._wait_exits(alive, _TERM_GRACE_S, signal.SIGKILL)
         await self._wait_exits(alive, _TERM_GRACE_S, None)

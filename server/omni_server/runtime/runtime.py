@@ -14,12 +14,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from omni_server.envelope import Payload
 from omni_server.repository.plan import ModelSpec, Plan
 
 from .coordinator import Coordinator, RequestHandle, StageObserver
 from .errors import PipelineError
 from .host import StageHost, StageStartError
-from .messages import CoordinatorMessage, HostMessage, Payload
+from .links import InlineLinks
 from .topology import Topology
 
 log = logging.getLogger(__name__)
@@ -47,12 +48,9 @@ class Runtime:
         self._group: Any = None  # processes.ProcessGroup
         self._state = "new"  # new -> starting -> running -> stopped
         self._unhealthy: str | None = None
-        self.coordinator = Coordinator(plan, self._links(), self.stage_observers)
+        self.coordinator = Coordinator(plan, self.stage_observers)
         if inline and any(i.tp_size > 1 for i in plan.instances):
             raise ValueError("inline placement cannot host tensor-parallel stages")
-
-    def _links(self) -> Any:
-        return _InlineCoordinatorLinks(self) if self._inline else _GroupCoordinatorLinks(self)
 
     @property
     def ready(self) -> bool:
@@ -89,6 +87,7 @@ class Runtime:
                     ring_capacity=self._ring_capacity,
                 )
                 await asyncio.wait_for(self._group.start(), self._start_timeout)
+                self.coordinator.open(self._group.links)
         except (StageStartError, PipelineError) as exc:
             await self._stop_everything()
             raise PipelineError(str(exc), code="unavailable") from exc
@@ -101,16 +100,16 @@ class Runtime:
             await self._stop_everything()
             raise
         self._state = "running"
-        self.coordinator.accepting = True
 
     async def _start_inline(self) -> None:
         topology = Topology(self.plan)
-        links = _InlineHostLinks(self)
         self._hosts = [None] * len(self.plan.instances)
+        links = InlineLinks(self.coordinator, self._hosts)
         for index in range(len(self.plan.instances)):
             host = StageHost(self.plan, index, links, topology=topology)
             self._hosts[index] = host
             await host.start()
+        self.coordinator.open(links)
 
     async def stop(self) -> None:
         """Stop everything; idempotent. Requests still in flight fail as unavailable."""
@@ -121,9 +120,7 @@ class Runtime:
 
     async def _stop_everything(self) -> None:
         self._state = "stopped"
-        self.coordinator.accepting = False
-        self.coordinator.unavailable_reason = "the pipeline is stopped"
-        self.coordinator.fail_all(PipelineError("the pipeline stopped", code="unavailable"))
+        self.coordinator.close("the pipeline is stopped")
         for host in self._hosts:
             if host is not None:
                 await host.stop()
@@ -143,52 +140,10 @@ class Runtime:
         name = self.plan.instances[index].name
         message = f"process {name} exited with code {exitcode}"  # processes.py logged it
         self._unhealthy = message
-        self.coordinator.accepting = False
-        self.coordinator.unavailable_reason = f"pipeline unhealthy: {message}"
-        self.coordinator.instance_died(index, message)
+        self.coordinator.instance_died(index, message)  # its requests fail as process_died
+        self.coordinator.close(f"pipeline unhealthy: {message}", fail_in_flight=False)
 
     def _broken(self, message: str) -> None:
         log.error("pipeline unhealthy: %s", message)
         self._unhealthy = message
-        self.coordinator.accepting = False
-        self.coordinator.unavailable_reason = f"pipeline unhealthy: {message}"
-        self.coordinator.fail_all(PipelineError(message, code="unavailable"))
-
-
-class _InlineHostLinks:
-    """Messages between inline hosts and the coordinator: the objects themselves, on the loop."""
-
-    def __init__(self, runtime: Runtime) -> None:
-        self._runtime = runtime
-        self._loop = asyncio.get_running_loop()
-
-    def to_instance(self, index: int, message: HostMessage) -> None:
-        host = self._runtime._hosts[index]
-        if host is not None:
-            self._loop.call_soon(host.handle, message)
-
-    def to_coordinator(self, message: CoordinatorMessage) -> None:
-        self._loop.call_soon(self._runtime.coordinator.on_message, message)
-
-
-class _InlineCoordinatorLinks:
-    def __init__(self, runtime: Runtime) -> None:
-        self._runtime = runtime
-
-    def deliver(self, index: int, message: HostMessage) -> None:
-        host = self._runtime._hosts[index]
-        if host is not None:
-            asyncio.get_running_loop().call_soon(host.handle, message)
-
-    control = deliver
-
-
-class _GroupCoordinatorLinks:
-    def __init__(self, runtime: Runtime) -> None:
-        self._runtime = runtime
-
-    def deliver(self, index: int, message: HostMessage) -> None:
-        self._runtime._group.deliver(index, message)
-
-    def control(self, index: int, message: HostMessage) -> None:
-        self._runtime._group.control(index, message)
+        self.coordinator.close(f"pipeline unhealthy: {message}")

@@ -1,19 +1,25 @@
 """One stage inside a stage host: inputs -> scheduler -> outputs.
 
-Inputs: payloads (one, or one per `wait_for` stage, merged by the backend's merge method) and
-chunks along stream_to edges. A request is admitted to the scheduler once its payload inputs
-are complete. A stage fed by stream_to edges is admitted at the first stream message (inputs
-empty) when every stage handing it a payload also streams to it: the chunks carry what it
-needs, and those payloads only close their edges (TTS: acoustic --stream_to + next--> encoder).
+Inputs: payloads along `next` edges (one, or one per `wait_for` stage, merged by the backend's
+merge method) and chunks along `stream_to` edges. What a request waits for follows from its
+model's reachable graph (its entry): upstreams it can never reach are not waited for.
+- A stage that some reachable upstream hands a payload is admitted when that payload arrives
+  (a fan-in stage: when every `wait_for` stage has sent its payload or was skipped). Exactly one
+  payload may arrive per request: a second one fails the request with a message naming both
+  senders (a stage fed by several upstreams merges them with `wait_for`).
+- A stage fed only by streams (for this request) is admitted at its first stream message with
+  empty inputs: the chunks carry what it needs (TTS: acoustic --stream_to--> encoder).
+Its stream ends when every reachable streamer has sent its end marker (or was skipped).
 Outputs: chunks go to every stream_to stage (and to the caller when terminal); at the end, the
 end markers go along the stream_to edges, then the final payload to the chosen `next` stages
 (and to the caller when terminal), and a `Skipped` notice to each `next` stage not chosen.
 
-Skipping: a stage whose payload senders (its `wait_for`, or the upstreams this request can
-reach) all sent `Skipped` does not run: it sends `Skipped` to every successor (which also ends
-its stream edges) and, when terminal, `TerminalSkipped` to the coordinator. A fan-in stage counts
-a skipped upstream as arrived without a payload and merges the payloads that came. So every
-stage a request can reach hears from each of its upstreams, and nothing waits forever.
+Skipping: a stage whose starters (its `wait_for`, else the upstreams that hand this request a
+payload, else its streamers) all sent `Skipped` does not run: it sends `Skipped` to every
+successor (which also ends its stream edges) and, when terminal, `TerminalSkipped` to the
+coordinator. A fan-in stage counts a skipped upstream as arrived without a payload and merges
+the payloads that came. So every stage a request can reach hears from each of its upstreams, and
+nothing waits forever.
 
 Same-process receivers get the very payload object; when it goes to several receivers each gets
 its own shallow copy of the dict (isolated containers over shared, read-only values).
@@ -25,16 +31,16 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from omni_server.backend import Request, StageConfigError
+from omni_server.envelope import Envelope, Payload, Timings
 from omni_server.repository.plan import StageSpec
 from omni_server.scheduling import BackendContractError, StageCalls, WorkItem, make_scheduler
 
 from .messages import (
     Deliver,
-    Envelope,
-    Payload,
     Skipped,
     StageFailed,
     StreamChunk,
@@ -42,7 +48,6 @@ from .messages import (
     TerminalChunk,
     TerminalResult,
     TerminalSkipped,
-    Timings,
 )
 from .streams import StreamInbox
 
@@ -53,6 +58,19 @@ log = logging.getLogger(__name__)
 
 
 _DONE_MEMORY = 4096
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """What a stage waits for from requests of one entry (upstreams they can reach)."""
+
+    senders: frozenset[str]  # hand it a payload along next / route edges
+    streamers: frozenset[str]  # stream chunks into it along stream_to edges
+
+    @property
+    def starters(self) -> frozenset[str]:
+        """Whose messages start it (when all of them skip, the stage is skipped)."""
+        return self.senders or self.streamers
 
 
 class _FanIn:
@@ -76,47 +94,57 @@ class StageRunner:
         self.calls = calls
         self.executor = executor
         self.scheduler = make_scheduler(spec.scheduler, calls, self, executor)
-        topo = host.topology
-        self._stream_sources = topo.stream_preds[spec.name]
-        # A stream_to target starts at its first stream message, unless it waits for payloads
-        # from stages that do not stream to it (then it starts when those are in).
-        self._starts_on_stream = (
-            bool(self._stream_sources)
-            and not spec.wait_for
-            and set(topo.next_preds[spec.name]) <= set(self._stream_sources)
-        )
-        # the stages whose payloads (stream messages, for a stage started by them) start this one
-        self._payload_preds = (
-            topo.stream_preds[spec.name] if self._starts_on_stream else topo.next_preds[spec.name]
-        )
+        self._topology = host.topology
+        self._inputs: dict[str, _Inputs] = {}  # per entry stage: what this stage waits for
         self._fan_in: dict[int, _FanIn] = {}
         self._skips: dict[int, set[str]] = {}  # not yet admitted: upstreams that sent Skipped
         self._inboxes: dict[int, StreamInbox] = {}
         self._admitted: dict[int, WorkItem] = {}
+        # admitted here: the upstream whose message started it ("merge" after a fan-in)
+        self._started_by: dict[int, str] = {}
         self._seq: dict[int, int] = {}
-        # requests finished here, so a late stream message does not start them again
-        self._done: collections.OrderedDict[int, None] = collections.OrderedDict()
+        # requests finished (or skipped: "") here -> who started them, so a late stream message
+        # does not start them again and a second payload is refused naming the first sender
+        self._done: collections.OrderedDict[int, str] = collections.OrderedDict()
 
     # ---- inputs (event-loop thread) --------------------------------------------------------
 
+    def inputs(self, entry: str) -> _Inputs:
+        """What this stage waits for from a request entering at `entry` (cached per entry)."""
+        found = self._inputs.get(entry)
+        if found is None:
+            topo, name = self._topology, self.name
+            senders = topo.reached(topo.next_preds[name], entry)
+            streamers = topo.reached(topo.stream_preds[name], entry)
+            found = self._inputs[entry] = _Inputs(senders, streamers)
+        return found
+
     def on_deliver(self, msg: Deliver) -> None:
-        if self._starts_on_stream:
-            # The payload of a stage that also streams here: the request started at the first
-            # chunk, which carried what this stage needs; the payload only closes the edge.
+        key = msg.env.key
+        if self.spec.wait_for:
+            fan_in = self._fan_in.setdefault(key, _FanIn())
+            fan_in.payloads[msg.source] = msg.payload
+            fan_in.timings.extend(msg.timings)
+            self._fan_in_step(msg.env, fan_in)
             return
-        if not self.spec.wait_for:
-            self._admit(msg.env, msg.payload, msg.timings)
+        first = self._started_by.get(key) or self._done.get(key)
+        if first is not None:
+            self._report_failure(
+                key,
+                BackendContractError(
+                    f"a second payload for one request (from {msg.source}, after {first}): a "
+                    "stage fed by several upstreams declares wait_for and merge"
+                ),
+            )
             return
-        fan_in = self._fan_in.setdefault(msg.env.key, _FanIn())
-        fan_in.payloads[msg.source] = msg.payload
-        fan_in.timings.extend(msg.timings)
-        self._fan_in_step(msg.env, fan_in)
+        self._admit(msg.env, msg.payload, msg.timings, msg.source)
 
     def on_skipped(self, msg: Skipped) -> None:
         key = msg.env.key
         if key in self._done:
             return
-        if msg.source in self._stream_sources:
+        inputs = self.inputs(msg.env.entry)
+        if msg.source in inputs.streamers:
             # a skipped streamer sends nothing more; after a route skip the edge already ended
             self._inbox(msg.env).end(msg.source, [])
             self.scheduler.wake()
@@ -126,10 +154,10 @@ class StageRunner:
             self._fan_in_step(msg.env, fan_in)
             return
         if key in self._admitted:
-            return  # another upstream's payload started it
+            return  # its start came from a streamer that still runs
         skipped = self._skips.setdefault(key, set())
         skipped.add(msg.source)
-        if skipped >= self.host.topology.reached(self._payload_preds, msg.env.entry):
+        if skipped >= inputs.starters:
             self._skip(msg.env)
 
     def _fan_in_step(self, env: Envelope, fan_in: _FanIn) -> None:
@@ -165,42 +193,54 @@ class StageRunner:
             return
         if self.host.is_aborted(env.key):
             return
-        self._admit(env, merged, fan_in.timings)
+        self._admit(env, merged, fan_in.timings, "merge")
 
     def on_chunk(self, msg: StreamChunk) -> None:
         if msg.env.key in self._done:
             return
-        inbox = self._inbox(msg.env)
-        inbox.put(msg.chunk)
-        if self._starts_on_stream and msg.env.key not in self._admitted:
-            self._admit(msg.env, {}, [])
+        self._inbox(msg.env).put(msg.chunk)
+        self._start_on_stream(msg)
         self.scheduler.wake()
 
     def on_stream_end(self, msg: StreamEnd) -> None:
         if msg.env.key in self._done:
             return
         self._inbox(msg.env).end(msg.source, msg.timings)
-        if self._starts_on_stream and msg.env.key not in self._admitted:
-            self._admit(msg.env, {}, [])
+        self._start_on_stream(msg)
         self.scheduler.wake()
+
+    def _start_on_stream(self, msg: StreamChunk | StreamEnd) -> None:
+        """A stage fed only by streams starts at the first stream message."""
+        if self.spec.wait_for or msg.env.key in self._admitted:
+            return
+        if not self.inputs(msg.env.entry).senders:
+            self._admit(msg.env, {}, [], msg.source)
 
     def _inbox(self, env: Envelope) -> StreamInbox:
         inbox = self._inboxes.get(env.key)
         if inbox is None:
-            inbox = self._inboxes[env.key] = StreamInbox(env.id, self._stream_sources)
+            streamers = self.inputs(env.entry).streamers
+            inbox = self._inboxes[env.key] = StreamInbox(env.id, streamers)
         return inbox
 
-    def _admit(self, env: Envelope, inputs: Payload, timings: Timings) -> None:
-        inbox = self._inbox(env) if self._stream_sources else None
+    def _admit(self, env: Envelope, inputs: Payload, timings: Timings, source: str) -> None:
+        inbox = self._inbox(env) if self.inputs(env.entry).streamers else None
         request = Request(id=env.id, inputs=inputs, _stream=iter(inbox) if inbox else None)
         item = WorkItem(env=env, request=request, timings=timings, stream=inbox)
         self._skips.pop(env.key, None)
         self._admitted[env.key] = item
+        self._started_by[env.key] = source or "the caller"
         self.scheduler.admit(item)
+
+    def abort_all(self) -> None:
+        """Abort every request admitted here (the host is stopping)."""
+        for key in list(self._admitted):
+            self.abort(key)
 
     def abort(self, key: int) -> None:
         self._fan_in.pop(key, None)
         self._skips.pop(key, None)
+        self._started_by.pop(key, None)
         self._seq.pop(key, None)
         item = self._admitted.pop(key, None)
         if item is not None:
@@ -241,7 +281,7 @@ class StageRunner:
     def _forget(self, key: int) -> None:
         self._admitted.pop(key, None)
         self._seq.pop(key, None)
-        self._done[key] = None
+        self._done[key] = self._started_by.pop(key, "")
         if len(self._done) > _DONE_MEMORY:
             self._done.popitem(last=False)
 

@@ -23,7 +23,8 @@ from omni_server.repository.plan import Plan
 from . import codec
 from .channels import COORDINATOR, Endpoint
 from .host import StageHost, StageStartError, bind_thread_to_device
-from .messages import CoordinatorMessage, HostMessage, Ready, Shutdown, StartFailed
+from .links import ChannelLinks
+from .messages import Ready, Shutdown, StartFailed
 from .topology import Topology
 
 log = logging.getLogger("omni_server.worker")
@@ -38,17 +39,6 @@ def die_with_parent(parent_pid: int) -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before the prctl took effect
         os._exit(1)
-
-
-class _WorkerLinks:
-    def __init__(self, endpoint: Endpoint) -> None:
-        self._endpoint = endpoint
-
-    def to_instance(self, index: int, message: HostMessage) -> None:
-        self._endpoint.send_data(str(index), message)
-
-    def to_coordinator(self, message: CoordinatorMessage) -> None:
-        self._endpoint.send_data(COORDINATOR, message)
 
 
 async def serve(plan: Plan, run_dir: Path, run_id: str, index: int, port: int | None) -> int:
@@ -83,7 +73,7 @@ async def serve(plan: Plan, run_dir: Path, run_id: str, index: int, port: int | 
 
         kwargs = {"calls_factory": calls_factory} if calls_factory else {}
         host = StageHost(
-            plan, index, _WorkerLinks(endpoint), topology=topology, process_group=group, **kwargs
+            plan, index, ChannelLinks(endpoint), topology=topology, process_group=group, **kwargs
         )
         try:
             await host.start()
@@ -123,10 +113,10 @@ async def _serve_tp_peer(
 
     instance = plan.instances[index]
     group, control = await _join_tp(plan, index, port)
-    host = StageHost(plan, index, _WorkerLinks(endpoint), process_group=group)
+    host = StageHost(plan, index, ChannelLinks(endpoint), process_group=group)
     (stage,) = instance.stages
     try:
-        backend = await host._initialize(plan.stages[stage], host_executor(host, stage))
+        backend = await host.initialize_backend(stage)
     except StageStartError as exc:
         endpoint.send_control(COORDINATOR, StartFailed(instance.name, str(exc)), _LAST_WORD_S)
         return 1
@@ -155,14 +145,6 @@ async def _serve_tp_peer(
     if not done.done():  # told to stop: give the leader's finalize a moment to reach us
         await asyncio.wait([done], timeout=2.0)
     return 0
-
-
-def host_executor(host: StageHost, stage: str) -> Any:
-    import concurrent.futures
-
-    executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage-{stage}")
-    host._executors[stage] = executor
-    return executor
 
 
 def _ring_capacity() -> int:

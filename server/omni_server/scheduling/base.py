@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from omni_server.backend import Request
-from omni_server.runtime.messages import Envelope, Payload, Timings
+from omni_server.envelope import Envelope, Payload, Timings
 
 from .calls import StageCalls
 

@@ -1,0 +1,73 @@
+"""How messages travel between the coordinator and the stage hosts: one `Links` interface, two
+ways to carry it.
+
+- `ChannelLinks`: over a process's `channels.Endpoint` (SHM rings for data, ZMQ for control).
+  The coordinator's side and every stage process use it.
+- `InlineLinks`: every host and the coordinator share one event loop in one process; a message
+  is the object itself, handed over on the next loop turn (never re-entrantly).
+
+The coordinator and the hosts only ever see `Links`, never the transport behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from .channels import COORDINATOR, Endpoint
+from .messages import CoordinatorMessage, HostMessage
+
+if TYPE_CHECKING:
+    from .coordinator import Coordinator
+    from .host import StageHost
+
+
+class Links(Protocol):
+    """Every call returns at once (never blocks the loop) and keeps order per destination."""
+
+    def to_instance(self, index: int, message: HostMessage) -> None:
+        """Data (payloads, chunks, end markers) to instance `index`, in order with its data."""
+
+    def control(self, index: int, message: HostMessage) -> None:
+        """Control (abort, shutdown) to instance `index`; never queues behind data."""
+
+    def to_coordinator(self, message: CoordinatorMessage) -> None:
+        """Data (chunks, results, failures) to the coordinator."""
+
+
+class ChannelLinks:
+    def __init__(self, endpoint: Endpoint, alive: Callable[[int], bool] = lambda _: True) -> None:
+        """`alive(index)`: whether instance `index` may still hear control (a dead process's
+        control socket would only queue the message)."""
+        self._endpoint = endpoint
+        self._alive = alive
+
+    def to_instance(self, index: int, message: HostMessage) -> None:
+        self._endpoint.send_data(str(index), message)
+
+    def control(self, index: int, message: HostMessage) -> None:
+        if self._alive(index):
+            self._endpoint.send_control(str(index), message)
+
+    def to_coordinator(self, message: CoordinatorMessage) -> None:
+        self._endpoint.send_data(COORDINATOR, message)
+
+
+class InlineLinks:
+    """All hosts in this process, on the running loop; `hosts[i]` is None until it is built."""
+
+    def __init__(self, coordinator: Coordinator, hosts: Sequence[StageHost | None]) -> None:
+        self._coordinator = coordinator
+        self._hosts = hosts
+        self._loop = asyncio.get_running_loop()
+
+    def to_instance(self, index: int, message: HostMessage) -> None:
+        host = self._hosts[index]
+        if host is not None:
+            self._loop.call_soon(host.handle, message)
+
+    control = to_instance  # one loop: nothing for control to overtake
+
+    def to_coordinator(self, message: CoordinatorMessage) -> None:
+        self._loop.call_soon(self._coordinator.on_message, message)

@@ -1,0 +1,68 @@
+"""Stages shared by several models, and stages fed by several upstreams: what a request waits
+for follows from its model's reachable graph, and a stage runs once per request."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from omni_server.runtime import PipelineError
+from tests.runtime.conftest import running
+from tests.runtime.pipelines import _stage, build
+
+pytestmark = pytest.mark.timeout(120)
+
+STREAM = '[scheduler]\nkind = "stream"\n'
+TWO_MODELS = (
+    '[models.first]\nentry = "speak_a"\ntasks = ["speech"]\n'
+    '[models.second]\nentry = "speak_b"\ntasks = ["speech"]\n'
+)
+
+
+@pytest.mark.parametrize("processes", [True, False], ids=["split", "one-process"])
+async def test_a_stream_target_shared_by_two_models_waits_only_for_its_models_streamer(
+    tmp_path, processes
+):
+    """voice streams from speak_a (model first) and speak_b (model second): a request of one
+    model never reaches the other streamer, so its stream must end without it."""
+    p = (lambda name: name) if processes else (lambda name: "p")
+    stages = {
+        "speak_a": _stage("Speak", 'stream_to = "voice"\n' + STREAM, p("speak_a")),
+        "speak_b": _stage("Speak", 'stream_to = "voice"\n' + STREAM, p("speak_b")),
+        "voice": _stage("Voice", "terminal = true\n" + STREAM, p("voice")),
+    }
+    async with running(build(tmp_path, stages, TWO_MODELS)) as runtime:
+
+        async def one(model: str, n: int):
+            handle = runtime.submit(runtime.plan.models[model], {"n": n})
+            chunks = [c async for c in handle]
+            return chunks, await handle.result()
+
+        (chunks_a, a), (chunks_b, b) = await asyncio.wait_for(
+            asyncio.gather(one("first", 2), one("second", 3)), 60
+        )
+    assert a["count"] == 2 and [c["audio"] for c in chunks_a] == [0, 10]
+    assert b["count"] == 3 and [c["audio"] for c in chunks_b] == [0, 10, 20]
+    assert {c["src"][0] for c in chunks_a} == {"speak_a"}
+    assert {c["src"][0] for c in chunks_b} == {"speak_b"}
+
+
+async def test_a_stage_fed_by_two_upstreams_without_wait_for_fails_the_second_payload(tmp_path):
+    """pre hands its payload to left and right, both feed tail (no wait_for): tail must not run
+    twice for one request; the second payload fails the request naming what to declare."""
+    stages = {
+        "pre": _stage("Add", 'next = ["left", "right"]\n[parameters]\nk = 0\n', "p"),
+        "left": _stage("Add", 'next = "tail"\n[parameters]\nk = 1\n', "p"),
+        "right": _stage("Add", 'next = "tail"\n[parameters]\nk = 2\n', "p"),
+        # a slow terminal: the second payload arrives while the first still runs
+        "tail": _stage("Speak", "terminal = true\n" + STREAM, "p"),
+    }
+    model = '[models.m]\nentry = "pre"\ntasks = ["speech"]\n'
+    async with running(build(tmp_path, stages, model)) as runtime:
+        handle = runtime.submit(runtime.plan.models["m"], {"values": [], "n": 2, "delay": 0.5})
+        with pytest.raises(PipelineError) as err:
+            await asyncio.wait_for(handle.result(), 30)
+    assert err.value.code == "stage_failed" and err.value.stage == "tail"
+    assert "a second payload for one request" in err.value.message
+    assert "declares wait_for and merge" in err.value.message
