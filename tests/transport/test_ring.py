@@ -22,6 +22,7 @@ from omni_transport import (
     RingError,
     RingFull,
     RingTimeout,
+    SegmentRefused,
     push_arrays,
     record_arrays,
     unlink_leftovers,
@@ -420,7 +421,7 @@ def test_attach_refuses_a_segment_that_is_not_a_ring(ring_name):
     out = ffi.new("omni_segment **")
     assert lib.omni_segment_create(name.encode(), 4096, out) == lib.OMNI_OK
     try:
-        with pytest.raises(RingError, match="kind 1, expected version 1 kind 2"):
+        with pytest.raises(SegmentRefused, match="kind 1, expected version 2 kind 2"):
             Ring.attach(name)
     finally:
         lib.omni_segment_close(out[0])

@@ -1,5 +1,7 @@
-/* Public C API of the omni-server native transport. Bound to Python by omni_transport/_ffi.py
- * (cffi ABI mode): every declaration here is mirrored there. The shared-memory layout, the
+/* Public C API of the omni-server native transport. omni_transport/_ffi.py feeds this very file
+ * to cffi (ABI mode): it is the one statement of the API and of the omni_record layout. Keep it
+ * within what cffi parses: integer #defines, enums, typedefs, prototypes; the lines starting with
+ * '#' other than integer #defines and the OMNI_API marker are dropped before parsing. The shared-memory layout, the
  * memory-ordering contract and slot ownership are described in docs/transport.md.
  *
  * Every function returning int returns OMNI_OK or one of the OMNI_E* codes below; after an
@@ -11,7 +13,7 @@
 
 #define OMNI_API __attribute__((visibility("default")))
 
-#define OMNI_ABI_VERSION 5
+#define OMNI_ABI_VERSION 6
 
 enum {
     OMNI_OK = 0,
@@ -22,10 +24,12 @@ enum {
     OMNI_ETOOLARGE = 5,    /* the record can never fit in the ring */
     OMNI_ESYS = 6,         /* a system call failed (message says which, with errno) */
     OMNI_EROLE = 7,        /* another live process already holds this side of the ring */
-    OMNI_EFORMAT = 8,      /* not a ring of this version, or a corrupt record */
+    OMNI_EFORMAT = 8,      /* attach: not a segment of this version and kind, not this user's,
+                              or a header that does not match the file */
     OMNI_ENOCUDA = 9,      /* the CUDA driver library could not be loaded */
     OMNI_ECUDA = 10,       /* a CUDA driver call failed */
     OMNI_EINVAL = 11,      /* bad argument */
+    OMNI_ECORRUPT = 12,    /* a counter or record in the ring failed validation */
 };
 
 OMNI_API uint32_t omni_transport_abi_version(void);
@@ -33,8 +37,9 @@ OMNI_API const char *omni_last_error(void);
 
 /* ---- named segments (shared by the ring and the CUDA pool's release table) ---- */
 
-/* A process-local handle on a named POSIX shared-memory segment (mode 0600). The segment keeps
- * the pids of its users; it is unlinked by the last user that closes, or by a closing user that
+/* A process-local handle on a named POSIX shared-memory segment (mode 0600). attach refuses a
+ * file of another user or with access for others, and checks every header field against the
+ * file (OMNI_EFORMAT). The segment keeps the identities (pid and start time) of its users; it is unlinked by the last user that closes, or by a closing user that
  * finds every other recorded user dead. Any thread may call these; a handle is not thread safe. */
 typedef struct omni_segment omni_segment;
 OMNI_API int omni_segment_create(const char *name, uint64_t size, omni_segment **out);
@@ -60,9 +65,10 @@ enum { OMNI_PRODUCER = 0, OMNI_CONSUMER = 1 };
 
 #define OMNI_RECORD_INLINE_BUFS 8
 
-/* A record popped from the ring, valid until it is released. All words are uint64_t (Python
- * reads the struct in one unpack). Offsets `at` and `*_off` are bytes from omni_ring_data(r):
- * the record and everything in it is contiguous there, thanks to the mirror mapping. The first
+/* A record popped from the ring, valid until it is released: the consumer's own copy of what it
+ * validated (every offset + length lies within [0, 2 * capacity) of omni_ring_data(r)). All words
+ * are uint64_t. Offsets `at` and `*_off` are bytes from omni_ring_data(r): the record and
+ * everything in it is contiguous there, thanks to the mirror mapping. The first
  * OMNI_RECORD_INLINE_BUFS buffers are described inline, the others by omni_record_buffer. */
 typedef struct {
     uint64_t end;          /* ring position after this record: pass to omni_ring_release */
@@ -95,16 +101,22 @@ OMNI_API int omni_ring_push(omni_ring *r, const void *header, uint64_t header_le
                             const void *const *bufs, const uint64_t *lens, uint32_t nbufs,
                             int64_t timeout_ns);
 /* Consumer only. The record stays owned by the consumer until released; records must be
- * released in pop order (release(end) frees everything before end). */
+ * released in pop order (release(end) frees everything before end). timeout 0: OMNI_EEMPTY,
+ * or OMNI_ECLOSED when the ring is drained and the producer closed or died. A record that
+ * fails validation is OMNI_ECORRUPT (and stays at the read position). */
 OMNI_API int omni_ring_pop(omni_ring *r, int64_t timeout_ns, omni_record *rec);
+/* Buffer i of the record returned by the last pop (any i < nbufs; OMNI_EINVAL for another
+ * record): from the consumer's validated copy, never read from the ring again. */
 OMNI_API int omni_record_buffer(const omni_ring *r, const omni_record *rec, uint32_t i,
                                 uint64_t *off, uint64_t *len);
 /* The data area (2 * capacity bytes of address space: the area and its mirror). */
 OMNI_API const uint8_t *omni_ring_data(const omni_ring *r);
-OMNI_API void omni_ring_release(omni_ring *r, uint64_t end);
+/* OMNI_EINVAL unless end is the end of a popped, not yet released record. */
+OMNI_API int omni_ring_release(omni_ring *r, uint64_t end);
 
 /* For event loops, either side (an unclaimed handle is taken as the consumer). The doorbell fd
- * becomes readable after omni_ring_arm returned OMNI_OK and the peer made progress (consumer:
+ * (connected to the peer's: no other process can ring it) becomes readable after omni_ring_arm
+ * returned OMNI_OK and the peer made progress (consumer:
  * a record was published; producer: a record was released) or closed. arm returns OMNI_OK when
  * armed (go to sleep), OMNI_EFULL when there is progress already (not armed: pop, or retry the
  * push), OMNI_ECLOSED when the peer is gone (for a consumer: and the ring is empty). disarm
@@ -114,7 +126,8 @@ OMNI_API int omni_ring_doorbell_fd(omni_ring *r);
 OMNI_API int omni_ring_peer_fd(omni_ring *r);
 OMNI_API int omni_ring_arm(omni_ring *r);
 OMNI_API void omni_ring_disarm(omni_ring *r);
-/* Checks the peer (state flag, then liveness): 1 when it closed or died, else 0. */
+/* Checks the peer (state flag, then liveness through the pidfd held since it was first seen
+ * attached, or a claim that died before attaching): 1 when it closed or died, else 0. */
 OMNI_API int omni_ring_peer_gone(omni_ring *r);
 
 /* ---- CUDA IPC (driver API resolved with dlopen at run time) ---- */

@@ -12,12 +12,14 @@ from omni_transport.errors import (
     CudaUnavailable,
     RecordTooLarge,
     RingClosed,
+    RingCorrupt,
     RingError,
     RingFull,
     RingTimeout,
+    SegmentRefused,
     TransportError,
 )
-from omni_transport.ring import Record, Ring, unlink_leftovers
+from omni_transport.ring import Record, Ring, unique_name, unlink_leftovers
 
 __all__ = [
     "ABI_VERSION",
@@ -27,13 +29,16 @@ __all__ = [
     "RecordTooLarge",
     "Ring",
     "RingClosed",
+    "RingCorrupt",
     "RingError",
     "RingFull",
     "RingTimeout",
+    "SegmentRefused",
     "TransportError",
     "abi_version",
     "push_arrays",
     "record_arrays",
+    "unique_name",
     "unlink_leftovers",
 ]
 

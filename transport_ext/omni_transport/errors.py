@@ -21,6 +21,16 @@ class RingFull(RingError):
     """push(timeout=0) found no room: the caller chose to be refused rather than wait."""
 
 
+class SegmentRefused(RingError):
+    """attach refused a segment: not one of this version and kind, not this user's (or open to
+    others), or a header that does not match the file."""
+
+
+class RingCorrupt(RingError):
+    """A counter or record read from the ring's shared memory failed validation: something
+    other than the producer wrote there. The record is not handed out."""
+
+
 class RingTimeout(RingError, TimeoutError):
     """The timeout of a blocking push or pop passed."""
 
@@ -42,6 +52,8 @@ _BY_CODE: dict[int, type[TransportError]] = {
     lib.OMNI_ETIMEOUT: RingTimeout,
     lib.OMNI_ECLOSED: RingClosed,
     lib.OMNI_ETOOLARGE: RecordTooLarge,
+    lib.OMNI_EFORMAT: SegmentRefused,
+    lib.OMNI_ECORRUPT: RingCorrupt,
     lib.OMNI_ENOCUDA: CudaUnavailable,
     lib.OMNI_ECUDA: CudaError,
 }

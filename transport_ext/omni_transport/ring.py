@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import os
+import secrets
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -17,19 +19,43 @@ from typing import Any
 from omni_transport._ffi import ffi, lib
 from omni_transport.errors import RingError, RingFull, error_for
 
-# How long an asyncio waiter sleeps between liveness checks while the producer has not attached
-# yet (once it has, its pidfd is watched and death is seen at once).
+# How long an asyncio waiter sleeps between liveness checks while the peer has not attached yet
+# (once it has, its pidfd is watched and death is seen at once), and at most once it has: a
+# backstop, so that nothing (a lost wake-up, a bug) can stall a waiter for good.
 _LIVENESS_POLL_S = 0.05
+_BACKSTOP_S = 1.0
 _DEFAULT_SPIN_US = 20.0
-_INLINE_BUFS = 8  # OMNI_RECORD_INLINE_BUFS: buffers described by the pop call itself
+_INLINE_BUFS = lib.OMNI_RECORD_INLINE_BUFS  # buffers described by the pop call itself
+_INT64_MAX = (1 << 63) - 1
+
+
+def _word(field: str) -> int:
+    """Index of a field of omni_record (all uint64_t words), from the header's layout."""
+    return int(ffi.offsetof("omni_record", field)) // ffi.sizeof("uint64_t")
+
+
+_END, _HEADER_OFF, _HEADER_LEN, _NBUFS = (
+    _word(f) for f in ("end", "header_off", "header_len", "nbufs")
+)
+_BUF_OFF, _BUF_LEN = _word("buf_off"), _word("buf_len")
 
 
 def _timeout_ns(timeout: float | None) -> int:
+    """Seconds to the C library's int64 nanoseconds (-1: forever); a timeout beyond the int64
+    range (about 292 years) is forever too."""
     if timeout is None:
         return -1
-    if timeout < 0:
+    if math.isnan(timeout) or timeout < 0:
         raise ValueError(f"timeout {timeout}: give seconds >= 0, or None to wait forever")
+    if timeout * 1e9 >= _INT64_MAX:
+        return -1
     return int(timeout * 1e9)
+
+
+def unique_name(prefix: str) -> str:
+    """prefix + 128 random bits: a segment name no other local user can guess and create first
+    (/dev/shm is world-writable; attach also refuses a file that is not this user's)."""
+    return f"{prefix}{secrets.token_hex(16)}"
 
 
 class Record:
@@ -73,7 +99,7 @@ class Ring:
     producer, the first pop() the consumer (or pass role= to create / attach). A handle belongs
     to one thread at a time; close() it from that thread."""
 
-    def __init__(self, handle: Any, name: str, role: str | None, spin_us: float):
+    def __init__(self, handle: Any, name: str, role: str | None, spin_us: float) -> None:
         self._h = handle
         self._pid = os.getpid()  # a forked child's copy of the handle must not close our side
         self._name = name
@@ -88,8 +114,8 @@ class Ring:
         # is how close() knows whether views are still alive.
         self._area_obj = ffi.buffer(lib.omni_ring_data(handle), 2 * self._capacity)
         self._area: memoryview | None = memoryview(self._area_obj).toreadonly()
-        self._bufs = ffi.new("void *[]", 8)  # push's argument arrays, reused
-        self._lens = ffi.new("uint64_t[]", 8)
+        self._bufs = ffi.new("void *[]", _INLINE_BUFS)  # push's argument arrays, reused
+        self._lens = ffi.new("uint64_t[]", _INLINE_BUFS)
         self.spin_us = spin_us
         if role is not None:
             self.claim(role)
@@ -137,6 +163,8 @@ class Ring:
     @spin_us.setter
     def spin_us(self, value: float) -> None:
         """How long a blocking push / pop spins before it sleeps (0: sleep at once)."""
+        if not 0 <= value <= 1e6:  # also refuses NaN
+            raise ValueError(f"spin_us {value}: give 0 .. 1e6 microseconds")
         self._spin_us = float(value)
         lib.omni_ring_set_spin_ns(self._handle(), int(value * 1000))
 
@@ -158,7 +186,7 @@ class Ring:
         h = self._h
         if h is None:
             h = self._handle()
-        tns = -1 if timeout is None else _timeout_ns(timeout)
+        tns = _timeout_ns(timeout)
         if not isinstance(header, bytes):
             header = ffi.from_buffer(header)
         n = len(buffers)
@@ -186,14 +214,14 @@ class Ring:
         h = self._h
         if h is None:
             h = self._handle()
-        rc = lib.omni_ring_pop(h, -1 if timeout is None else _timeout_ns(timeout), self._rec)
+        rc = lib.omni_ring_pop(h, _timeout_ns(timeout), self._rec)
         if rc:
             raise error_for(rc)
         return self._record()
 
     def try_pop(self) -> Record | None:
-        """The next record, or None when the ring is empty (RingClosed when the producer
-        closed and the ring is drained)."""
+        """The next record, or None when the ring is empty (RingClosed when the ring is drained
+        and the producer closed or died)."""
         rc = lib.omni_ring_pop(self._handle(), 0, self._rec)
         if rc == lib.OMNI_EEMPTY:
             return None
@@ -245,7 +273,7 @@ class Ring:
             loop.add_reader(peer, wake)
         try:
             # without the peer's pidfd yet, look again now and then (it may never attach)
-            await asyncio.wait([woken], timeout=None if peer >= 0 else _LIVENESS_POLL_S)
+            await asyncio.wait([woken], timeout=_BACKSTOP_S if peer >= 0 else _LIVENESS_POLL_S)
         finally:
             loop.remove_reader(bell)
             if peer >= 0:
@@ -253,22 +281,24 @@ class Ring:
             lib.omni_ring_disarm(h)
 
     def _record(self) -> Record:
-        w = self._words  # omni_record: end, at, size, header_off, header_len, nbufs, offs, lens
+        # the C library's validated copy: every slice lies within the area
+        w = self._words
         area = self._area
-        hoff = w[3]
-        header = area[hoff : hoff + w[4]]
-        n = w[5]
+        if area is None:
+            raise RingError(f"ring {self._name!r} is closed")
+        hoff = w[_HEADER_OFF]
+        header = area[hoff : hoff + w[_HEADER_LEN]]
+        n = w[_NBUFS]
+        buffers = []
         if n <= _INLINE_BUFS:
-            buffers = []
             for i in range(n):
-                off = w[6 + i]
-                buffers.append(area[off : off + w[6 + _INLINE_BUFS + i]])
+                off = w[_BUF_OFF + i]
+                buffers.append(area[off : off + w[_BUF_LEN + i]])
         else:
-            buffers = []
             for i in range(n):
                 self._check(lib.omni_record_buffer(self._h, self._rec, i, self._off, self._len))
                 buffers.append(area[self._off[0] : self._off[0] + self._len[0]])
-        rec = Record(self, w[0], header, buffers)
+        rec = Record(self, w[_END], header, buffers)
         self._outstanding.append(rec)
         return rec
 
@@ -279,7 +309,7 @@ class Ring:
         while out and out[0]._released:
             end = out.popleft()._end
         if end is not None and self._h is not None:
-            lib.omni_ring_release(self._h, end)
+            self._check(lib.omni_ring_release(self._h, end))
 
     @property
     def held(self) -> int:

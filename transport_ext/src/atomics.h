@@ -23,13 +23,7 @@ static inline uint32_t load_acquire_u32(const uint32_t *p) {
 static inline void store_release_u32(uint32_t *p, uint32_t v) {
     __atomic_store_n(p, v, __ATOMIC_RELEASE);
 }
-static inline int32_t load_acquire_i32(const int32_t *p) {
-    return __atomic_load_n(p, __ATOMIC_ACQUIRE);
-}
-static inline int32_t load_seq_cst_i32(const int32_t *p) {
-    return __atomic_load_n(p, __ATOMIC_SEQ_CST);
-}
-static inline int cas_i32(int32_t *p, int32_t expected, int32_t desired) {
+static inline int cas_u64(uint64_t *p, uint64_t expected, uint64_t desired) {
     return __atomic_compare_exchange_n(p, &expected, desired, 0, __ATOMIC_SEQ_CST,
                                        __ATOMIC_SEQ_CST);
 }

@@ -1,7 +1,12 @@
 /* The SPSC shared-memory ring: one producer process, one consumer process, records of a header
  * plus N buffers, copied in once and read in place. Layout and ordering contract:
  * docs/transport.md. Counters only grow; a position maps to data[pos & mask], and because the
- * data area is mapped twice back to back, a record that crosses the end is still contiguous. */
+ * data area is mapped twice back to back, a record that crosses the end is still contiguous.
+ *
+ * Nothing read from the shared memory is trusted: another process of the same user (or a bug)
+ * may write anything there. Every value read from it is loaded once into a local, validated,
+ * and only the local is used; a bad value is OMNI_ECORRUPT, never an access outside the
+ * mapping. */
 #include <errno.h>
 #include <poll.h>
 #include <sched.h>
@@ -9,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -16,24 +22,29 @@
 #include "atomics.h"
 #include "segment.h"
 
-#define RING_CTL_OFFSET 128
+#define RING_CTL_OFFSET 256
 #define REC_MAGIC 0x31434552u /* "REC1" */
 #define REC_ALIGN 64u
+#define REC_FIXED 24u /* size, header_len, nbufs, magic */
 #define STATE_NONE 0u
 #define STATE_ATTACHED 1u
 #define STATE_CLOSED 2u
-#define SLICE_MS 50
-#define RNAME(r) ((r)->seg.name + 1) /* without the leading slash */ /* longest sleep between liveness checks when the peer has no pidfd */
+#define SLICE_MS 50       /* longest sleep between liveness checks while the peer has no pidfd */
+#define PIDFD_SLICE_MS 1000 /* with a pidfd: its readiness is the death signal, this a backstop */
+#define RNAME(r) ((r)->seg.name + 1) /* without the leading slash */
 
-/* One cache line per side. `pos`, `pid` and `state` are written only by that side's process
- * (pid/state once, by CAS / release store at claim and close). `sleeping` is set to 1 by that
- * side just before it sleeps and exchanged back to 0 by whichever side wakes it. */
+/* One cache line per side, written only by that side's process: `owner` by CAS at claim,
+ * `bell` before `state` becomes ATTACHED (release), `state` at claim and close, `pos` on every
+ * push / release, `wake_ns` before it rings the peer. The exception is `sleeping`: set to 1 by
+ * that side just before it sleeps, exchanged back to 0 by whichever side wakes it. */
 struct ring_side {
     uint64_t pos;      /* producer: head = bytes published; consumer: tail = bytes released */
-    int32_t pid;
+    uint64_t owner;    /* omni_self_id() of the side's process, 0 while unclaimed */
     uint32_t state;
     uint32_t sleeping;
-    uint8_t pad[OMNI_CACHELINE - 20];
+    uint64_t bell[2];  /* random name of this side's doorbell socket */
+    uint64_t wake_ns;  /* monotonic time this side last rang the peer's doorbell */
+    uint8_t pad[OMNI_CACHELINE - 48];
 } __attribute__((aligned(OMNI_CACHELINE)));
 
 struct ring_ctl {
@@ -43,6 +54,7 @@ struct ring_ctl {
 };
 _Static_assert(RING_CTL_OFFSET >= sizeof(struct seg_header), "ring control overlaps header");
 _Static_assert(RING_CTL_OFFSET + sizeof(struct ring_ctl) <= 4096, "ring control beyond page");
+_Static_assert(sizeof(struct ring_side) == OMNI_CACHELINE, "one cache line per side");
 
 /* A record, at a position that is a multiple of REC_ALIGN: this fixed part, lens[nbufs], the
  * header bytes, then each buffer at the next multiple of REC_ALIGN. size covers all of it. */
@@ -53,41 +65,101 @@ struct rec_hdr {
     uint32_t magic;
     uint64_t lens[];
 };
+_Static_assert(sizeof(struct rec_hdr) == REC_FIXED, "record framing");
 
 struct omni_ring {
     struct omni_segment seg;
     struct ring_ctl *ctl;
     uint8_t *data;
-    uint64_t capacity, mask;
+    uint64_t capacity, mask; /* validated copy: never read back from the segment */
     int role;            /* -1 until claimed */
     uint64_t local_pos;  /* producer: its head; consumer: read cursor (popped, maybe unreleased) */
+    uint64_t released;   /* consumer: the tail it last stored */
     uint64_t peer_cache; /* producer: last tail seen; consumer: last head seen */
     uint64_t spin_ns;    /* the most a wait spins (set by the caller) */
     uint64_t spin_cur;   /* adaptive budget <= spin_ns (see adapt_spin) */
-    int bell;            /* our doorbell: abstract datagram socket, bound at claim */
-    int sender;          /* unbound datagram socket that rings the peer's doorbell */
-    struct sockaddr_un peer_addr;
-    socklen_t peer_addr_len;
-    int peer_pidfd;
+    int bell;            /* our doorbell: abstract datagram socket, connected to the peer's */
+    int bell_connected;  /* 1 once connected to the peer's doorbell (before: to itself) */
+    uint64_t peer_id;    /* the peer's identity, once seen attached */
+    int peer_pidfd;      /* held from the first sight of the attached peer */
+    int peer_dead;       /* the peer was found dead when first seen */
+    /* validated (offset, length) of buffers OMNI_RECORD_INLINE_BUFS.. of the last record */
+    uint64_t *ext;
+    uint64_t ext_cap, ext_n, ext_end;
 };
 
 static inline uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) & ~(a - 1); }
 
-static socklen_t bell_addr(const struct omni_ring *r, int role, struct sockaddr_un *a) {
+static socklen_t bell_addr(const uint64_t bell[2], struct sockaddr_un *a) {
     memset(a, 0, sizeof *a);
     a->sun_family = AF_UNIX;
     /* abstract namespace (leading NUL): the name disappears with the socket, even on a crash */
-    int n = snprintf(a->sun_path + 1, sizeof a->sun_path - 1, "omni-ring-%016llx-%c",
-                     (unsigned long long)r->seg.hdr->nonce, role == OMNI_PRODUCER ? 'p' : 'c');
+    int n = snprintf(a->sun_path + 1, sizeof a->sun_path - 1, "omni-ring-%016llx%016llx",
+                     (unsigned long long)bell[0], (unsigned long long)bell[1]);
     return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n);
 }
 
+/* Our doorbell: bound to a random abstract name (128 bits: nobody can take it first, since it
+ * is drawn after nobody could know it), and connected to itself until the peer shows up. A
+ * connected unix datagram socket accepts datagrams only from the socket it is connected to
+ * (others get EPERM), so no other process can ring it, whatever it learns from
+ * /proc/net/unix. */
+static int make_bell(struct omni_ring *r, uint64_t bell[2]) {
+    r->bell = socket(AF_UNIX, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (r->bell < 0) return omni_fail_errno("doorbell socket", RNAME(r));
+    struct sockaddr_un a;
+    for (int attempt = 0;; attempt++) {
+        if (getrandom(bell, 16, 0) != 16) return omni_fail_errno("getrandom", RNAME(r));
+        socklen_t len = bell_addr(bell, &a);
+        if (bind(r->bell, (struct sockaddr *)&a, len) == 0) {
+            if (connect(r->bell, (struct sockaddr *)&a, len) == 0) return OMNI_OK;
+            break;
+        }
+        if (errno != EADDRINUSE || attempt == 3) break;
+    }
+    int rc = omni_fail_errno("doorbell bind / connect", RNAME(r));
+    close(r->bell);
+    r->bell = -1;
+    return rc;
+}
+
+/* On the first sight of the attached peer: hold its pidfd (a pid could be reused; the pidfd's
+ * process cannot) and connect our doorbell to its doorbell. Slow path only. */
+static void see_peer(struct omni_ring *r) {
+    if (r->peer_id) return;
+    struct ring_side *peer = &r->ctl->side[1 - r->role];
+    /* pairs with the peer's seq_cst store of ATTACHED: owner and bell are written before it */
+    uint32_t state = load_acquire_u32(&peer->state);
+    if (state != STATE_ATTACHED && state != STATE_CLOSED) return;
+    uint64_t id = load_acquire_u64(&peer->owner);
+    if (id == 0) return; /* a claim in progress: not attached yet */
+    r->peer_id = id;
+    r->peer_pidfd = omni_pidfd_open(omni_id_pid(id));
+    /* the pidfd was opened on whatever now has that pid: it is the peer only if the peer is
+     * still alive after the open (its start time still matches) */
+    if (omni_id_dead(id)) {
+        r->peer_dead = 1;
+        if (r->peer_pidfd >= 0) close(r->peer_pidfd);
+        r->peer_pidfd = -1;
+        return;
+    }
+    if (state != STATE_ATTACHED) return;
+    uint64_t bell[2] = {load_relaxed_u64(&peer->bell[0]), load_relaxed_u64(&peer->bell[1])};
+    struct sockaddr_un a;
+    socklen_t len = bell_addr(bell, &a);
+    /* fails (ECONNREFUSED) only when its socket is gone: it closed or died, which the
+     * liveness checks report */
+    if (connect(r->bell, (struct sockaddr *)&a, len) == 0) r->bell_connected = 1;
+}
+
 static void ring_peer(struct omni_ring *r) {
-    if (r->sender < 0) return;
+    if (!r->bell_connected) see_peer(r);
+    if (!r->bell_connected) return;
+    /* when the peer woke: its spin adaptation learns when the event came, not when it ran */
+    __atomic_store_n(&r->ctl->side[r->role].wake_ns, (uint64_t)omni_now_ns(), __ATOMIC_RELAXED);
     /* EAGAIN: a wake-up is already queued; ECONNREFUSED: the peer is gone (the liveness
      * check reports it). Neither needs handling here. */
-    (void)sendto(r->sender, "w", 1, MSG_DONTWAIT | MSG_NOSIGNAL,
-                 (const struct sockaddr *)&r->peer_addr, r->peer_addr_len);
+    (void)send(r->bell, "w", 1, MSG_DONTWAIT | MSG_NOSIGNAL);
 }
 
 static void drain_bell(struct omni_ring *r) {
@@ -98,17 +170,24 @@ static void drain_bell(struct omni_ring *r) {
 
 static int finish_open(struct omni_ring *r) {
     r->ctl = (struct ring_ctl *)(r->seg.base + RING_CTL_OFFSET);
+    r->role = -1;
+    r->bell = r->peer_pidfd = -1;
     int64_t deadline = omni_now_ns() + 2000000000LL;
-    while ((r->capacity = load_acquire_u64(&r->ctl->capacity)) == 0) {
+    uint64_t cap;
+    while ((cap = load_acquire_u64(&r->ctl->capacity)) == 0) {
         if (omni_now_ns() > deadline)
             return omni_fail(OMNI_EFORMAT, "%s: ring never initialised", RNAME(r));
         usleep(1000);
     }
-    r->mask = r->capacity - 1;
-    r->data = r->seg.base + r->seg.hdr->data_offset;
-    r->role = -1;
+    /* the segment checked mirror_len against the file: the capacity must be that */
+    if (cap != r->seg.mirror_len)
+        return omni_fail(OMNI_EFORMAT, "%s: capacity %llu, but the file holds %llu data bytes: "
+                         "corrupt", RNAME(r), (unsigned long long)cap,
+                         (unsigned long long)r->seg.mirror_len);
+    r->capacity = cap;
+    r->mask = cap - 1;
+    r->data = r->seg.base + r->seg.data_offset;
     r->spin_ns = r->spin_cur = 20000;
-    r->bell = r->sender = r->peer_pidfd = -1;
     return OMNI_OK;
 }
 
@@ -150,7 +229,10 @@ int omni_ring_attach(const char *name, omni_ring **out) {
 }
 
 uint64_t omni_ring_capacity(const omni_ring *r) { return r->capacity; }
-void omni_ring_set_spin_ns(omni_ring *r, uint64_t spin_ns) { r->spin_ns = r->spin_cur = spin_ns; }
+void omni_ring_set_spin_ns(omni_ring *r, uint64_t spin_ns) {
+    if (spin_ns > 1000000000ULL) spin_ns = 1000000000ULL; /* a second: more is a mistake */
+    r->spin_ns = r->spin_cur = spin_ns;
+}
 
 int omni_ring_claim(omni_ring *r, int role) {
     if (role != OMNI_PRODUCER && role != OMNI_CONSUMER)
@@ -161,50 +243,51 @@ int omni_ring_claim(omni_ring *r, int role) {
         return omni_fail(OMNI_EROLE, "%s: this handle is the %s; one handle is one side",
                          RNAME(r), r->role == OMNI_PRODUCER ? "producer" : "consumer");
     struct ring_side *me = &r->ctl->side[role];
-    int32_t pid = (int32_t)getpid();
-    if (!cas_i32(&me->pid, 0, pid))
+    uint64_t id = omni_self_id();
+    uint64_t cur = load_acquire_u64(&me->owner);
+    /* a side whose claimer died before it attached was never used: it may be taken again */
+    int free_side = cur == 0 || (load_acquire_u32(&me->state) == STATE_NONE && omni_id_dead(cur));
+    if (!free_side || !cas_u64(&me->owner, cur, id))
         return omni_fail(OMNI_EROLE, "%s: process %d already is its %s (SPSC ring)", RNAME(r),
-                         load_acquire_i32(&me->pid), what);
-    r->bell = socket(AF_UNIX, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    r->sender = socket(AF_UNIX, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    struct sockaddr_un a;
-    socklen_t len = bell_addr(r, role, &a);
-    if (r->bell < 0 || r->sender < 0 || bind(r->bell, (struct sockaddr *)&a, len) != 0) {
-        int rc = omni_fail_errno("doorbell socket", RNAME(r));
-        if (r->bell >= 0) close(r->bell);
-        if (r->sender >= 0) close(r->sender);
-        r->bell = r->sender = -1;
-        cas_i32(&me->pid, pid, 0); /* give the side back: the claim did not happen */
+                         omni_id_pid(load_acquire_u64(&me->owner)), what);
+    omni_test_hook("claim");
+    uint64_t bell[2];
+    int rc = make_bell(r, bell);
+    if (rc != OMNI_OK) {
+        cas_u64(&me->owner, id, 0); /* give the side back: the claim did not happen */
         return rc;
     }
-    r->peer_addr_len = bell_addr(r, 1 - role, &r->peer_addr);
+    __atomic_store_n(&me->bell[0], bell[0], __ATOMIC_RELAXED);
+    __atomic_store_n(&me->bell[1], bell[1], __ATOMIC_RELAXED);
     r->role = role;
-    r->local_pos = load_acquire_u64(&me->pos);
+    r->local_pos = r->released = load_acquire_u64(&me->pos);
     r->peer_cache = load_acquire_u64(&r->ctl->side[1 - role].pos);
-    /* pairs with the acquire of state in peer_gone(): the doorbell is bound before the peer can
-     * see us attached */
+    /* pairs with the acquire of state in see_peer(): owner and doorbell are set before the
+     * peer can see us attached */
     store_seq_cst_u32(&me->state, STATE_ATTACHED);
+    see_peer(r);
     return OMNI_OK;
 }
 
-/* 1 when the peer closed or died (it must have attached first: a peer that never came is
- * waited for). Slow path only: it may make system calls. */
+/* 1 when the peer closed or died (including between its claim and its ATTACHED). A peer that
+ * never came is waited for. Slow path only: it makes system calls. */
 int omni_ring_peer_gone(omni_ring *r) {
     if (r->role < 0) return 0;
     struct ring_side *peer = &r->ctl->side[1 - r->role];
     uint32_t state = load_acquire_u32(&peer->state);
     if (state == STATE_CLOSED) return 1;
-    if (state != STATE_ATTACHED) return 0;
-    if (r->peer_pidfd < 0) {
-        r->peer_pidfd = omni_pidfd_open(load_acquire_i32(&peer->pid));
-        if (r->peer_pidfd < 0 && errno == ESRCH) return 1;
+    if (state == STATE_NONE) {
+        uint64_t id = load_acquire_u64(&peer->owner);
+        return id != 0 && omni_id_dead(id); /* died in its claim window */
     }
+    see_peer(r);
+    if (r->peer_dead) return 1;
     if (r->peer_pidfd >= 0) {
+        /* readable once the process exited (a zombie too) */
         struct pollfd p = {.fd = r->peer_pidfd, .events = POLLIN};
-        if (poll(&p, 1, 0) == 1) return 1;
-        /* a zombie (killed, not yet reaped) counts as dead even before its pidfd fires */
+        return poll(&p, 1, 0) == 1;
     }
-    return omni_pid_dead(load_acquire_i32(&peer->pid));
+    return omni_id_dead(r->peer_id); /* no pidfd (old kernel): the identity, never a bare pid */
 }
 
 int omni_ring_peer_fd(omni_ring *r) {
@@ -215,19 +298,33 @@ int omni_ring_peer_fd(omni_ring *r) {
 int omni_ring_doorbell_fd(omni_ring *r) { return r->bell; }
 
 /* Space for `need` bytes (producer) or a record (consumer). The loads are seq_cst: they are the
- * second half of the sleeper's Dekker handshake (store sleeping=1, then load the counter). */
+ * second half of the sleeper's Dekker handshake (store sleeping=1, then load the counter). A
+ * counter that makes no sense counts as ready: push / pop then validate it and refuse. */
 static int ready(struct omni_ring *r, uint64_t need) {
     if (r->role == OMNI_PRODUCER) {
         r->peer_cache = load_seq_cst_u64(&r->ctl->side[OMNI_CONSUMER].pos);
-        return r->capacity - (r->local_pos - r->peer_cache) >= need;
+        uint64_t used = r->local_pos - r->peer_cache;
+        return used > r->capacity || r->capacity - used >= need;
     }
     r->peer_cache = load_seq_cst_u64(&r->ctl->side[OMNI_PRODUCER].pos);
     return r->peer_cache != r->local_pos;
 }
 
-static void adapt_spin(struct omni_ring *r, int64_t wait_start) {
+/* Spin only while spinning pays: a wait whose event came within spin_ns of its start restores
+ * the full budget; a later one halves it (down to 1 us). The event time of a wait that slept is
+ * when the peer rang the doorbell (it notes that in wake_ns), not when the scheduler ran us:
+ * a wake-up costs tens of microseconds, more than the spin, and judging by it would shrink the
+ * budget for good. So a busy stream spins, and a quiet one mostly sleeps. */
+static void adapt_spin(struct omni_ring *r, int64_t start, int slept) {
     if (!r->spin_ns) return;
-    if (omni_now_ns() - wait_start <= (int64_t)r->spin_ns)
+    int64_t event = omni_now_ns();
+    if (slept) {
+        /* a value from shared memory: used only when it is plausible, and only for this */
+        int64_t rang =
+            (int64_t)__atomic_load_n(&r->ctl->side[1 - r->role].wake_ns, __ATOMIC_RELAXED);
+        if (rang >= start && rang <= event) event = rang;
+    }
+    if (event - start <= (int64_t)r->spin_ns)
         r->spin_cur = r->spin_ns;
     else
         r->spin_cur = r->spin_cur / 2 < 1000 ? 1000 : r->spin_cur / 2;
@@ -235,27 +332,26 @@ static void adapt_spin(struct omni_ring *r, int64_t wait_start) {
 
 static int wait_ready(struct omni_ring *r, uint64_t need, int64_t timeout_ns) {
     int64_t start = omni_now_ns();
-    int64_t deadline = timeout_ns < 0 ? INT64_MAX : start + timeout_ns;
-    /* Spin only while spinning pays: a wait that ended within spin_ns (during the spin or
-     * soon after it) restores the full budget; a longer one halves it (down to 1 us). So a
-     * busy stream spins, and a quiet one, or a peer starved of CPU on an oversubscribed
-     * machine, mostly sleeps. The spin yields the CPU every few microseconds for the same
-     * reason. */
+    int64_t deadline = omni_deadline(timeout_ns);
+    /* The spin yields the CPU every few microseconds: a runnable peer waiting for this CPU
+     * gets it (on an idle CPU sched_yield returns at once); without it an oversubscribed host
+     * spends each spin starving the peer it waits for. */
     for (uint64_t i = 0; r->spin_ns; i++) {
-        if (ready(r, need)) return OMNI_OK;
+        if (ready(r, need)) {
+            adapt_spin(r, start, 0);
+            return OMNI_OK;
+        }
         cpu_relax();
         if ((i & 63) == 63) {
             int64_t now = omni_now_ns();
             if (now - start >= (int64_t)r->spin_cur || now >= deadline) break;
-            /* a runnable peer waiting for this CPU gets it; on an idle CPU this returns at
-             * once. Without it, an oversubscribed host spends each spin starving the peer. */
             sched_yield();
         }
     }
     uint32_t *sleeping = &r->ctl->side[r->role].sleeping;
-    for (;;) {
+    for (int slept = 0;; slept = 1) {
         if (ready(r, need)) {
-            adapt_spin(r, start);
+            adapt_spin(r, start, slept);
             return OMNI_OK;
         }
         if (omni_ring_peer_gone(r)) {
@@ -267,13 +363,14 @@ static int wait_ready(struct omni_ring *r, uint64_t need, int64_t timeout_ns) {
         store_seq_cst_u32(sleeping, 1);
         if (ready(r, need)) {
             store_seq_cst_u32(sleeping, 0);
-            adapt_spin(r, start);
+            adapt_spin(r, start, slept);
             return OMNI_OK;
         }
-        int64_t left_ms = (deadline - now + 999999) / 1000000;
-        int ms = r->peer_pidfd >= 0 ? (left_ms > 1000 ? 1000 : (int)left_ms)
-                                    : (left_ms > SLICE_MS ? SLICE_MS : (int)left_ms);
-        struct pollfd p[2] = {{.fd = r->bell, .events = POLLIN}, {.fd = r->peer_pidfd, .events = POLLIN}};
+        int64_t left_ms = (deadline - now) / 1000000 + 1;
+        int slice = r->peer_pidfd >= 0 ? PIDFD_SLICE_MS : SLICE_MS;
+        int ms = left_ms > slice ? slice : (int)left_ms;
+        struct pollfd p[2] = {{.fd = r->bell, .events = POLLIN},
+                              {.fd = r->peer_pidfd, .events = POLLIN}};
         int n = poll(p, r->peer_pidfd >= 0 ? 2 : 1, ms);
         if (n < 0 && errno != EINTR) {
             store_seq_cst_u32(sleeping, 0);
@@ -291,6 +388,17 @@ static inline void wake_peer(struct omni_ring *r) {
     if (load_seq_cst_u32(s) && exchange_seq_cst_u32(s, 0)) ring_peer(r);
 }
 
+/* The producer's view of the consumer's tail, validated: at most capacity behind our head and
+ * never ahead of it. */
+static int check_tail(struct omni_ring *r) {
+    uint64_t used = r->local_pos - r->peer_cache;
+    if (used > r->capacity)
+        return omni_fail(OMNI_ECORRUPT, "%s: corrupt ring: tail %llu against head %llu",
+                         RNAME(r), (unsigned long long)r->peer_cache,
+                         (unsigned long long)r->local_pos);
+    return OMNI_OK;
+}
+
 int omni_ring_push(omni_ring *r, const void *header, uint64_t header_len,
                    const void *const *bufs, const uint64_t *lens, uint32_t nbufs,
                    int64_t timeout_ns) {
@@ -298,28 +406,42 @@ int omni_ring_push(omni_ring *r, const void *header, uint64_t header_len,
         int rc = omni_ring_claim(r, OMNI_PRODUCER);
         if (rc != OMNI_OK) return rc;
     }
-    uint64_t first = align_up(sizeof(struct rec_hdr) + 8ULL * nbufs + header_len, REC_ALIGN);
-    uint64_t size = first;
-    for (uint32_t i = 0; i < nbufs; i++) size += align_up(lens[i], REC_ALIGN);
+    /* every term is checked against the capacity (at most 2^40) before it is added: no sum
+     * can wrap */
+    uint64_t first = 0, size = r->capacity + 1;
+    if (nbufs <= r->capacity / 8 && header_len <= r->capacity) {
+        first = align_up(REC_FIXED + 8ULL * nbufs + header_len, REC_ALIGN);
+        size = first;
+        for (uint32_t i = 0; i < nbufs && size <= r->capacity; i++)
+            size += lens[i] <= r->capacity ? align_up(lens[i], REC_ALIGN) : r->capacity + 1;
+    }
     if (size > r->capacity)
         return omni_fail(OMNI_ETOOLARGE, "%s: record of %llu bytes (with framing) exceeds the "
                          "ring capacity of %llu bytes", RNAME(r), (unsigned long long)size,
                          (unsigned long long)r->capacity);
     if (load_acquire_u32(&r->ctl->side[OMNI_CONSUMER].state) == STATE_CLOSED)
         return omni_fail(OMNI_ECLOSED, "%s: the consumer closed the ring", RNAME(r));
-    if (r->capacity - (r->local_pos - r->peer_cache) < size) {
+    uint64_t used = r->local_pos - r->peer_cache;
+    if (used > r->capacity || r->capacity - used < size) {
         /* pairs with the consumer's release of tail: its reads of the space are done */
         r->peer_cache = load_acquire_u64(&r->ctl->side[OMNI_CONSUMER].pos);
+        int rc = check_tail(r);
+        if (rc != OMNI_OK) return rc;
         if (r->capacity - (r->local_pos - r->peer_cache) < size) {
-            if (timeout_ns == 0)
+            if (timeout_ns == 0) {
+                if (omni_ring_peer_gone(r))
+                    return omni_fail(OMNI_ECLOSED, "%s: the consumer closed the ring or died",
+                                     RNAME(r));
                 return omni_fail(OMNI_EFULL, "%s: ring full", RNAME(r));
-            int rc = wait_ready(r, size, timeout_ns);
+            }
+            rc = wait_ready(r, size, timeout_ns);
             if (rc == OMNI_ETIMEOUT)
                 return omni_fail(rc, "%s: no room for %llu bytes before the timeout", RNAME(r),
                                  (unsigned long long)size);
             if (rc == OMNI_ECLOSED)
                 return omni_fail(rc, "%s: the consumer closed the ring or died", RNAME(r));
             if (rc != OMNI_OK) return rc;
+            if ((rc = check_tail(r)) != OMNI_OK) return rc;
         }
     }
     /* [local_pos, local_pos + size) is ours until head is published */
@@ -330,7 +452,7 @@ int omni_ring_push(omni_ring *r, const void *header, uint64_t header_len,
     h->nbufs = nbufs;
     h->magic = REC_MAGIC;
     if (nbufs) memcpy(h->lens, lens, 8ULL * nbufs);
-    if (header_len) memcpy(p + sizeof *h + 8ULL * nbufs, header, header_len);
+    if (header_len) memcpy(p + REC_FIXED + 8ULL * nbufs, header, header_len);
     uint64_t off = first;
     for (uint32_t i = 0; i < nbufs; i++) {
         if (lens[i]) memcpy(p + off, bufs[i], lens[i]);
@@ -340,6 +462,68 @@ int omni_ring_push(omni_ring *r, const void *header, uint64_t header_len,
     /* publishes the record: pairs with the consumer's load of head (acquire or seq_cst) */
     __atomic_store_n(&r->ctl->side[OMNI_PRODUCER].pos, r->local_pos, __ATOMIC_SEQ_CST);
     wake_peer(r);
+    return OMNI_OK;
+}
+
+static int corrupt(struct omni_ring *r, const char *what) {
+    return omni_fail(OMNI_ECORRUPT, "%s: corrupt record at position %llu: %s", RNAME(r),
+                     (unsigned long long)r->local_pos, what);
+}
+
+/* Parses the record at the read cursor. Each field is loaded from shared memory exactly once
+ * (relaxed atomic loads: the compiler may not load them again), checked, and only the checked
+ * copy is used; the order of the checks keeps every sum below 2^42 (no wrap). */
+static int parse_record(struct omni_ring *r, omni_record *rec) {
+    uint64_t avail = r->peer_cache - r->local_pos;
+    if (avail > r->capacity)
+        return omni_fail(OMNI_ECORRUPT, "%s: corrupt ring: head %llu against read position %llu",
+                         RNAME(r), (unsigned long long)r->peer_cache,
+                         (unsigned long long)r->local_pos);
+    uint64_t at = r->local_pos & r->mask;
+    struct rec_hdr *h = (struct rec_hdr *)(r->data + at); /* at + size <= 2 * capacity below */
+    uint64_t size = __atomic_load_n(&h->size, __ATOMIC_RELAXED);
+    uint64_t header_len = __atomic_load_n(&h->header_len, __ATOMIC_RELAXED);
+    uint32_t nbufs = __atomic_load_n(&h->nbufs, __ATOMIC_RELAXED);
+    uint32_t magic = __atomic_load_n(&h->magic, __ATOMIC_RELAXED);
+    if (magic != REC_MAGIC) return corrupt(r, "bad magic");
+    if (size < REC_ALIGN || size % REC_ALIGN || size > avail)
+        return corrupt(r, "size not a multiple of 64 within the published bytes");
+    if (nbufs > (size - REC_FIXED) / 8) return corrupt(r, "more buffers than fit");
+    uint64_t fixed = REC_FIXED + 8ULL * nbufs; /* <= size */
+    if (header_len > size - fixed) return corrupt(r, "header beyond the record");
+    if (nbufs > OMNI_RECORD_INLINE_BUFS) {
+        uint64_t need = 2ULL * (nbufs - OMNI_RECORD_INLINE_BUFS);
+        if (need > r->ext_cap) {
+            uint64_t *ext = realloc(r->ext, need * sizeof *ext);
+            if (!ext) return omni_fail(OMNI_ESYS, "%s: out of memory for %u buffers", RNAME(r),
+                                       nbufs);
+            r->ext = ext;
+            r->ext_cap = need;
+        }
+    }
+    uint64_t off = align_up(fixed + header_len, REC_ALIGN); /* <= size + 63 */
+    for (uint32_t i = 0; i < nbufs; i++) {
+        uint64_t len = __atomic_load_n(&h->lens[i], __ATOMIC_RELAXED);
+        if (off > size || len > size - off) return corrupt(r, "buffer beyond the record");
+        if (i < OMNI_RECORD_INLINE_BUFS) {
+            rec->buf_off[i] = at + off;
+            rec->buf_len[i] = len;
+        } else {
+            r->ext[2 * (i - OMNI_RECORD_INLINE_BUFS)] = at + off;
+            r->ext[2 * (i - OMNI_RECORD_INLINE_BUFS) + 1] = len;
+        }
+        off += align_up(len, REC_ALIGN);
+    }
+    if (off != size) return corrupt(r, "buffers do not fill the record");
+    r->local_pos += size;
+    r->ext_n = nbufs;
+    r->ext_end = r->local_pos;
+    rec->end = r->local_pos;
+    rec->at = at;
+    rec->size = size;
+    rec->header_off = at + fixed;
+    rec->header_len = header_len;
+    rec->nbufs = nbufs;
     return OMNI_OK;
 }
 
@@ -353,68 +537,53 @@ int omni_ring_pop(omni_ring *r, int64_t timeout_ns, omni_record *rec) {
         r->peer_cache = load_acquire_u64(&r->ctl->side[OMNI_PRODUCER].pos);
         if (r->local_pos == r->peer_cache) {
             if (timeout_ns == 0) {
-                if (load_acquire_u32(&r->ctl->side[OMNI_PRODUCER].state) == STATE_CLOSED &&
-                    load_acquire_u64(&r->ctl->side[OMNI_PRODUCER].pos) == r->local_pos)
-                    return omni_fail(OMNI_ECLOSED, "%s: the producer closed the ring", RNAME(r));
-                return OMNI_EEMPTY;
+                if (!omni_ring_peer_gone(r)) return OMNI_EEMPTY;
+                /* it may have published a last record after our look */
+                r->peer_cache = load_acquire_u64(&r->ctl->side[OMNI_PRODUCER].pos);
+                if (r->local_pos == r->peer_cache)
+                    return omni_fail(OMNI_ECLOSED, "%s: the producer closed the ring or died",
+                                     RNAME(r));
+            } else {
+                int rc = wait_ready(r, 0, timeout_ns);
+                if (rc == OMNI_ETIMEOUT)
+                    return omni_fail(rc, "%s: no record before the timeout", RNAME(r));
+                if (rc == OMNI_ECLOSED)
+                    return omni_fail(rc, "%s: the producer closed the ring or died", RNAME(r));
+                if (rc != OMNI_OK) return rc;
             }
-            int rc = wait_ready(r, 0, timeout_ns);
-            if (rc == OMNI_ETIMEOUT)
-                return omni_fail(rc, "%s: no record before the timeout", RNAME(r));
-            if (rc == OMNI_ECLOSED)
-                return omni_fail(rc, "%s: the producer closed the ring or died", RNAME(r));
-            if (rc != OMNI_OK) return rc;
         }
     }
-    const uint8_t *p = r->data + (r->local_pos & r->mask);
-    const struct rec_hdr *h = (const struct rec_hdr *)p;
-    uint64_t avail = r->peer_cache - r->local_pos;
-    if (h->magic != REC_MAGIC || h->size == 0 || h->size % REC_ALIGN || h->size > avail ||
-        sizeof *h + 8ULL * h->nbufs + h->header_len > h->size)
-        return omni_fail(OMNI_EFORMAT, "%s: corrupt record at position %llu", RNAME(r),
-                         (unsigned long long)r->local_pos);
-    uint64_t at = r->local_pos & r->mask;
-    uint64_t off = align_up(sizeof *h + 8ULL * h->nbufs + h->header_len, REC_ALIGN);
-    for (uint32_t i = 0; i < h->nbufs; i++) {
-        if (i < OMNI_RECORD_INLINE_BUFS) {
-            rec->buf_off[i] = at + off;
-            rec->buf_len[i] = h->lens[i];
-        }
-        off += align_up(h->lens[i], REC_ALIGN);
-    }
-    if (off != h->size)
-        return omni_fail(OMNI_EFORMAT, "%s: corrupt record at position %llu (buffers)",
-                         RNAME(r), (unsigned long long)r->local_pos);
-    r->local_pos += h->size;
-    rec->end = r->local_pos;
-    rec->at = at;
-    rec->size = h->size;
-    rec->header_off = at + sizeof *h + 8ULL * h->nbufs;
-    rec->header_len = h->header_len;
-    rec->nbufs = h->nbufs;
-    return OMNI_OK;
+    return parse_record(r, rec);
 }
 
 int omni_record_buffer(const omni_ring *r, const omni_record *rec, uint32_t i, uint64_t *off,
                        uint64_t *len) {
-    const struct rec_hdr *h = (const struct rec_hdr *)(r->data + rec->at);
-    if (i >= h->nbufs) return omni_fail(OMNI_EINVAL, "buffer %u of a record of %u", i, h->nbufs);
-    uint64_t o = align_up(sizeof *h + 8ULL * h->nbufs + h->header_len, REC_ALIGN);
-    for (uint32_t j = 0; j < i; j++) o += align_up(h->lens[j], REC_ALIGN);
-    if (o + h->lens[i] > h->size)
-        return omni_fail(OMNI_EFORMAT, "corrupt record: buffer %u beyond its end", i);
-    *off = rec->at + o;
-    *len = h->lens[i];
+    /* from the validated copies only: never from the ring again */
+    if (rec->end != r->ext_end || i >= r->ext_n)
+        return omni_fail(OMNI_EINVAL, "buffer %u: not a buffer of the last record popped", i);
+    if (i < OMNI_RECORD_INLINE_BUFS) {
+        *off = rec->buf_off[i];
+        *len = rec->buf_len[i];
+    } else {
+        *off = r->ext[2 * (i - OMNI_RECORD_INLINE_BUFS)];
+        *len = r->ext[2 * (i - OMNI_RECORD_INLINE_BUFS) + 1];
+    }
     return OMNI_OK;
 }
 
 const uint8_t *omni_ring_data(const omni_ring *r) { return r->data; }
 
-void omni_ring_release(omni_ring *r, uint64_t end) {
+int omni_ring_release(omni_ring *r, uint64_t end) {
+    if (r->role != OMNI_CONSUMER || end <= r->released || end > r->local_pos ||
+        (end - r->released) % REC_ALIGN)
+        return omni_fail(OMNI_EINVAL, "%s: release(%llu): not the end of a popped record",
+                         RNAME(r), (unsigned long long)end);
+    r->released = end;
     /* hands [tail, end) back to the producer: pairs with its acquire / seq_cst load of tail,
      * so our reads of those bytes happen before it overwrites them */
     __atomic_store_n(&r->ctl->side[OMNI_CONSUMER].pos, end, __ATOMIC_SEQ_CST);
     wake_peer(r);
+    return OMNI_OK;
 }
 
 int omni_ring_arm(omni_ring *r) {
@@ -458,8 +627,8 @@ void omni_ring_close_ex(omni_ring *r, int keep_mapping) {
         ring_peer(r);
     }
     if (r->bell >= 0) close(r->bell);
-    if (r->sender >= 0) close(r->sender);
     if (r->peer_pidfd >= 0) close(r->peer_pidfd);
+    free(r->ext);
     if (keep_mapping)
         omni_seg_close_keep_mapping(&r->seg);
     else
