@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from omni_server.audio.inprocess import InProcessVoice
+from omni_bench.inprocess import InProcessVoice
+from omni_server.repository.compiler import compile_repository
+from omni_server.repository.plan import Plan
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "repository"
 
@@ -17,12 +19,17 @@ def repository() -> Path:
 
 
 @pytest.fixture(scope="session")
+def plan() -> Plan:
+    return compile_repository(REPOSITORY)
+
+
+@pytest.fixture(scope="session")
 def voice() -> InProcessVoice:
     return InProcessVoice(REPOSITORY)
 
 
 @pytest.fixture(scope="session")
 def whisper():
-    from omni_server.audio.whisper import Recognizer, load_whisper
+    from omni_server.audio.whisper import load_whisper
 
-    return Recognizer(load_whisper())
+    return load_whisper()

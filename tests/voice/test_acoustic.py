@@ -12,7 +12,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from omni_server.audio.inprocess import InProcessVoice, load_stage
+from omni_bench.inprocess import InProcessVoice, load_stage
 from omni_server.audio.resources import package_file
 from omni_server.backend import Request, RequestAborted
 
@@ -42,7 +42,7 @@ def test_seeded_audio_is_bit_identical_across_runs_and_instances(voice, reposito
 def test_seeded_audio_is_bit_identical_in_another_process(voice, repository):
     script = (
         "import hashlib, sys; from pathlib import Path;"
-        "from omni_server.audio.inprocess import InProcessVoice;"
+        "from omni_bench.inprocess import InProcessVoice;"
         "v = InProcessVoice(Path(sys.argv[1]));"
         "parts = [c['audio'] for c in v.sentences(v.request(sys.argv[2], seed=99))];"
         "print(hashlib.sha256(b''.join(p.tobytes() for p in parts)).hexdigest())"
@@ -200,8 +200,8 @@ def test_speed_changes_duration_not_pitch(voice):
     assert 0.8 < pitch_hz(slow, rate) / f0 < 1.25
 
 
-def test_acoustic_config_errors(repository):
+def test_acoustic_config_errors(plan):
     with pytest.raises(Exception, match=r"intra_op_threads must be an integer >= 1; found 0"):
-        load_stage(repository / "acoustic", parameters={"intra_op_threads": 0})
+        load_stage(plan, "acoustic", parameters={"intra_op_threads": 0})
     with pytest.raises(Exception, match=r"parameters.voices.joe: package 'nope' is not installed"):
-        load_stage(repository / "acoustic", parameters={"voices": {"joe": "nope"}})
+        load_stage(plan, "acoustic", parameters={"voices": {"joe": "nope"}})

@@ -5,15 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from omni_server.audio.inprocess import load_stage
+from omni_bench.inprocess import load_stage
 from omni_server.backend import Request, StageConfigError
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
-def frontend(repository):
-    return load_stage(repository / "text_frontend")
+def frontend(plan):
+    return load_stage(plan, "text_frontend")
 
 
 def phonemes(frontend, text: str) -> list[str]:
@@ -59,8 +59,8 @@ def test_phoneme_ids_follow_the_voice_id_map(frontend):
     assert np.all(ids[1:-1:2] == 0)
 
 
-def test_long_sentence_is_cut_at_clause_and_word_boundaries(frontend, repository):
-    uncut = load_stage(repository / "text_frontend", parameters={"max_sentence_phonemes": 10**6})
+def test_long_sentence_is_cut_at_clause_and_word_boundaries(frontend, plan):
+    uncut = load_stage(plan, "text_frontend", parameters={"max_sentence_phonemes": 10**6})
     clause = "the rain kept falling over the quiet little town by the river"
     text = ", ".join([clause] * 12) + "."  # one sentence of ~700 phonemes
     said = phonemes(frontend, text)
@@ -103,8 +103,8 @@ def test_bad_request_fails_alone_with_a_clear_message(frontend, change, message)
     assert isinstance(results[1], dict) and len(results[1]["sentences"]) == 1
 
 
-def test_config_error_says_what_was_required_and_found(repository):
+def test_config_error_says_what_was_required_and_found(plan):
     with pytest.raises(StageConfigError, match=r"parameters.voices must be a table.*found 'joe'"):
-        load_stage(repository / "text_frontend", parameters={"voices": "joe"})
+        load_stage(plan, "text_frontend", parameters={"voices": "joe"})
     with pytest.raises(StageConfigError, match=r"parameters.voices.joe: package 'no_such_voice'"):
-        load_stage(repository / "text_frontend", parameters={"voices": {"joe": "no_such_voice"}})
+        load_stage(plan, "text_frontend", parameters={"voices": {"joe": "no_such_voice"}})

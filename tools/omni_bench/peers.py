@@ -40,7 +40,7 @@ def free_port() -> int:
 class InProcessTarget:
     """The embedded repository's stages chained in this process (no runtime, no HTTP).
 
-    `omni_server.audio.inprocess.InProcessVoice` loads text_frontend, acoustic and
+    `omni_bench.inprocess.InProcessVoice` loads text_frontend, acoustic and
     audio_encoder from the repository folder exactly as their stage hosts would (same
     parameters, same onnxruntime threads) and runs them in the calling thread; requests run
     in a thread pool, one thread per in-flight request (onnxruntime and the encoder release
@@ -68,7 +68,7 @@ class InProcessTarget:
         self._pool: ThreadPoolExecutor | None = None
 
     async def start(self) -> None:
-        from omni_server.audio.inprocess import InProcessVoice
+        from omni_bench.inprocess import InProcessVoice
 
         if not (self.repository / "repository.toml").is_file():
             raise FileNotFoundError(f"{self.repository}: not a repository (no repository.toml)")

@@ -35,7 +35,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from omni_server.audio.inprocess import InProcessVoice
+from omni_bench.inprocess import InProcessVoice
 
 PARAGRAPH = (
     "The quick brown fox jumps over the lazy dog. "

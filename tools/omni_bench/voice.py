@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from omni_bench.inprocess import InProcessVoice
 from omni_server.audio.encode import FORMATS, AudioEncoder, default_sample_rate
-from omni_server.audio.inprocess import InProcessVoice
 from omni_server.audio.resample import StreamResampler
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "repository"

@@ -4,10 +4,8 @@ encode     AudioEncoder: float32 mono blocks -> the next bytes of an mp3|opus|aa
            body, progressively (streamed responses) or as one seekable file
 wav        RIFF/WAVE headers, including the streaming header whose sizes are 0xFFFFFFFF
 resample   one-shot and streaming resampling with soxr
-decode     bytes of any of those formats -> float32 samples (tests, quality checks)
+decode     bytes of any of those formats -> float32 samples (tests, benchmarks, quality checks)
 whisper    the bundled Whisper tiny.en (faster-whisper), text normalization and WER
-inprocess  load stage backends from a repository folder and run the embedded voice in one
-           thread, without the runtime (tests, the benchmark's in-process floor)
 """
 
 from omni_server.audio.decode import decode

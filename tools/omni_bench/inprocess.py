@@ -1,0 +1,163 @@
+"""The embedded voice run in this thread, stage by stage, without the runtime: the benchmark's
+in-process floor, and how the voice tests drive the stages.
+
+Everything a served request would go through up to the stages is the server's own code: the
+repository is compiled (`compile_repository`), each backend is loaded by the runtime's loader
+(`load_backend`) and initialized with the context a stage host gives it, and a request's entry
+inputs are the speech endpoint's (`SpeechRequest.pipeline_inputs()`). Only the
+runtime is left out: `InProcessVoice` chains the speech model's three stages as the pipeline
+does: the entry stage's execute(), its `next` stage's generate() feeding the `stream_to`
+terminal's request stream.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Generator, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omni_server.backend import Payload, Request, StageContext
+from omni_server.repository.compiler import compile_repository
+from omni_server.repository.plan import ModelSpec, Plan
+from omni_server.runtime.backends import load_backend
+from omni_server.serve.speech_request import SpeechRequest
+
+
+def load_stage(
+    plan: Plan, stage: str, *, parameters: Mapping[str, Any] | None = None, replica: int = 0
+) -> Any:
+    """The stage's backend, loaded and initialized on CPU as a stage host would (a fresh module
+    each call). `parameters` override keys of the stage's [parameters]."""
+    spec = plan.stages[stage]
+    backend = load_backend(spec)
+    backend.initialize(
+        StageContext(
+            stage=spec.name,
+            parameters={**spec.parameters, **(parameters or {})},
+            device="cpu",
+            repository=plan.repository,
+            stage_dir=spec.directory,
+            replica=replica,
+        )
+    )
+    return backend
+
+
+@dataclass
+class Speech:
+    """A whole in-process answer: the body's chunks and the terminal result payload."""
+
+    chunks: list[bytes]
+    result: Payload
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+def speech_model(plan: Plan, model: str | None = None) -> ModelSpec:
+    """The served model `model` (id or alias), or the repository's only speech model."""
+    if model is not None:
+        found = plan.model(model)
+        if found is None:
+            raise ValueError(
+                f"{plan.repository}: no model {model!r}; served: {sorted(plan.models)}"
+            )
+        return found
+    speech = [m for m in plan.models.values() if "speech" in m.tasks]
+    if len(speech) != 1:
+        raise ValueError(
+            f"{plan.repository}: expected one speech model, found {[m.id for m in speech]}; "
+            "name one"
+        )
+    return speech[0]
+
+
+class InProcessVoice:
+    """A speech model shaped frontend --next--> acoustic --stream_to--> encoder (terminal), as
+    the embedded repository's is, in the calling thread.
+
+    Several threads may use one instance at once: espeak-ng calls are serialized by the
+    frontend, onnxruntime sessions are thread-safe, and every request has its own generator,
+    noise generator and encoder.
+    """
+
+    def __init__(
+        self,
+        repository: Path,
+        *,
+        model: str | None = None,
+        acoustic: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.plan = compile_repository(repository)
+        self.model = speech_model(self.plan, model)
+        frontend = self.plan.stages[self.model.entry]
+        [acoustic_stage] = frontend.next
+        [encoder_stage] = self.plan.stages[acoustic_stage].stream_to
+        self.frontend = load_stage(self.plan, frontend.name)
+        self.acoustic = load_stage(self.plan, acoustic_stage, parameters=acoustic)
+        self.encoder = load_stage(self.plan, encoder_stage)
+        self._ids = itertools.count()
+
+    def request(
+        self,
+        text: str,
+        *,
+        voice: str | None = None,
+        speed: float = 1.0,
+        seed: int | None = None,
+        response_format: str = "wav",
+        stream: bool = False,
+        sample_rate: int | None = None,
+    ) -> Payload:
+        """The entry stage's inputs, as the speech endpoint builds them from a request with these
+        fields. Not validated as the endpoint would: the voice tests feed the stages inputs the
+        endpoint refuses ("..."), which other pipelines may still send them."""
+        voice = voice or self.model.default_voice or self.model.voices[0]
+        return SpeechRequest(
+            model=self.model,
+            text=text,
+            voice=self.model.voice_aliases.get(voice, voice),
+            response_format=response_format,
+            speed=speed,
+            stream_format="audio" if stream else None,
+            seed=seed,
+            sample_rate=sample_rate,
+        ).pipeline_inputs()
+
+    def frontend_payload(self, inputs: Payload) -> Payload:
+        [out] = self.frontend.execute([Request(id=f"r{next(self._ids)}", inputs=inputs)])
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def sentences(self, inputs: Payload) -> Generator[Payload, None, Payload]:
+        """The acoustic stage's chunks (one per sentence); returns its `next` payload."""
+        payload = self.frontend_payload(inputs)
+        return (
+            yield from self.acoustic.generate(Request(id=f"r{next(self._ids)}", inputs=payload))
+        )
+
+    def stream(self, inputs: Payload) -> Generator[bytes, None, Payload]:
+        """Body bytes as the terminal stage yields them; returns its result payload."""
+        chunks: Iterator[Payload] = self.sentences(inputs)
+        request = Request(id=f"r{next(self._ids)}", inputs={}, _stream=chunks)
+        generator = self.encoder.generate(request)
+        while True:
+            try:
+                chunk = next(generator)
+            except StopIteration as stop:
+                return stop.value
+            yield chunk["audio"]
+
+    def speak(self, text: str, **options: Any) -> Speech:
+        """Synthesize `text` whole (options as in request())."""
+        chunks: list[bytes] = []
+        generator = self.stream(self.request(text, **options))
+        while True:
+            try:
+                chunks.append(next(generator))
+            except StopIteration as stop:
+                return Speech(chunks, stop.value)
