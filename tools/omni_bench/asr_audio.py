@@ -64,7 +64,7 @@ class VoiceSynth:
     name = "piper-joe"
 
     def __init__(self) -> None:
-        from omni_server.audio.inprocess import InProcessVoice
+        from omni_bench.inprocess import InProcessVoice
 
         self._voice = InProcessVoice(REPOSITORY)
 
