@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import io
-from typing import Final
+from typing import Any, Final
 
 import av
 import numpy as np
@@ -117,7 +117,7 @@ class AudioEncoder:
         self.samples = 0  # samples encoded so far
         self._finished = False
         self._pcm: list[bytes] = []  # non-streamed wav / pcm: the samples, joined at finish()
-        self._container = None
+        self._container: Any = None  # av's OutputContainer for the codec formats
         if response_format in _CODECS:
             self._open_container()
         self._header = wav_header(sample_rate) if response_format == "wav" and streaming else b""

@@ -93,7 +93,7 @@ class ProcessGroup:
             self._ready[instance.name] = loop.create_future()
             self._spawn(index, ports.get((instance.process, instance.replica)))
         # wait for every Ready; the first StartFailed or death ends the wait
-        pending = [*self._ready.values()]
+        pending: list[asyncio.Future[Any]] = [*self._ready.values()]
         while pending:
             done, _ = await asyncio.wait(
                 [*pending, *self._exited], return_when=asyncio.FIRST_COMPLETED

@@ -79,7 +79,7 @@ class Topology:
 
     def touched(self, model: ModelSpec, bindings: Mapping[str, int]) -> tuple[int, ...]:
         """Every instance (all TP ranks) a request of `model` with `bindings` may reach."""
-        out = []
+        out: list[int] = []
         for process in self.model_processes[model.id]:
             replica = bindings.get(process, 0)
             tp = self.plan.processes[process].tp_size

@@ -123,12 +123,16 @@ async def _serve_tp_peer(
     calls = StageCalls(plan.stages[stage], backend)
     done = asyncio.get_running_loop().create_future()
 
+    def finished() -> None:
+        if not done.done():
+            done.set_result(None)
+
     def run() -> None:
         try:
             bind_thread_to_device(instance.devices[stage])
             follow(calls, control)
         finally:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+            loop.call_soon_threadsafe(finished)
 
     loop = asyncio.get_running_loop()
     threading.Thread(target=run, name=f"tp-peer-{stage}", daemon=True).start()
