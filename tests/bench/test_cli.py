@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
+from omni_bench.child_server import free_port
 from omni_bench.cli import main
-from omni_bench.peers import free_port
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -25,6 +25,8 @@ def run(*args: str) -> subprocess.CompletedProcess:
         (["speech", "--peer", "in-process", "--concurrency", "1,x"], "expected integers"),
         (["speech", "--peer", "in-process", "--dataset", "/nonexistent.txt"], "/nonexistent.txt"),
         (["speech"], "nothing to measure"),
+        (["speech", "--serve", "--url", "http://127.0.0.1:1"], "give one of them"),
+        (["speech", "--serve", "--repo", "/nonexistent"], "/nonexistent: no repository.toml"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):

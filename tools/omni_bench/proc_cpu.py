@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,10 +40,13 @@ def _comm(path: Path) -> str:
         return "?"
 
 
-def _tree(pid: int) -> list[int]:
+def _tree(pid: int, exclude: Collection[int] = ()) -> list[int]:
+    """`pid` and its descendants, less the subtrees rooted at `exclude`."""
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
+        if p in exclude:
+            continue
         out.append(p)
         try:
             tasks = list(Path(f"/proc/{p}/task").iterdir())
@@ -75,9 +79,11 @@ def _cpu_seconds(stat: Path) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime: fields 14, 15
 
 
-def snapshot(pid: int) -> Snapshot:
+def snapshot(pid: int, exclude: Collection[int] = ()) -> Snapshot:
+    """The tree of `pid`, less the subtrees of `exclude` (a server the bench started itself is
+    measured on its own, not as part of the bench)."""
     out = Snapshot()
-    for p in _tree(pid):
+    for p in _tree(pid, exclude):
         label = "main" if p == pid else _label(p)
         total = _cpu_seconds(Path(f"/proc/{p}/stat"))
         if total is None:

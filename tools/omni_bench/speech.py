@@ -25,6 +25,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from omni_bench import proc_cpu, report, server_stats
+from omni_bench.child_server import ChildServer
 from omni_bench.metrics import LevelSummary, RequestTiming, summarize
 from omni_bench.peers import PEERS, make_peer
 from omni_bench.targets import OpenAISpeechTarget, SpeechTarget
@@ -99,11 +100,12 @@ async def measure_level(
     stats = getattr(target, "stats", None)  # only our server explains its time
     load = os.getloadavg()[0]
     before = await stats() if stats else None
-    cpu_before = {name: proc_cpu.snapshot(pid) for name, pid in pids.items()}
+    others = {name: tuple(p for p in pids.values() if p != pid) for name, pid in pids.items()}
+    cpu_before = {name: proc_cpu.snapshot(pid, others[name]) for name, pid in pids.items()}
     timings, wall = await run_level(target, texts, concurrency, requests, result.clips)
     level = summarize(concurrency, timings, wall)
     level.cpu = {
-        name: proc_cpu.cores(cpu_before[name], proc_cpu.snapshot(pid), wall)
+        name: proc_cpu.cores(cpu_before[name], proc_cpu.snapshot(pid, others[name]), wall)
         for name, pid in pids.items()
     }
     after = await stats() if stats else None
@@ -175,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Load-test a speech endpoint and peers: TTFA, latency, RTF, throughput, WER.",
     )
     p.add_argument("--url", help="our server, e.g. http://127.0.0.1:8000 (omit to run peers only)")
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="start omni-server on --repo (a free loopback port) as the server under test, "
+        "report its CPU, and stop it at the end (instead of --url)",
+    )
     p.add_argument("--model", help="model id (default: the first one /v1/models lists)")
     p.add_argument("--voice", help="voice name sent with each request (default: none sent)")
     p.add_argument(
@@ -188,7 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--peer", action="append", default=[], choices=PEERS, help="also measure a peer")
     p.add_argument(
-        "--repo", type=Path, default=Path("repository"), help="repository the in-process peer runs"
+        "--repo",
+        type=Path,
+        default=Path("repository"),
+        help="repository the in-process peer and --serve run (default: repository)",
     )
     p.add_argument("--wer", action="store_true", help="score WER with Whisper tiny.en")
     p.add_argument(
@@ -215,13 +226,45 @@ async def run(args: argparse.Namespace) -> dict:
     requests = args.requests or len(texts)
     if requests < 1:
         raise UsageError("--requests must be >= 1")
-    if not args.url and not args.peer:
-        raise UsageError("nothing to measure: give --url, --peer, or both")
+    if args.serve and args.url:
+        raise UsageError("--serve starts a server, --url names a running one: give one of them")
+    if not (args.url or args.serve) and not args.peer:
+        raise UsageError("nothing to measure: give --url or --serve, --peer, or both")
+    if (args.serve or "in-process" in args.peer) and not (args.repo / "repository.toml").is_file():
+        raise UsageError(f"--repo {args.repo}: no repository.toml")
+    if args.server_pid is not None and not Path(f"/proc/{args.server_pid}").is_dir():
+        raise UsageError(f"--server-pid {args.server_pid}: no such process")
+    if not args.serve:
+        return await measure(args, texts, levels, requests, args.url, args.server_pid)
+    server = ChildServer(
+        "omni-server",
+        lambda port: [sys.executable, "-m", "omni_server", "--repo", str(args.repo),
+                      "--port", str(port)],
+        "/health/ready",
+    )  # fmt: skip
+    try:
+        await server.start()
+    except RuntimeError as err:  # it exited or never became ready: its log says why
+        raise WarmupFailed(f"--serve: {err}") from None
+    try:
+        return await measure(args, texts, levels, requests, server.url, server.pid)
+    finally:
+        await server.stop()
+
+
+async def measure(
+    args: argparse.Namespace,
+    texts: list[str],
+    levels: list[int],
+    requests: int,
+    url: str | None,
+    server_pid: int | None,
+) -> dict:
     targets: list[SpeechTarget] = []
-    if args.url:
+    if url:
         targets.append(
             OpenAISpeechTarget(
-                args.url,
+                url,
                 model=args.model,
                 voice=args.voice,
                 response_format=args.format,
@@ -229,8 +272,6 @@ async def run(args: argparse.Namespace) -> dict:
                 seed=args.seed,
             )
         )
-    if "in-process" in args.peer and not (args.repo / "repository.toml").is_file():
-        raise UsageError(f"--repo {args.repo}: no repository.toml (the in-process peer needs it)")
     targets += [
         make_peer(
             name, repository=args.repo, max_concurrency=max(levels),
@@ -239,10 +280,8 @@ async def run(args: argparse.Namespace) -> dict:
         for name in dict.fromkeys(args.peer)
     ]  # fmt: skip
 
-    if args.server_pid is not None and not Path(f"/proc/{args.server_pid}").is_dir():
-        raise UsageError(f"--server-pid {args.server_pid}: no such process")
     warmup = min(args.warmup, len(texts))
-    results = await bench(targets, texts, levels, requests, warmup, args.server_pid)
+    results = await bench(targets, texts, levels, requests, warmup, server_pid)
     if args.wer:
         from omni_bench.wer import Transcriber, evaluate
 
@@ -254,7 +293,8 @@ async def run(args: argparse.Namespace) -> dict:
         "machine": machine() | {"loadavg_at_end": os.getloadavg()},
         "command": " ".join(["omni-bench speech", *args.argv]),
         "settings": {
-            "url": args.url,
+            "url": url,
+            "served_repository": str(args.repo) if args.serve else None,
             "format": args.format,
             "stream": args.stream,
             "seed": args.seed,
