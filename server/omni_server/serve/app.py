@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from omni_server.repository.plan import Plan
-from omni_server.serve import health, models, speech
+from omni_server.serve import health, models, speech, transcription
 from omni_server.serve.errors import ApiError, openai_errors
 from omni_server.serve.metrics import ServerMetrics
 from omni_server.serve.state import STATE, ServerState
@@ -43,6 +43,7 @@ def create_app(
     app[STATE] = state
     app.cleanup_ctx.append(_stage_metrics)
     app.router.add_post("/v1/audio/speech", speech.create_speech)
+    app.router.add_post("/v1/audio/transcriptions", transcription.create_transcription)
     app.router.add_get("/v1/models", models.list_models)
     app.router.add_get("/v1/models/{model}", models.retrieve_model)
     app.router.add_get("/health", health.health)

@@ -1,0 +1,170 @@
+"""`POST /v1/audio/transcriptions`: audio in, its transcript out, whole or streamed as it is heard.
+
+The multipart upload is read within bounds (`transcription_request`), handed to the model's
+pipeline as bytes, and the pipeline's transcript is rendered in the asked format
+(`transcription_format`). With `stream=true` the answer is OpenAI's SSE: one
+`transcript.text.delta` per text chunk the terminal stage yields (a batch of recognized segments),
+then `transcript.text.done` with the whole text and usage.
+
+An upload the pipeline cannot use (not audio, corrupt, truncated, too long) comes back from it as
+a `{"rejected": {...}}` result and is a 400, never a 500. A stream that fails after its first
+event is cut (no `transcript.text.done`). Leaving the request handle's context, for any reason,
+aborts the request in every stage; a client that leaves mid-upload or mid-answer is counted as
+`client_disconnected`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from omni_server.runtime import PipelineError, RequestHandle
+from omni_server.serve import transcription_format as fmt
+from omni_server.serve.errors import STREAM_STARTED, ApiError
+from omni_server.serve.metrics import RequestTrack
+from omni_server.serve.speech import CLIENT_GONE, pipeline_error, require_ready
+from omni_server.serve.state import STATE
+from omni_server.serve.transcription_request import (
+    TranscriptionRequest,
+    parse_transcription,
+    read_form,
+    transcription_model,
+)
+
+log = logging.getLogger(__name__)
+
+
+async def create_transcription(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    with state.metrics.track("transcription") as track:
+        try:
+            form = await read_form(request)
+        except (asyncio.CancelledError, ConnectionResetError):
+            _cancelled(request, track, "upload")
+            raise
+        model = transcription_model(form, state.plan)
+        track.model = model.id
+        asr = parse_transcription(form, model)
+        del form  # the file's bytes live on in `asr` only
+        require_ready(state.runtime)
+        async with state.admission.place(model.id):
+            with state.metrics.in_pipeline(model.id):
+                try:
+                    handle = state.runtime.submit(model, asr.pipeline_inputs())
+                except PipelineError as exc:
+                    raise pipeline_error(exc) from exc
+                async with handle:
+                    try:
+                        return await _answer(request, asr, handle, track)
+                    except asyncio.CancelledError:
+                        _cancelled(request, track, handle.id)
+                        raise
+                    except ConnectionResetError:
+                        _cancelled(request, track, handle.id)
+                        return web.Response(status=CLIENT_GONE)  # nobody is left to read it
+
+
+def _cancelled(request: web.Request, track: RequestTrack, what: str) -> None:
+    """Account a request that ended early: the server is stopping, or its client left."""
+    if request.app[STATE].lifecycle.stopping:
+        track.fail(503, "server_shutdown")
+        log.info("transcription %s aborted: the server is shutting down", what)
+    else:
+        track.fail(CLIENT_GONE, "client_disconnected")
+        log.info("transcription %s aborted: client disconnected", what)
+
+
+async def _answer(
+    request: web.Request, asr: TranscriptionRequest, handle: RequestHandle, track: RequestTrack
+) -> web.StreamResponse:
+    response: web.StreamResponse | None = None
+    try:
+        async for chunk in handle:
+            delta = _chunk_text(chunk)
+            if not asr.stream or not delta:
+                continue
+            if response is None:
+                response = await _start_stream(request, handle)
+            await response.write(_sse({"type": "transcript.text.delta", "delta": delta}))
+        transcript = _transcript(await handle.result())
+    except PipelineError as exc:
+        error = pipeline_error(exc, handle.id)
+        if response is None:
+            log.warning("transcription %s failed: %s", handle.id, exc.message)
+            raise error from exc
+        track.fail(200, "pipeline_error")
+        log.warning("transcription %s cut mid-stream: %s", handle.id, exc.message)
+        if request.transport is not None:
+            request.transport.close()  # no done event: the client sees a broken stream
+        return response
+
+    if not asr.stream:
+        body = fmt.render(transcript, asr.response_format, asr.granularities)
+        headers = {
+            "Content-Type": fmt.CONTENT_TYPES[asr.response_format],
+            "X-Request-Id": handle.id,
+        }
+        return web.Response(body=body.encode("utf-8"), headers=headers)
+    if response is None:  # silence: no delta, only the done event
+        response = await _start_stream(request, handle)
+    done = {
+        "type": "transcript.text.done",
+        "text": transcript["text"],
+        "usage": fmt.usage(transcript),
+    }
+    await response.write(_sse(done))
+    await response.write_eof()
+    return response
+
+
+def _transcript(result: Any) -> dict[str, Any]:
+    """The terminal result: a transcript, or the upload's rejection (a 400)."""
+    if isinstance(result, dict) and isinstance(result.get("rejected"), dict):
+        rejected = result["rejected"]
+        raise ApiError(
+            400,
+            str(rejected.get("message", "the uploaded file is not usable audio")),
+            param="file",
+            code=str(rejected.get("code", "invalid_audio")),
+        )
+    needed = ("text", "language", "duration", "segments")
+    if not isinstance(result, dict) or any(k not in result for k in needed):
+        keys = sorted(result) if isinstance(result, dict) else type(result).__name__
+        raise PipelineError(
+            f"a transcription pipeline's terminal result must have {', '.join(needed)}; "
+            f"it had {keys}",
+            code="stage_failed",
+        )
+    return result
+
+
+def _chunk_text(chunk: Any) -> str:
+    text = chunk.get("text") if isinstance(chunk, dict) else None
+    if not isinstance(text, str):
+        keys = sorted(chunk) if isinstance(chunk, dict) else type(chunk).__name__
+        raise PipelineError(
+            f"a transcription pipeline's terminal chunks must be {{'text': str}}; got {keys}",
+            code="stage_failed",
+        )
+    return text
+
+
+async def _start_stream(request: web.Request, handle: RequestHandle) -> web.StreamResponse:
+    headers = {
+        "Content-Type": "text/event-stream",
+        "Cache-Control": "no-cache",
+        "X-Request-Id": handle.id,
+    }
+    response = web.StreamResponse(headers=headers)
+    response.enable_chunked_encoding()
+    request[STREAM_STARTED] = True
+    await response.prepare(request)
+    return response
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(event, separators=(',', ':'), ensure_ascii=False)}\n\n".encode()
