@@ -11,12 +11,16 @@ from pathlib import Path
 import pytest
 
 from omni_transport import Ring
+from omni_transport._ffi import ffi, lib
 from omni_transport.cuda_ipc import (
+    BadTensorRecord,
     CudaPool,
     CudaReceiver,
     CudaUnavailable,
+    PoolClosed,
     PoolFull,
     TensorRecord,
+    _Shared,
     cuda_available,
     send_tensor,
 )
@@ -41,6 +45,113 @@ gpu = pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU and a CUDA buil
 def test_tensor_record_round_trips():
     rec = TensorRecord("omni-x-pool", 3, 4096, 24, "bfloat16", (2, 6))
     assert TensorRecord.from_bytes(memoryview(rec.to_bytes())) == rec
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"not json",
+        b"{}",
+        b'["p", -1, 0, 4, "float32", [1]]',
+        b'["p", 0, 0, 4, "float32", [1.5]]',
+        b'["p", 0, 0, 4, 7, [1]]',
+        b'["p", 0, 0, 4, "float32", 1]',
+        b'["p", true, 0, 4, "float32", [1]]',
+    ],
+)
+def test_malformed_tensor_records_are_refused(raw):
+    with pytest.raises(BadTensorRecord):
+        TensorRecord.from_bytes(raw)
+
+
+def pool_segment(name: str, nbytes: int, slots: int, room: int | None = None) -> object:
+    """A pool's shared segment as CudaPool lays it out (no GPU: no memory handle)."""
+    out = ffi.new("omni_segment **")
+    assert lib.omni_segment_create(name.encode(), room or _Shared.size(slots), out) == 0
+    base = lib.omni_segment_data(out[0])
+    ffi.cast("uint64_t *", base + 64)[0] = nbytes
+    ffi.cast("uint32_t *", base + 72)[0:2] = [0, slots]
+    return out[0]
+
+
+def test_pool_geometry_is_checked_against_its_segment(ring_name):
+    seg = pool_segment(ring_name(), 1 << 20, slots=1 << 20, room=4096)  # slots beyond the segment
+    try:
+        with pytest.raises(BadTensorRecord, match="cannot hold"):
+            _Shared(seg)
+    finally:
+        lib.omni_segment_close(seg)
+    seg = pool_segment(ring_name(), 1000, slots=4)  # not a multiple of 512
+    try:
+        with pytest.raises(BadTensorRecord, match="not a positive multiple"):
+            _Shared(seg)
+    finally:
+        lib.omni_segment_close(seg)
+
+
+@pytest.mark.parametrize(
+    ("slot", "offset", "nbytes", "dtype", "shape", "message"),
+    [
+        (4, 0, 16, "float32", (4,), "slot 4 of 4"),
+        (0, 100, 16, "float32", (4,), "not a block"),  # not 512-aligned
+        (0, 1 << 20, 16, "float32", (4,), "not a block"),  # past the end
+        (0, (1 << 20) - 512, 1024, "uint8", (1024,), "not a block"),  # runs past the end
+        (0, 0, 16, "cuda", (4,), "not a tensor dtype"),  # a torch attribute, not a dtype
+        (0, 0, 16, "float32", (5,), "not 16 bytes"),  # shape reads past nbytes
+    ],
+)
+def test_a_record_must_describe_a_block_of_its_pool(
+    ring_name, slot, offset, nbytes, dtype, shape, message
+):
+    seg = pool_segment(ring_name(), 1 << 20, slots=4)
+    try:
+        shared = _Shared(seg)
+        shared.check(TensorRecord("p", 0, 512, 16, "float32", (2, 2)))  # a good one passes
+        with pytest.raises(BadTensorRecord, match=message):
+            shared.check(TensorRecord("p", slot, offset, nbytes, dtype, shape))
+    finally:
+        lib.omni_segment_close(seg)
+
+
+OPENER = """
+import sys
+from omni_transport._ffi import ffi, lib
+out = ffi.new("omni_segment **")
+assert lib.omni_segment_attach(sys.argv[1].encode(), out) == 0
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_consumer_that_died_holding_blocks_is_seen(ring_name):
+    name = ring_name()
+    seg = pool_segment(name, 1 << 20, slots=4)
+    shared = _Shared(seg)
+    consumers = [
+        subprocess.Popen(
+            [sys.executable, "-c", OPENER, name],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        assert not shared.consumer_gone()  # none came yet: nothing to judge
+        for proc in consumers:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        assert not shared.consumer_gone()
+        consumers[0].kill()
+        consumers[0].wait(10)
+        assert not shared.consumer_gone()  # one died, one lives: blocks may still come back
+        consumers[1].kill()
+        consumers[1].wait(10)
+        assert shared.consumer_gone()
+    finally:
+        for proc in consumers:
+            proc.kill()
+            proc.communicate(timeout=10)
+        lib.omni_segment_close(seg)
 
 
 @pytest.mark.skipif(HAVE_CUDA, reason="checks the error raised without CUDA")
@@ -110,6 +221,35 @@ def test_tensor_crosses_and_block_is_reused_only_after_release(ring_name):
         assert pool.reap() == 2
         to_peer.push(b"stop")
         assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        to_peer.close()
+        from_peer.close()
+        pool.close()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.timeout(180)
+def test_waiting_for_blocks_ends_when_their_consumer_dies(ring_name):
+    import torch
+
+    mib = 1 << 20
+    pool = CudaPool(ring_name(), 8 * mib)
+    to_peer = Ring.create(ring_name(), mib, role="producer")
+    from_peer = Ring.create(ring_name(), mib, role="consumer")
+    proc = subprocess.Popen([sys.executable, str(PEER), to_peer.name, from_peer.name])
+    try:
+        x = pool.empty((1024, 1024), torch.float32)  # 4 MiB of 8
+        send_tensor(to_peer, pool, x)
+        with from_peer.pop(timeout=120) as rec:
+            assert json.loads(bytes(rec.header))["shape"] == [1024, 1024]  # it holds the block
+        proc.kill()
+        proc.wait(30)
+        with pytest.raises(PoolClosed, match="died or left"):
+            pool.empty((6 * mib,), torch.uint8, timeout=None)  # waited forever before
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -47,6 +47,8 @@ OMNI_API int omni_segment_attach(const char *name, omni_segment **out);
 OMNI_API uint8_t *omni_segment_data(omni_segment *s); /* size bytes, 64-byte aligned, zeroed at create */
 OMNI_API uint64_t omni_segment_size(const omni_segment *s);
 OMNI_API void omni_segment_close(omni_segment *s);
+/* The other recorded users of the segment: how many run, and how many died without leaving. */
+OMNI_API void omni_segment_users(const omni_segment *s, int *alive, int *dead);
 /* Remove /dev/shm segments whose name starts with prefix and that no live process uses
  * (crash cleanup). Writes the removed names into out (each NUL-terminated, an empty name
  * ends the list, as many as fit in out_len) and their count into *removed. */

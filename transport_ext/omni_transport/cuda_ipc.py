@@ -18,12 +18,19 @@ Shared state of a pool, in a named segment (omni_transport segment, mode 0600):
 
 Producer side: CudaPool (one thread). Consumer side: CudaReceiver (one thread).
 Without a CUDA driver every entry point raises CudaUnavailable.
+
+Nothing read from the segment or a record is trusted: the pool's size and slot count are checked
+against the segment, and a record's slot, offset, size, dtype and shape against the pool before
+a tensor is made (BadTensorRecord). A producer waiting for blocks stops when the consumer that
+holds them is gone (PoolClosed) instead of waiting forever.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +46,26 @@ _ALIGN = 512  # every block starts on a 512-byte boundary of the pool
 
 class PoolFull(TransportError):
     """No free block of the pool before the timeout: the consumer holds too much."""
+
+
+class PoolClosed(PoolFull):
+    """The consumer holding the pool's blocks died or left: they will never come back."""
+
+
+class BadTensorRecord(TransportError, ValueError):
+    """A tensor record (or the pool segment it names) that does not describe a block of the
+    pool: refused before any tensor is made from it."""
+
+
+# the dtypes a record may name (a name is looked up on torch: it must not reach anything else)
+_DTYPES = frozenset(
+    {
+        "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+        "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+        "float8_e4m3fn", "float8_e5m2",
+    }
+)  # fmt: skip
+_MAX_DIMS = 64
 
 
 def cuda_available() -> bool:
@@ -75,7 +102,21 @@ class TensorRecord:
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview) -> TensorRecord:
-        pool, slot, offset, nbytes, dtype, shape = json.loads(bytes(data))
+        """Parses and type-checks a record (its values are checked against the pool by
+        CudaReceiver.open)."""
+        try:
+            pool, slot, offset, nbytes, dtype, shape = json.loads(bytes(data))
+        except (ValueError, TypeError) as e:
+            raise BadTensorRecord(f"not a tensor record: {e}") from None
+        ints = [slot, offset, nbytes, *shape] if isinstance(shape, list) else None
+        if (
+            not isinstance(pool, str)
+            or not isinstance(dtype, str)
+            or ints is None
+            or len(shape) > _MAX_DIMS
+            or not all(type(v) is int and v >= 0 for v in ints)
+        ):
+            raise BadTensorRecord(f"malformed tensor record {bytes(data)[:200]!r}")
         return cls(pool, slot, offset, nbytes, dtype, tuple(shape))
 
 
@@ -108,7 +149,8 @@ def _stream() -> int:
 
 
 class _Shared:
-    """The pool's shared segment (see the module docstring)."""
+    """The pool's shared segment (see the module docstring). Its geometry is read once and
+    checked against the segment's size; only the copies are used."""
 
     def __init__(self, seg: Any):
         self.seg = seg
@@ -117,6 +159,11 @@ class _Shared:
         self.nbytes = int(meta[0])
         counts = ffi.cast("uint32_t *", self.base + _HANDLE + 8)
         self.device, self.slots = int(counts[0]), int(counts[1])
+        size = int(lib.omni_segment_size(seg))
+        if not (self.slots > 0 and _Shared.size(self.slots) <= size):
+            raise BadTensorRecord(f"pool segment of {size} bytes cannot hold {self.slots} slots")
+        if self.nbytes <= 0 or self.nbytes % _ALIGN:
+            raise BadTensorRecord(f"pool of {self.nbytes} bytes: not a positive multiple of 512")
         self.states = ffi.cast("uint32_t *", self.base + _STATES)
 
     @staticmethod
@@ -131,6 +178,28 @@ class _Shared:
 
     def set_state(self, slot: int, value: int) -> None:
         lib.omni_store_release_u32(self.states + slot, value)
+
+    def check(self, rec: TensorRecord) -> None:
+        """rec describes a block of this pool, and its dtype and shape fill exactly nbytes."""
+        if rec.slot >= self.slots:
+            raise BadTensorRecord(f"pool {rec.pool!r}: slot {rec.slot} of {self.slots}")
+        if rec.offset % _ALIGN or rec.offset + rec.nbytes > self.nbytes:
+            raise BadTensorRecord(
+                f"pool {rec.pool!r}: block [{rec.offset}, +{rec.nbytes}) is not a block of its "
+                f"{self.nbytes} bytes"
+            )
+        if rec.dtype not in _DTYPES or not hasattr(_torch(), rec.dtype):
+            raise BadTensorRecord(f"dtype {rec.dtype!r} is not a tensor dtype")
+        itemsize = _torch().empty((), dtype=getattr(_torch(), rec.dtype)).element_size()
+        if math.prod(rec.shape) * itemsize != rec.nbytes:
+            raise BadTensorRecord(f"shape {rec.shape} of {rec.dtype} is not {rec.nbytes} bytes")
+
+    def consumer_gone(self) -> bool:
+        """A consumer that opened the pool died without leaving, and no live one is left to
+        release anything (a consumer that closes gives its blocks back first)."""
+        alive, dead = ffi.new("int *"), ffi.new("int *")
+        lib.omni_segment_users(self.seg, alive, dead)
+        return dead[0] > 0 and alive[0] == 0
 
 
 class CudaPool:
@@ -169,14 +238,22 @@ class CudaPool:
 
     # ---- blocks ----
 
-    def empty(self, shape: tuple[int, ...], dtype: Any, timeout: float | None = None) -> Any:
-        """A tensor in the pool, to fill and then send() without a copy."""
+    def empty(
+        self,
+        shape: tuple[int, ...],
+        dtype: Any,
+        timeout: float | None = None,
+        peer_gone: Callable[[], bool] | None = None,
+    ) -> Any:
+        """A tensor in the pool, to fill and then send() without a copy. While the pool is
+        full it waits up to timeout (None: as long as the consumer lives); `peer_gone` tells
+        of a consumer that never opened the pool (say, the ring's peer_gone)."""
         torch = _torch()
         numel = 1
         for d in shape:
             numel *= int(d)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        offset = self._allocate(max(nbytes, 1), timeout)
+        offset = self._allocate(max(nbytes, 1), timeout, peer_gone)
         tensor = _tensor_in(
             self._bytes, offset, nbytes, str(dtype).removeprefix("torch."), tuple(shape)
         )
@@ -190,7 +267,9 @@ class CudaPool:
             raise ValueError("free() takes a tensor from empty() of this pool, not yet exported")
         self._give_back(*block)
 
-    def _allocate(self, nbytes: int, timeout: float | None) -> int:
+    def _allocate(
+        self, nbytes: int, timeout: float | None, peer_gone: Callable[[], bool] | None
+    ) -> int:
         size = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         if size > self.nbytes:
             raise PoolFull(f"pool {self.name!r}: {nbytes} bytes exceed its {self.nbytes} bytes")
@@ -204,6 +283,12 @@ class CudaPool:
                     return off
             if deadline is not None and time.monotonic() >= deadline:
                 raise PoolFull(f"pool {self.name!r}: no free {size} bytes before the timeout")
+            # what is in flight comes back only from a live consumer
+            if self._shared.consumer_gone() or (peer_gone is not None and peer_gone()):
+                raise PoolClosed(
+                    f"pool {self.name!r}: the consumer holding {len(self._in_flight)} blocks "
+                    "died or left; they will not come back"
+                )
             # Releases are not signalled to the producer: back off (bounded at 1 ms).
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
@@ -233,7 +318,12 @@ class CudaPool:
 
     # ---- sending ----
 
-    def export(self, tensor: Any, timeout: float | None = None) -> TensorRecord:
+    def export(
+        self,
+        tensor: Any,
+        timeout: float | None = None,
+        peer_gone: Callable[[], bool] | None = None,
+    ) -> TensorRecord:
         """The record for a tensor made by empty() (no copy); any other CUDA tensor is first
         copied into a fresh block (one device-to-device copy). After this the block belongs to
         the consumer until it releases it: do not write the tensor again."""
@@ -242,7 +332,7 @@ class CudaPool:
         block = self._blocks.pop(tensor.data_ptr(), None) if tensor.is_contiguous() else None
         if block is None:
             src = tensor.contiguous()
-            copy = self.empty(tuple(src.shape), src.dtype, timeout)
+            copy = self.empty(tuple(src.shape), src.dtype, timeout, peer_gone)
             copy.copy_(src)
             block = self._blocks.pop(copy.data_ptr())
             tensor = copy
@@ -290,7 +380,11 @@ class _OpenPool:
     def __init__(self, name: str):
         out = ffi.new("omni_segment **")
         check(lib.omni_segment_attach(name.encode(), out))
-        self.shared = _Shared(out[0])
+        try:
+            self.shared = _Shared(out[0])
+        except BaseException:
+            lib.omni_segment_close(out[0])
+            raise
         p = ffi.new("uint64_t *")
         rc = lib.omni_cuda_ipc_open_mem_handle(self.shared.base, p)
         if rc != lib.OMNI_OK:
@@ -325,6 +419,7 @@ class CudaReceiver:
         torch.cuda.set_device(device)
         torch.cuda.current_stream()
         self._pools: dict[str, _OpenPool] = {}
+        self._held: set[tuple[str, int]] = set()  # (pool, slot) opened and not released
         self._done = ffi.new("uint64_t *")
         check(lib.omni_cuda_event_create_ipc(self._done))
 
@@ -334,19 +429,34 @@ class CudaReceiver:
         pool = self._pools.get(rec.pool)
         if pool is None:
             pool = self._pools[rec.pool] = _OpenPool(rec.pool)
-        if pool.shared.state(rec.slot) != 1:
-            raise TransportError(f"pool {rec.pool!r} slot {rec.slot} is not in flight")
+        pool.shared.check(rec)
+        if pool.shared.state(rec.slot) != 1 or (rec.pool, rec.slot) in self._held:
+            raise BadTensorRecord(f"pool {rec.pool!r} slot {rec.slot} is not in flight")
         check(lib.omni_cuda_stream_wait_event(_stream(), pool.event(rec.slot)))
-        return _tensor_in(pool.bytes, rec.offset, rec.nbytes, rec.dtype, rec.shape)
+        tensor = _tensor_in(pool.bytes, rec.offset, rec.nbytes, rec.dtype, rec.shape)
+        self._held.add((rec.pool, rec.slot))
+        return tensor
 
     def release(self, rec: TensorRecord) -> None:
         """Hands the block back once the GPU work queued so far on the current stream is
         done (it waits for that work)."""
+        if (rec.pool, rec.slot) not in self._held:
+            raise BadTensorRecord(f"pool {rec.pool!r} slot {rec.slot} is not held here")
         check(lib.omni_cuda_event_record(self._done[0], _stream()))
         check(lib.omni_cuda_event_synchronize(self._done[0]))
+        self._held.discard((rec.pool, rec.slot))
         self._pools[rec.pool].shared.set_state(rec.slot, 0)
 
     def close(self) -> None:
+        """Gives back every block still held (after the GPU work queued on the current stream)
+        and closes the pools: the producer is never left waiting for blocks of a receiver that
+        is gone."""
+        if self._held and self._done[0]:
+            check(lib.omni_cuda_event_record(self._done[0], _stream()))
+            check(lib.omni_cuda_event_synchronize(self._done[0]))
+            for name, slot in self._held:
+                self._pools[name].shared.set_state(slot, 0)
+            self._held.clear()
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
@@ -366,7 +476,7 @@ class CudaReceiver:
 
 def send_tensor(ring: Ring, pool: CudaPool, tensor: Any, timeout: float | None = None) -> None:
     """Pushes one tensor's record; the tensor's block is the consumer's until released."""
-    ring.push(pool.export(tensor, timeout).to_bytes(), timeout=timeout)
+    ring.push(pool.export(tensor, timeout, ring.peer_gone).to_bytes(), timeout=timeout)
 
 
 def recv_tensor(

@@ -280,6 +280,10 @@ class Ring:
                 loop.remove_reader(peer)
             lib.omni_ring_disarm(h)
 
+    def peer_gone(self) -> bool:
+        """True once the peer closed its side or died (a peer that never came is not gone)."""
+        return bool(lib.omni_ring_peer_gone(self._handle()))
+
     def _record(self) -> Record:
         # the C library's validated copy: every slice lies within the area
         w = self._words

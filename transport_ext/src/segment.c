@@ -278,6 +278,19 @@ int omni_segment_attach(const char *name, omni_segment **out) {
 
 uint8_t *omni_segment_data(omni_segment *s) { return s->base + s->data_offset; }
 uint64_t omni_segment_size(const omni_segment *s) { return s->file_size - s->data_offset; }
+void omni_segment_users(const omni_segment *s, int *alive, int *dead) {
+    *alive = *dead = 0;
+    for (int i = 0; i < OMNI_SEG_MAX_USERS; i++) {
+        if (i == s->slot) continue;
+        uint64_t id = load_seq_cst_u64(&s->hdr->users[i]);
+        if (id == 0) continue;
+        if (omni_id_dead(id))
+            ++*dead;
+        else
+            ++*alive;
+    }
+}
+
 void omni_segment_close(omni_segment *s) {
     omni_seg_close(s);
     free(s);
