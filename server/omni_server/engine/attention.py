@@ -1,0 +1,117 @@
+"""Attention over a flat batch of tokens that reads and writes the paged KV cache.
+
+One forward carries the tokens of many requests, flattened: first one decode token per decoding
+request, then each prefilling request's chunk. `ForwardBatch` says, per token, its position and
+the cache slot its K/V is written to, and, per request, which cache slots hold its context.
+
+Grouped-query attention without repeating K/V: the G = H / Hkv query heads that share a KV head
+are laid out as G extra query rows of that KV head, so SDPA sees `[.., Hkv, G * n, D]` queries
+against `[.., Hkv, ctx, D]` keys (HF's `repeat_kv` maps query head h to KV head h // G; the same).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class DecodeGroup:
+    """The first `num_seqs` tokens of the batch: one new token per request, batched together."""
+
+    num_seqs: int
+    kv_slots: torch.Tensor  # [B, L] int64: cache slots of each request's context (0-padded)
+    kv_mask: torch.Tensor  # [B, 1, 1, L] bool: True where slot is part of that context
+
+
+@dataclass
+class PrefillChunk:
+    """Tokens [start, start + length) of the batch: a chunk of one request's prompt."""
+
+    start: int
+    length: int
+    kv_slots: torch.Tensor  # [ctx] int64: slots of positions 0..ctx-1 (this chunk included)
+    mask: torch.Tensor | None  # [n, ctx] bool causal mask; None when the chunk starts at 0
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64: where each token's K/V goes (slot 0 = scratch)
+    logits_indices: torch.Tensor  # [R] int64: tokens whose next-token logits are wanted
+    decode: DecodeGroup | None
+    prefills: list[PrefillChunk]
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]  (RoPE applied)
+    k_cache: torch.Tensor,  # [S, Hkv, D]  (this layer; the batch's new K already written)
+    v_cache: torch.Tensor,  # [S, Hkv, D]
+    batch: ForwardBatch,
+) -> torch.Tensor:  # [T, H, D]
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    decode = batch.decode
+    if decode is not None and decode.num_seqs:
+        b = decode.num_seqs
+        qd = q[:b].view(b, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
+        kd = _gather(k_cache, decode.kv_slots).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = _gather(v_cache, decode.kv_slots).transpose(1, 2)
+        # Plain matmuls, not SDPA: for one query row per head SDPA's CPU flash kernel costs a
+        # parallel region per call (~1 ms on a loaded 2-core machine); this is 4 small kernels.
+        scores = torch.matmul(qd, kd.transpose(-1, -2)) * head_dim**-0.5  # [B, Hkv, G, L]
+        scores = scores.float().masked_fill_(~decode.kv_mask, float("-inf"))
+        od = torch.matmul(scores.softmax(dim=-1).to(vd.dtype), vd)  # [B, Hkv, G, D]
+        out[:b] = od.reshape(b, num_heads, head_dim)
+    for chunk in batch.prefills:
+        n = chunk.length
+        qp = q[chunk.start : chunk.start + n]  # [n, H, D]
+        # [n, Hkv, G, D] -> [Hkv, G, n, D] -> [Hkv, G * n, D]
+        qp = qp.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        qp = qp.reshape(num_kv_heads, group * n, head_dim)
+        kp = _gather(k_cache, chunk.kv_slots).transpose(0, 1)  # [Hkv, ctx, D]
+        vp = _gather(v_cache, chunk.kv_slots).transpose(0, 1)
+        if chunk.mask is None:  # chunk covers positions 0..n-1: plain causal
+            op = _causal_grouped(qp, kp, vp, group, n)
+        else:
+            mask = chunk.mask.repeat(group, 1)  # [G * n, ctx], rows in (g, i) order
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask)
+        # [Hkv, G * n, D] -> [Hkv, G, n, D] -> [n, Hkv, G, D]
+        op = op.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
+        out[chunk.start : chunk.start + n] = op.reshape(n, num_heads, head_dim)
+    return out
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] for slots of any shape [...] -> [..., Hkv, D].
+
+    index_select, not advanced indexing: on CPU the latter opens a parallel region per call that
+    costs ~1 ms on a loaded 2-core machine, against a few microseconds for the copy itself.
+    """
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
+def _causal_grouped(
+    q: torch.Tensor,  # [Hkv, G * n, D]
+    k: torch.Tensor,  # [Hkv, n, D]
+    v: torch.Tensor,
+    group: int,
+    n: int,
+) -> torch.Tensor:  # [Hkv, G * n, D]
+    # is_causal would align rows 0..G*n-1 against n keys: wrong for G > 1. Put G on a batch dim.
+    hkv, _, d = q.shape
+    q4 = q.view(hkv, group, n, d)  # [Hkv, G, n, D]
+    o = F.scaled_dot_product_attention(q4, k.unsqueeze(1), v.unsqueeze(1), is_causal=True)
+    return o.reshape(hkv, group * n, d)
+
+
+def causal_chunk_mask(start: int, length: int, device: torch.device) -> torch.Tensor:
+    """[n, start + n] bool: query i (position start + i) sees keys at positions <= start + i."""
+    q_pos = torch.arange(start, start + length, device=device).unsqueeze(1)
+    k_pos = torch.arange(start + length, device=device).unsqueeze(0)
+    return k_pos <= q_pos

@@ -1,0 +1,152 @@
+"""Engine and model-shape configuration.
+
+`EngineConfig` is what a stage's `[engine]` table in stage.toml maps onto (`from_table` checks
+names and types and says which field is wrong). `LlamaShape` is the model's hyperparameters, read
+from a GGUF or written by hand for random-weight benchmarks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """Hyperparameters of a Llama-architecture decoder."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def num_params(self) -> int:
+        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attn + mlp + 2 * self.hidden_size) + embed + self.hidden_size
+
+
+# SmolLM2-135M (what the embedded GGUF holds), for random-weight runs without reading the file.
+SMOLLM2_135M = LlamaShape(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=8192,
+)
+
+# A ~1.2B Llama shape (Llama-3.2-1B's), to show how speed scales with model size.
+LLAMA_1B = LlamaShape(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_layers=16,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=64,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=131072,
+)
+
+SHAPES: dict[str, LlamaShape] = {"smollm2-135m": SMOLLM2_135M, "llama-1b": LLAMA_1B}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine instance runs. Every field can come from a stage's `[engine]` table.
+
+    max_total_tokens: KV cache capacity in tokens, over all requests; allocated once.
+    max_batch_size:   most requests in one step (running requests, prefilling or decoding).
+    max_step_tokens:  token budget of one forward (decode tokens first, prefill chunks fill the
+                      rest), so a long prompt is prefilled in chunks and never stalls decodes.
+    max_seq_len:      longest prompt + completion of one request; None = the model's context,
+                      clamped to max_total_tokens so one request alone always fits.
+    block_size:       tokens per KV block (paged cache).
+    dtype, device:    "float32" | "bfloat16" | "float16"; "cpu" | "cuda" | "cuda:N".
+    cuda_graphs:      capture decode steps in CUDA graphs per padded batch-size bucket (CUDA only).
+    compile:          torch.compile the model's forward (optional; off by default).
+    """
+
+    max_total_tokens: int = 16384
+    max_batch_size: int = 64
+    max_step_tokens: int = 512
+    max_seq_len: int | None = None
+    block_size: int = 16
+    dtype: str = "float32"
+    device: str = "cpu"
+    cuda_graphs: bool = True
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        positive = ("max_total_tokens", "max_batch_size", "max_step_tokens", "block_size")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"engine.{name} must be a positive integer, got {value!r}")
+        if self.max_seq_len is not None and (
+            not isinstance(self.max_seq_len, int) or self.max_seq_len <= 1
+        ):
+            raise ValueError(f"engine.max_seq_len must be an integer > 1, got {self.max_seq_len!r}")
+        if self.max_step_tokens <= self.max_batch_size:
+            raise ValueError(
+                f"engine.max_step_tokens ({self.max_step_tokens}) must exceed "
+                f"engine.max_batch_size ({self.max_batch_size}): decodes take one token each "
+                "and prefill needs the rest"
+            )
+        for name in ("cuda_graphs", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"engine.{name} must be true or false, got {getattr(self, name)!r}"
+                )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"engine.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not (
+            self.device == "cpu" or self.device.startswith("cuda")
+        ):
+            raise ValueError(f"engine.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def from_table(cls, table: Mapping[str, object]) -> EngineConfig:
+        """Build from a stage.toml `[engine]` table; unknown keys and wrong types are errors."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(table) - set(fields))
+        if unknown:
+            raise ValueError(f"unknown engine field(s) {unknown}; valid: {sorted(fields)}")
+        return cls(**table)  # type: ignore[arg-type]  # __post_init__ checks every value

@@ -1,0 +1,126 @@
+"""Decode steps captured in CUDA graphs, one per (padded batch size, padded context) bucket.
+
+A decode step of a small model is launch-bound on a GPU (~25 kernels a layer): replaying a
+captured graph removes the per-kernel CPU cost. Shapes in a graph are fixed, so a step of B
+requests with longest context L runs the graph of the smallest bucket (b >= B, l >= L):
+
+  padded rows:     token 0 at position 0, K/V written to the scratch block 0, attending to slot 0
+  padded context:  slots beyond a request's context point at slot 0 and are masked out
+
+Batch buckets 1, 2, 4, 8, then steps of 8 up to max_batch_size; context buckets powers of two
+from 256 up to max_seq_len. Graphs are captured lazily on first use (or all at once by
+`capture_all`) and share one memory pool; their inputs are static buffers the step copies into.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from omni_server.engine.attention import DecodeGroup, ForwardBatch
+from omni_server.engine.kv_cache import KVCache
+from omni_server.engine.llama import Llama
+
+
+def batch_buckets(max_batch_size: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4) if b < max_batch_size]
+    sizes += list(range(8, max_batch_size, 8))
+    return [*sizes, max_batch_size]
+
+
+def context_buckets(max_seq_len: int, smallest: int = 256) -> list[int]:
+    sizes = []
+    size = smallest
+    while size < max_seq_len:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, max_seq_len]
+
+
+def bucket_for(value: int, buckets: list[int]) -> int:
+    for b in buckets:
+        if b >= value:
+            return b
+    raise ValueError(f"{value} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    batch: ForwardBatch  # static input buffers the graph reads
+    logits: torch.Tensor  # [b, V] static output
+
+
+class DecodeGraphs:
+    def __init__(self, model: Llama, cache: KVCache, max_batch_size: int, max_seq_len: int) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = next(model.parameters()).device
+        self.batch_buckets = batch_buckets(max_batch_size)
+        self.context_buckets = context_buckets(max_seq_len)
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.pool: Any = None  # one memory pool shared by all graphs
+
+    def capture_all(self) -> None:
+        for b in self.batch_buckets:
+            for length in self.context_buckets:
+                self._graph(b, length)
+
+    def run(
+        self,
+        ids: list[int],
+        positions: list[int],
+        slot_mapping: list[int],
+        kv_slots: torch.Tensor,  # [B, L] CPU
+        context: list[int],  # [B] context length of each request (L = max)
+    ) -> torch.Tensor:  # [B, V] float32
+        n, length = kv_slots.shape
+        g = self._graph(bucket_for(n, self.batch_buckets), bucket_for(length, self.context_buckets))
+        s = g.batch
+        assert s.decode is not None
+        s.input_ids.zero_()
+        s.positions.zero_()
+        s.slot_mapping.zero_()
+        s.decode.kv_slots.zero_()
+        s.decode.kv_mask.zero_()
+        s.decode.kv_mask[:, 0, 0, 0] = True  # padded rows attend to the scratch slot (no NaN)
+        s.input_ids[:n].copy_(torch.tensor(ids), non_blocking=True)
+        s.positions[:n].copy_(torch.tensor(positions), non_blocking=True)
+        s.slot_mapping[:n].copy_(torch.tensor(slot_mapping), non_blocking=True)
+        s.decode.kv_slots[:n, :length].copy_(kv_slots, non_blocking=True)
+        mask = torch.arange(length).unsqueeze(0) < torch.tensor(context).unsqueeze(1)  # [B, L]
+        s.decode.kv_mask[:n, 0, 0, :length].copy_(mask, non_blocking=True)
+        g.graph.replay()
+        return g.logits[:n]
+
+    def _graph(self, b: int, length: int) -> _Graph:
+        key = (b, length)
+        if key in self.graphs:
+            return self.graphs[key]
+        dev = self.device
+        mask = torch.zeros(b, 1, 1, length, dtype=torch.bool, device=dev)
+        mask[:, 0, 0, 0] = True
+        static = ForwardBatch(
+            input_ids=torch.zeros(b, dtype=torch.int64, device=dev),
+            positions=torch.zeros(b, dtype=torch.int64, device=dev),
+            slot_mapping=torch.zeros(b, dtype=torch.int64, device=dev),
+            logits_indices=torch.arange(b, device=dev),
+            decode=DecodeGroup(b, torch.zeros(b, length, dtype=torch.int64, device=dev), mask),
+            prefills=[],
+        )
+        stream = torch.cuda.Stream(device=dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(2):  # warm up kernels / allocator outside the capture
+                self.model(static, self.cache.k, self.cache.v)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool), torch.inference_mode():
+            logits = self.model(static, self.cache.k, self.cache.v)
+        if self.pool is None:
+            self.pool = graph.pool()
+        captured = _Graph(graph, static, logits)
+        self.graphs[key] = captured
+        return captured

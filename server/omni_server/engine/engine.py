@@ -1,0 +1,225 @@
+"""The engine: add / abort / step, driven by one compute thread.
+
+    engine = Engine.from_gguf(EngineConfig())           # or Engine.from_random(shape, config)
+    engine.add(GenerationRequest("r1", ids, SamplingParams(temperature=0, max_tokens=64)))
+    while engine.has_work():
+        for event in engine.step(): ...                 # TokenEvent per request that advanced
+
+`step()` is schedule -> run -> sample -> postprocess. Requests join (`add`) and leave (`abort`,
+finishing) between steps. Not thread-safe by design: the stage's scheduler loop calls all three
+from its one compute thread. `abort` frees the request's KV blocks at once; its final event
+(finish_reason "abort") comes out of the next `step()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from omni_server.engine.config import EngineConfig, LlamaShape
+from omni_server.engine.errors import ContextLengthExceeded
+from omni_server.engine.gguf_weights import load_gguf
+from omni_server.engine.kv_cache import KVCache
+from omni_server.engine.llama import Llama
+from omni_server.engine.runner import ModelRunner
+from omni_server.engine.sampling import SamplingParams, sample
+from omni_server.engine.scheduler import ScheduledBatch, Scheduler
+from omni_server.engine.sequence import (
+    FinishReason,
+    GenerationRequest,
+    Sequence,
+    TokenEvent,
+)
+from omni_server.engine.tokenizer import GGUFTokenizer
+
+
+class Engine:
+    def __init__(self, model: Llama, config: EngineConfig, tokenizer: GGUFTokenizer | None) -> None:
+        self.config = config
+        self.model = model
+        self.shape = model.shape
+        self.tokenizer = tokenizer
+        device = next(model.parameters()).device
+        self.cache = KVCache(
+            model.shape, config.max_total_tokens, config.block_size, config.torch_dtype, device
+        )
+        limit = config.max_seq_len or model.shape.max_position_embeddings
+        # One request alone must always fit the cache, or preemption could never make progress.
+        self.max_seq_len = min(
+            limit, model.shape.max_position_embeddings, self.cache.capacity_tokens
+        )
+        self.scheduler = Scheduler(config, self.cache.allocator)
+        self.runner = ModelRunner(model, self.cache, config, self.max_seq_len)
+        self._sequences: dict[str, Sequence] = {}
+        self._pending: list[TokenEvent] = []  # abort events, handed out by the next step()
+        self._arrivals = 0
+
+    @classmethod
+    def from_gguf(
+        cls, config: EngineConfig | None = None, path: Path | str | None = None
+    ) -> Engine:
+        """The model and tokenizer of a llama GGUF (default: the embedded SmolLM2-135M)."""
+        config = config or EngineConfig()
+        gguf = load_gguf(path)
+        model = _build_model(gguf.shape, config)
+        model.load_weights(gguf.weights)
+        model.place(config.device, config.torch_dtype)
+        return cls(model, config, GGUFTokenizer(gguf.metadata))
+
+    @classmethod
+    def from_random(cls, shape: LlamaShape, config: EngineConfig, seed: int = 0) -> Engine:
+        """Random weights of a given shape, no tokenizer (token ids only): speed benchmarks."""
+        model = _build_model(shape, config)
+        model.place(config.device, config.torch_dtype)
+        model.init_random(seed)
+        return cls(model, config, None)
+
+    # --- requests -------------------------------------------------------------------------
+
+    def add(self, request: GenerationRequest) -> None:
+        """Queue a request. Raises ContextLengthExceeded if it can never fit (nothing is queued)."""
+        if request.request_id in self._sequences:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise ValueError("the prompt has no tokens")
+        vocab = self.shape.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if request.params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine has none")
+        asked = request.params.max_tokens
+        if len(prompt) + (asked or 1) > self.max_seq_len:
+            raise ContextLengthExceeded(len(prompt), asked, self.max_seq_len)
+        max_tokens = asked if asked is not None else self.max_seq_len - len(prompt)
+        seq = Sequence(request, max_tokens, self.tokenizer, self._arrivals)
+        self._arrivals += 1
+        self._sequences[request.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks. False if it is unknown or already done."""
+        seq = self._sequences.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq)
+        seq.finish_reason = FinishReason.ABORT
+        self._pending.append(self._event(seq, [], ""))
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # --- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[TokenEvent]:
+        events, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return events
+        logits, sampled = self.runner.run(batch)
+        tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
+        self._advance(batch)
+        for seq, token in zip(sampled, tokens, strict=True):
+            events.append(self._append_token(seq, token))
+        return events
+
+    def _advance(self, batch: ScheduledBatch) -> None:
+        for seq in batch.decodes:
+            seq.num_computed += 1
+        for work in batch.prefills:
+            work.seq.num_computed += work.length
+
+    def _append_token(self, seq: Sequence, token: int) -> TokenEvent:
+        seq.token_ids.append(token)
+        params = seq.params
+        stop_ids = params.stop_token_ids or (
+            self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
+        )
+        new_ids: list[int] = []
+        if token in stop_ids and not params.ignore_eos:
+            seq.finish_reason = FinishReason.STOP  # the EOS token is not part of the answer
+        else:
+            new_ids.append(token)
+            if seq.detokenizer is not None:
+                before = len(seq.text)
+                seq.text += seq.detokenizer.push(token)
+                self._check_stop_strings(seq, before)
+        if seq.finish_reason is None and seq.num_output_tokens >= seq.max_tokens:
+            seq.finish_reason = FinishReason.LENGTH
+        if seq.finish_reason is not None:
+            if seq.detokenizer is not None and seq.finish_reason is not FinishReason.STOP:
+                seq.text += seq.detokenizer.flush()
+            self.scheduler.finish(seq)
+            del self._sequences[seq.request_id]
+            return self._event(seq, new_ids, self._take_text(seq, final=True))
+        return self._event(seq, new_ids, self._take_text(seq, final=False))
+
+    def _check_stop_strings(self, seq: Sequence, before: int) -> None:
+        stops = seq.params.stop
+        if not stops:
+            return
+        longest = max(len(s) for s in stops)
+        start = max(0, before - longest + 1)  # a stop string may straddle the last delta
+        hits = [i for i in (seq.text.find(s, start) for s in stops) if i >= 0]
+        if hits:
+            seq.text = seq.text[: min(hits)]  # the stop string is not part of the answer
+            seq.finish_reason = FinishReason.STOP
+
+    def _take_text(self, seq: Sequence, final: bool) -> str:
+        """The next text delta. Unless final, hold back what could still begin a stop string."""
+        end = len(seq.text)
+        if not final and seq.params.stop:
+            end -= max(len(s) for s in seq.params.stop) - 1
+        if end <= seq.emitted_chars:
+            return ""
+        delta = seq.text[seq.emitted_chars : end]
+        seq.emitted_chars = end
+        return delta
+
+    def _event(self, seq: Sequence, token_ids: list[int], text: str) -> TokenEvent:
+        return TokenEvent(
+            request_id=seq.request_id,
+            token_ids=token_ids,
+            text=text,
+            finished=seq.finish_reason is not None,
+            finish_reason=seq.finish_reason,
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_output_tokens,
+        )
+
+    # --- convenience ------------------------------------------------------------------------
+
+    def generate(self, requests: Iterable[GenerationRequest]) -> dict[str, list[TokenEvent]]:
+        """Run `requests` to completion (tests, benchmarks); events per request id."""
+        out: dict[str, list[TokenEvent]] = {}
+        for request in requests:
+            self.add(request)
+            out[request.request_id] = []
+        while self.has_work():
+            for event in self.step():
+                out.setdefault(event.request_id, []).append(event)
+        return out
+
+    def warmup(self) -> None:
+        """One short request through prefill and decode (allocations, kernels, graphs)."""
+        self.generate([GenerationRequest("__warmup__", [0, 1, 2], _warmup_params())])
+        if self.runner.graphs is not None:
+            self.runner.graphs.capture_all()
+
+
+def _warmup_params() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+
+def _build_model(shape: LlamaShape, config: EngineConfig) -> Llama:
+    limit = min(config.max_seq_len or shape.max_position_embeddings, shape.max_position_embeddings)
+    return Llama(shape, max_positions=limit)

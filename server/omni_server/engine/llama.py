@@ -1,0 +1,186 @@
+"""A plain-torch Llama decoder over a flat batch of tokens and a paged KV cache.
+
+RMSNorm, RoPE on adjacent pairs (the GGUF's Q/K row order, see gguf_weights), grouped-query
+attention (attention.py), SwiGLU MLP, tied or separate LM head. Q/K/V and gate/up are fused into
+one matmul each: fewer, larger kernels (what decode speed on CPU and launch count on GPU want).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omni_server.engine.attention import ForwardBatch, paged_attention
+from omni_server.engine.config import LlamaShape
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, C]
+        # In float32 whatever the model dtype, as transformers does, then back.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_table(shape: LlamaShape, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_positions, D/2] float32 for positions 0..max_positions-1."""
+    d = shape.head_dim
+    inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs (x[2i], x[2i+1]) by position angle i. x [T, H, D]; cos [T, 1, D/2]."""
+    pairs = x.float().unflatten(-1, (-1, 2))  # [T, H, D/2, 2]
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return rotated.flatten(-2).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: LlamaShape) -> None:
+        super().__init__()
+        self.num_heads = shape.num_heads
+        self.num_kv_heads = shape.num_kv_heads
+        self.head_dim = shape.head_dim
+        q_size = shape.num_heads * shape.head_dim
+        kv_size = shape.num_kv_heads * shape.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.wqkv = nn.Linear(shape.hidden_size, q_size + 2 * kv_size, bias=False)
+        self.wo = nn.Linear(q_size, shape.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, C]
+        cos: torch.Tensor,  # [T, 1, D/2]
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,  # [S, Hkv, D]
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:  # [T, C]
+        t = x.shape[0]
+        q, k, v = self.wqkv(x).split(self.split, dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        # Write first: each token then attends to itself through the cache like any other key.
+        k_cache.index_copy_(0, batch.slot_mapping, k)
+        v_cache.index_copy_(0, batch.slot_mapping, v.view(t, self.num_kv_heads, self.head_dim))
+        out = paged_attention(q, k_cache, v_cache, batch)  # [T, H, D]
+        return self.wo(out.view(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, shape: LlamaShape) -> None:
+        super().__init__()
+        self.intermediate = shape.intermediate_size
+        self.w_gate_up = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
+        self.w_down = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, C]
+        gate, up = self.w_gate_up(x).split(self.intermediate, dim=-1)  # [T, I] each
+        return self.w_down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, shape: LlamaShape) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.attn = Attention(shape)
+        self.ffn_norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.mlp = MLP(shape)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), cos, sin, k_cache, v_cache, batch)
+        return h + self.mlp(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, shape: LlamaShape, max_positions: int) -> None:
+        super().__init__()
+        self.shape = shape
+        self.embed = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.lm_head: nn.Linear | None = None
+        if not shape.tie_word_embeddings:
+            self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        # [P, D/2] float32; plain attributes, not buffers, so a dtype cast never touches them
+        self.rope_cos, self.rope_sin = rope_table(shape, max_positions)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def forward(
+        self,
+        batch: ForwardBatch,
+        k_caches: list[torch.Tensor],  # per layer [S, Hkv, D]
+        v_caches: list[torch.Tensor],
+    ) -> torch.Tensor:  # [R, V] float32 logits of batch.logits_indices
+        h = self.embed(batch.input_ids)  # [T, C]
+        cos = self.rope_cos[batch.positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.rope_sin[batch.positions].unsqueeze(1)
+        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
+            h = layer(h, cos, sin, k_cache, v_cache, batch)
+        h = self.norm(h[batch.logits_indices])  # [R, C]: the LM head only where sampled
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, head).float()
+
+    def place(self, device: torch.device | str, dtype: torch.dtype) -> Llama:
+        """Move to `device`, weights in `dtype`; the RoPE tables stay float32."""
+        for p in self.parameters():
+            p.data = p.data.to(device=device, dtype=dtype)
+        self.rope_cos = self.rope_cos.to(device)
+        self.rope_sin = self.rope_sin.to(device)
+        return self
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy engine-named float32 weights in (gguf_weights names), fusing QKV and gate/up."""
+        params = dict(self.named_parameters())
+
+        def put(name: str, value: torch.Tensor) -> None:
+            target = params[name]
+            if target.shape != value.shape:
+                raise ValueError(f"weight {name}: shape {tuple(value.shape)} != {target.shape}")
+            target.copy_(value)
+
+        with torch.no_grad():
+            put("embed.weight", weights["embed"])
+            put("norm.weight", weights["norm"])
+            if self.lm_head is not None:
+                put("lm_head.weight", weights["lm_head"])
+            for i in range(self.shape.num_layers):
+                w = f"layers.{i}."
+                put(w + "attn_norm.weight", weights[w + "attn_norm"])
+                put(w + "ffn_norm.weight", weights[w + "ffn_norm"])
+                qkv = torch.cat([weights[w + "wq"], weights[w + "wk"], weights[w + "wv"]])
+                put(w + "attn.wqkv.weight", qkv)
+                put(w + "attn.wo.weight", weights[w + "wo"])
+                put(
+                    w + "mlp.w_gate_up.weight",
+                    torch.cat([weights[w + "w_gate"], weights[w + "w_up"]]),
+                )
+                put(w + "mlp.w_down.weight", weights[w + "w_down"])
+
+    def init_random(self, seed: int = 0) -> None:
+        """Random weights of the right scale: speed does not depend on values (benchmarks)."""
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)

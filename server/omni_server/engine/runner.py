@@ -1,0 +1,75 @@
+"""Turns a scheduled batch into tensors, runs the model (eager or a captured CUDA graph) and
+returns the logits of the tokens to sample, one row per sampling request in batch order."""
+
+from __future__ import annotations
+
+import torch
+
+from omni_server.engine.attention import DecodeGroup, ForwardBatch, PrefillChunk, causal_chunk_mask
+from omni_server.engine.config import EngineConfig
+from omni_server.engine.cuda_graphs import DecodeGraphs
+from omni_server.engine.kv_cache import KVCache
+from omni_server.engine.llama import Llama
+from omni_server.engine.scheduler import ScheduledBatch
+from omni_server.engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(
+        self, model: Llama, cache: KVCache, config: EngineConfig, max_seq_len: int
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = next(model.parameters()).device
+        self.forward = model.forward
+        if config.compile:
+            self.forward = torch.compile(model.forward, dynamic=True)
+        self.graphs: DecodeGraphs | None = None
+        if config.cuda_graphs and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(model, cache, config.max_batch_size, max_seq_len)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+        """Logits [R, V] float32 and the R requests they belong to (those that sample now)."""
+        decodes = batch.decodes
+        positions = [seq.num_computed for seq in decodes]
+        ids = [seq.token_ids[pos] for seq, pos in zip(decodes, positions, strict=True)]
+        context = [pos + 1 for pos in positions]
+        length = max(context, default=0)
+        kv_slots = self.cache.slot_matrix([seq.block_table for seq in decodes], length)
+        rows = torch.arange(len(decodes))
+        slot_mapping = kv_slots[rows, torch.tensor(positions, dtype=torch.int64)].tolist()
+        if not batch.prefills and self.graphs is not None and decodes:
+            logits = self.graphs.run(ids, positions, slot_mapping, kv_slots, context)
+            return logits, list(decodes)
+
+        sampled: list[Sequence] = list(decodes)
+        logits_indices = list(range(len(decodes)))
+        chunks: list[PrefillChunk] = []
+        for work in batch.prefills:
+            start, n = work.start, work.length
+            table_slots = self.cache.slot_matrix([work.seq.block_table], start + n)[0]
+            first = len(ids)
+            ids.extend(work.seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slot_mapping.extend(table_slots[start:].tolist())
+            mask = None if start == 0 else causal_chunk_mask(start, n, self.device)
+            chunks.append(PrefillChunk(first, n, table_slots.to(self.device), mask))
+            if work.completes_prompt:
+                sampled.append(work.seq)
+                logits_indices.append(first + n - 1)
+
+        dev = self.device
+        decode = None
+        if decodes:
+            mask = torch.arange(length).unsqueeze(0) < torch.tensor(context).unsqueeze(1)
+            decode = DecodeGroup(len(decodes), kv_slots.to(dev), mask[:, None, None, :].to(dev))
+        fwd = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            decode=decode,
+            prefills=chunks,
+        )
+        return self.forward(fwd, self.cache.k, self.cache.v), sampled

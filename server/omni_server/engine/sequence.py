@@ -1,0 +1,81 @@
+"""One request's state inside the engine: plain counters plus a status (nano-vllm style)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from omni_server.engine.sampling import SamplingParams, make_generator
+from omni_server.engine.tokenizer import GGUFTokenizer, IncrementalDetokenizer
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens or the context window
+    ABORT = "abort"  # abort(id)
+
+
+class Status(enum.Enum):
+    WAITING = enum.auto()  # queued, holds no KV blocks
+    RUNNING = enum.auto()  # holds KV blocks; prefilling or decoding
+    FINISHED = enum.auto()  # blocks freed
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class TokenEvent:
+    """What one step produced for one request. Text deltas concatenate to the full answer."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # so far
+
+
+class Sequence:
+    """Invariant: tokens [0, num_computed) have K/V in the cache slots of `block_table`."""
+
+    def __init__(
+        self,
+        request: GenerationRequest,
+        max_tokens: int,
+        tokenizer: GGUFTokenizer | None,
+        arrival: int,
+    ) -> None:
+        self.request_id = request.request_id
+        self.params = request.params
+        self.token_ids: list[int] = list(request.prompt_token_ids)  # prompt + output
+        self.num_prompt_tokens = len(self.token_ids)
+        self.max_tokens = max_tokens
+        self.num_computed = 0
+        self.block_table: list[int] = []
+        self.status = Status.WAITING
+        self.arrival = arrival  # admission order; the newest running request is preempted first
+        self.generator: torch.Generator = make_generator(request.params.seed)
+        self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.text = ""  # output text so far (after stop-string truncation)
+        self.emitted_chars = 0  # how much of `text` has left in events
+        self.finish_reason: FinishReason | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
