@@ -28,6 +28,7 @@ from typing import Any
 from omni_server.envelope import Payload
 
 __all__ = [
+    "InvalidRequest",
     "Payload",
     "Request",
     "RequestAborted",
@@ -42,6 +43,27 @@ class StageConfigError(ValueError):
 
     The message says what was required and what was found; the runtime prefixes the stage name.
     """
+
+
+class InvalidRequest(ValueError):
+    """Raised by a backend when the request itself is at fault (the caller can fix it).
+
+    The server answers 400 with OpenAI's error JSON: the message as given, `code` (e.g.
+    "context_length_exceeded") and `param` (the request field at fault) when known. Anything
+    else a backend raises is the server's fault (500)."""
+
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.param = param
+
+    def __reduce__(self) -> Any:  # keyword-only arguments need an explicit pickle recipe
+        return (_invalid_request, (self.message, self.code, self.param))
+
+
+def _invalid_request(message: str, code: str | None, param: str | None) -> InvalidRequest:
+    return InvalidRequest(message, code=code, param=param)
 
 
 class RequestAborted(Exception):

@@ -24,5 +24,5 @@ class Envelope:
     id: str  # the caller's request id (what backends see as Request.id)
     # replicated logical process -> the replica chosen at admission; absent means replica 0
     bindings: dict[str, int] = field(default_factory=dict)
-    # the model's entry stage: which upstreams of a stage this request can reach ("" = all)
-    entry: str = ""
+    # the request's model: which stages it visits, so what each stage waits for ("" = all)
+    model: str = ""

@@ -198,7 +198,7 @@ def test_serve_hands_the_compiled_plan_to_the_server(
     The server room is replaced by a recorder here; its own tests run it for real."""
     calls = []
     fake = types.ModuleType("omni_server.server")
-    fake.serve = lambda plan, host, port: calls.append((plan, host, port)) or 0
+    fake.serve = lambda plan, host, port, **_: calls.append((plan, host, port)) or 0
     monkeypatch.setitem(sys.modules, "omni_server.server", fake)
     code = main(["--repo", str(repo), "--port", "8123", "--stages.encoder.max_batch_size", "2"])
     assert code == 0

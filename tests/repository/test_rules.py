@@ -48,8 +48,19 @@ def gpu_stage(cls: str, extra: str = "", terminal: bool = True) -> str:
     return f'backend = "{cls}"\n' + ("terminal = true\n" if terminal else "") + extra
 
 
+SYNTH_TERMINAL = (
+    'backend = "Synth"\nterminal = true\nstream_to = "encoder"\n[scheduler]\nkind = "stream"\n'
+)
+ENDS_AT_SYNTH = MODELS + 'stages = ["frontend", "synth"]\n'
+
 ACCEPTED = [
     Case("base"),
+    Case("stream-to-only-successor", stages={"synth": SYNTH.replace('next = "encoder"\n', "")}),
+    Case(
+        "model-stages-end-at-a-shared-terminal",
+        stages={"synth": SYNTH_TERMINAL},
+        repository=ENDS_AT_SYNTH + '[models.spoken]\nentry = "frontend"\ntasks = ["speech"]\n',
+    ),
     Case("backend-class-only-defaults-to-model-py"),
     Case(
         "backend-file-and-class",
@@ -224,6 +235,26 @@ ACCEPTED = [
 ]
 
 REJECTED = [
+    Case(
+        "model-stages-unknown",
+        repository=MODELS + 'stages = ["frontend", "ghost"]\n',
+        error=("repository.toml", None, "models.tts.stages", "no stage 'ghost'"),
+    ),
+    Case(
+        "model-stages-without-entry",
+        repository=MODELS + 'stages = ["synth", "encoder"]\n',
+        error=("repository.toml", None, "models.tts.stages", "entry 'frontend' must be among"),
+    ),
+    Case(
+        "model-stages-dead-end",
+        repository=ENDS_AT_SYNTH,
+        error=("repository.toml", None, "models.tts.stages", "'synth' is not terminal"),
+    ),
+    Case(
+        "model-stages-unreachable",
+        repository=MODELS + 'stages = ["frontend", "encoder"]\n',
+        error=("repository.toml", None, "models.tts.stages", "does not reach encoder"),
+    ),
     # -- files and fields --
     Case(
         "unknown-stage-field",

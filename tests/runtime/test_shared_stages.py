@@ -66,3 +66,35 @@ async def test_a_stage_fed_by_two_upstreams_without_wait_for_fails_the_second_pa
     assert err.value.code == "stage_failed" and err.value.stage == "tail"
     assert "a second payload for one request" in err.value.message
     assert "declares wait_for and merge" in err.value.message
+
+
+@pytest.mark.parametrize("processes", [True, False], ids=["split", "one-process"])
+async def test_models_sharing_a_stage_follow_only_their_own_stages(tmp_path, processes):
+    """speak is terminal and streams to voice (the thinker -> voice shape): the model `text`
+    names stages = ["speak"] and ends there; the model `spoken` goes on into the voice, and its
+    handle tells the two terminals' chunks apart."""
+    p = (lambda name: name) if processes else (lambda name: "p")
+    stages = {
+        "speak": _stage("Speak", 'terminal = true\nstream_to = "voice"\n' + STREAM, p("speak")),
+        "voice": _stage("Voice", "terminal = true\n" + STREAM, p("voice")),
+    }
+    models = (
+        '[models.text]\nentry = "speak"\nstages = ["speak"]\ntasks = ["chat"]\n'
+        '[models.spoken]\nentry = "speak"\ntasks = ["chat"]\n'
+    )
+    async with running(build(tmp_path, stages, models)) as runtime:
+
+        async def one(model: str):
+            handle = runtime.submit(runtime.plan.models[model], {"n": 2})
+            pairs = [pair async for pair in handle.stream()]
+            return pairs, await handle.result()
+
+        (text_pairs, text), (spoken_pairs, spoken) = await asyncio.wait_for(
+            asyncio.gather(one("text"), one("spoken")), 60
+        )
+        assert runtime.plan.models["text"].stages == ("speak",)
+        assert runtime.plan.models["spoken"].stages == ("speak", "voice")
+    assert [stage for stage, _ in text_pairs] == ["speak", "speak"]
+    assert text["n"] == 2  # one terminal: its payload is the result
+    assert sorted(stage for stage, _ in spoken_pairs) == ["speak", "speak", "voice", "voice"]
+    assert set(spoken) == {"speak", "voice"} and spoken["voice"]["count"] == 2

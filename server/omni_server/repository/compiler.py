@@ -9,6 +9,7 @@ RepositoryError naming the file, stage and field; nothing is started and nothing
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,11 @@ def _compile(raw: RawRepository) -> Plan:
     models = _models(raw, stages)
     order = graph.check_wiring(stages, models, files, raw.file)
     stages = {name: stages[name] for name in order}  # pipeline order: upstream first
+    models = {
+        model_id: replace(model, stages=tuple(s for s in order if s in visited))
+        for model_id, model in models.items()
+        for visited in [graph.model_stages(model, stages, raw.file)]
+    }
     processes = placement.build_processes(stages, _table(raw, "processes"), files, raw.file)
     edges = graph.edges(stages)
     placement.check_process_local(edges, stages, processes, files)
@@ -187,6 +193,7 @@ def _models(raw: RawRepository, stages: Mapping[str, StageSpec]) -> dict[str, Mo
             id=model_id,
             entry=entry,
             tasks=tasks,
+            stages=tuple(field_value(data, MODEL_FIELDS, "stages")),
             aliases=aliases,
             voices=voices,
             voice_aliases=FrozenMap(voice_aliases),

@@ -1,8 +1,9 @@
 """Wiring rules across stages: targets exist, fan-in is consistent, the graph is a DAG that
 every served model's entry reaches in full.
 
-Because each stage has exactly one routing form (checked per stage) and a stage without
-`next` is terminal, acyclicity implies that every path from an entry ends at a terminal stage.
+A model may name the `stages` its requests visit (models then share stages: a chat model that
+ends at the thinker, an omni model that goes on to the voice); `model_stages` checks that such a
+subgraph is closed: every non-terminal stage in it hands data on to a stage in it.
 """
 
 from __future__ import annotations
@@ -160,12 +161,7 @@ def _check_models(
                 file=repository_file,
                 field=f"models.{model.id}.entry",
             )
-        todo = [model.entry]
-        while todo:
-            name = todo.pop()
-            if name not in reached:
-                reached.add(name)
-                todo.extend(successors(stages[name]))
+        reached |= model_stages(model, stages, repository_file)
     for name, spec in stages.items():
         if name not in reached:
             raise RepositoryError(
@@ -174,3 +170,40 @@ def _check_models(
                 file=files[name],
                 stage=spec.name,
             )
+
+
+def model_stages(
+    model: ModelSpec, stages: Mapping[str, StageSpec], repository_file: Path
+) -> frozenset[str]:
+    """The stages a request of `model` visits: those its entry reaches, within the model's
+    declared `stages` when it names them. Raises when a declared subgraph is not closed."""
+    field = f"models.{model.id}.stages"
+
+    def fail(message: str) -> RepositoryError:
+        return RepositoryError(message, file=repository_file, field=field)
+
+    declared = set(model.stages)
+    for name in model.stages:
+        if name not in stages:
+            raise fail(f"no stage '{name}'; stages: {', '.join(stages)}")
+    if declared and model.entry not in declared:
+        raise fail(f"the entry '{model.entry}' must be among the model's stages")
+    inside = (lambda name: name in declared) if declared else (lambda name: True)
+    seen = {model.entry}
+    todo = [model.entry]
+    while todo:
+        for dst in successors(stages[todo.pop()]):
+            if inside(dst) and dst not in seen:
+                seen.add(dst)
+                todo.append(dst)
+    if declared - seen:
+        missing = ", ".join(sorted(declared - seen))
+        raise fail(f"the entry '{model.entry}' does not reach {missing} within these stages")
+    for name in sorted(seen):
+        spec = stages[name]
+        if not spec.terminal and not any(inside(dst) for dst in successors(spec)):
+            raise fail(
+                f"stage '{name}' is not terminal and hands data to no stage of this model "
+                f"(its successors: {', '.join(successors(spec))}); add one to stages"
+            )
+    return frozenset(seen)

@@ -134,6 +134,9 @@ class ModelSpec:
     id: str
     entry: str  # entry stage
     tasks: tuple[str, ...]  # API tasks: "speech", "transcription", "chat", "realtime"
+    # the stages its requests visit, in pipeline order (the compiler resolves the default:
+    # every stage the entry reaches); a request follows no edge out of this set
+    stages: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()  # other ids accepted in requests (e.g. "tts-1")
     voices: tuple[str, ...] = ()  # voices the pipeline knows (speech)
     voice_aliases: Mapping[str, str] = EMPTY  # e.g. OpenAI's "alloy" -> "joe"

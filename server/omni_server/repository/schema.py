@@ -250,6 +250,13 @@ TASKS = ("speech", "transcription", "chat", "realtime")
 MODEL_FIELDS = _fields(
     Field("entry", Kind.STR, "the entry stage of the model's pipeline"),
     Field("tasks", Kind.STR_LIST, "API tasks served: " + ", ".join(TASKS)),
+    Field(
+        "stages",
+        Kind.STR_LIST,
+        "the stages this model's requests visit (default: every stage the entry reaches); "
+        "edges to other stages are not followed, so models can share stages",
+        [],
+    ),
     Field("aliases", Kind.STR_LIST, "other ids accepted in requests (e.g. tts-1)", []),
     Field("voices", Kind.STR_LIST, "voices the pipeline knows", []),
     Field("default_voice", Kind.STR, "voice used when a request names none; one of voices"),

@@ -5,7 +5,7 @@ hands its inputs to the model's entry stage, collects chunks and results from te
 merges several terminals' results, and fails or aborts a request everywhere it may have gone.
 Stages pass payloads to each other directly; the coordinator only sees the ends.
 
-A request completes when every terminal reachable from its entry has reported: its result, or
+A request completes when every terminal among its model's stages has reported: its result, or
 `TerminalSkipped` when route methods upstream left it out. The result holds only the terminals
 that produced one; a request whose terminals were all skipped fails.
 """
@@ -62,9 +62,12 @@ class RequestHandle:
         return self._result.done()
 
     def __aiter__(self) -> AsyncIterator[Payload]:
-        return self._iterate()
+        """The terminal stages' chunks, in arrival order, until the request ends (or raises)."""
+        return (chunk async for _, chunk in self.stream())
 
-    async def _iterate(self) -> AsyncIterator[Payload]:
+    async def stream(self) -> AsyncIterator[tuple[str, Payload]]:
+        """(terminal stage, chunk) pairs: a model with several terminals (a thinker's text and a
+        voice's audio) tells its streams apart by the stage. Iterate once: chunks are consumed."""
         while True:
             item = await self._chunks.get()
             if item is _END:
@@ -87,8 +90,8 @@ class RequestHandle:
             self._coordinator.abort(self._key)
 
     # ---- coordinator side
-    def _chunk(self, chunk: Payload) -> None:
-        self._chunks.put_nowait(chunk)
+    def _chunk(self, stage: str, chunk: Payload) -> None:
+        self._chunks.put_nowait((stage, chunk))
 
     def _finish(self, result: Any) -> None:
         if not self._result.done():
@@ -167,9 +170,9 @@ class Coordinator:
         key = next(self._keys)
         request_id = request_id or uuid.uuid4().hex
         handle = RequestHandle(self, key, request_id)
-        terminals = self.topology.terminals(model.entry)
+        terminals = self.topology.terminals(model.id)
         bindings = self._binder.bind(self.topology.model_processes[model.id])
-        env = Envelope(key, request_id, bindings, model.entry)
+        env = Envelope(key, request_id, bindings, model.id)
         try:
             self._flights[key] = _Flight(
                 handle=handle,
@@ -198,7 +201,7 @@ class Coordinator:
             case TerminalChunk():
                 flight = self._flights.get(message.key)
                 if flight is not None:
-                    flight.handle._chunk(message.chunk)
+                    flight.handle._chunk(message.stage, message.chunk)
             case TerminalResult():
                 flight = self._flights.get(message.key)
                 if flight is not None:
@@ -213,7 +216,13 @@ class Coordinator:
             case StageFailed():
                 flight = self._flights.get(message.key)
                 if flight is not None:
-                    error = PipelineError(message.message, code="stage_failed", stage=message.stage)
+                    error = PipelineError(
+                        message.message,
+                        code="invalid_request" if message.invalid else "stage_failed",
+                        stage=message.stage,
+                        error_code=message.error_code,
+                        param=message.param,
+                    )
                     self._fail(flight, error)
             case _:
                 raise TypeError(f"coordinator got an unknown message {type(message).__name__}")

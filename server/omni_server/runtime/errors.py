@@ -4,26 +4,42 @@ from __future__ import annotations
 
 from typing import Literal
 
-ErrorCode = Literal["stage_failed", "process_died", "aborted", "unavailable"]
+ErrorCode = Literal[
+    "stage_failed", "invalid_request", "process_died", "aborted", "unavailable", "timeout"
+]
 
 
 class PipelineError(Exception):
     """A request (or the whole pipeline) failed.
 
-    `code` says why: a backend raised ("stage_failed"), a stage process died ("process_died"),
-    the request was aborted ("aborted"), or the pipeline cannot take requests ("unavailable").
+    `code` says why: a backend raised ("stage_failed"), a backend refused the request's input
+    (`backend.InvalidRequest`: "invalid_request", with the OpenAI `error_code` and `param` it
+    gave), a stage process died ("process_died"), the request was aborted ("aborted"), a stage
+    ran past its time ("timeout"), or the pipeline cannot take requests ("unavailable").
     `stage` names the stage at fault when there is one.
     """
 
-    def __init__(self, message: str, *, code: ErrorCode, stage: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: ErrorCode,
+        stage: str | None = None,
+        error_code: str | None = None,
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.code: ErrorCode = code
         self.stage = stage
+        self.error_code = error_code
+        self.param = param
 
-    def __reduce__(self):  # keyword-only arguments need an explicit pickle recipe
-        return (_rebuild, (self.message, self.code, self.stage))
+    def __reduce__(self) -> tuple[object, ...]:  # keyword-only arguments need a pickle recipe
+        return (_rebuild, (self.message, self.code, self.stage, self.error_code, self.param))
 
 
-def _rebuild(message: str, code: ErrorCode, stage: str | None) -> PipelineError:
-    return PipelineError(message, code=code, stage=stage)
+def _rebuild(
+    message: str, code: ErrorCode, stage: str | None, error_code: str | None, param: str | None
+) -> PipelineError:
+    return PipelineError(message, code=code, stage=stage, error_code=error_code, param=param)

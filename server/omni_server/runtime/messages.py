@@ -119,7 +119,11 @@ class TerminalSkipped:
 class StageFailed:
     key: int
     stage: str
-    message: str  # "stage <name>: <what the backend raised>"
+    message: str  # "stage <name>: <what the backend raised>"; InvalidRequest: its message only
+    # set when the backend raised InvalidRequest: the request's input is at fault
+    invalid: bool = False
+    error_code: str | None = None
+    param: str | None = None
 
 
 HostMessage = Deliver | Skipped | StreamChunk | StreamEnd | Abort | Shutdown

@@ -34,7 +34,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from omni_server.backend import Request, StageConfigError
+from omni_server.backend import InvalidRequest, Request, StageConfigError
 from omni_server.envelope import Envelope, Payload, Timings
 from omni_server.repository.plan import StageSpec
 from omni_server.scheduling import BackendContractError, StageCalls, WorkItem, make_scheduler
@@ -62,10 +62,13 @@ _DONE_MEMORY = 4096
 
 @dataclass(frozen=True)
 class _Inputs:
-    """What a stage waits for from requests of one entry (upstreams they can reach)."""
+    """A stage's edges as requests of one model see them (stages outside the model do not
+    exist for them: nothing is sent there, nothing is awaited from there)."""
 
     senders: frozenset[str]  # hand it a payload along next / route edges
     streamers: frozenset[str]  # stream chunks into it along stream_to edges
+    stream_to: tuple[str, ...]  # where its chunks go
+    visits: frozenset[str]  # every stage of the model
 
     @property
     def starters(self) -> frozenset[str]:
@@ -95,7 +98,7 @@ class StageRunner:
         self.executor = executor
         self.scheduler = make_scheduler(spec.scheduler, calls, self, executor)
         self._topology = host.topology
-        self._inputs: dict[str, _Inputs] = {}  # per entry stage: what this stage waits for
+        self._inputs: dict[str, _Inputs] = {}  # per model: this stage's edges
         self._fan_in: dict[int, _FanIn] = {}
         self._skips: dict[int, set[str]] = {}  # not yet admitted: upstreams that sent Skipped
         self._inboxes: dict[int, StreamInbox] = {}
@@ -109,14 +112,16 @@ class StageRunner:
 
     # ---- inputs (event-loop thread) --------------------------------------------------------
 
-    def inputs(self, entry: str) -> _Inputs:
-        """What this stage waits for from a request entering at `entry` (cached per entry)."""
-        found = self._inputs.get(entry)
+    def inputs(self, model: str) -> _Inputs:
+        """What this stage waits for from a request of `model` (cached per model)."""
+        found = self._inputs.get(model)
         if found is None:
             topo, name = self._topology, self.name
-            senders = topo.reached(topo.next_preds[name], entry)
-            streamers = topo.reached(topo.stream_preds[name], entry)
-            found = self._inputs[entry] = _Inputs(senders, streamers)
+            senders = topo.reached(topo.next_preds[name], model)
+            streamers = topo.reached(topo.stream_preds[name], model)
+            visits = topo.visits(model)
+            stream_to = tuple(s for s in self.spec.stream_to if s in visits)
+            found = self._inputs[model] = _Inputs(senders, streamers, stream_to, visits)
         return found
 
     def on_deliver(self, msg: Deliver) -> None:
@@ -143,7 +148,7 @@ class StageRunner:
         key = msg.env.key
         if key in self._done:
             return
-        inputs = self.inputs(msg.env.entry)
+        inputs = self.inputs(msg.env.model)
         if msg.source in inputs.streamers:
             # a skipped streamer sends nothing more; after a route skip the edge already ended
             self._inbox(msg.env).end(msg.source, [])
@@ -176,8 +181,10 @@ class StageRunner:
         self._skips.pop(key, None)
         self._inboxes.pop(key, None)
         self._forget(key)  # late stream chunks from live streamers are dropped
+        visits = self.inputs(env.model).visits
         for dst in dict.fromkeys((*spec.next, *spec.stream_to)):
-            self.host.send(env, dst, Skipped(env, dst, self.name))
+            if dst in visits:
+                self.host.send(env, dst, Skipped(env, dst, self.name))
         if spec.terminal:
             self.host.to_coordinator(TerminalSkipped(key, self.name))
 
@@ -213,18 +220,18 @@ class StageRunner:
         """A stage fed only by streams starts at the first stream message."""
         if self.spec.wait_for or msg.env.key in self._admitted:
             return
-        if not self.inputs(msg.env.entry).senders:
+        if not self.inputs(msg.env.model).senders:
             self._admit(msg.env, {}, [], msg.source)
 
     def _inbox(self, env: Envelope) -> StreamInbox:
         inbox = self._inboxes.get(env.key)
         if inbox is None:
-            streamers = self.inputs(env.entry).streamers
+            streamers = self.inputs(env.model).streamers
             inbox = self._inboxes[env.key] = StreamInbox(env.id, streamers)
         return inbox
 
     def _admit(self, env: Envelope, inputs: Payload, timings: Timings, source: str) -> None:
-        inbox = self._inbox(env) if self.inputs(env.entry).streamers else None
+        inbox = self._inbox(env) if self.inputs(env.model).streamers else None
         request = Request(id=env.id, inputs=inputs, _stream=iter(inbox) if inbox else None)
         item = WorkItem(env=env, request=request, timings=timings, stream=inbox)
         self._skips.pop(env.key, None)
@@ -256,8 +263,9 @@ class StageRunner:
         seq = self._seq.get(item.key, 0)
         self._seq[item.key] = seq + 1
         env, spec = item.env, self.spec
-        copies = _isolated(chunk, len(spec.stream_to) + spec.terminal)
-        for dst in spec.stream_to:
+        stream_to = self.inputs(env.model).stream_to
+        copies = _isolated(chunk, len(stream_to) + spec.terminal)
+        for dst in stream_to:
             self.host.send(env, dst, StreamChunk(env, dst, self.name, seq, next(copies)))
         if spec.terminal:
             self.host.to_coordinator(TerminalChunk(item.key, self.name, seq, next(copies)))
@@ -267,15 +275,18 @@ class StageRunner:
         self._forget(key)
         inbox = self._inboxes.pop(key, None)
         timings = [*item.timings, *(inbox.timings if inbox else ()), self._timing(item)]
-        for dst in spec.stream_to:
+        edges = self.inputs(env.model)
+        for dst in edges.stream_to:
             self.host.send(env, dst, StreamEnd(env, dst, self.name, timings))
+        targets = tuple(t for t in targets if t in edges.visits)  # the model's own stages
         copies = _isolated(payload, len(targets) + spec.terminal)
         if spec.terminal:
             self.host.to_coordinator(TerminalResult(key, self.name, next(copies), timings))
         for dst in targets:
             self.host.send(env, dst, Deliver(env, dst, self.name, next(copies), timings))
         for dst in spec.next:
-            if dst not in targets:  # the route left it out: it must not wait for this payload
+            # the route left it out: it must not wait for this payload
+            if dst not in targets and dst in edges.visits:
                 self.host.send(env, dst, Skipped(env, dst, self.name))
 
     def _forget(self, key: int) -> None:
@@ -290,6 +301,11 @@ class StageRunner:
         self._report_failure(item.key, error)
 
     def _report_failure(self, key: int, error: BaseException) -> None:
+        if isinstance(error, InvalidRequest):  # the caller's input: no stack trace, its words
+            log.info("stage %s refused request %d: %s", self.name, key, error.message)
+            failed = StageFailed(key, self.name, error.message, True, error.code, error.param)
+            self.host.to_coordinator(failed)
+            return
         message = describe(error)
         log.warning("stage %s failed request %d: %s", self.name, key, message, exc_info=error)
         self.host.to_coordinator(StageFailed(key, self.name, f"stage {self.name}: {message}"))

@@ -41,40 +41,29 @@ class Topology:
                 preds[dst].append(spec.name)
         return {s: tuple(p) for s, p in preds.items()}
 
-    def reachable(self, entry: str) -> frozenset[str]:
-        """Stages a request entering at `entry` can reach (cached per entry)."""
-        found = self._reachable.get(entry)
-        if found is None:
-            seen = {entry}
-            todo = [entry]
-            while todo:
-                spec = self.plan.stages[todo.pop()]
-                for dst in (*spec.next, *spec.stream_to):
-                    if dst not in seen:
-                        seen.add(dst)
-                        todo.append(dst)
-            found = self._reachable[entry] = frozenset(seen)
-        return found
-
     @cached_property
-    def _reachable(self) -> dict[str, frozenset[str]]:
-        return {}
+    def model_stages(self) -> dict[str, frozenset[str]]:
+        """model id -> the stages its requests visit (the compiler resolved them)."""
+        every = frozenset(self.plan.stages)  # a plan built by hand may leave stages empty
+        return {m.id: frozenset(m.stages) or every for m in self.plan.models.values()}
 
-    def terminals(self, entry: str) -> set[str]:
-        return {s for s in self.reachable(entry) if self.plan.stages[s].terminal}
+    def visits(self, model: str) -> frozenset[str]:
+        """The stages a request of `model` visits ("" = every stage: tests and tools)."""
+        return self.model_stages[model] if model else frozenset(self.plan.stages)
 
-    def reached(self, preds: tuple[str, ...], entry: str) -> frozenset[str]:
-        """The stages among `preds` that a request entering at `entry` can reach ("" = all)."""
-        return frozenset(preds) if not entry else frozenset(preds) & self.reachable(entry)
+    def terminals(self, model: str) -> set[str]:
+        return {s for s in self.visits(model) if self.plan.stages[s].terminal}
+
+    def reached(self, stages: tuple[str, ...], model: str) -> frozenset[str]:
+        """The stages among `stages` that a request of `model` visits."""
+        return frozenset(stages) & self.visits(model)
 
     @cached_property
     def model_processes(self) -> dict[str, tuple[str, ...]]:
         """model id -> the logical processes its requests can touch."""
         return {
-            model.id: tuple(
-                sorted({self.plan.stages[s].process for s in self.reachable(model.entry)})
-            )
-            for model in self.plan.models.values()
+            model: tuple(sorted({self.plan.stages[s].process for s in stages}))
+            for model, stages in self.model_stages.items()
         }
 
     def touched(self, model: ModelSpec, bindings: Mapping[str, int]) -> tuple[int, ...]:
