@@ -1,6 +1,7 @@
 """The `omni-server` command line.
 
-    omni-server --repo DIR [--host H] [--port P] [overrides...]      serve the repository
+    omni-server --repo DIR [--host H] [--port P] [serve options] [overrides...]
+                                                                     serve the repository
     omni-server config resolve --repo DIR [--show config|topology] [--format toml|json]
                 [overrides...]                                       print what would run
 
@@ -21,8 +22,10 @@ from omni_server.repository.compiler import compile_repository
 from omni_server.repository.errors import RepositoryError
 from omni_server.repository.plan import Plan
 from omni_server.repository.render import config_json, config_toml, topology_text
+from omni_server.serve.options import ServeOptions
 
 EXIT_INVALID = 2
+API_KEY_ENV = "OMNI_SERVER_API_KEY"
 
 OVERRIDES_HELP = """\
 overrides:
@@ -40,7 +43,7 @@ overrides:
 def _serve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omni-server",
-        usage="%(prog)s --repo DIR [--host HOST] [--port PORT] [overrides ...]\n"
+        usage="%(prog)s --repo DIR [--host HOST] [--port PORT] [options] [overrides ...]\n"
         "       %(prog)s config resolve --help",
         description="Serve a model repository over an OpenAI-compatible HTTP API (speech:\n"
         "POST /v1/audio/speech; GET /v1/models, /health, /metrics, / the playground),\n"
@@ -55,7 +58,141 @@ def _serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repo", required=True, metavar="DIR", help="the repository folder")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to bind (8000)")
+    _add_serve_options(parser)
     return parser
+
+
+def _add_serve_options(parser: argparse.ArgumentParser) -> None:
+    """The HTTP layer's options (docs/serving.md): the door, per-request bounds, timeouts."""
+    d = ServeOptions()
+    door = parser.add_argument_group("access")
+    door.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        metavar="KEY",
+        help=f"require 'Authorization: Bearer KEY' on every API route (default: ${API_KEY_ENV}; "
+        "prefer the variable: a command line is visible to every local user)",
+    )
+    door.add_argument(
+        "--metrics-open",
+        action="store_true",
+        help="serve /metrics without the API key (for a scraper that cannot send one)",
+    )
+    door.add_argument(
+        "--allowed-origins",
+        default="",
+        metavar="LIST",
+        help="comma-separated web origins (https://app.example) that may call the API from a "
+        "browser, or '*'; none by default (no CORS headers)",
+    )
+    door.add_argument(
+        "--allowed-hosts",
+        default="",
+        metavar="LIST",
+        help="comma-separated Host names to accept besides the loopback ones; bound to "
+        "loopback, any other name is refused (DNS rebinding)",
+    )
+    bounds = parser.add_argument_group("bounds (per request, per model)")
+    bounds.add_argument(
+        "--max-input-chars",
+        type=int,
+        default=d.max_input_chars,
+        metavar="N",
+        help=f"speech input characters after NFKC ({d.max_input_chars})",
+    )
+    bounds.add_argument(
+        "--max-audio-seconds",
+        type=float,
+        default=d.max_audio_seconds,
+        metavar="S",
+        help=f"estimated audio of one speech request ({d.max_audio_seconds:g})",
+    )
+    bounds.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=d.max_body_bytes,
+        metavar="N",
+        help=f"request body size ({d.max_body_bytes})",
+    )
+    bounds.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=d.max_in_flight,
+        metavar="N",
+        help=f"requests in the pipeline per model ({d.max_in_flight})",
+    )
+    bounds.add_argument(
+        "--max-queued",
+        type=int,
+        default=d.max_queued,
+        metavar="N",
+        help=f"requests waiting for a place per model; more get 429 ({d.max_queued})",
+    )
+    bounds.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=d.queue_timeout_s,
+        metavar="S",
+        help=f"longest wait for a place before 429 ({d.queue_timeout_s:g})",
+    )
+    times = parser.add_argument_group("connections")
+    times.add_argument(
+        "--header-timeout",
+        type=float,
+        default=d.header_timeout_s,
+        metavar="S",
+        help=f"to send a request's headers ({d.header_timeout_s:g})",
+    )
+    times.add_argument(
+        "--body-timeout",
+        type=float,
+        default=d.body_timeout_s,
+        metavar="S",
+        help=f"to send a request's body ({d.body_timeout_s:g})",
+    )
+    times.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=d.idle_timeout_s,
+        metavar="S",
+        help=f"an idle keep-alive connection is closed after ({d.idle_timeout_s:g})",
+    )
+    times.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=d.shutdown_grace_s,
+        metavar="S",
+        help=f"in-flight requests' time to finish after SIGTERM ({d.shutdown_grace_s:g})",
+    )
+
+
+def _serve_options(opts: argparse.Namespace) -> ServeOptions:
+    """ServeOptions from the parsed flags; a bad value exits 2 with the flag's name."""
+    hosts = _list(opts.allowed_hosts)
+    try:
+        return ServeOptions(
+            api_key=opts.api_key,
+            metrics_need_key=not opts.metrics_open,
+            allowed_origins=tuple(_list(opts.allowed_origins)),
+            allowed_hosts=frozenset(h.lower() for h in hosts) if hosts else None,
+            max_body_bytes=opts.max_body_bytes,
+            max_input_chars=opts.max_input_chars,
+            max_audio_seconds=opts.max_audio_seconds,
+            max_in_flight=opts.max_in_flight,
+            max_queued=opts.max_queued,
+            queue_timeout_s=opts.queue_timeout,
+            header_timeout_s=opts.header_timeout,
+            body_timeout_s=opts.body_timeout,
+            idle_timeout_s=opts.idle_timeout,
+            shutdown_grace_s=opts.shutdown_grace,
+        )
+    except ValueError as e:
+        _serve_parser().error(str(e))
+        raise  # unreachable: error() exits
+
+
+def _list(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def _resolve_parser() -> argparse.ArgumentParser:
@@ -121,11 +258,12 @@ def _resolve(args: list[str]) -> int:
 
 def _serve(args: list[str]) -> int:
     opts, overrides = _serve_parser().parse_known_args(args)
+    options = _serve_options(opts)
     plan = compile_repository(opts.repo, overrides)
-    return _start_server(plan, opts.host, opts.port)
+    return _start_server(plan, opts.host, opts.port, options)
 
 
-def _start_server(plan: Plan, host: str, port: int) -> int:
+def _start_server(plan: Plan, host: str, port: int, options: ServeOptions) -> int:
     try:
         server = importlib.import_module("omni_server.server")
     except ModuleNotFoundError as e:
@@ -133,5 +271,5 @@ def _start_server(plan: Plan, host: str, port: int) -> int:
             raise  # a missing dependency of the server, not a missing server
         print("omni-server: serving is not built yet", file=sys.stderr)
         return EXIT_INVALID
-    result = server.serve(plan, host=host, port=port)
+    result = server.serve(plan, host=host, port=port, options=options)
     return int(result or 0)

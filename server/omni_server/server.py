@@ -2,8 +2,10 @@
 
 Order matters. The HTTP port is bound first, so a taken port fails in a second, before any stage
 process is spawned, and `/health/live` answers (`/health/ready` says 503) while stages load.
-Shutdown runs the other way round: stop accepting and finish or cancel in-flight requests (their
-handles abort in every stage), then stop the runtime, which reaps its processes and segments.
+Shutdown runs the other way round: stop accepting connections, give in-flight requests the
+grace period (`ServeOptions.shutdown_grace_s`, 5 s) to finish and cancel the rest (their
+handles abort in every stage; they are counted as `server_shutdown`), close the connections,
+then stop the runtime, which reaps its processes and segments.
 """
 
 from __future__ import annotations
@@ -12,44 +14,51 @@ import asyncio
 import contextlib
 import logging
 import signal
+from dataclasses import replace
 
 from aiohttp import web
 
 from omni_server.repository.plan import Plan
 from omni_server.runtime import Runtime
-from omni_server.serve import create_app
+from omni_server.serve import create_app, log_throttle
+from omni_server.serve.access import LOOPBACK_NAMES, loopback_hosts
+from omni_server.serve.connections import make_runner
+from omni_server.serve.options import ServeOptions
+from omni_server.serve.state import STATE
 
 log = logging.getLogger("omni_server")
 
-# In-flight requests get this long to finish after a stop signal before they are cancelled.
-SHUTDOWN_GRACE_SECONDS = 5.0
 
-
-def serve(plan: Plan, host: str = "127.0.0.1", port: int = 8000) -> int:
+def serve(
+    plan: Plan, host: str = "127.0.0.1", port: int = 8000, options: ServeOptions | None = None
+) -> int:
     """Serve `plan` on http://host:port until a stop signal; 0 after a clean stop, 1 if the
-    port cannot be bound or the pipeline fails to start."""
+    port cannot be bound or the pipeline fails to start. Bound to a loopback address, only
+    loopback names (and `options.allowed_hosts`) are accepted in `Host`; bound elsewhere, any
+    name is, unless `options.allowed_hosts` lists them."""
     if not logging.getLogger().handlers:
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
-    return asyncio.run(_serve(plan, host, port))
+    log_throttle.install()
+    options = options or ServeOptions()
+    hosts = loopback_hosts(host)
+    if options.allowed_hosts is not None:  # names added by the operator (--allowed-hosts)
+        hosts = (hosts or LOOPBACK_NAMES) | options.allowed_hosts
+    if hosts is not None:
+        options = replace(options, allowed_hosts=hosts)
+    return asyncio.run(_serve(plan, host, port, options))
 
 
-async def _serve(plan: Plan, host: str, port: int) -> int:
+async def _serve(plan: Plan, host: str, port: int, options: ServeOptions) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
     runtime = Runtime(plan)
-    # handler_cancellation: a client that disconnects cancels its handler, which aborts its
-    # request in every stage instead of computing audio nobody will read.
-    runner = web.AppRunner(
-        create_app(runtime),
-        handler_cancellation=True,
-        shutdown_timeout=SHUTDOWN_GRACE_SECONDS,
-        access_log=None,
-    )
+    app = create_app(runtime, options=options)
+    runner = make_runner(app, options)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)
@@ -65,6 +74,9 @@ async def _serve(plan: Plan, host: str, port: int) -> int:
         log.info("omni-server ready on http://%s:%d (models: %s)", host, bound, models)
         await stop.wait()
         log.info("omni-server stopping")
+        for running in list(runner.sites):
+            await running.stop()  # no new connections; open ones get 503 while draining
+        await app[STATE].lifecycle.drain(options.shutdown_grace_s)
     finally:
         await runner.cleanup()
         await runtime.stop()

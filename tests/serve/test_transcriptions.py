@@ -358,7 +358,7 @@ def test_client_leaving_mid_upload_counts_as_a_disconnect(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(
             (
-                "POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\n"
+                "POST /v1/audio/transcriptions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                 f"Content-Type: multipart/form-data; boundary={boundary}\r\n"
                 f"Content-Length: {5 * 1024 * 1024}\r\n\r\n"
                 f'--{boundary}\r\nContent-Disposition: form-data; name="file"; '

@@ -8,42 +8,65 @@ runtime's plan for models and voices. Starting and stopping the runtime is the c
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from omni_server.repository.plan import Plan
-from omni_server.serve import health, models, speech, transcription
+from omni_server.serve import health, models, speech, transcription, transcription_request
+from omni_server.serve.access import add_cors_headers, api_key, cors, host_guard
+from omni_server.serve.admission import Admission
+from omni_server.serve.body import body_guard
 from omni_server.serve.errors import ApiError, openai_errors
+from omni_server.serve.lifecycle import Lifecycle
 from omni_server.serve.metrics import ServerMetrics
+from omni_server.serve.options import MAX_BODY_BYTES, ServeOptions
 from omni_server.serve.state import STATE, ServerState
 
 if TYPE_CHECKING:
     from omni_server.runtime import Runtime
 
-# Speech bodies are small (4096 characters of input, JSON-escaped at worst 12 bytes each); the
-# limit leaves room for `instructions` and extension fields and rejects anything bigger with 413.
-MAX_BODY_BYTES = 1 << 20
 STATIC_DIR = Path(__file__).parent / "static"
+SERVER_NAME = "omni-server"  # the Server header: no versions for a scanner to match
 
 
 def create_app(
-    runtime: Runtime, *, plan: Plan | None = None, max_body_bytes: int = MAX_BODY_BYTES
+    runtime: Runtime,
+    *,
+    plan: Plan | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    options: ServeOptions | None = None,
 ) -> web.Application:
-    """`plan` defaults to `runtime.plan`; metrics live in a registry of this app's own."""
+    """`plan` defaults to `runtime.plan`; metrics live in a registry of this app's own.
+    `options` (the door, bounds, timeouts) default to `ServeOptions(max_body_bytes=...)`."""
+    if options is None:
+        options = ServeOptions(max_body_bytes=max_body_bytes)
+    lifecycle = Lifecycle()
     state = ServerState(
         runtime=runtime,
         plan=plan if plan is not None else runtime.plan,
         metrics=ServerMetrics(),
-        max_body_bytes=max_body_bytes,
+        options=options,
+        admission=Admission(options.max_in_flight, options.max_queued, options.queue_timeout_s),
+        lifecycle=lifecycle,
         created=int(time.time()),
     )
-    app = web.Application(middlewares=[openai_errors], client_max_size=max_body_bytes)
+    # Outermost first: the door (host, origin), then errors as OpenAI JSON (CORS headers go on
+    # those too), the key, the body's declared size and encoding, and the in-flight accounting
+    # that a stop drains.
+    middlewares = [host_guard, cors, openai_errors, api_key, body_guard, lifecycle.middleware]
+    app = web.Application(middlewares=middlewares, client_max_size=options.max_body_bytes)
     app[STATE] = state
+    app.on_response_prepare.append(_server_header)
+    app.on_response_prepare.append(add_cors_headers)
     app.cleanup_ctx.append(_stage_metrics)
     app.router.add_post("/v1/audio/speech", speech.create_speech)
     app.router.add_post("/v1/audio/transcriptions", transcription.create_transcription)
+    state.body_limits["/v1/audio/transcriptions"] = (
+        transcription_request.MAX_FILE_BYTES + transcription_request.FORM_OVERHEAD_BYTES
+    )
     app.router.add_get("/v1/models", models.list_models)
     app.router.add_get("/v1/models/{model}", models.retrieve_model)
     app.router.add_get("/health", health.health)
@@ -54,7 +77,11 @@ def create_app(
     return app
 
 
-async def _stage_metrics(app: web.Application):
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["Server"] = SERVER_NAME
+
+
+async def _stage_metrics(app: web.Application) -> AsyncIterator[None]:
     """Feed per-stage queue and compute times into this app's metrics while the app runs."""
     state = app[STATE]
     observer = state.metrics.observe_stage

@@ -8,6 +8,7 @@ of the OpenAI API sees the shape it parses.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 
 from aiohttp import web
@@ -18,6 +19,8 @@ log = logging.getLogger(__name__)
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]  # what a middleware wraps
 
 
 class ApiError(Exception):
@@ -31,6 +34,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -38,15 +42,16 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.type = type or (SERVER_ERROR if status >= 500 else INVALID_REQUEST)
+        self.headers = headers
 
-    def response(self, headers: dict[str, str] | None = None) -> web.Response:
+    def response(self) -> web.Response:
         return error_response(
             self.status,
             self.message,
             param=self.param,
             code=self.code,
             type=self.type,
-            headers=headers,
+            headers=self.headers,
         )
 
 
@@ -87,7 +92,7 @@ STREAM_STARTED = web.RequestKey("omni_stream_started", bool)
 
 
 @web.middleware
-async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as error:

@@ -4,14 +4,19 @@ Names (all prefixed `omni_`):
   requests_total{endpoint, model, status}      every API request, by the HTTP status it got
                                                (499: the client went away first)
   request_failures_total{endpoint, model, reason}
-                                               invalid_request | model_not_found | unavailable |
-                                               pipeline_error | client_disconnected
+                                               invalid_request | model_not_found | rate_limited |
+                                               unavailable | timeout | pipeline_error |
+                                               client_disconnected | server_shutdown |
+                                               server_error
   requests_in_flight{model}                    requests inside the pipeline now
   time_to_first_audio_seconds{model}           request received -> first audio bytes ready
   request_latency_seconds{endpoint, model}     request received -> last byte written
   audio_seconds_total{model}                   seconds of audio produced
   stage_queue_seconds{stage}                   time a request waited in a stage's inbox
   stage_compute_seconds{stage}                 time a stage's backend spent on a request
+  http_rejections_total{reason}                requests refused before any endpoint saw them:
+                                               unauthorized | host_not_allowed |
+                                               origin_not_allowed
 """
 
 from __future__ import annotations
@@ -44,8 +49,12 @@ _STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 def _reason(status: int) -> str:
     if status == 404:
         return "model_not_found"
+    if status == 429:
+        return "rate_limited"
     if status == 503:
         return "unavailable"
+    if status == 504:
+        return "timeout"
     return "invalid_request" if status < 500 else "pipeline_error"
 
 
@@ -101,6 +110,16 @@ class ServerMetrics:
             buckets=_STAGE_BUCKETS,
             registry=r,
         )
+        self.rejections = Counter(
+            "omni_http_rejections",
+            "requests refused before any endpoint saw them",
+            ["reason"],
+            registry=r,
+        )
+
+    def rejected(self, reason: str) -> None:
+        """A request the door refused (access.py): counted, never seen by an endpoint."""
+        self.rejections.labels(reason).inc()
 
     def observe_stage(self, stage: str, queue_seconds: float, compute_seconds: float) -> None:
         """A runtime stage observer: called once per request per stage."""

@@ -25,6 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from omni_server.runtime import PipelineError, RequestHandle
+from omni_server.serve.body import ClientGone, read_json
 from omni_server.serve.errors import STREAM_STARTED, ApiError
 from omni_server.serve.metrics import RequestTrack
 from omni_server.serve.speech_request import (
@@ -44,47 +45,41 @@ USAGE_FRAME_SECONDS = 0.02  # usage.output_tokens counts 20 ms frames: this voic
 async def create_speech(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     with state.metrics.track("speech") as track:
-        body = await read_json(request)
-        model = speech_model(body, state.plan)
-        track.model = model.id
-        speech = parse_speech_request(body, model)
-        require_ready(state.runtime)
-        with state.metrics.in_pipeline(speech.model.id):
-            try:
-                handle = state.runtime.submit(speech.model, speech.pipeline_inputs())
-            except PipelineError as exc:
-                raise pipeline_error(exc) from exc
-            async with handle:
-                # aiohttp cancels the handler when the client disconnects (handler_cancellation)
-                # and a write racing the disconnect raises; either way, leaving `async with`
-                # aborts the request in every stage.
-                try:
-                    return await _answer(request, speech, handle, track)
-                except asyncio.CancelledError:
-                    _cancelled(request, track, handle)
-                    raise
-                except ConnectionResetError:
-                    _cancelled(request, track, handle)
-                    return web.Response(status=CLIENT_GONE)  # nobody is left to read it
+        request_id = "(not yet submitted)"
+        # aiohttp cancels the handler when the client disconnects (handler_cancellation), a
+        # stop cancels what outlives the grace period, and a write racing a disconnect raises;
+        # leaving `async with handle` for any reason aborts the request in every stage.
+        try:
+            body = await read_json(request)
+            model = speech_model(body, state.plan)
+            track.model = model.id
+            speech = parse_speech_request(body, model, state.options)
+            require_ready(state.runtime)
+            async with state.admission.place(speech.model.id):
+                with state.metrics.in_pipeline(speech.model.id):
+                    try:
+                        handle = state.runtime.submit(speech.model, speech.pipeline_inputs())
+                    except PipelineError as exc:
+                        raise pipeline_error(exc) from exc
+                    request_id = handle.id
+                    async with handle:
+                        return await _answer(request, speech, handle, track)
+        except asyncio.CancelledError:
+            _cancelled(request, track, request_id)
+            raise
+        except (ConnectionResetError, ClientGone):
+            _cancelled(request, track, request_id)
+            return web.Response(status=CLIENT_GONE)  # nobody is left to read it
 
 
-def _cancelled(request: web.Request, track: RequestTrack, handle: RequestHandle) -> None:
-    """Account a request that ended early: its client left, or the server is shutting down."""
-    if request.transport is None or request.transport.is_closing():
-        track.fail(CLIENT_GONE, "client_disconnected")
-        log.info("speech request %s aborted: client disconnected", handle.id)
-    else:
+def _cancelled(request: web.Request, track: RequestTrack, request_id: str) -> None:
+    """Account a request that ended early: the server is stopping, or its client left."""
+    if request.app[STATE].lifecycle.stopping:
         track.fail(503, "server_shutdown")
-        log.info("speech request %s aborted: the server is shutting down", handle.id)
-
-
-async def read_json(request: web.Request) -> Any:
-    raw = await request.read()  # bodies over client_max_size raise 413 here
-    try:
-        return json.loads(raw)
-    except ValueError as exc:  # also UnicodeDecodeError
-        message = f"the request body is not valid JSON: {exc}"
-        raise ApiError(400, message, code="invalid_json") from None
+        log.info("speech request %s aborted: the server is shutting down", request_id)
+    else:
+        track.fail(CLIENT_GONE, "client_disconnected")
+        log.info("speech request %s aborted: client disconnected", request_id)
 
 
 def require_ready(runtime) -> None:
@@ -95,12 +90,30 @@ def require_ready(runtime) -> None:
         raise ApiError(503, "the pipeline is unhealthy; see /health", code="unavailable")
 
 
-def pipeline_error(exc: PipelineError) -> ApiError:
-    """503 when the pipeline cannot take requests at all, else 500 with the stage's message."""
+class SpeechContractError(PipelineError):
+    """The pipeline's output broke the speech contract: checked here, so the message is ours
+    (not a library's) and the client may read it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="stage_failed")
+
+
+def pipeline_error(exc: PipelineError, request_id: str | None = None) -> ApiError:
+    """503 when the pipeline cannot take requests at all, 504 when a stage ran past its time,
+    else 500. The message names the stage but not the exception's text: that comes from
+    libraries inside the stage (paths, shapes, versions) and goes to the server log, which the
+    request id finds."""
     if exc.code == "unavailable":
         return ApiError(503, exc.message, code="unavailable")
+    if isinstance(exc, SpeechContractError):
+        return ApiError(500, exc.message, code="pipeline_error")
     where = f"stage '{exc.stage}'" if exc.stage else "the pipeline"
-    return ApiError(500, f"{where} failed: {exc.message}", code="pipeline_error")
+    see_log = f"; the server log has the details (request {request_id})" if request_id else ""
+    if exc.code == "timeout":
+        return ApiError(504, f"{where} did not finish in time{see_log}", code="timeout")
+    if exc.code == "process_died":
+        return ApiError(500, f"the process running {where} died{see_log}", code="pipeline_error")
+    return ApiError(500, f"{where} failed{see_log}", code="pipeline_error")
 
 
 async def _answer(
@@ -113,25 +126,28 @@ async def _answer(
         async for chunk in handle:
             chunks += 1
             audio = _chunk_audio(chunk)
-            if audio:
-                track.first_audio()
+            if not audio:
+                continue
+            track.first_audio()
             if speech.stream_format is None:
                 whole += audio
                 continue
             if response is None:
                 response = await _start_stream(request, speech, handle)
-            if audio:
-                await response.write(_encode_chunk(speech, audio))
+            await response.write(_encode_chunk(speech, audio))
         result = await handle.result()
         # A terminal stage that does not stream (scheduler single / batch) hands the whole body
         # over in its result; one that streams reports what it sent (`audio_seconds`).
         tail = _result_audio(result, streamed=chunks > 0)
+        if not whole and not tail and response is None:
+            _nothing_spoken(result)
     except PipelineError as exc:
-        error = pipeline_error(exc)
+        error = pipeline_error(exc, handle.id)
         if response is None:
+            log.warning("speech request %s failed: %s", handle.id, exc.message)
             raise error from exc
         track.fail(200, "pipeline_error")
-        log.warning("speech request %s cut mid-stream: %s", handle.id, error.message)
+        log.warning("speech request %s cut mid-stream: %s", handle.id, exc.message)
         if request.transport is not None:
             request.transport.close()  # no final chunk: the client sees a broken stream
         return response
@@ -141,7 +157,7 @@ async def _answer(
         track.first_audio()
     if speech.stream_format is None:
         return web.Response(body=bytes(whole + tail), headers=_headers(speech, handle))
-    if response is None:  # no chunk: a non-streaming terminal, or nothing to speak ("...")
+    if response is None:  # no chunk: a non-streaming terminal
         response = await _start_stream(request, speech, handle)
     if tail:
         await response.write(_encode_chunk(speech, tail))
@@ -200,9 +216,8 @@ def _chunk_audio(chunk: Any) -> bytes:
     audio = chunk.get("audio") if isinstance(chunk, dict) else None
     if not isinstance(audio, bytes | bytearray):
         keys = sorted(chunk) if isinstance(chunk, dict) else type(chunk).__name__
-        raise PipelineError(
-            f"a speech pipeline's terminal chunks must be {{'audio': bytes}}; got {keys}",
-            code="stage_failed",
+        raise SpeechContractError(
+            f"a speech pipeline's terminal chunks must be {{'audio': bytes}}; got {keys}"
         )
     return bytes(audio)
 
@@ -218,10 +233,26 @@ def _result_audio(result: Any, *, streamed: bool) -> bytes:
     if streamed or (isinstance(result, dict) and "audio_seconds" in result):
         return b""
     keys = sorted(result) if isinstance(result, dict) else type(result).__name__
-    raise PipelineError(
+    raise SpeechContractError(
         "the speech pipeline's terminal stage produced no audio: it must stream "
-        f"{{'audio': bytes}} chunks or return {{'audio': bytes}}; its result had {keys}",
-        code="stage_failed",
+        f"{{'audio': bytes}} chunks or return {{'audio': bytes}}; its result had {keys}"
+    )
+
+
+def _nothing_spoken(result: Any) -> None:
+    """A pipeline that sent no byte at all: mp3, opus, aac and pcm have no valid empty file, so
+    this is never a 200. No audio either: the voice found nothing to say in the input (400).
+    Audio but no bytes: the pipeline lost them (500)."""
+    seconds = _audio_seconds(result)
+    if seconds == 0:
+        raise ApiError(
+            400,
+            "the model found nothing to speak in 'input' (it made no audio)",
+            param="input",
+            code="invalid_value",
+        )
+    raise SpeechContractError(
+        f"the speech pipeline reported {seconds:g} s of audio but sent no bytes of it"
     )
 
 

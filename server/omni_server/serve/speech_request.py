@@ -7,6 +7,7 @@ send `extra_body` fields meant for other servers.
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,8 +15,11 @@ from omni_server.audio import CONTENT_TYPES, DEFAULT_SAMPLE_RATES, FORMATS, chec
 from omni_server.repository.plan import ModelSpec, Plan
 from omni_server.serve.errors import ApiError, invalid_field
 from omni_server.serve.models import resolve_model
+from omni_server.serve.options import ESTIMATE_CHARS_PER_SECOND, ServeOptions
 
-MAX_INPUT_CHARS = 4096
+# Letters, numbers and symbols ("$", "%", emoji) are what a voice can say; an input of only
+# punctuation, spaces, marks or invisible characters ("....", U+200B) has nothing to speak.
+SPEAKABLE_CATEGORIES = frozenset("LNS")
 MIN_SPEED, MAX_SPEED = 0.25, 4.0
 MAX_SEED = 2**63 - 1
 PCM_SAMPLE_RATE = DEFAULT_SAMPLE_RATES["pcm"]  # OpenAI's pcm: 24 kHz, s16le, mono
@@ -59,36 +63,88 @@ def speech_model(body: Any, plan: Plan) -> ModelSpec:
     return resolve_model(plan, _required_str(body, "model"), task="speech")
 
 
-def parse_speech_request(body: dict[str, Any], model: ModelSpec) -> SpeechRequest:
-    """The rest of the request, for the model `speech_model` found."""
+def parse_speech_request(
+    body: dict[str, Any], model: ModelSpec, options: ServeOptions | None = None
+) -> SpeechRequest:
+    """The rest of the request, for the model `speech_model` found, within `options`' bounds."""
+    options = options or ServeOptions()
     response_format = _choice(body, "response_format", FORMATS, default="mp3")
     stream_format = _stream_format(body)
     # accepted and type-checked for OpenAI compatibility; the speech contract with the pipeline
     # has no instructions field yet, so no voice can act on them
-    _optional_str(body, "instructions")
+    instructions = _optional_str(body, "instructions")
+    if instructions is not None:
+        _valid_unicode("instructions", instructions)
+    speed = _number(body, "speed", MIN_SPEED, MAX_SPEED, default=1.0)
+    text = _input_text(body, options.max_input_chars)
+    _check_audio_estimate(text, speed, options.max_audio_seconds)
     return SpeechRequest(
         model=model,
-        text=_input_text(body),
+        text=text,
         voice=_voice(body, model),
         response_format=response_format,
-        speed=_number(body, "speed", MIN_SPEED, MAX_SPEED, default=1.0),
+        speed=speed,
         stream_format=stream_format,
         seed=_integer(body, "seed", 0, MAX_SEED),
         sample_rate=_sample_rate(body, response_format),
     )
 
 
-def _input_text(body: dict[str, Any]) -> str:
-    text = _required_str(body, "input")
+def _input_text(body: dict[str, Any], max_chars: int) -> str:
+    """`input` in NFKC form, which is what the pipeline gets and what the bounds count: one
+    character can expand to many (U+FDFA is 18 after NFKC), so counting before would let a
+    short input buy far more work than its length says."""
+    sent = _valid_unicode("input", _required_str(body, "input"))
+    if len(sent) > max_chars:  # bounds the normalization's own work too
+        raise _too_long(len(sent), max_chars)
+    text = unicodedata.normalize("NFKC", sent)
+    if len(text) > max_chars:
+        raise _too_long(len(text), max_chars, sent=len(sent))
     if not text.strip():
-        raise invalid_field("input", "'input' is empty; give 1 to 4096 characters of text")
-    if len(text) > MAX_INPUT_CHARS:
+        raise invalid_field("input", f"'input' is empty; give 1 to {max_chars} characters of text")
+    if not any(unicodedata.category(c)[0] in SPEAKABLE_CATEGORIES for c in text):
         raise invalid_field(
             "input",
-            f"'input' has {len(text)} characters; at most {MAX_INPUT_CHARS} are allowed",
-            code="string_above_max_length",
+            "'input' has nothing to speak: no letters, digits or symbols, only punctuation, "
+            "spaces or invisible characters",
         )
     return text
+
+
+def _too_long(length: int, max_chars: int, sent: int | None = None) -> ApiError:
+    counted = "" if sent is None else f" after Unicode NFKC normalization ({sent} as sent)"
+    return invalid_field(
+        "input",
+        f"'input' has {length} characters{counted}; at most {max_chars} are allowed",
+        code="string_above_max_length",
+    )
+
+
+def _check_audio_estimate(text: str, speed: float, max_seconds: float) -> None:
+    """Refuse an input whose audio, estimated high, would run past `max_seconds`."""
+    estimate = len(text) / (ESTIMATE_CHARS_PER_SECOND * speed)
+    if estimate > max_seconds:
+        longest = int(max_seconds * ESTIMATE_CHARS_PER_SECOND * speed)
+        raise invalid_field(
+            "input",
+            f"'input' could make up to {estimate:.0f} s of audio at speed {speed:g} "
+            f"(estimated at {ESTIMATE_CHARS_PER_SECOND:g} characters a second); at most "
+            f"{max_seconds:g} s are allowed, so at this speed send at most {longest} characters",
+            code="audio_above_max_length",
+        )
+
+
+def _valid_unicode(name: str, value: str) -> str:
+    """JSON may carry a lone UTF-16 surrogate (\\ud800); no text codec downstream can."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise invalid_field(
+            name,
+            f"'{name}' has an unpaired UTF-16 surrogate (U+{ord(value[exc.start]):04X}) at "
+            f"character {exc.start}; send valid Unicode text",
+        ) from None
+    return value
 
 
 def _stream_format(body: dict[str, Any]) -> str | None:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from omni_server.repository.plan import Plan
+from omni_server.serve.options import ServeOptions
 
 if TYPE_CHECKING:
     from omni_server.runtime import Runtime
+    from omni_server.serve.admission import Admission
+    from omni_server.serve.lifecycle import Lifecycle
     from omni_server.serve.metrics import ServerMetrics
 
 
@@ -19,8 +22,17 @@ class ServerState:
     runtime: Runtime
     plan: Plan
     metrics: ServerMetrics
-    max_body_bytes: int  # aiohttp's client_max_size; bigger bodies get 413
+    options: ServeOptions
+    admission: Admission  # per-model places in the pipeline and the queue for them
+    lifecycle: Lifecycle  # in-flight API requests; whether the server is stopping
     created: int  # unix time the app was built: the `created` of every /v1/models entry
+    # request path -> its own body limit, for routes that read more than `max_body_bytes`
+    # (uploads); the Content-Length check (body.py) uses it
+    body_limits: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def max_body_bytes(self) -> int:  # aiohttp's client_max_size; bigger bodies get 413
+        return self.options.max_body_bytes
 
 
 STATE = web.AppKey("state", ServerState)
