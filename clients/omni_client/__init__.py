@@ -1,4 +1,4 @@
-"""Python client for omni-server's OpenAI-compatible speech API.
+"""Python client for omni-server's OpenAI-compatible audio API (speech and transcription).
 
     from omni_client import OmniClient
 
@@ -6,8 +6,10 @@
         client.speech_to_file("hello.wav", "Hello there.")
         for chunk in client.stream_pcm("Streamed as it is synthesized."):
             ...  # s16le mono PCM at 24000 Hz
+        print(client.transcribe("hello.wav")["text"])
 
-`AsyncOmniClient` has the same methods as coroutines (`stream_pcm` is an async iterator).
+`AsyncOmniClient` has the same methods as coroutines (`stream_pcm` and `stream_transcription`
+are async iterators). Both run on httpx2.
 """
 
 from omni_client.async_client import AsyncOmniClient
@@ -18,13 +20,20 @@ from omni_client.errors import (
     OmniTimeoutError,
     OmniUsageError,
 )
-from omni_client.protocol import DEFAULT_URL, FORMATS, PCM_SAMPLE_RATE, format_for_path
+from omni_client.protocol import (
+    DEFAULT_URL,
+    FORMATS,
+    PCM_SAMPLE_RATE,
+    TRANSCRIPT_FORMATS,
+    format_for_path,
+)
 from omni_client.sync_client import OmniClient
 
 __all__ = [
     "DEFAULT_URL",
     "FORMATS",
     "PCM_SAMPLE_RATE",
+    "TRANSCRIPT_FORMATS",
     "APIError",
     "AsyncOmniClient",
     "OmniClient",

@@ -1,4 +1,5 @@
-"""`AsyncOmniClient`: the asyncio client, on one aiohttp session (keep-alive connection pool)."""
+"""`AsyncOmniClient`: the asyncio client, line for line the twin of `OmniClient` (sync_client.py)
+on httpx2's `AsyncClient` (one keep-alive connection pool)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,15 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import aiohttp
+import httpx2
 
-from omni_client import errors, protocol
+from omni_client import errors, protocol, transport
 
 
 class AsyncOmniClient:
-    """The asyncio twin of `OmniClient`, with the same methods as coroutines.
-
-    `timeout` bounds connecting and each gap between received bytes, not the whole request.
-    The aiohttp session is opened on first use inside the running event loop; close the client
-    (`await client.close()` or `async with`) on the loop that used it.
+    """The asyncio twin of `OmniClient`, with the same methods as coroutines (`stream_pcm` and
+    `stream_transcription` are async iterators). Close it (`await client.close()` or
+    `async with`) on the event loop that used it.
     """
 
     def __init__(
@@ -30,10 +29,9 @@ class AsyncOmniClient:
         max_connections: int = 100,
     ) -> None:
         self.base_url = protocol.base_url(base_url)
-        self._headers = protocol.auth_headers(api_key)
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
-        self._max_connections = max_connections
-        self._session: aiohttp.ClientSession | None = None
+        self._http = httpx2.AsyncClient(
+            **transport.client_options(self.base_url, api_key, timeout, max_connections)
+        )
 
     async def __aenter__(self) -> AsyncOmniClient:
         return self
@@ -42,9 +40,7 @@ class AsyncOmniClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._http.aclose()
 
     # -- speech --------------------------------------------------------------------------------
 
@@ -73,7 +69,7 @@ class AsyncOmniClient:
             stream=False,
         )
         async with self._send(request) as response:
-            return await response.read()
+            return await response.aread()
 
     async def speech_to_file(
         self,
@@ -118,10 +114,75 @@ class AsyncOmniClient:
         )
         aligner = protocol.SampleAligner()
         async with self._send(request) as response:
-            async for data in response.content.iter_any():
+            async for data in response.aiter_bytes():
                 if chunk := aligner.feed(data):
                     yield chunk
         aligner.finish()
+
+    # -- transcription -------------------------------------------------------------------------
+
+    async def transcribe(
+        self,
+        file: protocol.AudioFile,
+        *,
+        model: str = protocol.DEFAULT_TRANSCRIPTION_MODEL,
+        language: str | None = None,
+        prompt: str | None = None,
+        temperature: float | None = None,
+        response_format: str = "json",
+        timestamp_granularities: list[str] | tuple[str, ...] | None = None,
+        filename: str | None = None,
+    ) -> dict[str, Any] | str:
+        """The transcript of an audio file (see `OmniClient.transcribe`)."""
+        request = protocol.transcription_request(
+            file,
+            model=model,
+            language=language,
+            prompt=prompt,
+            temperature=temperature,
+            response_format=response_format,
+            timestamp_granularities=timestamp_granularities,
+            stream=False,
+            filename=filename,
+        )
+        async with self._send(request) as response:
+            return protocol.decode_transcript(
+                await response.aread(),
+                response_format,
+                url=str(response.request.url),
+                content_type=response.headers.get("content-type"),
+            )
+
+    async def stream_transcription(
+        self,
+        file: protocol.AudioFile,
+        *,
+        model: str = protocol.DEFAULT_TRANSCRIPTION_MODEL,
+        language: str | None = None,
+        prompt: str | None = None,
+        temperature: float | None = None,
+        filename: str | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The transcript as it is heard (see `OmniClient.stream_transcription`)."""
+        request = protocol.transcription_request(
+            file,
+            model=model,
+            language=language,
+            prompt=prompt,
+            temperature=temperature,
+            response_format="json",
+            timestamp_granularities=None,
+            stream=True,
+            filename=filename,
+        )
+        async with self._send(request) as response:
+            url = str(response.request.url)
+            events, transcript = protocol.SseEvents(url), protocol.TranscriptStream(url)
+            async for data in response.aiter_bytes():
+                for event in events.feed(data):
+                    yield transcript.check(event)
+            events.finish()
+            transcript.finish()
 
     # -- discovery -----------------------------------------------------------------------------
 
@@ -135,39 +196,23 @@ class AsyncOmniClient:
 
     # -- transport -----------------------------------------------------------------------------
 
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                base_url=self.base_url,
-                headers=self._headers,
-                timeout=self._timeout,
-                connector=aiohttp.TCPConnector(limit=self._max_connections),
-            )
-        return self._session
-
     @asynccontextmanager
-    async def _send(self, request: protocol.Request) -> AsyncIterator[aiohttp.ClientResponse]:
-        """An open, successful response; transport failures become typed errors."""
-        try:
-            async with self._http().request(
-                request.method, request.path, json=request.json
+    async def _send(self, request: protocol.Request) -> AsyncIterator[httpx2.Response]:
+        """An open, successful streaming response; transport failures become typed errors."""
+        with errors.translated(self.base_url):
+            async with self._http.stream(
+                request.method, request.path, **transport.body(request)
             ) as response:
-                if response.status >= 400:
-                    body = await response.read()
-                    raise errors.APIError.from_body(response.status, body, response.reason or "")
+                if response.status_code >= 400:
+                    raise errors.APIError.from_body(
+                        response.status_code, await response.aread(), response.reason_phrase
+                    )
                 yield response
-        # aiohttp's timeouts are both ClientError and TimeoutError: test for timeouts first
-        except TimeoutError as e:
-            raise errors.timed_out(self.base_url, e) from e
-        except aiohttp.ClientConnectorError as e:
-            raise errors.cannot_connect(self.base_url, e) from e
-        except aiohttp.ClientError as e:
-            raise errors.broken_off(self.base_url, f"{type(e).__name__}: {e}") from e
 
     async def _json(self, request: protocol.Request) -> Any:
         async with self._send(request) as response:
             return protocol.decode_json(
-                await response.read(),
-                url=str(response.url),
-                content_type=response.headers.get("Content-Type"),
+                await response.aread(),
+                url=str(response.request.url),
+                content_type=response.headers.get("content-type"),
             )

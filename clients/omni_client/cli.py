@@ -1,4 +1,5 @@
-"""The `omni-client` command line: speak (to a file, stdout, a PCM stream, a batch), models, health.
+"""The `omni-client` command line: speak (to a file, stdout, a PCM stream, a batch), transcribe
+(whole, or streamed as it is heard), models, health.
 
 Exit status: 0 success; 1 the server failed or could not be reached (HTTP 5xx, connection
 refused or broken, timeout); 2 the command or request was wrong (bad arguments, HTTP 4xx such
@@ -124,6 +125,45 @@ def build_parser() -> argparse.ArgumentParser:
     speak.add_argument("--sample-rate", type=int, help="output sample rate in Hz")
     speak.set_defaults(run=run_speak, parser=speak)
 
+    transcribe = commands.add_parser(
+        "transcribe",
+        parents=[connection],
+        help="transcribe an audio file",
+        description="Transcribe FILE (any format the server decodes: wav, mp3, flac, ogg, ...).",
+        epilog="examples:\n  omni-client transcribe meeting.wav\n"
+        "  omni-client transcribe talk.mp3 --format srt -o talk.srt\n"
+        "  omni-client transcribe --stream talk.wav",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    transcribe.add_argument("file", help="the audio file ('-' reads stdin)")
+    transcribe.add_argument(
+        "--format",
+        choices=protocol.TRANSCRIPT_FORMATS,
+        default="text",
+        help="text (default), json, verbose_json (segments, words), srt or vtt subtitles",
+    )
+    transcribe.add_argument(
+        "--stream",
+        action="store_true",
+        help="print the text as it is recognized (--format text only)",
+    )
+    transcribe.add_argument("-o", "--output", help="write the transcript to a file")
+    transcribe.add_argument(
+        "--model",
+        default=protocol.DEFAULT_TRANSCRIPTION_MODEL,
+        help=f"({protocol.DEFAULT_TRANSCRIPTION_MODEL})",
+    )
+    transcribe.add_argument("--language", help="the spoken language, ISO-639-1 (e.g. en)")
+    transcribe.add_argument("--prompt", help="text the speech continues, or words to expect")
+    transcribe.add_argument("--temperature", type=float, help="0 (default) to 1")
+    transcribe.add_argument(
+        "--timestamps",
+        action="append",
+        choices=protocol.GRANULARITIES,
+        help="verbose_json: timestamps per segment and/or word (repeatable)",
+    )
+    transcribe.set_defaults(run=run_transcribe, parser=transcribe)
+
     models = commands.add_parser("models", parents=[connection], help="list the served models")
     models.add_argument("--json", action="store_true", help="print the full model objects")
     models.set_defaults(run=run_models, parser=models)
@@ -162,6 +202,54 @@ def run_speak(args: argparse.Namespace) -> int:
     else:
         Path(args.output).write_bytes(audio)
     return 0
+
+
+def run_transcribe(args: argparse.Namespace) -> int:
+    if args.stream and args.format != "text":
+        args.parser.error("--stream prints the text as it comes; drop --format")
+    audio = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
+    filename = "stdin" if args.file == "-" else Path(args.file).name
+    options = {
+        "model": args.model,
+        "language": args.language,
+        "prompt": args.prompt,
+        "temperature": args.temperature,
+        "filename": filename,
+    }
+    with _client(args) as client:
+        if args.stream:
+            return _print_transcript_stream(client.stream_transcription(audio, **options), args)
+        transcript = client.transcribe(
+            audio, response_format=args.format, timestamp_granularities=args.timestamps, **options
+        )
+    if isinstance(transcript, dict):
+        text = json.dumps(transcript, indent=2, ensure_ascii=False) + "\n"
+    else:
+        text = transcript if transcript.endswith("\n") else transcript + "\n"
+    _write_text(text, args.output)
+    return 0
+
+
+def _print_transcript_stream(events: Any, args: argparse.Namespace) -> int:
+    """Deltas to stdout as they arrive; with -o, the done event's whole text to the file."""
+    for event in events:
+        if event["type"] == protocol.TRANSCRIPT_DELTA and args.output is None:
+            sys.stdout.write(event["delta"])
+            sys.stdout.flush()
+        elif event["type"] == protocol.TRANSCRIPT_DONE:
+            if args.output is None:
+                sys.stdout.write("\n")
+            else:
+                _write_text(event["text"] + "\n", args.output)
+    return 0
+
+
+def _write_text(text: str, output: str | None) -> None:
+    if output in (None, "-"):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        Path(output).write_text(text, encoding="utf-8")
 
 
 def run_models(args: argparse.Namespace) -> int:

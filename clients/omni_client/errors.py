@@ -3,12 +3,19 @@
 `APIError` carries the server's OpenAI error body (`{"error": {message, type, param, code}}`);
 `OmniConnectionError` means no usable answer came back (refused, reset, closed mid-stream);
 `OmniTimeoutError` means the server went silent for longer than the client's `timeout`.
+
+`translated(url)` is the one place where the HTTP library's exceptions become these, for the
+blocking and the asyncio client alike (both run on httpx2, which raises the same types).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+
+import httpx2
 
 
 class OmniError(Exception):
@@ -70,7 +77,22 @@ class OmniTimeoutError(OmniConnectionError, TimeoutError):
     """No byte arrived (or could be sent) within the client's timeout."""
 
 
-# The wording of transport failures, one for both clients whatever their HTTP library calls them.
+@contextmanager
+def translated(url: str) -> Iterator[None]:
+    """Transport failures inside the block become typed errors naming the server."""
+    try:
+        yield
+    except httpx2.TimeoutException as e:
+        raise timed_out(url, e) from e
+    except httpx2.ConnectError as e:
+        raise cannot_connect(url, e) from e
+    except httpx2.RemoteProtocolError as e:
+        raise broken_off(url, str(e)) from e
+    except httpx2.TransportError as e:
+        raise OmniConnectionError(f"{url}: {type(e).__name__}: {e}") from e
+
+
+# The wording of transport failures.
 
 
 def timed_out(url: str, cause: BaseException) -> OmniTimeoutError:

@@ -1,14 +1,15 @@
-"""What both clients share, apart from the HTTP library that sends it: defaults, the URL and
-headers, the API's requests, the decoding of answers, whole PCM samples, formats and file
-extensions."""
+"""What both clients share, apart from sending it: defaults, the URL and headers, the API's
+requests (speech, transcription, discovery), the decoding of answers (JSON, transcripts, SSE
+events), whole PCM samples, formats and file extensions. No I/O happens here."""
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from omni_client.errors import OmniError, OmniUsageError
 
@@ -16,9 +17,16 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 URL_ENV = "OMNI_SERVER_URL"
 API_KEY_ENV = "OMNI_API_KEY"
 DEFAULT_MODEL = "tts-1"  # the OpenAI alias every speech model of the embedded repository answers to
+DEFAULT_TRANSCRIPTION_MODEL = "whisper-1"  # likewise for its transcription model
 DEFAULT_TIMEOUT_S = 60.0
 
 FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
+TRANSCRIPT_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
+JSON_TRANSCRIPTS = ("json", "verbose_json")  # answered as JSON objects; the others as text
+GRANULARITIES = ("segment", "word")
+# the streamed transcription's events (OpenAI's): deltas, then one done event carrying the text
+TRANSCRIPT_DELTA = "transcript.text.delta"
+TRANSCRIPT_DONE = "transcript.text.done"
 # raw PCM as the server streams it unless `sample_rate` asks otherwise: s16le, mono
 PCM_SAMPLE_RATE = 24000
 
@@ -62,11 +70,13 @@ def format_for_path(path: str | os.PathLike[str]) -> str:
 
 @dataclass(frozen=True)
 class Request:
-    """One API call as the client sends it; each client hands it to its own HTTP library."""
+    """One API call as the client sends it: a JSON body, a multipart form, or no body."""
 
     method: str
     path: str
-    json: dict[str, Any] | None = None  # the JSON body; None sends no body
+    json: dict[str, Any] | None = None  # the JSON body
+    form: list[tuple[str, str]] = field(default_factory=list)  # multipart text fields, in order
+    files: dict[str, tuple[str, bytes | IO[bytes]]] | None = None  # multipart: name -> file
 
 
 MODELS = Request("GET", "/v1/models")
@@ -98,9 +108,129 @@ def speech_request(
         body["instructions"] = instructions
     if sample_rate is not None:
         body["sample_rate"] = sample_rate
+    # Said explicitly either way (OpenAI streams by default): a stream of raw body bytes as they
+    # are synthesized, or one whole body with a Content-Length, whose failure is a proper 5xx.
     if stream:
         body["stream_format"] = "audio"
+    else:
+        body["stream"] = False
     return Request("POST", "/v1/audio/speech", body)
+
+
+AudioFile = str | os.PathLike[str] | bytes | IO[bytes]
+
+
+def transcription_request(
+    file: AudioFile,
+    *,
+    model: str,
+    language: str | None,
+    prompt: str | None,
+    temperature: float | None,
+    response_format: str,
+    timestamp_granularities: tuple[str, ...] | list[str] | None,
+    stream: bool,
+    filename: str | None = None,
+) -> Request:
+    """`POST /v1/audio/transcriptions`, OpenAI's multipart form. `file` is a path, the bytes
+    of an audio file, or a binary file object (read by the HTTP library as it sends). As for
+    speech, values are checked by the server; options left at None are not sent."""
+    form = [("model", model), ("response_format", response_format)]
+    if language is not None:
+        form.append(("language", language))
+    if prompt is not None:
+        form.append(("prompt", prompt))
+    if temperature is not None:
+        form.append(("temperature", repr(float(temperature))))
+    form += [("timestamp_granularities[]", g) for g in timestamp_granularities or ()]
+    form.append(("stream", "true" if stream else "false"))
+    if isinstance(file, str | os.PathLike):
+        path = Path(file)
+        content: bytes | IO[bytes] = path.read_bytes()  # OSError names the file
+        name = filename or path.name
+    else:
+        content = file
+        name = filename or Path(getattr(file, "name", None) or "audio").name
+    return Request("POST", "/v1/audio/transcriptions", form=form, files={"file": (name, content)})
+
+
+def decode_transcript(
+    body: bytes, response_format: str, *, url: str, content_type: str | None
+) -> dict[str, Any] | str:
+    """A whole transcription answer: the JSON object of `json` / `verbose_json`, else the text
+    (`text`, `srt`, `vtt`) as the server wrote it."""
+    if response_format in JSON_TRANSCRIPTS:
+        transcript = decode_json(body, url=url, content_type=content_type)
+        if not isinstance(transcript, dict) or not isinstance(transcript.get("text"), str):
+            raise OmniError(f"{url}: a {response_format} transcript without its 'text'")
+        return transcript
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise OmniError(f"{url}: a {response_format} transcript that is not UTF-8") from e
+
+
+class SseEvents:
+    """Server-sent events of a byte stream, as JSON objects (the `data:` of each event).
+
+    Fed network reads of any size; `feed` returns the events completed so far. A stream whose
+    last event is incomplete is cut off, which `finish` reports."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+        self._buffer = b""
+        self._data: list[bytes] = []
+
+    def feed(self, data: bytes) -> Iterator[dict[str, Any]]:
+        self._buffer += data
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for raw in lines:
+            line = raw.rstrip(b"\r")
+            if not line:  # a blank line ends an event
+                if self._data:
+                    yield self._event(b"\n".join(self._data))
+                    self._data = []
+            elif line.startswith(b"data:"):
+                self._data.append(line[5:].removeprefix(b" "))
+            # `event:`, `id:`, `retry:` and `:` comments carry nothing the JSON does not
+
+    def finish(self) -> None:
+        if self._data or self._buffer.strip():
+            raise OmniError(f"{self._url}: the event stream ended inside an event")
+
+    def _event(self, data: bytes) -> dict[str, Any]:
+        try:
+            event = json.loads(data)
+        except ValueError as e:
+            raise OmniError(f"{self._url}: an event that is not JSON: {data[:200]!r}") from e
+        if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+            raise OmniError(f"{self._url}: an event without a 'type': {data[:200]!r}")
+        return event
+
+
+class TranscriptStream:
+    """Checks a streamed transcription's events: deltas, then exactly one done event last.
+
+    A stream that ends without `transcript.text.done` failed on the server (it cuts the stream
+    rather than finish it): `finish` raises, so a caller never takes a partial text as whole."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+        self.done: dict[str, Any] | None = None
+
+    def check(self, event: dict[str, Any]) -> dict[str, Any]:
+        if self.done is not None:
+            raise OmniError(f"{self._url}: an event after {TRANSCRIPT_DONE}: {event['type']}")
+        if event["type"] == TRANSCRIPT_DONE:
+            self.done = event
+        return event
+
+    def finish(self) -> None:
+        if self.done is None:
+            raise OmniError(
+                f"{self._url}: the transcript stream ended without {TRANSCRIPT_DONE} "
+                "(the transcription failed on the server)"
+            )
 
 
 def decode_json(body: bytes, *, url: str, content_type: str | None) -> Any:

@@ -1,4 +1,8 @@
-"""`OmniClient`: the blocking client, on one pooled httpx2 connection set (keep-alive reuse)."""
+"""`OmniClient`: the blocking client, on one pooled httpx2 connection set (keep-alive reuse).
+
+`AsyncOmniClient` (async_client.py) is its line-for-line asyncio twin on the same library:
+requests are built and answers decoded by `protocol`, errors translated by `errors.translated`.
+"""
 
 from __future__ import annotations
 
@@ -10,15 +14,16 @@ from typing import Any
 
 import httpx2
 
-from omni_client import errors, protocol
+from omni_client import errors, protocol, transport
 
 
 class OmniClient:
-    """Blocking client for an omni-server (or any OpenAI-speech-compatible server).
+    """Blocking client for an omni-server (or any OpenAI-audio-compatible server).
 
     `timeout` bounds each wait (connecting, sending, and the gap between received bytes), not
-    the whole request: a long synthesis that keeps streaming never times out. Thread-safe; reuse
-    one instance so that connections are kept alive. Close it, or use it as a context manager.
+    the whole request. `api_key` (default: $OMNI_API_KEY) is sent as a Bearer token.
+    Thread-safe; reuse one instance so that connections are kept alive. Close it, or use it as
+    a context manager.
     """
 
     def __init__(
@@ -27,12 +32,11 @@ class OmniClient:
         *,
         api_key: str | None = None,
         timeout: float = protocol.DEFAULT_TIMEOUT_S,
+        max_connections: int = 100,
     ) -> None:
         self.base_url = protocol.base_url(base_url)
         self._http = httpx2.Client(
-            base_url=self.base_url,
-            headers=protocol.auth_headers(api_key),
-            timeout=httpx2.Timeout(timeout),
+            **transport.client_options(self.base_url, api_key, timeout, max_connections)
         )
 
     def __enter__(self) -> OmniClient:
@@ -71,7 +75,7 @@ class OmniClient:
             stream=False,
         )
         with self._send(request) as response:
-            return _read_all(response)
+            return response.read()
 
     def speech_to_file(
         self,
@@ -116,10 +120,79 @@ class OmniClient:
         )
         aligner = protocol.SampleAligner()
         with self._send(request) as response:
-            for data in _iter_bytes(response):
+            for data in response.iter_bytes():  # no chunk_size: each read as it came
                 if chunk := aligner.feed(data):
                     yield chunk
         aligner.finish()
+
+    # -- transcription -------------------------------------------------------------------------
+
+    def transcribe(
+        self,
+        file: protocol.AudioFile,
+        *,
+        model: str = protocol.DEFAULT_TRANSCRIPTION_MODEL,
+        language: str | None = None,
+        prompt: str | None = None,
+        temperature: float | None = None,
+        response_format: str = "json",
+        timestamp_granularities: list[str] | tuple[str, ...] | None = None,
+        filename: str | None = None,
+    ) -> dict[str, Any] | str:
+        """The transcript of an audio file (a path, its bytes, or a binary file object): the
+        JSON object for `json` / `verbose_json`, the text for `text`, `srt` and `vtt`.
+        `timestamp_granularities` ("segment", "word") needs `verbose_json`."""
+        request = protocol.transcription_request(
+            file,
+            model=model,
+            language=language,
+            prompt=prompt,
+            temperature=temperature,
+            response_format=response_format,
+            timestamp_granularities=timestamp_granularities,
+            stream=False,
+            filename=filename,
+        )
+        with self._send(request) as response:
+            return protocol.decode_transcript(
+                response.read(),
+                response_format,
+                url=str(response.request.url),
+                content_type=response.headers.get("content-type"),
+            )
+
+    def stream_transcription(
+        self,
+        file: protocol.AudioFile,
+        *,
+        model: str = protocol.DEFAULT_TRANSCRIPTION_MODEL,
+        language: str | None = None,
+        prompt: str | None = None,
+        temperature: float | None = None,
+        filename: str | None = None,
+    ) -> Iterator[dict[str, Any]]:
+        """The transcript as it is heard: OpenAI's events, `{"type": "transcript.text.delta",
+        "delta": ...}` as text is recognized, then `{"type": "transcript.text.done", "text":
+        ...}`. A stream cut before its done event raises (`OmniError`)."""
+        request = protocol.transcription_request(
+            file,
+            model=model,
+            language=language,
+            prompt=prompt,
+            temperature=temperature,
+            response_format="json",
+            timestamp_granularities=None,
+            stream=True,
+            filename=filename,
+        )
+        with self._send(request) as response:
+            url = str(response.request.url)
+            events, transcript = protocol.SseEvents(url), protocol.TranscriptStream(url)
+            for data in response.iter_bytes():
+                for event in events.feed(data):
+                    yield transcript.check(event)
+            events.finish()
+            transcript.finish()
 
     # -- discovery -----------------------------------------------------------------------------
 
@@ -137,8 +210,8 @@ class OmniClient:
     def _send(self, request: protocol.Request) -> Iterator[httpx2.Response]:
         """An open, successful streaming response; transport failures become typed errors."""
         with (
-            _translated_errors(self.base_url),
-            self._http.stream(request.method, request.path, json=request.json) as response,
+            errors.translated(self.base_url),
+            self._http.stream(request.method, request.path, **transport.body(request)) as response,
         ):
             if response.status_code >= 400:
                 raise errors.APIError.from_body(
@@ -149,30 +222,7 @@ class OmniClient:
     def _json(self, request: protocol.Request) -> Any:
         with self._send(request) as response:
             return protocol.decode_json(
-                _read_all(response),
+                response.read(),
                 url=str(response.request.url),
                 content_type=response.headers.get("content-type"),
             )
-
-
-@contextmanager
-def _translated_errors(url: str) -> Iterator[None]:
-    try:
-        yield
-    except httpx2.TimeoutException as e:
-        raise errors.timed_out(url, e) from e
-    except httpx2.ConnectError as e:
-        raise errors.cannot_connect(url, e) from e
-    except httpx2.RemoteProtocolError as e:
-        raise errors.broken_off(url, str(e)) from e
-    except httpx2.TransportError as e:
-        raise errors.OmniConnectionError(f"{url}: {type(e).__name__}: {e}") from e
-
-
-def _iter_bytes(response: httpx2.Response) -> Iterator[bytes]:
-    # no chunk_size: no re-buffering, each chunk is what one socket read returned
-    yield from response.iter_bytes()
-
-
-def _read_all(response: httpx2.Response) -> bytes:
-    return b"".join(_iter_bytes(response))

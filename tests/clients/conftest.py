@@ -12,9 +12,6 @@ import pytest
 
 from tests.helpers.server import EMBEDDED_REPO, ServerProcess, free_port
 
-# a few sentences: the server streams one chunk per sentence at least
-SENTENCES = "The quick brown fox jumps over the lazy dog. It was not amused. Then it slept."
-
 
 @pytest.fixture(scope="package")
 def server_url(tmp_path_factory) -> Iterator[str]:

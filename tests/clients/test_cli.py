@@ -10,7 +10,7 @@ import pytest
 
 from omni_client import OmniClient
 from omni_server.audio.decode import container_name, decode
-from tests.clients.conftest import SENTENCES
+from tests.clients.texts import SENTENCES
 
 pytestmark = pytest.mark.timeout(300)
 

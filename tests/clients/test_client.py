@@ -16,8 +16,8 @@ from omni_client import (
     OmniUsageError,
 )
 from omni_server.audio.decode import container_name, decode
-from tests.clients.conftest import SENTENCES
 from tests.clients.recording_server import RecordingServer
+from tests.clients.texts import SENTENCES
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,4 +1,4 @@
-"""The HTTP-library-free half both clients share: requests, answers, URL and headers, PCM cuts."""
+"""The I/O-free half both clients share: requests, answers, events, URL and headers, PCM cuts."""
 
 from __future__ import annotations
 
@@ -6,7 +6,14 @@ import json
 
 import pytest
 
-from omni_client import APIError, OmniConnectionError, OmniError, OmniTimeoutError, protocol
+from omni_client import (
+    APIError,
+    OmniConnectionError,
+    OmniError,
+    OmniTimeoutError,
+    protocol,
+    transport,
+)
 from omni_client.errors import OmniUsageError, broken_off, cannot_connect, timed_out
 
 pytestmark = pytest.mark.timeout(30)
@@ -25,7 +32,13 @@ def test_speech_request_sends_only_the_options_given() -> None:
         "Hi.", model="tts-1", format="wav", stream=False, **NO_OPTIONS
     )
     assert (request.method, request.path) == ("POST", "/v1/audio/speech")
-    assert request.json == {"model": "tts-1", "input": "Hi.", "response_format": "wav"}
+    # a whole body is asked for explicitly: the server's default is OpenAI's, a stream
+    assert request.json == {
+        "model": "tts-1",
+        "input": "Hi.",
+        "response_format": "wav",
+        "stream": False,
+    }
 
     options = {"voice": "joe", "speed": 1.5, "seed": 0, "instructions": "", "sample_rate": 16000}
     streamed = protocol.speech_request("Hi.", model="m", format="pcm", stream=True, **options)
@@ -120,3 +133,95 @@ def test_sample_aligner_never_splits_a_sample() -> None:
     assert odd.feed(b"\x01\x02\x03") == b"\x01\x02"
     with pytest.raises(OmniError, match="mid-sample"):
         odd.finish()
+
+
+def test_transcription_form_sends_only_the_options_given(tmp_path) -> None:
+    clip = tmp_path / "clip.flac"
+    clip.write_bytes(b"fLaC...")
+    request = protocol.transcription_request(
+        clip, model="whisper-1", language=None, prompt=None, temperature=None,
+        response_format="json", timestamp_granularities=None, stream=False,
+    )  # fmt: skip
+    assert (request.method, request.path, request.json) == (
+        "POST",
+        "/v1/audio/transcriptions",
+        None,
+    )
+    assert request.form == [
+        ("model", "whisper-1"),
+        ("response_format", "json"),
+        ("stream", "false"),
+    ]
+    assert request.files == {"file": ("clip.flac", b"fLaC...")}
+    every = protocol.transcription_request(
+        b"RIFF", model="m", language="en", prompt="", temperature=0, response_format="verbose_json",
+        timestamp_granularities=("segment", "word"), stream=True, filename="x.wav",
+    )  # fmt: skip
+    assert every.form == [
+        ("model", "m"),
+        ("response_format", "verbose_json"),
+        ("language", "en"),
+        ("prompt", ""),
+        ("temperature", "0.0"),
+        ("timestamp_granularities[]", "segment"),
+        ("timestamp_granularities[]", "word"),
+        ("stream", "true"),
+    ]
+    assert every.files == {"file": ("x.wav", b"RIFF")}
+    # httpx2 takes the repeated field as one name with a list
+    assert transport.body(every)["data"]["timestamp_granularities[]"] == ["segment", "word"]
+    assert transport.body(protocol.MODELS) == {}
+    with pytest.raises(FileNotFoundError):
+        protocol.transcription_request(
+            tmp_path / "missing.wav", model="m", language=None, prompt=None, temperature=None,
+            response_format="json", timestamp_granularities=None, stream=False,
+        )  # fmt: skip
+
+
+def test_transcripts_decode_by_format() -> None:
+    ok = protocol.decode_transcript(b'{"text": "hi"}', "json", url="u", content_type=None)
+    assert ok == {"text": "hi"}
+    assert protocol.decode_transcript(
+        "1\n00:00 h\u00e9\n".encode(), "srt", url="u", content_type=None
+    ) == ("1\n00:00 h\u00e9\n")
+    with pytest.raises(OmniError, match="without its 'text'"):
+        protocol.decode_transcript(b'{"txt": 1}', "verbose_json", url="u", content_type=None)
+    with pytest.raises(OmniError, match="not UTF-8"):
+        protocol.decode_transcript(b"\xff\xfe", "text", url="u", content_type=None)
+
+
+def test_sse_events_reassemble_events_split_anywhere() -> None:
+    stream = (
+        b": a comment\r\nevent: transcript.text.delta\r\n"
+        b'data: {"type": "transcript.text.delta", "delta": "Hi"}\r\n\r\n'
+        b'data: {"type": "transcript.text.done",\ndata: "text": "Hi"}\n\n'
+    )
+    for size in (1, 2, 7, len(stream)):
+        events = protocol.SseEvents("u")
+        got = [e for i in range(0, len(stream), size) for e in events.feed(stream[i : i + size])]
+        events.finish()
+        assert got == [
+            {"type": "transcript.text.delta", "delta": "Hi"},
+            {"type": "transcript.text.done", "text": "Hi"},
+        ], size
+    half = protocol.SseEvents("u")
+    assert list(half.feed(b'data: {"type": "x"}\n')) == []
+    with pytest.raises(OmniError, match="ended inside an event"):
+        half.finish()
+    for bad in (b"data: not json\n\n", b'data: {"delta": 1}\n\n'):
+        with pytest.raises(OmniError):
+            list(protocol.SseEvents("u").feed(bad))
+
+
+def test_transcript_stream_needs_one_done_event_last() -> None:
+    delta = {"type": protocol.TRANSCRIPT_DELTA, "delta": "a"}
+    done = {"type": protocol.TRANSCRIPT_DONE, "text": "a"}
+    whole = protocol.TranscriptStream("u")
+    assert [whole.check(e) for e in (delta, done)] == [delta, done]
+    whole.finish()
+    with pytest.raises(OmniError, match=r"after transcript\.text\.done"):
+        whole.check(delta)
+    cut = protocol.TranscriptStream("u")
+    cut.check(delta)
+    with pytest.raises(OmniError, match=r"without transcript\.text\.done"):
+        cut.finish()
