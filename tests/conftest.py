@@ -1,4 +1,10 @@
-"""Suite-wide guards: nothing the tests start may outlive them.
+"""Suite-wide rules: the slow tier, and guards that nothing the tests start may outlive them.
+
+Tiers: `pytest -m "not slow"` is the fast tier for development; CI runs everything. Slow tests
+carry `@pytest.mark.slow` where they are written (ring stress, Whisper, the browser, the bench
+end to end, the voice through runtime processes), and every test that uses a real server on the
+embedded repository (the `server` / `server_url` fixtures) is slow by the rule below: its stage
+processes import onnxruntime and load the voice, and each request synthesizes real speech.
 
 After the whole session: no child process of the test runner is left, and no shared-memory
 segment of ours (`/dev/shm/omni-*`) remains. A leak fails the run loudly instead of hiding in CI.
@@ -14,6 +20,14 @@ import time
 import pytest
 
 from tests.helpers.proc import alive, descendants, describe, mapped_segments, segments
+
+EMBEDDED_SERVER_FIXTURES = frozenset({"server", "server_url"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if EMBEDDED_SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -12,6 +12,8 @@ import pytest
 
 from tests.helpers.server import EMBEDDED_REPO, ServerProcess
 
+pytestmark = pytest.mark.slow  # a real server and the whole bench
+
 
 @pytest.fixture
 def server(tmp_path):

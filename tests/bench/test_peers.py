@@ -15,6 +15,7 @@ REPOSITORY = Path(__file__).resolve().parents[2] / "repository"
 TWO_SENTENCES = "The lighthouse keeper kept a log. Every passing ship was written down."
 
 
+@pytest.mark.slow  # starts Piper's Flask server
 @pytest.mark.timeout(180)
 def test_piper_http_serves_the_voice_and_stops_cleanly():
     async def scenario():

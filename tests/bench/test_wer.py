@@ -51,6 +51,7 @@ def test_score_rejects_mismatched_lengths_and_empty_references():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow  # the real voice, then Whisper
 def test_round_trip_of_the_real_voice_is_intelligible():
     from omni_bench.peers import InProcessTarget
 

@@ -22,7 +22,8 @@ INSTALL_SCRIPT = Path(__file__).with_name("install_chromium.sh")
 CHROMIUM = "chromium"
 CHROMEDRIVER = "chromedriver"
 
-pytestmark = pytest.mark.timeout(900)  # the first test may install Chromium (apt)
+# slow: a browser; the first test may install Chromium (apt)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is in the [test] extra")
 from selenium.webdriver.common.by import By  # noqa: E402

@@ -16,6 +16,8 @@ import pytest
 
 from omni_transport import unlink_leftovers
 
+pytestmark = pytest.mark.slow  # ring stress: 100k records, killed peers
+
 PEER = Path(__file__).with_name("ring_peer.py")
 
 

@@ -7,7 +7,7 @@ import pytest
 from omni_bench.wer import normalize_text, word_error_rate
 from omni_server.audio import decode
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # slow: Whisper WER
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",

@@ -7,6 +7,8 @@ import pytest
 from omni_server.repository.compiler import compile_repository
 from omni_server.runtime.runtime import Runtime
 
+pytestmark = pytest.mark.slow  # the real voice through runtime processes
+
 TEXT = "Every topology speaks alike. The seed fixes every noise value."
 
 TOPOLOGIES = {
