@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from omni_server.repository.plan import Plan
-from omni_server.serve import health, models, speech, transcription, transcription_request
+from omni_server.serve import chat, health, models, speech, transcription, transcription_request
 from omni_server.serve.access import add_cors_headers, api_key, cors, host_guard
 from omni_server.serve.admission import Admission
 from omni_server.serve.body import body_guard
@@ -64,6 +64,7 @@ def create_app(
     app.cleanup_ctx.append(_stage_metrics)
     app.router.add_post("/v1/audio/speech", speech.create_speech)
     app.router.add_post("/v1/audio/transcriptions", transcription.create_transcription)
+    app.router.add_post("/v1/chat/completions", chat.create_chat_completion)
     state.body_limits["/v1/audio/transcriptions"] = (
         transcription_request.MAX_FILE_BYTES + transcription_request.FORM_OVERHEAD_BYTES
     )

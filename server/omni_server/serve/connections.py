@@ -22,8 +22,10 @@ from typing import Any
 
 from aiohttp import web, web_protocol
 from aiohttp.http_exceptions import (
+    BadHttpMessage,
     BadHttpMethod,
     BadStatusLine,
+    ContentEncodingError,
     ContentLengthError,
     InvalidHeader,
     InvalidURLError,
@@ -53,6 +55,8 @@ _PARSE_ERRORS: tuple[tuple[type[Exception], str], ...] = (
     (TransferEncodingError, "the chunked transfer encoding of the body is malformed"),
     (ContentLengthError, "the body does not match its Content-Length"),
     (InvalidHeader, "a request header is malformed"),
+    (ContentEncodingError, "the Content-Encoding is not supported; gzip and deflate are"),
+    (BadHttpMessage, "the request is not valid HTTP/1.1"),
 )
 
 
