@@ -6,6 +6,9 @@ A stage's `model.py` holds one class. The runtime creates it with no arguments, 
     execute(requests) -> list    scheduler "single" / "batch": one output or exception per request
     generate(request)            scheduler "stream": a generator yielding chunks; its return value
                                  (if any) is the payload handed to `next`
+    add(request)                 scheduler "ar" (continuous batching): a request joins the running
+    step() -> list[StepOutput]   batch; one step advances every request it holds and says what
+    abort(request)               each produced; abort drops a request and frees what it held
     finalize()                   once, at shutdown
 
 plus, when the stage descriptor names them, a route method `route(request, outputs) -> str | list`
@@ -35,6 +38,7 @@ __all__ = [
     "StageBackend",
     "StageConfigError",
     "StageContext",
+    "StepOutput",
 ]
 
 
@@ -83,6 +87,8 @@ class StageContext:
     tp_rank: int = 0
     tp_size: int = 1
     process_group: Any = None  # torch.distributed group of the TP ranks, None without TP
+    engine: Mapping[str, Any] = field(default_factory=dict)  # the stage's [engine] table
+    gpu_memory_fraction: float | None = None  # the share of the GPU this stage budgets
 
 
 @dataclass
@@ -111,6 +117,21 @@ class Request:
         A stage that is no `stream_to` target gets an empty iterator.
         """
         return self._stream if self._stream is not None else iter(())
+
+
+@dataclass
+class StepOutput:
+    """What one `step()` of an "ar" backend produced for one of its requests.
+
+    `chunk` (if any) streams out at once (stream_to stages, or the caller when terminal). When
+    `finished`, `result` is the request's final payload (handed to `next`, or the caller's
+    result when terminal); `error`, when set, fails the request instead (InvalidRequest: 400)."""
+
+    request: Request
+    chunk: Payload | None = None
+    finished: bool = False
+    result: Payload | None = None
+    error: BaseException | None = None
 
 
 class StageBackend:

@@ -16,11 +16,12 @@ from omni_server.engine.errors import ContextLengthExceeded
 from omni_server.engine.gguf_weights import load_gguf, smollm2_gguf_path
 from omni_server.engine.sampling import SamplingParams
 from omni_server.engine.sequence import FinishReason, GenerationRequest, TokenEvent
-from omni_server.engine.tokenizer import GGUFTokenizer, IncrementalDetokenizer
+from omni_server.engine.tokenizer import ChatTemplateError, GGUFTokenizer, IncrementalDetokenizer
 
 __all__ = [
     "LLAMA_1B",
     "SMOLLM2_135M",
+    "ChatTemplateError",
     "ContextLengthExceeded",
     "Engine",
     "EngineConfig",

@@ -70,6 +70,8 @@ def parse_stage(rs: RawStage) -> StageSpec:
         raise fail("process", "a process name may hold only letters, digits, '_' and '-'")
     gpu, tp_size, fraction = _placement(data, fail)
     scheduler = _scheduler(data.get("scheduler", {}), fail)
+    if scheduler.kind is SchedulerKind.AR and tp_size > 1:
+        raise fail("tp_size", 'an ar stage runs on one rank; tensor parallelism: kind "single"')
     nxt, route, terminal, stream_to = _routing(data, scheduler, fail)
     wait_for, merge = _fan_in(data, fail)
     process_local = _names(_value(data, "process_local"))
@@ -147,10 +149,10 @@ def _routing(
         )
     if route is not None and not IDENTIFIER.match(route):
         raise fail("route", f"'{route}' is not a method name of the backend class")
-    if stream_to and scheduler.kind is not SchedulerKind.STREAM:
+    if stream_to and scheduler.kind not in (SchedulerKind.STREAM, SchedulerKind.AR):
         raise fail(
             "stream_to",
-            'only a stream stage yields chunks: set [scheduler] kind = "stream" '
+            'only a stream or ar stage yields chunks: set [scheduler] kind = "stream" '
             f'(it is "{scheduler.kind}")',
         )
     return nxt, route, terminal, stream_to
@@ -173,7 +175,10 @@ def _engine(data: dict[str, Any]) -> EngineSpec | None:
     if "engine" not in data:
         return None
     table = data["engine"]
-    return EngineSpec(max_total_tokens=field_value(table, ENGINE_FIELDS, "max_total_tokens"))
+    return EngineSpec(
+        max_total_tokens=field_value(table, ENGINE_FIELDS, "max_total_tokens"),
+        settings=_freeze(table),
+    )
 
 
 def _backend(rs: RawStage, fail: _Fail) -> BackendRef:

@@ -52,6 +52,7 @@ class SchedulerKind(StrEnum):
     SINGLE = "single"  # one request at a time: execute([request])
     BATCH = "batch"  # dynamic batches: execute(requests), max_batch_size / max_queue_delay_ms
     STREAM = "stream"  # per-request generators: generate(request) yields chunks
+    AR = "ar"  # continuous batching: add(request), step() for all, abort(request)
 
 
 class BindingPolicy(StrEnum):
@@ -92,6 +93,7 @@ class EngineSpec:
     """Marks an engine stage (an autoregressive model with a KV budget)."""
 
     max_total_tokens: int | None = None  # pinned token budget; weight sharing requires it
+    settings: Mapping[str, Any] = EMPTY  # the whole [engine] table, for the backend
 
 
 @dataclass(frozen=True)

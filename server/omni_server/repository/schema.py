@@ -163,7 +163,8 @@ SCHEDULER_FIELDS = _fields(
         "kind",
         Kind.ENUM,
         "how requests reach the backend: one at a time (execute([r])), dynamic batches "
-        "(execute(batch)), or per-request streams (generate(r) yields chunks)",
+        "(execute(batch)), per-request streams (generate(r) yields chunks), or continuous "
+        "batching of an autoregressive model (add(r), step(), abort(r))",
         default=SchedulerKind.SINGLE,
         choices=tuple(SchedulerKind),
     ),
@@ -184,6 +185,18 @@ ENGINE_FIELDS = _fields(
         "pinned KV token budget of the engine; weight_share = on requires it",
         minimum=1,
     ),
+    Field("max_batch_size", Kind.INT, "most requests in one engine step", minimum=1),
+    Field(
+        "max_step_tokens",
+        Kind.INT,
+        "tokens in one forward: decodes first, prefill chunks fill the rest",
+        minimum=2,
+    ),
+    Field("max_seq_len", Kind.INT, "longest prompt + completion of one request", minimum=2),
+    Field("block_size", Kind.INT, "tokens per KV cache block", minimum=1),
+    Field("dtype", Kind.ENUM, "weights and KV cache", choices=("float32", "bfloat16", "float16")),
+    Field("cuda_graphs", Kind.BOOL, "capture decode steps in CUDA graphs (GPU stages)"),
+    Field("compile", Kind.BOOL, "torch.compile the model's forward"),
 )
 
 STAGE_FIELDS = _fields(

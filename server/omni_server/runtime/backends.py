@@ -39,13 +39,22 @@ def load_backend(spec: StageSpec) -> Any:
     return backend
 
 
+# what each scheduler kind calls on the backend (docs/backends.md)
+_NEEDED = {
+    SchedulerKind.SINGLE: ("execute",),
+    SchedulerKind.BATCH: ("execute",),
+    SchedulerKind.STREAM: ("generate",),
+    SchedulerKind.AR: ("add", "step", "abort"),
+}
+
+
 def _check_methods(spec: StageSpec, backend: Any) -> None:
     cls = type(backend).__name__
-    needed = "generate" if spec.scheduler.kind is SchedulerKind.STREAM else "execute"
-    if not callable(getattr(backend, needed, None)):
-        raise StageConfigError(
-            f'scheduler kind "{spec.scheduler.kind}" needs a method {needed}() on {cls}'
-        )
+    for needed in _NEEDED[spec.scheduler.kind]:
+        if not callable(getattr(backend, needed, None)):
+            raise StageConfigError(
+                f'scheduler kind "{spec.scheduler.kind}" needs a method {needed}() on {cls}'
+            )
     for role, name in (("route", spec.route), ("merge", spec.merge)):
         if name and not callable(getattr(backend, name, None)):
             raise StageConfigError(f"{role} = {name!r} but {cls} has no method {name}()")

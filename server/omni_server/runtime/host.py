@@ -104,6 +104,8 @@ class StageHost:
             tp_rank=self.instance.tp_rank,
             tp_size=self.instance.tp_size,
             process_group=self._process_group,
+            engine=dict(spec.engine.settings) if spec.engine else {},
+            gpu_memory_fraction=spec.gpu_memory_fraction if device is not None else None,
         )
 
         def create() -> Any:

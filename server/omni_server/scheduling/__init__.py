@@ -1,4 +1,4 @@
-"""Scheduling: turns a stage's admitted requests into backend calls (single, batch, stream)."""
+"""Scheduling: turns a stage's admitted requests into backend calls (single, batch, stream, ar)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,14 @@ import concurrent.futures
 
 from omni_server.repository.plan import SchedulerKind, SchedulerSpec
 
+from .ar import ARScheduler
 from .base import Scheduler, StageCallbacks, WorkItem
 from .batch import BatchScheduler
 from .calls import BackendContractError, StageCalls
 from .stream import StreamScheduler
 
 __all__ = [
+    "ARScheduler",
     "BackendContractError",
     "BatchScheduler",
     "Scheduler",
@@ -29,6 +31,8 @@ def make_scheduler(
     callbacks: StageCallbacks,
     executor: concurrent.futures.ThreadPoolExecutor,
 ) -> Scheduler:
+    if spec.kind is SchedulerKind.AR:
+        return ARScheduler(calls, callbacks, executor)
     if spec.kind is SchedulerKind.STREAM:
         return StreamScheduler(calls, callbacks, executor)
     if spec.kind is SchedulerKind.BATCH:

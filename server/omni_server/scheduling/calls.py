@@ -70,6 +70,46 @@ class StageCalls:
         if close is not None:
             close()
 
+    # ---- "ar": continuous batching ----------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self.backend.add(request)
+
+    def abort(self, request: Request) -> None:
+        self.backend.abort(request)
+
+    def ar_step(self, requests: dict[int, Request]) -> list[tuple[Request, Outcome | Payload]]:
+        """One engine step: (request, ("chunk", chunk) | outcome) for every request it moved.
+
+        `requests` (id(request) -> request) are those the backend holds; an output naming
+        another request breaks the contract. An outcome is (payload, targets) when the request
+        finished, or the exception that failed it."""
+        outputs = self.backend.step()
+        if not isinstance(outputs, list | tuple):
+            raise BackendContractError(
+                f"step() must return a list of StepOutput, got {type(outputs).__name__}"
+            )
+        out: list[tuple[Request, Any]] = []
+        for output in outputs:
+            request = getattr(output, "request", None)
+            if request is None or requests.get(id(request)) is not request:
+                raise BackendContractError(
+                    "step() returned an output for a request the stage did not add() "
+                    f"(got {type(output).__name__})"
+                )
+            try:
+                if output.chunk is not None:
+                    out.append((request, ("chunk", self._check_payload(output.chunk, "chunk"))))
+                if output.error is not None:
+                    out.append((request, output.error))
+                elif output.finished:
+                    result = output.result
+                    payload = None if result is None else self._check_payload(result, "result")
+                    out.append((request, (payload, self.targets(request, payload))))
+            except Exception as exc:  # noqa: BLE001 - a bad output or route fails its request only
+                out.append((request, exc))
+        return out
+
     def finalize(self) -> None:
         finalize = getattr(self.backend, "finalize", None)
         if finalize is not None:

@@ -1,0 +1,148 @@
+"""The thinker: a chat LLM on the engine, one continuous batch over every request.
+
+Inputs (the chat pipeline contract, docs/engine.md):
+    messages      [{"role": "system" | "user" | "assistant", "content": str}, ...]
+    max_tokens    int | None (None: up to the context window)
+    temperature   float (0: greedy), top_p float, seed int | None, stop [str]
+    speech        None, or the voice's options (voice, speed, seed, response_format, stream,
+                  sample_rate): handed to the voice with the first chunk (omni models)
+Chunks: {"text": delta} as tokens are sampled (never a broken UTF-8 character); the first also
+carries "speech" when the request has one. Result: {"text", "finish_reason", "usage"}.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from omni_server.backend import (
+    InvalidRequest,
+    Request,
+    StageBackend,
+    StageConfigError,
+    StageContext,
+    StepOutput,
+)
+from omni_server.engine import (
+    ChatTemplateError,
+    ContextLengthExceeded,
+    Engine,
+    EngineConfig,
+    GenerationRequest,
+    SamplingParams,
+)
+
+ROLES = ("system", "user", "assistant")
+
+
+class Thinker(StageBackend):
+    def initialize(self, context: StageContext) -> None:
+        threads = context.parameters.get("intra_op_threads", 2)
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+            raise StageConfigError(
+                f"parameters.intra_op_threads must be an integer >= 1; found {threads!r}"
+            )
+        if context.device == "cpu":
+            torch.set_num_threads(threads)
+        try:
+            config = EngineConfig.from_table({**context.engine, "device": context.device})
+        except (TypeError, ValueError) as err:
+            raise StageConfigError(f"[engine]: {err}") from err
+        self.engine = Engine.from_gguf(config)
+        self._ids = itertools.count()
+        self._requests: dict[str, Request] = {}  # engine id -> request
+        self._speech: dict[str, Any] = {}  # engine id -> speech options, until the first chunk
+        self._text: dict[str, list[str]] = {}  # engine id -> the deltas so far
+
+    def add(self, request: Request) -> None:
+        inputs = request.inputs
+        tokenizer = self.engine.tokenizer
+        assert tokenizer is not None  # from_gguf always has one
+        try:
+            prompt = tokenizer.encode_chat(_messages(inputs.get("messages")))
+        except ChatTemplateError as err:  # e.g. roles the model's template refuses
+            raise InvalidRequest(str(err), param="messages") from err
+        params = _sampling(inputs)
+        engine_id = f"r{next(self._ids)}"
+        try:
+            self.engine.add(GenerationRequest(engine_id, prompt, params))
+        except ContextLengthExceeded as err:
+            raise InvalidRequest(
+                str(err), code="context_length_exceeded", param="messages"
+            ) from err
+        self._requests[engine_id] = request
+        self._text[engine_id] = []
+        if inputs.get("speech") is not None:
+            self._speech[engine_id] = inputs["speech"]
+
+    def step(self) -> list[StepOutput]:
+        outputs = []
+        for event in self.engine.step():
+            request = self._requests.get(event.request_id)
+            if request is None:
+                continue  # an abort's final event
+            self._text[event.request_id].append(event.text)
+            chunk: dict[str, Any] | None = None
+            speech = self._speech.pop(event.request_id, None)
+            if event.text or speech is not None:
+                chunk = {"text": event.text}
+                if speech is not None:
+                    chunk["speech"] = speech
+            output = StepOutput(request, chunk=chunk)
+            if event.finished:
+                del self._requests[event.request_id]
+                output.finished = True
+                output.result = {
+                    "text": "".join(self._text.pop(event.request_id)),
+                    "finish_reason": str(event.finish_reason),
+                    "usage": {
+                        "prompt_tokens": event.prompt_tokens,
+                        "completion_tokens": event.completion_tokens,
+                    },
+                }
+            outputs.append(output)
+        return outputs
+
+    def abort(self, request: Request) -> None:
+        for engine_id, held in list(self._requests.items()):
+            if held is request:
+                del self._requests[engine_id]
+                self._speech.pop(engine_id, None)
+                self._text.pop(engine_id, None)
+                self.engine.abort(engine_id)
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest("messages must be a non-empty list", param="messages")
+    out = []
+    for i, message in enumerate(value):
+        if (
+            not isinstance(message, dict)
+            or message.get("role") not in ROLES
+            or not isinstance(message.get("content"), str)
+        ):
+            raise InvalidRequest(
+                f"messages[{i}] must be {{role: {' | '.join(ROLES)}, content: str}}",
+                param=f"messages[{i}]",
+            )
+        out.append({"role": message["role"], "content": message["content"]})
+    return out
+
+
+def _sampling(inputs: dict[str, Any]) -> SamplingParams:
+    stop = inputs.get("stop") or ()
+    try:
+        return SamplingParams(
+            temperature=float(inputs.get("temperature", 1.0)),
+            top_p=float(inputs.get("top_p", 1.0)),
+            top_k=int(inputs.get("top_k", 0)),
+            min_p=float(inputs.get("min_p", 0.0)),
+            seed=inputs.get("seed"),
+            max_tokens=inputs.get("max_tokens"),
+            stop=tuple(stop),
+        )
+    except (TypeError, ValueError) as err:
+        raise InvalidRequest(f"sampling: {err}") from err

@@ -1,0 +1,111 @@
+"""Continuous batching for autoregressive stages (`kind = "ar"`): one step loop for all requests.
+
+The backend holds the running batch (its engine: KV cache, sampler). The loop alternates, on the
+stage's compute thread: hand the backend the requests admitted since the last step (`add`) and
+drop the aborted ones (`abort`), then run one `step()` over everything it holds; back on the
+event loop, each request's chunk streams out at once and a finished request completes. Requests
+join and leave between steps, so a new request never waits for a running one to finish.
+
+Invariants (beside the scheduler's):
+- add / abort / step run only on the compute thread, in that order within one cycle, so the
+  backend needs no locks;
+- a request is in `_held` from its add() until it finished, failed, or its abort() ran: an
+  aborted request's late outputs are dropped, and its abort() reaches the backend exactly once
+  (freeing its KV cache at once);
+- an add() that raises fails that request alone (InvalidRequest: the caller's fault, a 400).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+from omni_server.backend import Request
+
+from .base import Scheduler, StageCallbacks, WorkItem
+from .calls import StageCalls
+
+
+class ARScheduler(Scheduler):
+    def __init__(
+        self,
+        calls: StageCalls,
+        callbacks: StageCallbacks,
+        executor: concurrent.futures.ThreadPoolExecutor,
+    ) -> None:
+        super().__init__(calls, callbacks, executor)
+        self._items: dict[int, WorkItem] = {}  # key -> item, for requests not yet ended here
+        self._joining: list[WorkItem] = []  # admitted, add() not yet called
+        self._leaving: list[Request] = []  # aborted after add(): abort() not yet called
+        self._held: dict[int, Request] = {}  # id(request) -> request the backend holds
+
+    def admit(self, item: WorkItem) -> None:
+        self._items[item.key] = item
+        self._joining.append(item)
+        self._wakeup.set()
+
+    def abort(self, key: int) -> None:
+        item = self._items.pop(key, None)
+        if item is None:
+            return
+        if item in self._joining:
+            self._joining.remove(item)  # never reached the backend
+        else:
+            self._leaving.append(item.request)
+            self._wakeup.set()
+
+    async def run(self) -> None:
+        while True:
+            if not (self._joining or self._leaving or self._held):
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            joining, self._joining = self._joining, []
+            leaving, self._leaving = self._leaving, []
+            (refused, outputs), start, seconds = await self._compute(self._cycle, joining, leaving)
+            for item, error in refused:
+                if self._items.pop(item.key, None) is not None:
+                    self.callbacks.fail(item, error)
+            self._report(outputs, start, seconds)
+
+    def _cycle(
+        self, joining: list[WorkItem], leaving: list[Request]
+    ) -> tuple[list[tuple[WorkItem, BaseException]], list[tuple[Request, Any]]]:
+        """Compute thread: leave, join, step."""
+        for request in leaving:
+            if self._held.pop(id(request), None) is not None:
+                self.calls.abort(request)
+        refused = []
+        for item in joining:
+            try:
+                self.calls.add(item.request)
+            except Exception as exc:  # noqa: BLE001 - a refused request fails alone
+                refused.append((item, exc))
+                continue
+            self._held[id(item.request)] = item.request
+        outputs = self.calls.ar_step(dict(self._held)) if self._held else []
+        for request, outcome in outputs:
+            if not (isinstance(outcome, tuple) and outcome[0] == "chunk"):
+                self._held.pop(id(request), None)  # finished or failed: the backend let go
+        return refused, outputs
+
+    def _report(self, outputs: list[tuple[Request, Any]], start: float, seconds: float) -> None:
+        """Event loop: stream chunks, complete or fail requests (aborted ones are dropped)."""
+        by_request = {id(item.request): item for item in self._items.values()}
+        stepped: set[int] = set()
+        for request, outcome in outputs:
+            item = by_request.get(id(request))
+            if item is None or item.key not in self._items:
+                continue  # aborted meanwhile
+            if item.key not in stepped:  # one step's time counts once per request
+                stepped.add(item.key)
+                item.started(start)
+                item.compute_s += seconds
+            if isinstance(outcome, BaseException):
+                del self._items[item.key]
+                self.callbacks.fail(item, outcome)
+            elif outcome[0] == "chunk":
+                self.callbacks.chunk(item, outcome[1])
+            else:
+                del self._items[item.key]
+                self.callbacks.complete(item, outcome[0], outcome[1])

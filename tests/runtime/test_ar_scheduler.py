@@ -1,0 +1,84 @@
+"""The "ar" scheduler (continuous batching): requests join and leave a running batch between
+steps, a refused request fails alone with the backend's 400-kind error, and an abort reaches the
+backend at once while the others go on."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from omni_server.repository.compiler import compile_repository
+from omni_server.runtime import PipelineError
+from tests.fixtures import FIXTURES
+from tests.helpers.repo import make_repo
+from tests.runtime.conftest import running
+
+pytestmark = pytest.mark.timeout(120)
+
+AR = 'backend = "model.py:Counter"\nterminal = true\n[scheduler]\nkind = "ar"\n'
+
+
+def _plan(root):
+    make_repo(
+        root,
+        {"counter": AR},
+        '[models.m]\nentry = "counter"\ntasks = ["chat"]\n',
+        {"counter": FIXTURES / "ar_stages.py"},
+    )
+    return compile_repository(root)
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["process", "inline"])
+async def test_requests_join_a_running_batch_and_leave_it(tmp_path, inline):
+    async with running(_plan(tmp_path), inline=inline) as runtime:
+        model = runtime.plan.models["m"]
+        long = runtime.submit(model, {"n": 10**9}, request_id="long")
+        chunks = aiter(long)
+        first = await anext(chunks)  # the long request is running
+        short = runtime.submit(model, {"n": 3}, request_id="short")
+        short_chunks = [c async for c in short]
+        result = await short.result()
+
+        async def alone_again() -> dict:
+            async for chunk in chunks:
+                if "short" not in chunk["peers"]:
+                    return chunk
+            raise AssertionError("the long request ended")
+
+        later = await asyncio.wait_for(alone_again(), 30)
+        await long.abort()
+    assert first["peers"] == ["long"]
+    assert [c["i"] for c in short_chunks] == [0, 1, 2]
+    # the short request joined the long one's batch, and left it when done
+    assert all(c["peers"] == ["long", "short"] for c in short_chunks)
+    assert later["peers"] == ["long"]
+    assert result == {"count": 3, "aborted": []}
+
+
+async def test_a_refused_request_fails_alone_as_the_callers_fault(tmp_path):
+    async with running(_plan(tmp_path)) as runtime:
+        model = runtime.plan.models["m"]
+        good = runtime.submit(model, {"n": 5})
+        bad = runtime.submit(model, {"n": -1})
+        with pytest.raises(PipelineError) as err:
+            await asyncio.wait_for(bad.result(), 30)
+        assert (await asyncio.wait_for(good.result(), 30))["count"] == 5
+    assert err.value.code == "invalid_request"
+    assert (err.value.error_code, err.value.param) == ("bad_n", "n")
+    assert err.value.message == "n must be >= 0, got -1"
+
+
+async def test_an_abort_frees_the_request_in_the_backend_while_others_go_on(tmp_path):
+    async with running(_plan(tmp_path)) as runtime:
+        model = runtime.plan.models["m"]
+        doomed = runtime.submit(model, {"n": 10_000}, request_id="doomed")
+        await anext(aiter(doomed))
+        await doomed.abort()
+        after = await asyncio.wait_for(
+            runtime.submit(model, {"n": 2}, request_id="after").result(), 30
+        )
+        with pytest.raises(PipelineError) as err:
+            await doomed.result()
+    assert err.value.code == "aborted"
+    assert after["aborted"] == ["doomed"]  # abort() ran before the next request's steps ended
