@@ -1,5 +1,9 @@
 """Acoustic stage: phoneme ids -> speech, one chunk per sentence (Piper VITS on onnxruntime).
 
+Its input is the frontend's stream, one chunk per sentence (phoneme ids, voice, speed, seed,
+encoding); each is synthesized as it arrives and streamed on to the encoder, so speech starts
+while the frontend (or, in the omni model, the thinker) is still producing later sentences.
+
 Seeded noise. A Piper VITS graph draws Gaussian noise twice, in `RandomNormalLike` ops that
 onnxruntime seeds on its own: once in the stochastic duration predictor (shape [B, 2, phonemes])
 and once for the prior sample z_p (shape [B, 192, frames]). The second shape depends on the
@@ -163,7 +167,7 @@ class PiperVoice:
     ) -> np.ndarray:
         """One sentence: phoneme ids [n] -> float32 mono audio [samples] at sample_rate, peak 1."""
         ids = np.asarray(phoneme_ids, dtype=np.int64).reshape(1, -1)  # [1, n]
-        feeds = {
+        feeds: dict[str, np.ndarray] = {
             "input": ids,
             "input_lengths": np.array([ids.shape[1]], dtype=np.int64),
             "scales": np.array(
@@ -188,7 +192,7 @@ def session_options(intra_op_threads: int) -> ort.SessionOptions:
 
 
 class Acoustic(StageBackend):
-    """Streams one chunk per sentence to the encoder (its only successor: a stream_to edge)."""
+    """Streams one chunk per sentence to the encoder; both edges (in, out) are streams."""
 
     def initialize(self, context: StageContext) -> None:
         params = context.parameters
@@ -216,39 +220,33 @@ class Acoustic(StageBackend):
                 raise StageConfigError(f"parameters.voices.{name}: {err}") from err
 
     def generate(self, request: Request) -> Iterator[Payload]:
-        inputs = request.inputs
-        voice = self.voices.get(inputs["voice"])
-        if voice is None:
-            raise ValueError(f"unknown voice {inputs['voice']!r}; valid: {', '.join(self.voices)}")
-        speed = float(inputs["speed"])
-        if not SPEED_RANGE[0] <= speed <= SPEED_RANGE[1]:
-            raise ValueError(f"speed must lie in {SPEED_RANGE[0]}..{SPEED_RANGE[1]}; got {speed}")
-        seed = inputs.get("seed")
-        unseeded = np.random.default_rng() if seed is None else None
-        # Chunks describe the encoding themselves, so the encoder can start on the first one
-        # without waiting for this stage's return payload.
-        encoding = {
-            "format": inputs["response_format"],
-            "sample_rate": inputs.get("sample_rate"),
-            "stream": bool(inputs["stream"]),
-        }
-        sentences = inputs["sentences"]
-        for index, sentence in enumerate(sentences):
+        """Reads the frontend's sentence chunks from the stream, as they come (its only input)."""
+        unseeded: np.random.Generator | None = None
+        for sentence in request.stream():
             request.check_aborted()
-            rng = unseeded if seed is None else sentence_rng(int(seed), index)
+            voice = self.voices.get(sentence["voice"])
+            if voice is None:
+                valid = ", ".join(self.voices)
+                raise ValueError(f"unknown voice {sentence['voice']!r}; valid: {valid}")
+            speed = float(sentence["speed"])
+            if not SPEED_RANGE[0] <= speed <= SPEED_RANGE[1]:
+                low, high = SPEED_RANGE
+                raise ValueError(f"speed must lie in {low}..{high}; got {speed}")
+            # Chunks describe the encoding themselves, so the encoder needs no other input.
+            chunk: Payload = {
+                "sample_rate": voice.sample_rate,
+                "sentence": sentence["sentence"],
+                "encoding": sentence["encoding"],
+            }
+            if sentence["sentence"] is None:  # nothing speakable: no audio, still the encoding
+                yield {**chunk, "audio": np.zeros(0, np.float32)}
+                continue
+            seed = sentence["seed"]
+            if seed is None:
+                if unseeded is None:  # one fresh generator per request
+                    unseeded = np.random.default_rng()
+                rng = unseeded
+            else:
+                rng = sentence_rng(int(seed), int(sentence["chunk"]))
             audio = voice.synthesize(sentence["phoneme_ids"], speed=speed, rng=rng)
-            yield {
-                "audio": audio,  # [samples] float32
-                "sample_rate": voice.sample_rate,
-                "sentence": index,
-                "sentences": len(sentences),
-                "encoding": encoding,
-            }
-        if not sentences:  # nothing speakable: one empty chunk still carries the encoding
-            yield {
-                "audio": np.zeros(0, np.float32),
-                "sample_rate": voice.sample_rate,
-                "sentence": 0,
-                "sentences": 0,
-                "encoding": encoding,
-            }
+            yield {**chunk, "audio": audio}  # audio: [samples] float32

@@ -12,7 +12,7 @@ a non-streamed one gets the whole file in one chunk at the end (wav with true si
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 
 from omni_server.audio.encode import AudioEncoder, default_sample_rate
 from omni_server.audio.resample import StreamResampler
@@ -20,7 +20,7 @@ from omni_server.backend import Payload, Request, StageBackend
 
 
 class AudioEncoderStage(StageBackend):
-    def generate(self, request: Request) -> Iterator[Payload]:
+    def generate(self, request: Request) -> Generator[Payload, None, Payload]:
         encoder: AudioEncoder | None = None
         sentences = 0
         try:
@@ -32,7 +32,8 @@ class AudioEncoderStage(StageBackend):
                     rate = encoding["sample_rate"] or default_sample_rate(fmt, chunk["sample_rate"])
                     resampler = StreamResampler(int(chunk["sample_rate"]), rate)
                     encoder = AudioEncoder(fmt, rate, streaming=encoding["stream"])
-                sentences = chunk["sentences"]
+                if chunk["sentence"] is not None:  # None: a chunk of no sentence (no audio)
+                    sentences = max(sentences, int(chunk["sentence"]) + 1)
                 data = encoder.encode(resampler.push(chunk["audio"]))
                 if data:
                     yield {"audio": data}

@@ -1,6 +1,18 @@
-"""Text frontend stage: request text -> sentences of Piper phoneme ids, plus the request options.
+"""Text frontend stage: text -> a stream of sentences of Piper phoneme ids, one chunk each.
 
-Three steps, all cheap next to synthesis (about 1 ms a sentence):
+Two ways in (a stream stage; its chunks go to the acoustic stage along `stream_to`):
+- whole text (the speech model's entry): `request.inputs` holds the pipeline contract
+  (docs/voice.md): `text`, `voice`, `speed`, `seed`, `response_format`, `stream`, `sample_rate`;
+- streamed text (the omni model: a thinker stage streams its answer here): `request.inputs` is
+  empty and `request.stream()` yields `{"text": delta}`; the first chunk also carries
+  `"speech": {voice, speed, seed, response_format, stream, sample_rate}`. Each sentence leaves
+  as soon as the text after it shows it is complete, so speech starts while the answer is
+  still being written; the remainder leaves at the end of the stream.
+Either way the chunks are the same for the same text (tested: any split of the text gives the
+sentences of the whole), and each carries everything downstream needs (voice, speed, seed,
+encoding): a stage started by a stream has no other inputs.
+
+Three steps per text, all cheap next to synthesis (about 1 ms a sentence):
 1. normalize: Unicode NFKC, typographic punctuation to ASCII, currency amounts and the common
    abbreviations whose period espeak-ng would read as a sentence end ("Dr. Smith") spelled out.
    Numbers, ordinals, percentages, dates and acronyms are left to espeak-ng, which reads them
@@ -14,11 +26,13 @@ Three steps, all cheap next to synthesis (about 1 ms a sentence):
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import threading
 import unicodedata
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,6 +45,7 @@ from omni_server.audio.resources import package_file
 from omni_server.backend import Payload, Request, StageBackend, StageConfigError, StageContext
 
 SPEED_RANGE = (0.25, 4.0)
+MAX_STREAMED_CHARS = 65536  # a streamed answer longer than this fails (bounded work and memory)
 
 # espeak-ng is one C library with global state: one caller at a time in a process.
 _ESPEAK_LOCK = threading.Lock()
@@ -140,6 +155,72 @@ class _VoiceText:
         self.vowel_clusters = {tuple(c) for c in clusters} if clusters else None
 
 
+@dataclass(frozen=True)
+class SpeechOptions:
+    """A request's options, checked; every chunk carries them (see the module docstring)."""
+
+    voice: str
+    speed: float
+    seed: int | None
+    encoding: dict[str, Any]  # {"format": str, "sample_rate": int | None, "stream": bool}
+
+    def fields(self) -> Payload:
+        return {
+            "voice": self.voice,
+            "speed": self.speed,
+            "seed": self.seed,
+            "encoding": dict(self.encoding),
+        }
+
+
+# A candidate sentence (or clause) end: punctuation, closing quotes, then space, and the next
+# non-space character (the lookahead: espeak-ng reads it to decide whether a sentence ended).
+_BOUNDARY = re.compile(r"""[.!?;:,]["')\]]*\s+(?=\S)""")
+
+
+class SentenceStream:
+    """The sentences of a text that arrives in pieces, each as soon as it is complete.
+
+    A sentence is complete once the text after it has started: espeak-ng decides a sentence
+    end by what follows ("etc. and" is one sentence, "etc. Then" two). The pending text is
+    phonemized whole, as the whole text would be, only when a new piece puts a non-space
+    character after a candidate boundary; it is cut only where the text before and after the
+    cut, phonemized apart, give the same sentences as together. So the sentences out are the
+    whole text's, whatever the pieces (tested with random splits); pending text stays about one
+    sentence long, and each piece costs a regex scan, at most one espeak-ng call per boundary.
+    """
+
+    def __init__(self, sentences: Callable[[str], list[list[str]]]) -> None:
+        self._sentences = sentences  # raw text -> sentences of phonemes
+        self._pending = ""
+
+    def push(self, piece: str) -> list[list[str]]:
+        """Add the next piece of text; returns the sentences it completed (often none)."""
+        start = len(self._pending)
+        self._pending += piece
+        boundaries = list(_BOUNDARY.finditer(self._pending))
+        if not boundaries or boundaries[-1].end() < start:
+            return []  # no boundary confirmed by this piece
+        whole = self._sentences(self._pending)
+        if len(whole) < 2:
+            return []
+        for boundary in reversed(boundaries):  # cut as late as possible: all but the last
+            cut = boundary.end()
+            head = self._sentences(self._pending[:cut])
+            if not 0 < len(head) < len(whole) or head != whole[: len(head)]:
+                continue
+            if self._sentences(self._pending[cut:]) != whole[len(head) :]:
+                continue
+            self._pending = self._pending[cut:]
+            return head
+        return []
+
+    def finish(self) -> list[list[str]]:
+        """The end of the text: the sentences still pending."""
+        rest, self._pending = self._pending, ""
+        return self._sentences(rest)
+
+
 class TextFrontend(StageBackend):
     def initialize(self, context: StageContext) -> None:
         global _espeak_ready
@@ -171,22 +252,39 @@ class TextFrontend(StageBackend):
                 espeakbridge.initialize(str(ESPEAK_DATA_DIR))
                 _espeak_ready = True
 
-    def execute(self, requests: list[Request]) -> list[Payload | Exception]:
-        results: list[Payload | Exception] = []
-        for request in requests:
+    def generate(self, request: Request) -> Iterator[Payload]:
+        if request.inputs:  # the whole text (the speech model)
             try:
-                results.append(self.prepare(request.inputs))
+                options = self.options(request.inputs)
+                text = request.inputs["text"]
+                if not isinstance(text, str) or not text.strip():
+                    raise ValueError("text must be a non-empty string")
             except (ValueError, KeyError, TypeError) as err:  # this request's input, alone
-                results.append(ValueError(f"bad speech request: {err}"))
-        return results
+                raise ValueError(f"bad speech request: {err}") from err
+            sentences: Iterator[list[str]] = iter(self.sentences(options.voice, text))
+        else:  # text streamed by an upstream stage (the omni model's thinker)
+            stream = request.stream()
+            first = next(stream, None)
+            if first is None:
+                raise ValueError("the text stream ended before its first chunk")
+            speech = first.get("speech")
+            if not isinstance(speech, Mapping):
+                raise ValueError(
+                    'the first streamed text chunk must carry "speech": {voice, speed, seed, '
+                    f"response_format, stream, sample_rate}}; found {speech!r}"
+                )
+            try:
+                options = self.options(speech)
+            except (ValueError, KeyError, TypeError) as err:
+                raise ValueError(f"bad speech options: {err}") from err
+            sentences = self._streamed(options.voice, first, stream)
+        yield from self._chunks(options, sentences)
 
-    def prepare(self, inputs: dict[str, Any]) -> Payload:
-        text, voice_name = inputs["text"], inputs["voice"]
-        if not isinstance(text, str) or not text.strip():
-            raise ValueError("text must be a non-empty string")
-        voice = self.voices.get(voice_name)
-        if voice is None:
-            raise ValueError(f"unknown voice {voice_name!r}; valid: {', '.join(self.voices)}")
+    def options(self, inputs: Mapping[str, Any]) -> SpeechOptions:
+        """The request's options (the pipeline contract), checked."""
+        voice = inputs["voice"]
+        if voice not in self.voices:
+            raise ValueError(f"unknown voice {voice!r}; valid: {', '.join(self.voices)}")
         speed = float(inputs.get("speed", 1.0))
         if not SPEED_RANGE[0] <= speed <= SPEED_RANGE[1]:
             raise ValueError(f"speed must lie in {SPEED_RANGE[0]}..{SPEED_RANGE[1]}; got {speed}")
@@ -199,19 +297,55 @@ class TextFrontend(StageBackend):
         seed = inputs.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ValueError(f"seed must be an integer; got {seed!r}")
-        sentences = [
-            {"phonemes": "".join(p), "phoneme_ids": np.asarray(phonemes_to_ids(p, voice.id_map))}
-            for p in self.phonemize(voice, normalize_text(text))
-        ]
-        return {
-            "sentences": sentences,  # [{"phonemes": str, "phoneme_ids": int64 [n]}]
-            "voice": voice_name,
-            "speed": speed,
-            "seed": seed,
-            "response_format": fmt,
-            "stream": bool(inputs.get("stream", False)),
+        encoding = {
+            "format": fmt,
             "sample_rate": None if rate is None else int(rate),
+            "stream": bool(inputs.get("stream", False)),
         }
+        return SpeechOptions(voice, speed, seed, encoding)
+
+    def sentences(self, voice: str, text: str) -> list[list[str]]:
+        """The text's sentences of phonemes, as the acoustic stage will speak them."""
+        normalized = normalize_text(text)
+        return self.phonemize(self.voices[voice], normalized) if normalized else []
+
+    def _streamed(
+        self, voice: str, first: Payload, stream: Iterator[Payload]
+    ) -> Iterator[list[str]]:
+        """Sentences of streamed text chunks, each as soon as it is complete."""
+        pending = SentenceStream(lambda text: self.sentences(voice, text))
+        received = 0
+        for chunk in itertools.chain([first], stream):
+            text = chunk.get("text", "")
+            if not isinstance(text, str):
+                raise ValueError(f"a streamed text chunk's text must be a string; got {text!r}")
+            received += len(text)
+            if received > MAX_STREAMED_CHARS:
+                raise ValueError(f"the streamed text exceeds {MAX_STREAMED_CHARS} characters")
+            yield from pending.push(text)
+        yield from pending.finish()
+
+    def _chunks(self, options: SpeechOptions, sentences: Iterator[list[str]]) -> Iterator[Payload]:
+        """One chunk per sentence; text with nothing speakable gives one chunk of no sentence
+        (it still carries the encoding, so the encoder can write a valid empty body)."""
+        voice = self.voices[options.voice]
+        index = -1
+        for index, phonemes in enumerate(sentences):
+            yield {
+                "sentence": index,
+                "chunk": index,  # what the acoustic stage keys its seeded noise on
+                "phonemes": "".join(phonemes),
+                "phoneme_ids": np.asarray(phonemes_to_ids(phonemes, voice.id_map)),  # int64 [n]
+                **options.fields(),
+            }
+        if index < 0:
+            yield {
+                "sentence": None,
+                "chunk": 0,
+                "phonemes": "",
+                "phoneme_ids": np.zeros(0, np.int64),
+                **options.fields(),
+            }
 
     def phonemize(self, voice: _VoiceText, text: str) -> list[list[str]]:
         """Sentences of phonemes (NFD code points, punctuation kept as Piper trains on it)."""

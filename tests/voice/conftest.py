@@ -30,6 +30,6 @@ def voice() -> InProcessVoice:
 
 @pytest.fixture(scope="session")
 def whisper():
-    from omni_server.audio.whisper import load_whisper
+    from omni_server.audio.whisper import Recognizer, load_whisper
 
-    return load_whisper()
+    return Recognizer(load_whisper())

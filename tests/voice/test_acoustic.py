@@ -81,8 +81,8 @@ def test_unseeded_audio_varies(voice):
 
 
 def test_aborted_request_stops_between_sentences(voice):
-    payload = voice.frontend_payload(voice.request("One sentence. Another sentence.", seed=1))
-    request = Request("r", payload)
+    sentences = voice.frontend_chunks(voice.request("One sentence. Another sentence.", seed=1))
+    request = Request("r", {}, _stream=sentences)
     chunks = voice.acoustic.generate(request)
     assert next(chunks)["sentence"] == 0
     request._aborted.set()  # what the runtime does when the client goes away
@@ -92,7 +92,7 @@ def test_aborted_request_stops_between_sentences(voice):
 
 def test_nothing_speakable_gives_empty_audio_not_an_error(voice):
     chunks = list(voice.sentences(voice.request("...", seed=1)))
-    assert len(chunks) == 1 and chunks[0]["sentences"] == 0 and len(chunks[0]["audio"]) == 0
+    assert len(chunks) == 1 and chunks[0]["sentence"] is None and len(chunks[0]["audio"]) == 0
     speech = voice.speak("...", response_format="wav")
     assert speech.result["sentences"] == 0 and speech.result["audio_seconds"] == 0.0
     assert len(speech.body) == 44  # a valid wav of no samples
@@ -139,9 +139,7 @@ def test_split_graph_computes_the_original_function(voice, original_graph):
     session, n_random = original_graph
     model = voice.acoustic.voices["joe"].model
     assert len(model.noise) == n_random == 2
-    ids = voice.frontend_payload(voice.request("Testing the split graph."))["sentences"][0][
-        "phoneme_ids"
-    ]
+    ids = next(voice.frontend_chunks(voice.request("Testing the split graph.")))["phoneme_ids"]
     rng = RecordingRng(0, scale=0.0)  # zero noise: what noise_scale = noise_w = 0 does inside
     ours = model(feeds(ids, 0.0, 1.0, 0.0), rng)
     reference, *noise_like = session.run(None, feeds(ids, 0.0, 1.0, 0.0))
@@ -153,9 +151,10 @@ def test_split_graph_computes_the_original_function(voice, original_graph):
 
 def test_drawn_noise_is_standard_normal_float32(voice):
     model = voice.acoustic.voices["joe"].model
-    ids = voice.frontend_payload(voice.request("A sentence long enough for many noise values."))
+    text = "A sentence long enough for many noise values."
+    ids = next(voice.frontend_chunks(voice.request(text)))["phoneme_ids"]
     rng = RecordingRng(5)
-    model(feeds(ids["sentences"][0]["phoneme_ids"], 0.667, 1.0, 0.8), rng)
+    model(feeds(ids, 0.667, 1.0, 0.8), rng)
     values = np.concatenate([d.reshape(-1) for d in rng.draws])
     assert all(d.dtype == np.float32 for d in rng.draws)
     assert values.size > 10_000

@@ -16,9 +16,12 @@ def frontend(plan):
     return load_stage(plan, "text_frontend")
 
 
+def chunks(frontend, inputs: dict) -> list[dict]:
+    return list(frontend.generate(Request("r", inputs)))
+
+
 def phonemes(frontend, text: str) -> list[str]:
-    payload = frontend.prepare({"text": text, "voice": "joe"})
-    return [s["phonemes"] for s in payload["sentences"]]
+    return [c["phonemes"] for c in chunks(frontend, {"text": text, "voice": "joe"})]
 
 
 def test_numbers_are_read_as_words(frontend):
@@ -50,8 +53,7 @@ def test_sentences_are_split_and_typographic_punctuation_normalized(frontend):
 
 
 def test_phoneme_ids_follow_the_voice_id_map(frontend):
-    payload = frontend.prepare({"text": "Hi.", "voice": "joe"})
-    [sentence] = payload["sentences"]
+    [sentence] = chunks(frontend, {"text": "Hi.", "voice": "joe"})
     ids = sentence["phoneme_ids"]
     assert ids.dtype == np.int64
     # BOS, then every phoneme followed by PAD (0), then EOS
@@ -81,8 +83,14 @@ def test_request_options_pass_through(frontend):
         "stream": True,
         "sample_rate": 16000,
     }
-    payload = frontend.prepare({"text": "Hi.", **options})
-    assert {k: payload[k] for k in options} == options
+    [chunk] = chunks(frontend, {"text": "Hi.", **options})
+    assert {k: chunk[k] for k in ("voice", "speed", "seed")} == {
+        "voice": "joe",
+        "speed": 1.5,
+        "seed": 7,
+    }
+    assert chunk["encoding"] == {"format": "pcm", "sample_rate": 16000, "stream": True}
+    assert (chunk["sentence"], chunk["chunk"]) == (0, 0)
 
 
 @pytest.mark.parametrize(
@@ -96,11 +104,12 @@ def test_request_options_pass_through(frontend):
         ({"seed": "7"}, "seed must be an integer"),
     ],
 )
-def test_bad_request_fails_alone_with_a_clear_message(frontend, change, message):
+def test_bad_request_fails_with_a_clear_message(frontend, change, message):
     good = {"text": "Hello.", "voice": "joe"}
-    results = frontend.execute([Request("bad", {**good, **change}), Request("good", good)])
-    assert isinstance(results[0], ValueError) and message in str(results[0])
-    assert isinstance(results[1], dict) and len(results[1]["sentences"]) == 1
+    with pytest.raises(ValueError, match="bad speech request") as failed:
+        chunks(frontend, {**good, **change})
+    assert message in str(failed.value)
+    assert len(chunks(frontend, good)) == 1
 
 
 def test_config_error_says_what_was_required_and_found(plan):

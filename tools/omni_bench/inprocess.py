@@ -5,9 +5,8 @@ Everything a served request would go through up to the stages is the server's ow
 repository is compiled (`compile_repository`), each backend is loaded by the runtime's loader
 (`load_backend`) and initialized with the context a stage host gives it, and a request's entry
 inputs are the speech endpoint's (`SpeechRequest.pipeline_inputs()`). Only the
-runtime is left out: `InProcessVoice` chains the speech model's three stages as the pipeline
-does: the entry stage's execute(), its `next` stage's generate() feeding the `stream_to`
-terminal's request stream.
+runtime is left out: `InProcessVoice` chains the speech model's three stream stages as the
+pipeline does: each stage's generate() feeds the request stream of its `stream_to` stage.
 """
 
 from __future__ import annotations
@@ -76,8 +75,8 @@ def speech_model(plan: Plan, model: str | None = None) -> ModelSpec:
 
 
 class InProcessVoice:
-    """A speech model shaped frontend --next--> acoustic --stream_to--> encoder (terminal), as
-    the embedded repository's is, in the calling thread.
+    """A speech model shaped frontend --stream_to--> acoustic --stream_to--> encoder (terminal),
+    as the embedded repository's is, in the calling thread.
 
     Several threads may use one instance at once: espeak-ng calls are serialized by the
     frontend, onnxruntime sessions are thread-safe, and every request has its own generator,
@@ -94,7 +93,7 @@ class InProcessVoice:
         self.plan = compile_repository(repository)
         self.model = speech_model(self.plan, model)
         frontend = self.plan.stages[self.model.entry]
-        [acoustic_stage] = frontend.next
+        [acoustic_stage] = frontend.stream_to
         [encoder_stage] = self.plan.stages[acoustic_stage].stream_to
         self.frontend = load_stage(self.plan, frontend.name)
         self.acoustic = load_stage(self.plan, acoustic_stage, parameters=acoustic)
@@ -127,18 +126,14 @@ class InProcessVoice:
             sample_rate=sample_rate,
         ).pipeline_inputs()
 
-    def frontend_payload(self, inputs: Payload) -> Payload:
-        [out] = self.frontend.execute([Request(id=f"r{next(self._ids)}", inputs=inputs)])
-        if isinstance(out, Exception):
-            raise out
-        return out
+    def frontend_chunks(self, inputs: Payload) -> Iterator[Payload]:
+        """The frontend's chunks (one per sentence) for entry inputs."""
+        return self.frontend.generate(Request(id=f"r{next(self._ids)}", inputs=inputs))
 
-    def sentences(self, inputs: Payload) -> Generator[Payload, None, Payload]:
-        """The acoustic stage's chunks (one per sentence); returns its `next` payload."""
-        payload = self.frontend_payload(inputs)
-        return (
-            yield from self.acoustic.generate(Request(id=f"r{next(self._ids)}", inputs=payload))
-        )
+    def sentences(self, inputs: Payload) -> Iterator[Payload]:
+        """The acoustic stage's chunks (one per sentence)."""
+        request = Request(id=f"r{next(self._ids)}", inputs={}, _stream=self.frontend_chunks(inputs))
+        return self.acoustic.generate(request)
 
     def stream(self, inputs: Payload) -> Generator[bytes, None, Payload]:
         """Body bytes as the terminal stage yields them; returns its result payload."""

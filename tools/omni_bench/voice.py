@@ -43,9 +43,9 @@ def per_stage(voice: InProcessVoice) -> None:
     rtfs, audios = [], []
     for text in SENTENCES:
         t0 = time.perf_counter()
-        payload = voice.frontend_payload(voice.request(text))
+        first = next(voice.frontend_chunks(voice.request(text)))
         t1 = time.perf_counter()
-        ids = payload["sentences"][0]["phoneme_ids"]
+        ids = first["phoneme_ids"]
         times = []
         for seed in range(5):
             s = time.perf_counter()
@@ -86,10 +86,7 @@ def throughput(voices: list[InProcessVoice], jobs: int = 24) -> tuple[float, flo
     Returns (audio seconds per second, median and p90 sentence latency s, CPU seconds per
     audio second): CPU time is the measure other work on a shared machine disturbs least.
     """
-    ids = [
-        voices[0].frontend_payload(voices[0].request(t))["sentences"][0]["phoneme_ids"]
-        for t in SENTENCES
-    ]
+    ids = [next(voices[0].frontend_chunks(voices[0].request(t)))["phoneme_ids"] for t in SENTENCES]
     latencies: list[float] = []
     produced = [0]
     lock = threading.Lock()

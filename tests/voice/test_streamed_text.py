@@ -1,0 +1,184 @@
+"""The voice on streamed text (the omni model's shape: a thinker streams its answer into the
+text frontend): any split of a text gives the whole text's sentences and the same audio."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from omni_bench.inprocess import InProcessVoice
+from omni_server.backend import Request
+from omni_server.repository.compiler import compile_repository
+from tests.fixtures import FIXTURES
+from tests.helpers.repo import make_repo
+from tests.helpers.runtime import running
+
+pytestmark = pytest.mark.timeout(300)
+
+SPEECH = {
+    "voice": "joe",
+    "speed": 1.0,
+    "seed": 11,
+    "response_format": "pcm",
+    "stream": True,
+    "sample_rate": None,
+}
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. Then it ran away into the woods.",
+    "Dr. Smith paid $42.50 on Jan. 3rd, etc. Is that right? Yes! It is 3.5 times more.",
+    "Apples, pears, etc. and then we left. \u201cHello,\u201d she said \u2014 softly.",
+    'I said "yes." Then, after a pause: no, not today; maybe tomorrow... or never.',
+    ", ".join(["the rain kept falling over the quiet little town by the river"] * 8) + ". Done.",
+]
+
+
+def pieces(text: str, cuts: list[int]) -> list[dict]:
+    """The thinker's chunks for `text` cut at `cuts`: the first carries the speech options."""
+    bounds = [0, *cuts, len(text)]
+    chunks: list[dict] = [{"text": text[a:b]} for a, b in itertools.pairwise(bounds)]
+    chunks[0]["speech"] = SPEECH
+    return chunks
+
+
+def streamed(voice: InProcessVoice, chunks: list[dict]) -> list[dict]:
+    return list(voice.frontend.generate(Request("r", {}, _stream=iter(chunks))))
+
+
+def whole(voice: InProcessVoice, text: str) -> list[dict]:
+    return list(voice.frontend_chunks({"text": text, **SPEECH}))
+
+
+def same_sentences(got: list[dict], expected: list[dict]) -> None:
+    assert [c["phonemes"] for c in got] == [c["phonemes"] for c in expected]
+    for a, b in zip(got, expected, strict=True):
+        assert np.array_equal(a["phoneme_ids"], b["phoneme_ids"])
+        assert (a["sentence"], a["chunk"], a["encoding"]) == (
+            b["sentence"],
+            b["chunk"],
+            b["encoding"],
+        )
+
+
+@pytest.mark.parametrize("text", TEXTS, ids=range(len(TEXTS)))
+def test_any_split_gives_the_whole_texts_sentences(voice, text):
+    expected = whole(voice, text)
+    assert len(expected) >= 2
+    rng = random.Random(text)
+    splits = {
+        "one piece": [],
+        "every character": list(range(1, len(text))),
+        "mid-word tokens": sorted(rng.sample(range(1, len(text)), len(text) // 4)),
+        "few random": sorted(rng.sample(range(1, len(text)), 5)),
+    }
+    for name, cuts in splits.items():
+        got = streamed(voice, pieces(text, cuts))
+        same_sentences(got, expected)
+
+
+def test_streamed_sentences_give_the_same_audio(voice):
+    text = TEXTS[0]
+    cuts = list(range(3, len(text), 4))  # 4-character pieces: every word cut somewhere
+    audio = voice.acoustic.generate(
+        Request("a", {}, _stream=iter(streamed(voice, pieces(text, cuts))))
+    )
+    reference = voice.sentences(voice.request(text, seed=SPEECH["seed"]))
+    got, expected = [c["audio"] for c in audio], [c["audio"] for c in reference]
+    assert len(got) == len(expected) == 2
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(got, expected, strict=True))
+
+
+def test_a_sentence_leaves_as_soon_as_the_next_one_starts(voice):
+    """The frontend yields sentence 1 once text after it has started, before the stream ends."""
+    text = "Hello there, my friend. How are you today?"
+    chunks = pieces(text, [6, 15, 22, 24, 26, 30])  # ... "friend." | " " | "Ho" | ...
+    consumed: list[int] = []
+
+    def stream() -> Iterator[dict]:
+        for index, chunk in enumerate(chunks):
+            consumed.append(index)
+            yield chunk
+
+    frontend = voice.frontend.generate(Request("r", {}, _stream=stream()))
+    first = next(frontend)
+    assert first["sentence"] == 0 and first["phonemes"].endswith(".")
+    assert consumed[-1] == 4  # "Ho": the next sentence's first letter, nothing later
+    assert [c["sentence"] for c in frontend] == [1]
+
+
+def test_streamed_text_with_nothing_speakable_gives_one_empty_chunk(voice):
+    [chunk] = streamed(voice, pieces("... ...", [2, 4]))
+    assert chunk["sentence"] is None and len(chunk["phoneme_ids"]) == 0
+    assert chunk["encoding"] == {"format": "pcm", "sample_rate": None, "stream": True}
+    [audio] = voice.acoustic.generate(Request("a", {}, _stream=iter([chunk])))
+    assert len(audio["audio"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("chunks", "message"),
+    [
+        ([], "the text stream ended before its first chunk"),
+        ([{"text": "Hi."}], 'the first streamed text chunk must carry "speech"'),
+        ([{"text": "Hi.", "speech": {**SPEECH, "speed": 9.0}}], "speed must lie in 0.25..4.0"),
+        ([{"text": "Hi.", "speech": {**SPEECH, "voice": "alloy"}}], "unknown voice 'alloy'"),
+        ([{"text": 5, "speech": SPEECH}], "text must be a string"),
+    ],
+)
+def test_bad_streamed_text_fails_with_a_clear_message(voice, chunks, message):
+    with pytest.raises(ValueError, match=message):
+        streamed(voice, chunks)
+
+
+def stage_toml(repository, name: str, process: str | None = None) -> str:
+    text = (repository / name / "stage.toml").read_text()
+    return text if process is None else text.replace('process = "voice"', f'process = "{process}"')
+
+
+@pytest.mark.parametrize("voice_replicas", [1, 2])
+async def test_a_thinker_streaming_into_the_voice_gives_the_speech_models_audio(
+    voice, repository, tmp_path, voice_replicas
+):
+    """A fake thinker in its own process streams text, cut mid-word, into the real voice stages
+    (text over the ring); the audio is the speech model's for the same text and seed."""
+    text = TEXTS[1]
+    stages = {
+        "thinker": 'backend = "model.py:TextStreamer"\nprocess = "thinker"\n'
+        'stream_to = ["text_frontend"]\n[scheduler]\nkind = "stream"\n',
+        **{
+            name: stage_toml(repository, name)
+            for name in ("text_frontend", "acoustic", "audio_encoder")
+        },
+    }
+    models = {
+        "thinker": FIXTURES / "text_streamer.py",
+        **{
+            name: repository / name / "model.py"
+            for name in ("text_frontend", "acoustic", "audio_encoder")
+        },
+    }
+    root = make_repo(
+        tmp_path,
+        stages,
+        f"[processes.voice]\nnum_replicas = {voice_replicas}\n"
+        '[models.speech]\nentry = "text_frontend"\ntasks = ["speech"]\nvoices = ["joe"]\n'
+        '[models.omni]\nentry = "thinker"\ntasks = ["chat"]\nvoices = ["joe"]\n',
+        models,
+    )
+    plan = compile_repository(root)
+    expected = voice.speak(text, response_format="pcm", stream=True, seed=SPEECH["seed"]).body
+    cuts = sorted(random.Random(7).sample(range(1, len(text)), 20))
+    async with running(plan) as runtime:
+        for _ in range(voice_replicas):  # with two replicas, both serve in turn
+            handle = runtime.submit(
+                plan.models["omni"], {"text": text, "cuts": cuts, "speech": SPEECH}
+            )
+            chunks = [c["audio"] async for c in handle]
+            result = await handle.result()
+            assert len(chunks) >= 2 and b"".join(chunks) == expected
+            assert result["sentences"] == 4 and result["sample_rate"] == 24000
+            handle = runtime.submit(plan.models["speech"], {"text": text, **SPEECH})
+            assert b"".join([c["audio"] async for c in handle]) == expected
+            await handle.result()
