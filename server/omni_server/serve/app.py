@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from omni_server.repository.plan import Plan
-from omni_server.serve import chat, health, models, speech, transcription, transcription_request
+from omni_server.serve import (
+    chat,
+    health,
+    models,
+    openapi,
+    speech,
+    transcription,
+    transcription_request,
+)
 from omni_server.serve.access import add_cors_headers, api_key, cors, host_guard
 from omni_server.serve.admission import Admission
 from omni_server.serve.body import body_guard
@@ -75,6 +83,7 @@ def create_app(
     app.router.add_get("/health/ready", health.ready)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/", _playground)
+    app.router.add_get("/openapi.json", openapi.serve_openapi)
     return app
 
 

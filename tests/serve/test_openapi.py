@@ -1,0 +1,189 @@
+"""`/openapi.json` is true to the app's routes, and a property-based fuzz of the HTTP API built
+from it finds no 5xx.
+
+The fuzz runs against a real server process whose only model is the stand-in voice of
+tests/fixtures/silence.py (three 10 ms chunks of silence for any text), so every request that
+passes validation is served for real, fast. Each operation gets request bodies generated from
+its schema, the same with one field replaced by an arbitrary JSON value, arbitrary JSON, and
+arbitrary bytes. Examples are bounded and derandomized: the run is the same every time.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+from urllib.parse import quote
+
+import httpx2 as httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from omni_server.serve import create_app
+from omni_server.serve.openapi import document
+from omni_server.serve.state import STATE
+from tests.fixtures import FIXTURES
+from tests.helpers.repo import make_repo
+from tests.helpers.server import ServerProcess
+
+pytestmark = pytest.mark.timeout(300)
+
+FUZZ = settings(
+    max_examples=80,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+async def test_the_document_lists_exactly_the_app_routes(stand_in_runtime, aiohttp_client):
+    app = create_app(stand_in_runtime)
+    client = await aiohttp_client(app)
+    response = await client.get("/openapi.json")
+    assert response.status == 200
+    doc = await response.json()
+    assert doc["openapi"].startswith("3.1")
+    documented = {(method.upper(), path) for path, ops in doc["paths"].items() for method in ops}
+    served = {
+        (route.method, route.resource.canonical)
+        for route in app.router.routes()
+        if route.method != "HEAD"  # aiohttp adds HEAD beside every GET
+    }
+    assert documented == served
+    for path, operations in doc["paths"].items():
+        for method, operation in operations.items():
+            assert "200" in operation["responses"], (method, path)
+    assert doc == document(app[STATE])  # what is served is what the builder makes
+    speech = doc["paths"]["/v1/audio/speech"]["post"]["requestBody"]["content"]
+    properties = speech["application/json"]["schema"]["properties"]
+    assert properties["model"]["enum"] == ["quiet"]
+    assert properties["stream_format"]["default"] == "audio"
+
+
+def strategy(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
+    """Values a JSON schema (the subset the document uses) describes."""
+    if "oneOf" in schema:
+        return st.one_of([strategy(s) for s in schema["oneOf"]])
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    if "const" in schema:
+        return st.just(schema["const"])
+    kind = schema.get("type")
+    if kind == "string":
+        if schema.get("contentEncoding") == "binary":
+            return st.binary(max_size=2000)
+        top = min(schema.get("maxLength", 300), 300)
+        return st.text(min_size=schema.get("minLength", 0), max_size=top)
+    if kind == "integer":
+        return st.integers(schema.get("minimum"), schema.get("maximum"))
+    if kind == "number":
+        return st.floats(schema.get("minimum"), schema.get("maximum"), allow_nan=False)
+    if kind == "boolean":
+        return st.booleans()
+    if kind == "array":
+        items = strategy(schema.get("items", {}))
+        return st.lists(items, min_size=schema.get("minItems", 0), max_size=4)
+    if kind == "object":
+        props = schema.get("properties", {})
+        required = {k: strategy(props.get(k, {})) for k in schema.get("required", [])}
+        optional = {k: strategy(v) for k, v in props.items() if k not in required}
+        return st.fixed_dictionaries(required, optional=optional)
+    return ANY_JSON
+
+
+ANY_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=40),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+def json_bodies(schema: dict[str, Any]) -> st.SearchStrategy[bytes]:
+    valid = strategy(schema)
+    names = sorted(schema.get("properties", {}))
+    spoiled = st.tuples(valid, st.sampled_from(names), ANY_JSON).map(lambda t: {**t[0], t[1]: t[2]})
+    values = st.one_of(valid, spoiled, ANY_JSON)
+    return st.one_of(values.map(lambda v: json.dumps(v).encode()), st.binary(max_size=300))
+
+
+@pytest.fixture(scope="module")
+def fuzzed(tmp_path_factory):
+    """A served silence model, its OpenAPI document and an HTTP client."""
+    root = tmp_path_factory.mktemp("fuzz")
+    repo = make_repo(
+        root / "repo",
+        stages={"speaker": 'backend = "Silence"\nterminal = true\n[scheduler]\nkind = "stream"'},
+        repository='[models.quiet]\nentry = "speaker"\ntasks = ["speech"]\nvoices = ["hush"]',
+        models={"speaker": FIXTURES / "silence.py"},
+    )
+    with (
+        ServerProcess.start(repo, root / "server.log") as server,
+        httpx.Client(base_url=server.url, timeout=30) as client,
+    ):
+        yield server, client.get("/openapi.json").json(), client
+
+
+def request_schema(doc: dict, path: str, media: str) -> dict[str, Any]:
+    return doc["paths"][path]["post"]["requestBody"]["content"][media]["schema"]
+
+
+def assert_no_server_error(response: httpx.Response) -> None:
+    assert response.status_code < 500, (response.status_code, response.text[:500])
+    if response.status_code >= 400:
+        error = response.json()["error"]  # OpenAI's shape, every time
+        assert set(error) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("path", ["/v1/audio/speech", "/v1/chat/completions"])
+def test_fuzz_json_endpoints(fuzzed, path):
+    _, doc, client = fuzzed
+    statuses: list[int] = []
+
+    @FUZZ
+    @given(json_bodies(request_schema(doc, path, "application/json")))
+    def post(body: bytes) -> None:
+        response = client.post(path, content=body, headers={"Content-Type": "application/json"})
+        statuses.append(response.status_code)
+        assert_no_server_error(response)
+
+    post()
+    if path == "/v1/audio/speech":  # the fuzz reaches the pipeline, not only the validation
+        assert statuses.count(200) >= 5, sorted(set(statuses))
+    assert len(set(statuses)) >= 2, statuses
+
+
+def test_fuzz_transcription_form(fuzzed):
+    _, doc, client = fuzzed
+    schema = request_schema(doc, "/v1/audio/transcriptions", "multipart/form-data")
+    fields = {k: v for k, v in schema["properties"].items() if k != "file"}
+    form = st.fixed_dictionaries(
+        {}, optional={k: strategy(v).map(str) | st.text(max_size=30) for k, v in fields.items()}
+    )
+
+    @FUZZ
+    @given(form, st.binary(max_size=2000) | st.none())
+    def post(data: dict[str, str], file: bytes | None) -> None:
+        files = {"file": ("a.wav", file)} if file is not None else {"x": ("x", b"")}
+        response = client.post("/v1/audio/transcriptions", data=data, files=files)
+        assert_no_server_error(response)
+
+    post()
+
+
+def test_fuzz_get_routes_and_path_parameters(fuzzed):
+    _, doc, client = fuzzed
+    paths = [p for p, ops in doc["paths"].items() if "get" in ops and "{" not in p]
+
+    @FUZZ
+    @given(st.sampled_from(paths), st.text(max_size=60), st.sampled_from(["GET", "POST", "PUT"]))
+    def call(path: str, model: str, method: str) -> None:
+        response = client.request(method, path)
+        if path == "/health/ready" or method != "GET":
+            assert response.status_code < 500
+        else:
+            assert response.status_code in (200, 404), (path, response.status_code)
+        assert_no_server_error(client.get("/v1/models/" + quote(model, safe="")))
+
+    call()
