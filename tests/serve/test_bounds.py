@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from omni_server.serve.admission import Admission, RateLimited
+from omni_server.serve.state import STATE
 from tests.fixtures.serve_stand_in import LIBRARY_DETAIL
 from tests.serve.inline import SPEECH
 
@@ -155,3 +156,19 @@ async def test_admission_is_first_come_and_times_out():
     assert admission.queued("m") == 0
     await holder
     assert admission.in_flight("m") == 0
+
+
+async def test_a_stopping_server_says_not_ready_and_refuses_new_requests(app_client):
+    client = await app_client()
+    slow = await client.post("/v1/audio/speech", json=dict(SPEECH, input="slow 3"))
+    lifecycle = client.app[STATE].lifecycle
+    draining = asyncio.ensure_future(lifecycle.drain(grace_s=30))
+    await asyncio.sleep(0.05)
+    assert (await client.get("/health/ready")).status == 503
+    health = await client.get("/health")
+    assert health.status == 503 and (await health.json())["status"] == "stopping"
+    refused = await client.post("/v1/audio/speech", json=SPEECH)
+    assert refused.status == 503 and (await error_of(refused))["code"] == "not_ready"
+    assert (await client.get("/health/live")).status == 200
+    assert await slow.read() == bytes(480) * 3  # the request in flight finishes in the grace
+    assert await draining == 0  # nothing had to be cancelled

@@ -15,7 +15,10 @@ async def live(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    runtime = request.app[STATE].runtime
+    state = request.app[STATE]
+    runtime = state.runtime
+    if state.lifecycle.stopping:  # draining: send new requests elsewhere
+        return error_response(503, "the server is shutting down", code="not_ready")
     if not runtime.ready:
         return error_response(503, "the pipeline is not ready", code="not_ready")
     if not runtime.healthy:
@@ -26,8 +29,11 @@ async def ready(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     """`ready`: the runtime has started; `healthy`: ready and no stage process has died."""
     state = request.app[STATE]
-    is_ready, healthy = bool(state.runtime.ready), bool(state.runtime.healthy)
+    is_ready = bool(state.runtime.ready) and not state.lifecycle.stopping
+    healthy = is_ready and bool(state.runtime.healthy)
     status = "ok" if healthy else ("unhealthy" if is_ready else "not_ready")
+    if state.lifecycle.stopping:
+        status = "stopping"
     body = {
         "status": status,
         "ready": is_ready,
