@@ -1,0 +1,89 @@
+"""The embedded thinker stage (SmolLM2-135M on the engine) served by the runtime: the real model
+in a real stage process, driven through the "ar" scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from omni_server.repository.compiler import compile_repository
+from omni_server.runtime import PipelineError
+from tests.helpers.repo import make_repo
+from tests.runtime.conftest import running
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+THINKER = Path(__file__).resolve().parents[2] / "repository" / "thinker"
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a primary color.",
+    "What is two plus two?",
+    "Say hello.",
+]
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory):
+    root = tmp_path_factory.mktemp("thinker-repo")
+    stage = (THINKER / "stage.toml").read_text().replace('stream_to = ["text_frontend"]\n', "")
+    stage = stage.replace("max_total_tokens = 8192", "max_total_tokens = 2048")
+    make_repo(
+        root,
+        {"thinker": stage},
+        '[models.chat]\nentry = "thinker"\ntasks = ["chat"]\n',
+        {"thinker": THINKER / "model.py"},
+    )
+    return compile_repository(root)
+
+
+def _inputs(question: str, **sampling) -> dict:
+    return {"messages": [{"role": "user", "content": question}], "max_tokens": 12, **sampling}
+
+
+async def _answer(runtime, inputs: dict) -> tuple[str, dict]:
+    handle = runtime.submit(runtime.plan.models["chat"], inputs)
+    text = "".join([chunk["text"] async for chunk in handle])
+    return text, await handle.result()
+
+
+async def test_greedy_answers_are_the_same_alone_and_in_a_batch_and_seeds_repeat(plan):
+    async with running(plan) as runtime:
+        alone = [await _answer(runtime, _inputs(q, temperature=0)) for q in QUESTIONS]
+        batched = await asyncio.gather(
+            *(_answer(runtime, _inputs(q, temperature=0)) for q in QUESTIONS)
+        )
+        seeded = [
+            await _answer(runtime, _inputs(QUESTIONS[0], temperature=1.0, seed=7)) for _ in range(2)
+        ]
+    assert alone == list(batched)
+    for text, result in alone:
+        assert text == result["text"] and text.strip()
+        assert result["finish_reason"] in ("stop", "length")
+        assert 0 < result["usage"]["completion_tokens"] <= 12
+        assert result["usage"]["prompt_tokens"] > 5
+    assert "Paris" in alone[0][0]
+    assert seeded[0] == seeded[1]
+
+
+async def test_a_prompt_over_the_context_is_the_callers_fault(plan):
+    async with running(plan) as runtime:
+        with pytest.raises(PipelineError) as err:
+            await _answer(runtime, _inputs("word " * 3000))
+        text, _ = await _answer(runtime, _inputs(QUESTIONS[2], temperature=0))
+    assert err.value.code == "invalid_request"
+    assert err.value.error_code == "context_length_exceeded" and err.value.param == "messages"
+    assert text.strip()
+
+
+async def test_speech_options_ride_the_first_chunk(plan):
+    speech = {"voice": "joe", "speed": 1.0, "seed": 1, "response_format": "pcm", "stream": True}
+    async with running(plan) as runtime:
+        handle = runtime.submit(
+            runtime.plan.models["chat"], {**_inputs(QUESTIONS[3], temperature=0), "speech": speech}
+        )
+        chunks = [chunk async for chunk in handle]
+        await handle.result()
+    assert chunks[0]["speech"] == speech
+    assert all("speech" not in chunk for chunk in chunks[1:])
