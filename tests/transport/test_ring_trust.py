@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_transport import Ring, SegmentRefused, unique_name
+from omni_transport import Ring, RingFull, SegmentRefused, unique_name
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -85,15 +85,16 @@ def test_no_other_process_can_ring_a_doorbell(ring_name):
     consumer = Ring.create(ring_name(), PAGE, role="consumer")
     intruder = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
-        address = doorbell_address(consumer.name, "consumer")
-        # before the producer came the doorbell is connected to itself
-        with pytest.raises(PermissionError):
-            intruder.sendto(b"w", address)
+        # before the producer came a stranger's datagram is only a spurious wake-up: the
+        # consumer's doorbell cannot be connected to a peer that does not exist yet
         producer = Ring.attach(consumer.name, role="producer")
         try:
-            producer.push(b"x")  # the consumer connects to the producer's doorbell on sight
+            # the producer connected to the consumer's doorbell when it claimed; the consumer
+            # connects back when it first looks at its peer (before any sleep)
+            producer.push(b"x")
             with consumer.pop(timeout=5):
                 pass
+            assert consumer.try_pop() is None
             for role in ("consumer", "producer"):
                 with pytest.raises(PermissionError):
                     intruder.sendto(b"w", doorbell_address(consumer.name, role))
@@ -115,3 +116,39 @@ def test_doorbell_names_are_drawn_per_side(ring_name):
     finally:
         producer.close()
         consumer.close()
+
+
+@pytest.mark.parametrize("first", ["consumer", "producer"])
+def test_the_doorbell_rings_whichever_side_claimed_first(ring_name, first):
+    import select
+
+    from omni_transport._ffi import lib
+
+    second = "producer" if first == "consumer" else "consumer"
+    a = Ring.create(ring_name(), PAGE, role=first)
+    b = Ring.attach(a.name, role=second)
+    producer, consumer = (a, b) if first == "producer" else (b, a)
+    try:
+        for _ in range(3):
+            # the consumer declares itself asleep; the push must ring its doorbell (a wake-up
+            # that never comes would leave the fd unreadable: waits then fall back to polls)
+            assert lib.omni_ring_arm(consumer._handle()) == lib.OMNI_OK
+            producer.push(b"x")
+            bell = lib.omni_ring_doorbell_fd(consumer._handle())
+            assert select.select([bell], [], [], 10)[0] == [bell]
+            lib.omni_ring_disarm(consumer._handle())
+            consumer.pop(timeout=5).release()
+        # and the other way: a producer waiting for room is rung by the release
+        while True:
+            try:
+                producer.push(b"", [bytes(1000)], timeout=0)
+            except RingFull:
+                break
+        assert lib.omni_ring_arm(producer._handle()) == lib.OMNI_OK
+        consumer.pop(timeout=5).release()
+        bell = lib.omni_ring_doorbell_fd(producer._handle())
+        assert select.select([bell], [], [], 10)[0] == [bell]
+        lib.omni_ring_disarm(producer._handle())
+    finally:
+        b.close()
+        a.close()

@@ -79,7 +79,7 @@ struct omni_ring {
     uint64_t spin_ns;    /* the most a wait spins (set by the caller) */
     uint64_t spin_cur;   /* adaptive budget <= spin_ns (see adapt_spin) */
     int bell;            /* our doorbell: abstract datagram socket, connected to the peer's */
-    int bell_connected;  /* 1 once connected to the peer's doorbell (before: to itself) */
+    int bell_connected;  /* 1 once connected to the peer's doorbell */
     uint64_t peer_id;    /* the peer's identity, once seen attached */
     int peer_pidfd;      /* held from the first sight of the attached peer */
     int peer_dead;       /* the peer was found dead when first seen */
@@ -99,56 +99,57 @@ static socklen_t bell_addr(const uint64_t bell[2], struct sockaddr_un *a) {
     return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n);
 }
 
-/* Our doorbell: bound to a random abstract name (128 bits: nobody can take it first, since it
- * is drawn after nobody could know it), and connected to itself until the peer shows up. A
- * connected unix datagram socket accepts datagrams only from the socket it is connected to
- * (others get EPERM), so no other process can ring it, whatever it learns from
- * /proc/net/unix. */
+/* Our doorbell: bound to a random abstract name, drawn at claim (128 bits: nobody can take it
+ * first, since nobody could know it before it was bound). A connected unix datagram socket
+ * accepts datagrams only from the socket it is connected to (others get EPERM), and a socket
+ * may connect to it only while it is unconnected or connected back: so the first side stays
+ * unconnected until its peer connected to it, and from then on no other process can ring
+ * either side, whatever it reads in /proc/net/unix. In the window before the peer attaches a
+ * stranger's datagram is only a spurious wake-up (a waiter re-checks the counters, and wakes
+ * every SLICE_MS then anyway). */
 static int make_bell(struct omni_ring *r, uint64_t bell[2]) {
     r->bell = socket(AF_UNIX, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (r->bell < 0) return omni_fail_errno("doorbell socket", RNAME(r));
     struct sockaddr_un a;
     for (int attempt = 0;; attempt++) {
-        if (getrandom(bell, 16, 0) != 16) return omni_fail_errno("getrandom", RNAME(r));
+        if (getrandom(bell, 16, 0) != 16) break;
         socklen_t len = bell_addr(bell, &a);
-        if (bind(r->bell, (struct sockaddr *)&a, len) == 0) {
-            if (connect(r->bell, (struct sockaddr *)&a, len) == 0) return OMNI_OK;
-            break;
-        }
+        if (bind(r->bell, (struct sockaddr *)&a, len) == 0) return OMNI_OK;
         if (errno != EADDRINUSE || attempt == 3) break;
     }
-    int rc = omni_fail_errno("doorbell bind / connect", RNAME(r));
+    int rc = omni_fail_errno("doorbell bind", RNAME(r));
     close(r->bell);
     r->bell = -1;
     return rc;
 }
 
 /* On the first sight of the attached peer: hold its pidfd (a pid could be reused; the pidfd's
- * process cannot) and connect our doorbell to its doorbell. Slow path only. */
+ * process cannot). Then, until it succeeds, connect our doorbell to the peer's. Slow path
+ * only. */
 static void see_peer(struct omni_ring *r) {
-    if (r->peer_id) return;
     struct ring_side *peer = &r->ctl->side[1 - r->role];
     /* pairs with the peer's seq_cst store of ATTACHED: owner and bell are written before it */
     uint32_t state = load_acquire_u32(&peer->state);
     if (state != STATE_ATTACHED && state != STATE_CLOSED) return;
-    uint64_t id = load_acquire_u64(&peer->owner);
-    if (id == 0) return; /* a claim in progress: not attached yet */
-    r->peer_id = id;
-    r->peer_pidfd = omni_pidfd_open(omni_id_pid(id));
-    /* the pidfd was opened on whatever now has that pid: it is the peer only if the peer is
-     * still alive after the open (its start time still matches) */
-    if (omni_id_dead(id)) {
-        r->peer_dead = 1;
-        if (r->peer_pidfd >= 0) close(r->peer_pidfd);
-        r->peer_pidfd = -1;
-        return;
+    if (!r->peer_id) {
+        uint64_t id = load_acquire_u64(&peer->owner);
+        if (id == 0) return; /* a claim in progress: not attached yet */
+        r->peer_id = id;
+        r->peer_pidfd = omni_pidfd_open(omni_id_pid(id));
+        /* the pidfd was opened on whatever now has that pid: it is the peer only if the peer
+         * is still alive after the open (its start time still matches) */
+        if (omni_id_dead(id)) {
+            r->peer_dead = 1;
+            if (r->peer_pidfd >= 0) close(r->peer_pidfd);
+            r->peer_pidfd = -1;
+        }
     }
-    if (state != STATE_ATTACHED) return;
+    if (r->bell_connected || r->peer_dead || state != STATE_ATTACHED) return;
     uint64_t bell[2] = {load_relaxed_u64(&peer->bell[0]), load_relaxed_u64(&peer->bell[1])};
     struct sockaddr_un a;
     socklen_t len = bell_addr(bell, &a);
-    /* fails (ECONNREFUSED) only when its socket is gone: it closed or died, which the
-     * liveness checks report */
+    /* fails with ECONNREFUSED when its socket is gone (it closed or died: the liveness checks
+     * report that), EPERM in no case of ours (it is unconnected or connected to us) */
     if (connect(r->bell, (struct sockaddr *)&a, len) == 0) r->bell_connected = 1;
 }
 
