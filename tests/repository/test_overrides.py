@@ -203,3 +203,17 @@ def test_override_breaking_a_rule_names_the_rule(repo: Path) -> None:
     with pytest.raises(RepositoryError, match="must say where each goes") as info:
         compile_repository(repo, ["--processes.synth.num_replicas", "2"])
     assert info.value.field == "processes.synth.replica_devices"
+
+
+def test_a_rule_broken_by_two_overrides_names_both(repo: Path) -> None:
+    """Overrides move the encoder onto synth's GPU with a fraction: now synth, untouched,
+    lacks one. The error is about a field no override set, so it names the overrides."""
+    tokens = ["--stages.encoder.gpu", "0", "--stages.encoder.gpu_memory_fraction", "0.5"]
+    with pytest.raises(RepositoryError) as err:
+        compile_repository(repo, tokens)
+    message = str(err.value)
+    assert "stage 'synth'" in message and "gpu_memory_fraction" in message
+    assert message.endswith(
+        "(with the command-line overrides --stages.encoder.gpu, "
+        "--stages.encoder.gpu_memory_fraction)"
+    )

@@ -48,11 +48,15 @@ def compile_repository(path: str | Path, overrides: Sequence[str] = ()) -> Plan:
 
 def _blame_override(error: RepositoryError, overridden: Mapping[str, str]) -> RepositoryError:
     """Say so when the value breaking a rule came from the command line, not the file."""
-    if error.field is None:
+    if not overridden:
         return error
     key = f"stages.{error.stage}.{error.field}" if error.stage is not None else error.field
-    if key not in overridden:
-        return error
+    if error.field is None or key not in overridden:
+        # a rule across fields (a process two stages share, a GPU budget): the file alone may
+        # be fine, so name every override that changed the repository
+        applied = ", ".join(f"--{path}" for path in overridden.values())
+        reason = f"{error.reason} (with the command-line overrides {applied})"
+        return RepositoryError(reason, file=error.file, stage=error.stage, field=error.field)
     return RepositoryError(
         f"{error.reason} (the value comes from --{overridden[key]})",
         file=error.file,

@@ -86,13 +86,22 @@ def _rebuild_tensor(array: Any, dtype: str, device: str, requires_grad: bool) ->
     return tensor.requires_grad_(requires_grad) if requires_grad else tensor
 
 
+class Unencodable(TypeError):
+    """A message holds a value that cannot cross processes (a lambda, an open file, a lock).
+    Nothing was sent; the request it belongs to fails, not the process."""
+
+
 def encode(message: Any, cuda: CudaLane | None = None) -> tuple[bytes, list[memoryview]]:
     """The message as (header, buffers); the buffers alias the message's arrays (no copy).
 
-    `cuda`: the CUDA IPC lane towards the receiver, when it shares a GPU with this process."""
+    `cuda`: the CUDA IPC lane towards the receiver, when it shares a GPU with this process.
+    Raises Unencodable for a value pickle refuses."""
     buffers: list[pickle.PickleBuffer] = []
     out = io.BytesIO()
-    _Pickler(out, protocol=5, buffer_callback=buffers.append, cuda=cuda).dump(message)
+    try:
+        _Pickler(out, protocol=5, buffer_callback=buffers.append, cuda=cuda).dump(message)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise Unencodable(f"{type(exc).__name__}: {exc}") from exc
     return out.getvalue(), [b.raw() for b in buffers]
 
 

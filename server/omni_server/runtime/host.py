@@ -22,6 +22,7 @@ from omni_server.repository.plan import Plan, StageSpec
 from omni_server.scheduling import StageCalls
 
 from .backends import load_backend
+from .codec import Unencodable
 from .links import Links
 from .messages import (
     Abort,
@@ -30,6 +31,7 @@ from .messages import (
     HostMessage,
     Shutdown,
     Skipped,
+    StageFailed,
     StreamChunk,
     StreamEnd,
 )
@@ -195,11 +197,26 @@ class StageHost:
         index = self.topology.host_of(stage, env.bindings)
         if index == self.index:
             self.handle(message)
-        else:
+            return
+        try:
             self.links.to_instance(index, message)
+        except Unencodable as exc:
+            self._unencodable(env.key, getattr(message, "source", stage), stage, exc)
 
     def to_coordinator(self, message: CoordinatorMessage) -> None:
-        self.links.to_coordinator(message)
+        try:
+            self.links.to_coordinator(message)
+        except Unencodable as exc:
+            key, stage = getattr(message, "key", None), getattr(message, "stage", "?")
+            if key is None:
+                raise
+            self._unencodable(key, stage, "the caller", exc)
+
+    def _unencodable(self, key: int, stage: str, to: str, exc: Unencodable) -> None:
+        """A payload that cannot cross processes fails its request, never this process."""
+        message = f"stage {stage}: its output for {to} cannot cross processes ({exc})"
+        log.warning("request %d: %s", key, message)
+        self.links.to_coordinator(StageFailed(key, stage, message))
 
 
 def bind_thread_to_device(device: int | None) -> None:

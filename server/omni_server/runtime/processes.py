@@ -59,7 +59,9 @@ class ProcessGroup:
         self._on_death = on_death
         self._on_broken_cb = on_broken
         self._own_run_dir = run_dir is None
-        self.run_dir = Path(tempfile.mkdtemp(prefix="omni-run-")) if run_dir is None else run_dir
+        self.run_dir = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)) if run_dir is None else run_dir
+        if self._own_run_dir:  # who owns it: a later start removes it if we die unannounced
+            (self.run_dir / OWNER_FILE).write_text(_process_identity(os.getpid()))
         self.run_id = secrets.token_hex(4)
         self._ring_capacity = ring_capacity
         self._procs: list[subprocess.Popen[bytes] | None] = []
@@ -82,6 +84,7 @@ class ProcessGroup:
         loop = asyncio.get_running_loop()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         _remove_dead_runs()
+        _remove_dead_run_dirs()
         with open(self.run_dir / "plan.pkl", "wb") as f:
             pickle.dump(self.plan, f)
         self._endpoint = Endpoint(self.run_dir, self.run_id, COORDINATOR, self._ring_capacity)
@@ -226,6 +229,38 @@ class ProcessGroup:
             if proc is not None and not self._exited[index].done():
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(then)
+
+
+RUN_DIR_PREFIX = "omni-run-"
+OWNER_FILE = "owner"
+
+
+def _process_identity(pid: int) -> str:
+    """pid and start time (clock ticks since boot, /proc/PID/stat field 22): a reused pid has
+    another start time, so a dead owner is never mistaken for a live one."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    start = stat.rsplit(")", 1)[1].split()[19]
+    return f"{pid} {start}"
+
+
+def _remove_dead_run_dirs() -> None:
+    """Remove run directories (ZMQ sockets, the pickled plan) of our earlier servers that died
+    without stopping (SIGKILL): those whose owner file names a process that no longer runs."""
+    root = Path(tempfile.gettempdir())
+    for run_dir in root.glob(RUN_DIR_PREFIX + "*"):
+        try:
+            if run_dir.stat().st_uid != os.getuid():
+                continue
+            owner = (run_dir / OWNER_FILE).read_text().strip()
+        except OSError:
+            continue  # no owner file yet: a server being born, or not ours to judge
+        pid = owner.split()[0] if owner else ""
+        if pid.isdigit() and _process_identity(int(pid)) != owner:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            log.warning("removed the run directory %s of a dead server", run_dir)
 
 
 _RUN_SEGMENT = re.compile(r"^omni-[0-9a-f]{8}-")

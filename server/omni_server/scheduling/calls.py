@@ -131,7 +131,15 @@ class StageCalls:
         if self._route is None:
             return spec.next
         chosen = self._route(request, payload)
-        targets = (chosen,) if isinstance(chosen, str) else tuple(chosen)
+        if isinstance(chosen, str):
+            targets: tuple[str, ...] = (chosen,)
+        elif isinstance(chosen, list | tuple) and all(isinstance(t, str) for t in chosen):
+            targets = tuple(chosen)
+        else:
+            raise BackendContractError(
+                f"{spec.route}() must return a stage name or a list of names among next = "
+                f"{list(spec.next)}, got {type(chosen).__name__}"
+            )
         unknown = [t for t in targets if t not in spec.next]
         if unknown:
             raise BackendContractError(
