@@ -13,6 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("hypothesis")  # a test dependency; a bare GPU machine may lack it
+
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 

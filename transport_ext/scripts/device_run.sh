@@ -15,5 +15,6 @@ python3 -c "import omni_transport, torch; print('abi', omni_transport.abi_versio
 python3 -m pytest -p no:cacheprovider -q -rs ${TESTS:-tests/transport} 2>&1 | tee "$OUT/pytest.log" \
   | tail -25 || true
 python3 -m omni_bench.transport --cuda --cuda-iterations 500 --markdown "$OUT/cuda.md" 2>&1 | tail -12
-python3 -m omni_bench.transport --markdown "$OUT/cpu.md" 2>&1 | tail -32
+python3 -m omni_bench.transport --runs ${RUNS:-3} --markdown "$OUT/cpu.md" 2>&1 | tail -40
 ls /dev/shm | grep -c '^omni-' || true
+ls /tmp | grep -c 'omni-bench' || true  # socket files left behind (expect 0)
