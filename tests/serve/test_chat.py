@@ -133,6 +133,7 @@ def test_pipeline_inputs_follow_the_contract(client):
         seed=7,
         stop="@@",
         top_p=0.5,
+        extra_body={"top_k": 40},
     )
     inputs = json.loads(completion.choices[0].message.content)
     assert inputs == {
@@ -144,6 +145,8 @@ def test_pipeline_inputs_follow_the_contract(client):
         "max_tokens": 1000,
         "temperature": 1.0,
         "top_p": 0.5,
+        "top_k": 40,  # an extension
+        "min_p": 0.0,
         "seed": 7,
         "stop": ["@@"],
         "speech": None,

@@ -29,6 +29,7 @@ MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_TOKENS = 2**31 - 1  # the thinker refuses what its context cannot hold (context_length_exceeded)
 MAX_SEED = 2**63 - 1  # the speech endpoint's range: the voice takes the same seed
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.0, 2.0
+MAX_TOP_K = 1 << 20  # beyond any vocabulary: the same as 0 (off)
 # OpenAI's chat `audio.format` -> the audio encoder's response_format
 AUDIO_FORMATS = {"wav": "wav", "mp3": "mp3", "flac": "flac", "opus": "opus", "pcm16": "pcm"}
 STREAM_AUDIO_FORMAT = "pcm16"  # OpenAI streams chat audio as raw pcm16 only
@@ -70,6 +71,8 @@ class ChatRequest:
     max_tokens: int | None
     temperature: float
     top_p: float
+    top_k: int  # extension (vLLM's and SGLang's name): 0 is off
+    min_p: float  # extension: 0.0 is off
     seed: int | None
     stop: tuple[str, ...]
     stream: bool
@@ -93,6 +96,8 @@ class ChatRequest:
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
             "seed": self.seed,
             "stop": list(self.stop),
             "speech": speech,
@@ -128,6 +133,8 @@ def parse_chat_request(body: dict[str, Any], model: ModelSpec) -> ChatRequest:
         max_tokens=_max_tokens(body),
         temperature=_number(body, "temperature", MIN_TEMPERATURE, MAX_TEMPERATURE, 1.0),
         top_p=_number(body, "top_p", 0.0, 1.0, 1.0),
+        top_k=_integer(body, "top_k", 0, MAX_TOP_K) or 0,
+        min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
         seed=_integer(body, "seed", 0, MAX_SEED),
         stop=_stop(body.get("stop")),
         stream=stream,
