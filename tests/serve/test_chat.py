@@ -270,6 +270,27 @@ def test_streamed_audio_is_pcm16_deltas_with_the_transcript(client):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_speech_streams_while_the_answer_is_written(client):
+    """The thinker writes a word every 100 ms (2 s in all): audio of its first words reaches the
+    client before the last words are written (nothing waits for the whole answer)."""
+    stream = client.chat.completions.create(
+        model="fake-omni",
+        messages=[{"role": "user", "content": "SLOW 20"}],
+        modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "pcm16"},
+        stream=True,
+    )
+    kinds = []
+    for chunk in stream:
+        audio = chunk.choices[0].delta.audio if chunk.choices else None
+        if audio is not None and audio.transcript:
+            kinds.append("text")
+        if audio is not None and audio.data:
+            kinds.append("audio")
+    assert kinds.count("text") == 20
+    assert kinds.index("audio") < len(kinds) - 1 - kinds[::-1].index("text")
+
+
 def test_a_text_only_model_refuses_audio(server):
     response = post(
         server,
