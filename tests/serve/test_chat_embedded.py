@@ -7,15 +7,22 @@ answers deterministic, so a streamed answer must equal the whole one token for t
 
 from __future__ import annotations
 
+import base64
 import re
 
 import openai
 import pytest
 from openai import OpenAI
 
+from omni_bench.wer import word_error_rate
+from omni_server.audio import decode
+from tests.helpers.metrics import samples, value
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 MODEL = "smol-chat"
+OMNI = "smol-omni"  # the thinker followed by the voice
+MAX_WER = 0.3  # Whisper tiny.en hearing the voice speak a short answer
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0, "max_tokens": 24}
 
@@ -90,3 +97,68 @@ def test_a_prompt_over_the_context_window_is_a_400(client: OpenAI, stream):
     # the thinker is still serving
     completion = client.chat.completions.create(model=MODEL, messages=QUESTION, **GREEDY)
     assert completion.choices[0].message.content
+
+
+# ---- audio out: the thinker's words spoken by the voice (smol-omni)
+
+
+@pytest.fixture(scope="module")
+def omni(client: OpenAI) -> str:
+    if OMNI not in {m.id for m in client.models.list()}:
+        pytest.skip(f"the embedded repository has no {OMNI} model yet")
+    return OMNI
+
+
+def _audio_seconds(server) -> float:
+    return value(samples(server.metrics()), "omni_audio_seconds_total", model=OMNI)
+
+
+def test_a_spoken_answer_is_the_text_answer_and_as_long_as_reported(server, client, omni):
+    text = client.chat.completions.create(model=MODEL, messages=QUESTION, **GREEDY)
+    before = _audio_seconds(server)
+    completion = client.chat.completions.create(
+        model=omni,
+        messages=QUESTION,
+        modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "wav"},
+        seed=1,
+        **GREEDY,
+    )
+    reported = _audio_seconds(server) - before
+    message = completion.choices[0].message
+    assert message.content is None
+    # the same thinker, greedy: the omni model says what the chat model writes
+    assert message.audio.transcript == text.choices[0].message.content
+    assert completion.usage.model_dump() == text.usage.model_dump()
+    wav = base64.b64decode(message.audio.data)
+    clip = decode(wav, "wav")
+    assert clip.samples.size / clip.sample_rate == pytest.approx(reported, abs=0.002)
+    assert reported > 0.5
+    heard = client.audio.transcriptions.create(
+        model="whisper-1", file=("answer.wav", wav, "audio/wav")
+    )
+    assert word_error_rate([message.audio.transcript], [heard.text]) <= MAX_WER, heard.text
+
+
+def test_a_streamed_spoken_answer_is_pcm16_as_long_as_reported(server, client, omni):
+    before = _audio_seconds(server)
+    chunks = list(
+        client.chat.completions.create(
+            model=omni,
+            messages=QUESTION,
+            modalities=["text", "audio"],
+            audio={"voice": "alloy", "format": "pcm16"},
+            stream=True,
+            seed=1,
+            **GREEDY,
+        )
+    )
+    reported = _audio_seconds(server) - before
+    audios = [c.choices[0].delta.audio for c in chunks if c.choices and c.choices[0].delta.audio]
+    transcript = "".join(a.transcript or "" for a in audios)
+    pcm = b"".join(base64.b64decode(a.data) for a in audios if a.data)
+    assert transcript.strip()
+    assert len([a for a in audios if a.data]) > 1  # sentence by sentence, not one file
+    assert len(pcm) / 2 / 24000 == pytest.approx(reported, abs=0.002)
+    assert reported > 0.5
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
