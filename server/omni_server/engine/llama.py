@@ -176,11 +176,16 @@ class Llama(nn.Module):
                 put(w + "mlp.w_down.weight", weights[w + "w_down"])
 
     def init_random(self, seed: int = 0) -> None:
-        """Random weights of the right scale: speed does not depend on values (benchmarks)."""
+        """Random weights (benchmarks: speed does not depend on values; tests of scheduling).
+
+        Unit-variance embeddings and 1/sqrt(fan_in) matrices, so every layer moves the residual
+        stream and greedy outputs vary with the context instead of repeating one token.
+        """
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
-                else:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                    continue
+                std = 1.0 if name == "embed.weight" else p.shape[1] ** -0.5
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
