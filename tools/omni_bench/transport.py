@@ -36,7 +36,17 @@ SIZES = [64, 4 << 10, 64 << 10, 1 << 20, 16 << 20]
 RTT_MAX = 64 << 10  # round trips are measured up to this size; GB/s from 64 KiB up
 DEFAULT_SPIN_US = 20.0  # the ring's default (omni_transport.ring), named in the tables
 RING_SPINS = [DEFAULT_SPIN_US, 0.0]
-WARM_BYTES = 64 << 20  # the ring's capacity in this benchmark
+WARM_BYTES = 64 << 20  # warm-up bytes: at least one lap of the ring (first touches fault)
+RUNTIME_RING = 8 << 20  # the runtime's ring capacity (Runtime(ring_capacity=...) default)
+
+
+def ring_capacity(sizes: list[int]) -> int:
+    """The runtime's 8 MiB, or room for two records of the largest payload when that is more
+    (a record must fit; two let the producer fill one while the reader reads the other)."""
+    cap = RUNTIME_RING
+    while cap < 2 * (max(sizes) + 4096):
+        cap <<= 1
+    return cap
 
 
 def _label(size: int) -> str:
@@ -71,8 +81,9 @@ class RingMethod(Method):
     """The ring. reader "read": one read pass over each buffer in place (numpy max), then
     release; "copy": copy each buffer out (bytearray), then release."""
 
-    def __init__(self, tag: str, reader: str = "read", rtt: bool = True):
+    def __init__(self, tag: str, reader: str = "read", rtt: bool = True, capacity: int = 0):
         super().__init__(tag)
+        self.capacity = capacity or RUNTIME_RING
         self.reader = reader
         self.rtt = rtt
         self.name = "ring" if reader == "read" else "ring, reader copies out"
@@ -84,7 +95,7 @@ class RingMethod(Method):
     def client_open(self) -> None:
         from omni_transport import Ring
 
-        self.data = Ring.create(self.names[0], 64 << 20, role="producer")
+        self.data = Ring.create(self.names[0], self.capacity, role="producer")
         self.back = Ring.create(self.names[1], 1 << 20, role="consumer")
         self.set_spin(self.spin_us)
 
@@ -337,7 +348,19 @@ def run_cpu(sizes: list[int], quick: bool, runs: int, progress: Callable[[str], 
         rows: dict[str, dict] = {}
         for method, spins in _plan(uuid.uuid4().hex[:8]):
             progress(f"run {run + 1}/{runs}: {method.name} ...")
-            rows[method.name] = _measure(method, sizes, quick, spins)
+            if isinstance(method, RingMethod):
+                # one ring per capacity class: 8 MiB (the runtime's) for what fits twice
+                fits = [s for s in sizes if ring_capacity([s]) == RUNTIME_RING]
+                rest = [s for s in sizes if s not in fits]
+                rows[method.name] = {}
+                for part in (fits, rest):
+                    if part:
+                        ring = RingMethod(
+                            uuid.uuid4().hex[:8], method.reader, method.rtt, ring_capacity(part)
+                        )
+                        rows[method.name].update(_measure(ring, part, quick, spins))
+            else:
+                rows[method.name] = _measure(method, sizes, quick, spins)
         rows["memcpy floor (in-process)"] = _memcpy_floor(sizes, quick)
         per_run.append(rows)
     busy_runs: list[dict[str, dict]] = []
