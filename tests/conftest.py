@@ -2,9 +2,8 @@
 
 Tiers: `pytest -m "not slow"` is the fast tier for development; CI runs everything. Slow tests
 carry `@pytest.mark.slow` where they are written (ring stress, Whisper, the browser, the bench
-end to end, the voice through runtime processes), and every test that uses a real server on the
-embedded repository (the `server` / `server_url` fixtures) is slow by the rule below: its stage
-processes import onnxruntime and load the voice, and each request synthesizes real speech.
+end to end, the voice through runtime processes, one interpreter per module), and every test
+that needs one of the expensive things in SLOW_FIXTURES is slow by the rule below.
 
 After the whole session: no child process of the test runner is left, and no shared-memory
 segment of ours (`/dev/shm/omni-*`) remains. A leak fails the run loudly instead of hiding in CI.
@@ -21,12 +20,24 @@ import pytest
 
 from tests.helpers.proc import alive, descendants, describe, mapped_segments, segments
 
-EMBEDDED_SERVER_FIXTURES = frozenset({"server", "server_url"})
+SLOW_FIXTURES = frozenset(
+    {
+        # a real server on the embedded repository: its stage processes import onnxruntime and
+        # load the voice (and Whisper), and every request synthesizes real speech
+        "server",
+        "server_url",
+        # the real SmolLM2 weights (dequantized from the GGUF) and transformers' reference model
+        "smol_model",
+        "hf_model",
+        "hf_tokenizer",
+    }
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if EMBEDDED_SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        # fixturenames is the closure: a fixture built on one of these is slow too
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
 
 

@@ -28,6 +28,7 @@ def _modules() -> list[str]:
     return sorted(names)
 
 
+@pytest.mark.slow  # one fresh interpreter per module: seconds each where torch is imported
 @pytest.mark.parametrize("module", _modules())
 def test_module_imports_alone(module: str) -> None:
     run = subprocess.run(

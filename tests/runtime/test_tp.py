@@ -18,6 +18,7 @@ def _expected(x: list[list[float]]) -> torch.Tensor:
     return torch.tensor(x) @ weight.T
 
 
+@pytest.mark.slow  # two torch processes over gloo
 async def test_tp2_over_gloo_matches_the_unsharded_computation(tmp_path):
     # tp_size without `gpu`: the compiler places both ranks on the CPU (gloo)
     stages = {

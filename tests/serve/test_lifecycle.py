@@ -29,6 +29,7 @@ def test_taken_port_exits_1_with_one_line(server):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow  # a server of its own
 def test_sigterm_during_a_stream_stops_cleanly(tmp_path):
     server = ServerProcess.start(EMBEDDED_REPO, tmp_path / "server.log")
     first_chunk = threading.Event()
