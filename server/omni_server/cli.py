@@ -158,6 +158,14 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> None:
         help=f"an idle keep-alive connection is closed after ({d.idle_timeout_s:g})",
     )
     times.add_argument(
+        "--write-timeout",
+        type=float,
+        default=d.write_timeout_s,
+        metavar="S",
+        help=f"a client that reads nothing of its response for this long is dropped "
+        f"({d.write_timeout_s:g})",
+    )
+    times.add_argument(
         "--shutdown-grace",
         type=float,
         default=d.shutdown_grace_s,
@@ -184,6 +192,7 @@ def _serve_options(opts: argparse.Namespace) -> ServeOptions:
             header_timeout_s=opts.header_timeout,
             body_timeout_s=opts.body_timeout,
             idle_timeout_s=opts.idle_timeout,
+            write_timeout_s=opts.write_timeout,
             shutdown_grace_s=opts.shutdown_grace,
         )
     except ValueError as e:

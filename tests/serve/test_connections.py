@@ -168,3 +168,26 @@ async def test_a_client_leaving_mid_upload_is_a_disconnect_not_a_500(serving):
             await asyncio.sleep(0.05)
     assert counted in metrics
     assert 'status="500"' not in metrics and "server_error" not in metrics
+
+
+async def test_a_client_that_stops_reading_is_dropped_and_frees_its_place(serving):
+    async with serving(write_timeout_s=0.5, max_in_flight=1, max_queued=0) as port:
+        body = b'{"model": "quiet", "input": "big 64", "response_format": "pcm"}'
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(post(body))
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)
+        assert head.startswith(b"HTTP/1.1 200")
+        # read nothing more: 64 MiB cannot fit the socket buffers, the server's write waits
+        status = 429
+        for _ in range(200):
+            status, _, _ = await exchange(port, post(SPEECH_BODY))
+            if status == 200:
+                break
+            await asyncio.sleep(0.05)
+        assert status == 200  # the stalled request gave its place back
+        _, _, metrics = await exchange(
+            port, b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+        )
+        writer.close()
+    assert b'model="quiet",reason="client_disconnected"} 1.0' in metrics

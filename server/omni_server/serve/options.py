@@ -41,6 +41,7 @@ class ServeOptions:
     header_timeout_s: float = 10.0  # from a connection's first byte of a request to its blank line
     body_timeout_s: float = 30.0  # to read a whole request body
     idle_timeout_s: float = 30.0  # a keep-alive connection with no request in progress
+    write_timeout_s: float = 30.0  # one write of a streamed response to a client not reading
     shutdown_grace_s: float = 5.0  # in-flight requests' time to finish after a stop signal
 
     def __post_init__(self) -> None:
@@ -55,6 +56,7 @@ class ServeOptions:
             "header_timeout_s",
             "body_timeout_s",
             "idle_timeout_s",
+            "write_timeout_s",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive; got {getattr(self, name)}")

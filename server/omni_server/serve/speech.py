@@ -28,6 +28,7 @@ from omni_server.runtime import PipelineError, RequestHandle
 from omni_server.serve.body import ClientGone, read_json
 from omni_server.serve.errors import STREAM_STARTED, ApiError
 from omni_server.serve.metrics import RequestTrack
+from omni_server.serve.responses import write_within
 from omni_server.serve.speech_request import (
     PCM_SAMPLE_RATE,
     SpeechRequest,
@@ -134,7 +135,7 @@ async def _answer(
                 continue
             if response is None:
                 response = await _start_stream(request, speech, handle)
-            await response.write(_encode_chunk(speech, audio))
+            await write_within(request, response, _encode_chunk(speech, audio))
         result = await handle.result()
         # A terminal stage that does not stream (scheduler single / batch) hands the whole body
         # over in its result; one that streams reports what it sent (`audio_seconds`).
@@ -160,9 +161,10 @@ async def _answer(
     if response is None:  # no chunk: a non-streaming terminal
         response = await _start_stream(request, speech, handle)
     if tail:
-        await response.write(_encode_chunk(speech, tail))
+        await write_within(request, response, _encode_chunk(speech, tail))
     if speech.stream_format == "sse":
-        await response.write(_sse({"type": "speech.audio.done", "usage": _usage(speech, result)}))
+        done = {"type": "speech.audio.done", "usage": _usage(speech, result)}
+        await write_within(request, response, _sse(done))
     await response.write_eof()
     return response
 
