@@ -174,9 +174,9 @@ def test_engine_config_from_table_errors() -> None:
     )
     with pytest.raises(ValueError, match="unknown engine field"):
         EngineConfig.from_table({"max_tokens_total": 1})
-    with pytest.raises(ValueError, match="engine.max_total_tokens must be a positive integer"):
+    with pytest.raises(ValueError, match=r"engine\.max_total_tokens must be a positive integer"):
         EngineConfig.from_table({"max_total_tokens": "lots"})
-    with pytest.raises(ValueError, match="engine.dtype"):
+    with pytest.raises(ValueError, match=r"engine\.dtype"):
         EngineConfig.from_table({"dtype": "int8"})
     with pytest.raises(ValueError, match="max_step_tokens"):
         EngineConfig.from_table({"max_step_tokens": 8, "max_batch_size": 8})

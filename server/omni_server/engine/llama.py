@@ -22,26 +22,24 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, C]
-        # In float32 whatever the model dtype, as transformers does, then back.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel
+        # Normalize in float32, then scale in the model dtype, as transformers does.
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
-def rope_table(shape: LlamaShape, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [max_positions, D/2] float32 for positions 0..max_positions-1."""
+def rope_table(shape: LlamaShape, max_positions: int) -> torch.Tensor:
+    """[max_positions, D/2] complex64: e^(i * position * theta^(-2j/D))."""
     d = shape.head_dim
     inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
+    return torch.polar(torch.ones_like(angles), angles)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs (x[2i], x[2i+1]) by position angle i. x [T, H, D]; cos [T, 1, D/2]."""
-    pairs = x.float().unflatten(-1, (-1, 2))  # [T, H, D/2, 2]
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    return rotated.flatten(-2).to(x.dtype)
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs (x[2i], x[2i+1]) as complex numbers. x [T, N, D]; rope [T, 1, D/2]."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # [T, N, D/2] complex
+    return torch.view_as_real(pairs * rope).flatten(-2).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -59,16 +57,18 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, C]
-        cos: torch.Tensor,  # [T, 1, D/2]
-        sin: torch.Tensor,
+        rope: torch.Tensor,  # [T, 1, D/2] complex64
         k_cache: torch.Tensor,  # [S, Hkv, D]
         v_cache: torch.Tensor,
         batch: ForwardBatch,
     ) -> torch.Tensor:  # [T, C]
         t = x.shape[0]
-        q, k, v = self.wqkv(x).split(self.split, dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        q_size, kv_size, _ = self.split
+        qkv = self.wqkv(x)  # [T, (H + 2 Hkv) D]
+        # Q and K heads rotated in one call: [T, H + Hkv, D]
+        qk = apply_rope(qkv[:, : q_size + kv_size].view(t, -1, self.head_dim), rope)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, q_size + kv_size :]
         # Write first: each token then attends to itself through the cache like any other key.
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v.view(t, self.num_kv_heads, self.head_dim))
@@ -99,13 +99,12 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), cos, sin, k_cache, v_cache, batch)
+        h = h + self.attn(self.attn_norm(h), rope, k_cache, v_cache, batch)
         return h + self.mlp(self.ffn_norm(h))
 
 
@@ -119,8 +118,8 @@ class Llama(nn.Module):
         self.lm_head: nn.Linear | None = None
         if not shape.tie_word_embeddings:
             self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
-        # [P, D/2] float32; plain attributes, not buffers, so a dtype cast never touches them
-        self.rope_cos, self.rope_sin = rope_table(shape, max_positions)
+        # [P, D/2] complex64; a plain attribute, not a buffer, so a dtype cast never touches it
+        self.rope = rope_table(shape, max_positions)
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -131,20 +130,18 @@ class Llama(nn.Module):
         v_caches: list[torch.Tensor],
     ) -> torch.Tensor:  # [R, V] float32 logits of batch.logits_indices
         h = self.embed(batch.input_ids)  # [T, C]
-        cos = self.rope_cos[batch.positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.rope_sin[batch.positions].unsqueeze(1)
+        rope = self.rope[batch.positions].unsqueeze(1)  # [T, 1, D/2]
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
-            h = layer(h, cos, sin, k_cache, v_cache, batch)
+            h = layer(h, rope, k_cache, v_cache, batch)
         h = self.norm(h[batch.logits_indices])  # [R, C]: the LM head only where sampled
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, head).float()
 
     def place(self, device: torch.device | str, dtype: torch.dtype) -> Llama:
-        """Move to `device`, weights in `dtype`; the RoPE tables stay float32."""
+        """Move to `device`, weights in `dtype`; the RoPE table stays complex64."""
         for p in self.parameters():
             p.data = p.data.to(device=device, dtype=dtype)
-        self.rope_cos = self.rope_cos.to(device)
-        self.rope_sin = self.rope_sin.to(device)
+        self.rope = self.rope.to(device)
         return self
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
