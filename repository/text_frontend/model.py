@@ -142,6 +142,47 @@ def _split_words(phonemes: list[str], limit: int) -> list[list[str]]:
     return [p for p in pieces if p]
 
 
+CLAUSE_ENDS = frozenset(",;:")
+MIN_FIRST_WORDS = 2  # a first chunk of one word sounds clipped
+MIN_REST_WORDS = 3  # a sentence with less left after the cut is not worth cutting
+
+
+def first_piece(phonemes: list[str], target: int) -> list[list[str]] | None:
+    """The first sentence cut in two so the first audio comes sooner, or None (not cut).
+
+    The cut is at its first clause end (a comma, semicolon or colon: the pause is already
+    there) when that leaves between MIN_FIRST_WORDS and 2 x `target` words before it, else at
+    the word boundary after `target` words; never leaving fewer than MIN_REST_WORDS after it.
+    `target` 0 never cuts. Works on phonemes, so whole and streamed text cut alike.
+    """
+    if target <= 0:
+        return None
+    # cut candidates: a space between two words; words[i] = words before candidate i
+    cuts: list[tuple[int, int, bool]] = []  # (index of the space, words before, clause end)
+    words = 0
+    in_word = False
+    for index, symbol in enumerate(phonemes):
+        if symbol == " ":
+            if in_word:
+                words += 1
+                clause = index > 0 and phonemes[index - 1] in CLAUSE_ENDS
+                cuts.append((index, words, clause))
+            in_word = False
+        else:
+            in_word = True
+    total = words + in_word
+    usable = [c for c in cuts if c[1] >= MIN_FIRST_WORDS and total - c[1] >= MIN_REST_WORDS]
+    clause = next((c for c in usable if c[2]), None)
+    if clause is not None and clause[1] <= 2 * target:
+        chosen = clause
+    else:
+        chosen = next((c for c in usable if c[1] >= target), None)
+        if chosen is None:
+            return None
+    cut = chosen[0]
+    return [phonemes[:cut], phonemes[cut + 1 :]]  # the space itself is dropped
+
+
 class _VoiceText:
     """What the frontend needs of a voice: its espeak voice and phoneme id map."""
 
@@ -241,6 +282,13 @@ class TextFrontend(StageBackend):
                 f"parameters.max_sentence_phonemes must be an integer >= 20; found {limit!r}"
             )
         self.max_sentence_phonemes = limit
+        first = params.get("first_chunk_words", 0)
+        if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+            raise StageConfigError(
+                f"parameters.first_chunk_words must be an integer >= 0 (0: whole sentences); "
+                f"found {first!r}"
+            )
+        self.first_chunk_words = first
         self.voices: dict[str, _VoiceText] = {}
         for name, package in voices.items():
             try:
@@ -326,22 +374,31 @@ class TextFrontend(StageBackend):
         yield from pending.finish()
 
     def _chunks(self, options: SpeechOptions, sentences: Iterator[list[str]]) -> Iterator[Payload]:
-        """One chunk per sentence; text with nothing speakable gives one chunk of no sentence
-        (it still carries the encoding, so the encoder can write a valid empty body)."""
+        """One chunk per sentence, the first sentence cut in two (`first_piece`); text with
+        nothing speakable gives one chunk of no sentence (it still carries the encoding, so the
+        encoder can write a valid empty body)."""
         voice = self.voices[options.voice]
-        index = -1
-        for index, phonemes in enumerate(sentences):
-            yield {
-                "sentence": index,
-                "chunk": index,  # what the acoustic stage keys its seeded noise on
-                "phonemes": "".join(phonemes),
-                "phoneme_ids": np.asarray(phonemes_to_ids(phonemes, voice.id_map)),  # int64 [n]
-                **options.fields(),
-            }
-        if index < 0:
+        chunk = 0
+        for sentence, phonemes in enumerate(sentences):
+            pieces = first_piece(phonemes, self.first_chunk_words) if sentence == 0 else None
+            for part, piece in enumerate(pieces or [phonemes]):
+                yield {
+                    "sentence": sentence,
+                    "chunk": chunk,  # what the acoustic stage keys its seeded noise on
+                    # a piece of a cut sentence: the acoustic stage smooths the join
+                    "joins_previous": part > 0,
+                    "joins_next": pieces is not None and part == 0,
+                    "phonemes": "".join(piece),
+                    "phoneme_ids": np.asarray(phonemes_to_ids(piece, voice.id_map)),  # int64 [n]
+                    **options.fields(),
+                }
+                chunk += 1
+        if chunk == 0:
             yield {
                 "sentence": None,
                 "chunk": 0,
+                "joins_previous": False,
+                "joins_next": False,
                 "phonemes": "",
                 "phoneme_ids": np.zeros(0, np.int64),
                 **options.fields(),

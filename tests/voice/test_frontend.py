@@ -13,7 +13,8 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def frontend(plan):
-    return load_stage(plan, "text_frontend")
+    """One chunk per whole sentence (the first-chunk cut is tested in test_first_chunk.py)."""
+    return load_stage(plan, "text_frontend", parameters={"first_chunk_words": 0})
 
 
 def chunks(frontend, inputs: dict) -> list[dict]:
@@ -62,7 +63,9 @@ def test_phoneme_ids_follow_the_voice_id_map(frontend):
 
 
 def test_long_sentence_is_cut_at_clause_and_word_boundaries(frontend, plan):
-    uncut = load_stage(plan, "text_frontend", parameters={"max_sentence_phonemes": 10**6})
+    uncut = load_stage(
+        plan, "text_frontend", parameters={"max_sentence_phonemes": 10**6, "first_chunk_words": 0}
+    )
     clause = "the rain kept falling over the quiet little town by the river"
     text = ", ".join([clause] * 12) + "."  # one sentence of ~700 phonemes
     said = phonemes(frontend, text)
