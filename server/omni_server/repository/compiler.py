@@ -125,6 +125,7 @@ def _server(raw: RawRepository) -> ServerOptions:
         mps=MpsMode(field_value(data, SERVER_FIELDS, "mps")),
         weight_share=field_value(data, SERVER_FIELDS, "weight_share") == "on",
         gpu_memory_limit=float(field_value(data, SERVER_FIELDS, "gpu_memory_limit")),
+        stage_timeout_s=float(field_value(data, SERVER_FIELDS, "stage_timeout_s")),
     )
 
 

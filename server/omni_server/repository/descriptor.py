@@ -100,6 +100,7 @@ def parse_stage(rs: RawStage) -> StageSpec:
         process_local=process_local,
         scheduler=scheduler,
         engine=_engine(data),
+        timeout_s=float(data["timeout_s"]) if "timeout_s" in data else None,
     )
 
 

@@ -115,6 +115,7 @@ class StageSpec:
     process_local: tuple[str, ...] = ()  # successors whose edge must stay inside one process
     scheduler: SchedulerSpec = field(default_factory=SchedulerSpec)
     engine: EngineSpec | None = None
+    timeout_s: float | None = None  # None: the server's stage_timeout_s; 0: no limit
 
     @property
     def on_gpu(self) -> bool:
@@ -181,6 +182,7 @@ class ServerOptions:
     mps: MpsMode = MpsMode.OFF
     weight_share: bool = False
     gpu_memory_limit: float = 1.0  # per-GPU limit for the sum of declared fractions
+    stage_timeout_s: float = 0.0  # timeout_s of stages that set none (0: no limit)
 
 
 @dataclass(frozen=True)
@@ -200,6 +202,12 @@ class Plan:
         """True when both stages always live in one OS process (same logical process, no TP)."""
         proc = self.process_of(src)
         return proc.name == self.stages[dst].process and proc.tp_size == 1
+
+    def timeout_of(self, stage: str) -> float | None:
+        """How long a request may stay at `stage` (seconds), or None for no limit."""
+        own = self.stages[stage].timeout_s
+        timeout = self.server.stage_timeout_s if own is None else own
+        return timeout or None
 
     def instances_of(self, process: str) -> tuple[ProcessInstance, ...]:
         return tuple(i for i in self.instances if i.process == process)

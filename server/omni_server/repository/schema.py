@@ -228,6 +228,13 @@ STAGE_FIELDS = _fields(
     Field("stream_to", Kind.NAMES, "stages receiving this stage's chunks, beside routing", []),
     Field("process_local", Kind.NAMES, "successors whose edge must stay in one process", []),
     Field("scheduler", Kind.TABLE, "[scheduler] table: kind, max_batch_size, max_queue_delay_ms"),
+    Field(
+        "timeout_s",
+        Kind.FLOAT,
+        "longest a request may stay at this stage (504 timeout after); a backend call running "
+        "longer gets its process restarted; 0 = no limit; absent = [server] stage_timeout_s",
+        minimum=0,
+    ),
     Field("engine", Kind.TABLE, "[engine] table: marks an engine stage; max_total_tokens"),
     Field("parameters", Kind.TABLE, "[parameters]: free-form, handed to the backend", {}),
 )
@@ -255,6 +262,13 @@ SERVER_FIELDS = _fields(
         "per-GPU limit for the sum of declared gpu_memory_fraction values",
         default=1.0,
         fraction=True,
+    ),
+    Field(
+        "stage_timeout_s",
+        Kind.FLOAT,
+        "timeout_s of every stage that sets none; 0 = no limit",
+        default=0.0,
+        minimum=0,
     ),
 )
 

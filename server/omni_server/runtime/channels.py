@@ -27,7 +27,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from omni_transport import RecordTooLarge, Ring, RingClosed, RingFull
+from omni_transport import RecordTooLarge, Ring, RingClosed, RingFull, TransportError
 
 from .codec import decode, encode
 from .cuda import CudaExporter, _Lane
@@ -87,6 +87,9 @@ class Endpoint:
         self._inbound: dict[str, Ring] = {}
         self._spills: dict[tuple[str, int], asyncio.Future[Any]] = {}
         self._tasks: list[asyncio.Task[Any]] = []
+        self._ring_tasks: dict[str, asyncio.Task[Any]] = {}  # inbound ring -> its receiver
+        self._receiving: tuple[Callable[[Any], None], Callable[[asyncio.Task[Any]], None]] | None
+        self._receiving = None
         self._cuda: CudaExporter | None = None
         if peer_devices and any(peer_devices.values()):
             self._cuda = CudaExporter(f"omni-{run_id}-{name}", peer_devices)
@@ -112,12 +115,50 @@ class Endpoint:
                 log.error("%s: receiver failed", self.name, exc_info=task.exception())
                 on_broken(task.exception())  # type: ignore[arg-type]
 
-        receivers = [self._receive_socket(handle)]
-        receivers += [self._receive_ring(s, r, handle) for s, r in self._inbound.items()]
-        for receiver in receivers:
-            task = loop.create_task(receiver)
-            task.add_done_callback(done)
-            self._tasks.append(task)
+        self._receiving = (handle, done)
+        task = loop.create_task(self._receive_socket(handle))
+        task.add_done_callback(done)
+        self._tasks.append(task)
+        for sender in self._inbound:
+            self._start_ring(sender)
+
+    def _start_ring(self, sender: str) -> None:
+        assert self._receiving is not None
+        handle, done = self._receiving
+        task = asyncio.get_running_loop().create_task(
+            self._receive_ring(sender, self._inbound[sender], handle)
+        )
+        task.add_done_callback(done)
+        self._tasks.append(task)
+        self._ring_tasks[sender] = task
+
+    def add_inbound(self, sender: str) -> None:
+        """A new sender after start_receiving (a restarted peer under its new name): create its
+        ring and receive from it."""
+        self.create_inbound([sender])
+        if self._receiving is not None:
+            self._start_ring(sender)
+
+    async def forget_peer(self, peer: str) -> None:
+        """Drop everything towards and from `peer` (a dead process): its outlet and backlog,
+        the PUSH socket to it, the ring it sent us (unread records are dropped)."""
+        outlet = self._outlets.pop(peer, None)
+        if outlet is not None:
+            await outlet.stop()
+            outlet.close()
+        sock = self._pushes.pop(peer, None)
+        if sock is not None:
+            sock.close(linger=0)
+        task = self._ring_tasks.pop(peer, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            self._tasks.remove(task)
+        ring = self._inbound.pop(peer, None)
+        if ring is not None:
+            ring.close()
+        for key in [k for k in self._spills if k[0] == peer]:
+            del self._spills[key]
 
     async def _receive_socket(self, handle: Callable[[Any], None]) -> None:
         while True:
@@ -160,8 +201,16 @@ class Endpoint:
         outlet = self._outlets.get(receiver)
         if outlet is None:
             name = ring_name(self.run_id, self.name, receiver)
+            try:
+                ring = Ring.attach(name, role="producer")
+            except TransportError as exc:
+                # no such receiver now (a dead peer whose successor has not created its rings):
+                # drop the message, cache nothing, so a send after the restart attaches anew
+                log.warning("ring %s: no receiver (%s), dropping a message", name, exc)
+                return
             lane = self._cuda.for_receiver(receiver) if self._cuda is not None else None
             outlet = self._outlets[receiver] = _RingOutlet(self, receiver, name, lane)
+            outlet._ring = ring
         outlet.send(message)
 
     def send_control(self, receiver: str, message: Any, linger: float = 0.0) -> None:

@@ -31,6 +31,7 @@ from .messages import (
     CoordinatorMessage,
     Deliver,
     StageFailed,
+    StageTimedOut,
     TerminalChunk,
     TerminalResult,
     TerminalSkipped,
@@ -130,6 +131,11 @@ class Coordinator:
         self._flights: dict[int, _Flight] = {}
         self._keys = itertools.count(1)
         self._binder = ReplicaBinder(plan)
+        # who hears a stage's timeout report (the runtime: counts it, kills an overran
+        # process); by default the requests just fail
+        self.on_stage_timeout: Callable[[StageTimedOut], object] = lambda m: self.timed_out(
+            m.keys, m.stage, m.timeout_s
+        )
 
     def open(self, links: Links) -> None:
         """Start admitting requests; `links` reach the stage hosts."""
@@ -150,6 +156,11 @@ class Coordinator:
     @property
     def in_flight(self) -> int:
         return len(self._flights)
+
+    @property
+    def binder(self) -> ReplicaBinder:
+        """Replica choice and which replicas are up (the runtime's supervision sets that)."""
+        return self._binder
 
     def replica_load(self, process: str) -> tuple[int, ...]:
         """Requests in flight bound to each replica of a replicated process (a snapshot)."""
@@ -224,6 +235,8 @@ class Coordinator:
                         param=message.param,
                     )
                     self._fail(flight, error)
+            case StageTimedOut():
+                self.on_stage_timeout(message)
             case _:
                 raise TypeError(f"coordinator got an unknown message {type(message).__name__}")
 
@@ -275,6 +288,18 @@ class Coordinator:
             stages = self.plan.instances[index].stages
             stage = stages[0] if len(stages) == 1 else None
             flight.handle._fail(PipelineError(message, code="process_died", stage=stage))
+
+    def timed_out(self, keys: tuple[int, ...], stage: str, timeout_s: float) -> int:
+        """Fail these requests: they stayed at `stage` past its timeout_s. Returns how many were
+        still in flight."""
+        failed = 0
+        for key in keys:
+            flight = self._flights.get(key)
+            if flight is not None:
+                message = f"stage {stage}: no outcome within its timeout_s of {timeout_s:g} s"
+                self._fail(flight, PipelineError(message, code="timeout", stage=stage))
+                failed += 1
+        return failed
 
     def fail_all(self, error: PipelineError) -> None:
         for flight in list(self._flights.values()):

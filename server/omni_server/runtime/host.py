@@ -23,6 +23,7 @@ from omni_server.scheduling import StageCalls
 
 from .backends import load_backend
 from .codec import Unencodable
+from .deadlines import ComputeExecutor
 from .links import Links
 from .messages import (
     Abort,
@@ -93,7 +94,7 @@ class StageHost:
         start() does this for every stage; a TP peer rank, which runs no scheduler, calls it for
         its one stage alone. Raises StageStartError naming the stage."""
         spec = self.plan.stages[stage]
-        executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage-{stage}")
+        executor = ComputeExecutor(thread_name_prefix=f"stage-{stage}")
         self._executors[stage] = executor
         device = self.instance.devices.get(spec.name)
         context = StageContext(
@@ -132,6 +133,8 @@ class StageHost:
         """Abort what is in flight, stop the schedulers, finalize the backends."""
         for runner in self.stages.values():
             runner.abort_all()
+            if runner.deadlines is not None:
+                runner.deadlines.stop_all()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -37,18 +37,25 @@ class Links(Protocol):
 
 
 class ChannelLinks:
-    def __init__(self, endpoint: Endpoint, alive: Callable[[int], bool] = lambda _: True) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        alive: Callable[[int], bool] = lambda _: True,
+        name: Callable[[int], str] = str,
+    ) -> None:
         """`alive(index)`: whether instance `index` may still hear control (a dead process's
-        control socket would only queue the message)."""
+        control socket would only queue the message). `name(index)`: the endpoint name of
+        instance `index` now (a restarted instance has a new one: processes.endpoint_name)."""
         self._endpoint = endpoint
         self._alive = alive
+        self._name = name
 
     def to_instance(self, index: int, message: HostMessage) -> None:
-        self._endpoint.send_data(str(index), message)
+        self._endpoint.send_data(self._name(index), message)
 
     def control(self, index: int, message: HostMessage) -> None:
         if self._alive(index):
-            self._endpoint.send_control(str(index), message)
+            self._endpoint.send_control(self._name(index), message)
 
     def to_coordinator(self, message: CoordinatorMessage) -> None:
         self._endpoint.send_data(COORDINATOR, message)

@@ -9,8 +9,8 @@ Direction and channel (channels.py):
   host -> host          Deliver, Skipped, StreamChunk, StreamEnd           data (or a direct call)
   host -> coordinator   TerminalChunk, TerminalResult, TerminalSkipped,    data (ring)
                         StageFailed
-  coordinator -> host   Abort, Shutdown                                    control (ZMQ)
-  host -> coordinator   Ready, StartFailed                                 control (ZMQ)
+  coordinator -> host   Abort, Shutdown, Rewire                            control (ZMQ)
+  host -> coordinator   Ready, StartFailed, Rewired, StageTimedOut         control (ZMQ)
 Control never queues behind data.
 """
 
@@ -77,6 +77,17 @@ class Shutdown:
     pass
 
 
+@dataclass(slots=True)
+class Rewire:
+    """Instance `index` restarts under the endpoint name `new` (it was `old`): drop the rings
+    and sockets of `old` (create the inbound ring from `new` if it sends to us), then answer
+    Rewired. The supervisor spawns the successor only once every live peer answered."""
+
+    index: int
+    old: str
+    new: str
+
+
 # ---- to the coordinator ----------------------------------------------------------------------
 
 
@@ -89,6 +100,25 @@ class Ready:
 class StartFailed:
     instance: str
     message: str
+
+
+@dataclass(slots=True)
+class Rewired:
+    instance: str  # who answers
+    index: int  # the restarting instance it rewired to
+
+
+@dataclass(slots=True)
+class StageTimedOut:
+    """Requests that stayed at `stage` longer than its timeout_s (the host aborted them there).
+    `overran`: a backend call has run past timeout_s, so the stage's compute thread is stuck
+    (a Python thread cannot be cancelled): the supervisor kills the process."""
+
+    instance: str
+    stage: str
+    keys: tuple[int, ...]
+    timeout_s: float
+    overran: bool = False
 
 
 @dataclass(slots=True)
@@ -126,7 +156,14 @@ class StageFailed:
     param: str | None = None
 
 
-HostMessage = Deliver | Skipped | StreamChunk | StreamEnd | Abort | Shutdown
+HostMessage = Deliver | Skipped | StreamChunk | StreamEnd | Abort | Shutdown | Rewire
 CoordinatorMessage = (
-    Ready | StartFailed | TerminalChunk | TerminalResult | TerminalSkipped | StageFailed
+    Ready
+    | StartFailed
+    | Rewired
+    | StageTimedOut
+    | TerminalChunk
+    | TerminalResult
+    | TerminalSkipped
+    | StageFailed
 )

@@ -4,8 +4,16 @@ One OS process per plan instance (replica, TP rank), each `python -m omni_server
 in a private run directory that holds the ZMQ sockets and the pickled plan. Every child dies with
 this process (PR_SET_PDEATHSIG). A child's exit is seen at once through its pidfd on the event
 loop; an exit we did not ask for is reported to `on_death` (the runtime fails the requests that
-may have reached it). stop() asks politely (Shutdown), then SIGTERM, then SIGKILL, reaps every
-child, closes the rings and removes leftover segments and the run directory.
+may have reached it). A child whose heartbeats stop (heartbeats.py) is killed, which is then such
+an exit. stop() asks politely (Shutdown), then SIGTERM, then SIGKILL, reaps every child, closes
+the rings and removes leftover segments and the run directory.
+
+Restart (`restart(index)`): a successor takes a new endpoint name (`endpoint_name`: `3`, then
+`3.1`, `3.2`...), so no ring, socket or spilled message of its dead predecessor can reach it
+or be mistaken for its own. Before it is spawned every live peer drops the old name's rings and
+sockets and creates the inbound ring from the new name (`Rewire` -> `Rewired`), the server does
+the same, and the old name's segments are unlinked; the successor then creates its own inbound
+rings under the new name and reports Ready like any process.
 """
 
 from __future__ import annotations
@@ -30,16 +38,30 @@ from typing import Any
 from omni_server.repository.plan import Plan
 from omni_transport import unlink_leftovers
 
-from .channels import COORDINATOR, Endpoint
+from .channels import COORDINATOR, Endpoint, ring_name
 from .errors import PipelineError
+from .heartbeats import HeartbeatMonitor
 from .links import ChannelLinks
-from .messages import CoordinatorMessage, Ready, Shutdown, StartFailed
+from .messages import (
+    CoordinatorMessage,
+    Ready,
+    Rewire,
+    Rewired,
+    Shutdown,
+    StartFailed,
+)
 from .topology import Topology
 
 log = logging.getLogger(__name__)
 
 _STOP_GRACE_S = 5.0  # Shutdown -> SIGTERM
 _TERM_GRACE_S = 2.0  # SIGTERM -> SIGKILL
+_REWIRE_WAIT_S = 10.0  # a live peer that has not answered Rewire by then is not waited for
+
+
+def endpoint_name(index: int, generation: int) -> str:
+    """The endpoint (rings, socket) name of instance `index` in its `generation`-th life."""
+    return str(index) if generation == 0 else f"{index}.{generation}"
 
 
 class ProcessGroup:
@@ -48,11 +70,16 @@ class ProcessGroup:
         plan: Plan,
         *,
         on_message: Callable[[CoordinatorMessage], None],
-        on_death: Callable[[int, int | None], None],
+        on_death: Callable[[int, int | None, str | None], None],
         on_broken: Callable[[str], None],
         run_dir: Path | None = None,
         ring_capacity: int = 8 << 20,
+        heartbeat_interval_s: float = 1.0,
+        heartbeat_timeout_s: float = 10.0,
+        start_timeout_s: float = 300.0,
     ) -> None:
+        """`on_death(index, exit code, why we killed it or None)` for every exit we did not
+        ask for with stop()."""
         self.plan = plan
         self.topology = Topology(plan)
         self._on_message = on_message
@@ -64,11 +91,21 @@ class ProcessGroup:
             (self.run_dir / OWNER_FILE).write_text(_process_identity(os.getpid()))
         self.run_id = secrets.token_hex(4)
         self._ring_capacity = ring_capacity
-        self._procs: list[subprocess.Popen[bytes] | None] = []
-        self._exited: list[asyncio.Future[int | None]] = []
-        self._pidfds: list[int] = []
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._start_timeout_s = start_timeout_s
+        n = len(plan.instances)
+        self._procs: list[subprocess.Popen[bytes] | None] = [None] * n
+        self._exited: list[asyncio.Future[int | None] | None] = [None] * n
+        self._pidfds: list[int] = [-1] * n
+        self._generation = [0] * n
+        self._names = [endpoint_name(i, 0) for i in range(n)]
+        self._killed_for: list[str | None] = [None] * n
+        self._pid_index: dict[int, int] = {}
         self._ready: dict[str, asyncio.Future[None]] = {}
+        self._rewired: dict[int, asyncio.Future[None]] = {}  # peers yet to answer a Rewire
         self._endpoint: Endpoint | None = None
+        self._monitor: HeartbeatMonitor | None = None
         self._stopping = False
 
     def pids(self) -> dict[str, int]:
@@ -77,6 +114,10 @@ class ProcessGroup:
             for i, p in enumerate(self._procs)
             if p is not None and p.returncode is None
         }
+
+    def name(self, index: int) -> str:
+        """Instance `index`'s endpoint name in its current life."""
+        return self._names[index]
 
     # ---- start -------------------------------------------------------------------------------
 
@@ -89,31 +130,37 @@ class ProcessGroup:
             pickle.dump(self.plan, f)
         self._endpoint = Endpoint(self.run_dir, self.run_id, COORDINATOR, self._ring_capacity)
         leaders = [i for i, inst in enumerate(self.plan.instances) if inst.tp_rank == 0]
-        self._endpoint.create_inbound([str(i) for i in leaders])
+        self._endpoint.create_inbound([self._names[i] for i in leaders])
         self._endpoint.start_receiving(self._receive, self._on_broken)
+        if self._heartbeat_timeout_s > 0:
+            self._monitor = HeartbeatMonitor(
+                self.run_dir, self._heartbeat_timeout_s, self._heartbeat_missed
+            )
+            self._monitor.start()
         ports = self._tp_ports()
         for index, instance in enumerate(self.plan.instances):
             self._ready[instance.name] = loop.create_future()
             self._spawn(index, ports.get((instance.process, instance.replica)))
         # wait for every Ready; the first StartFailed or death ends the wait
+        exited = [f for f in self._exited if f is not None]
         pending: list[asyncio.Future[Any]] = [*self._ready.values()]
         while pending:
-            done, _ = await asyncio.wait(
-                [*pending, *self._exited], return_when=asyncio.FIRST_COMPLETED
-            )
+            done, _ = await asyncio.wait([*pending, *exited], return_when=asyncio.FIRST_COMPLETED)
             for fut in done:
-                if fut in self._exited:
+                if fut in exited:
                     index = self._exited.index(fut)
-                    name = self.plan.instances[index].name
-                    ready = self._ready[name]
-                    if ready.done() and ready.exception() is not None:
-                        ready.result()  # its StartFailed says more than its exit code
-                    raise PipelineError(
-                        f"process {name} exited with code {fut.result()} while starting",
-                        code="unavailable",
-                    )
+                    self._raise_start_exit(index, fut.result())
                 fut.result()  # raises the StartFailed message
             pending = [f for f in pending if not f.done()]
+
+    def _raise_start_exit(self, index: int, code: int | None) -> None:
+        name = self.plan.instances[index].name
+        ready = self._ready[name]
+        if ready.done() and ready.exception() is not None:
+            ready.result()  # its StartFailed says more than its exit code
+        raise PipelineError(
+            f"process {name} exited with code {code} while starting", code="unavailable"
+        )
 
     def _on_broken(self, error: BaseException) -> None:
         self._on_broken_cb(f"the coordinator's receiver failed: {type(error).__name__}: {error}")
@@ -131,49 +178,154 @@ class ProcessGroup:
     def _spawn(self, index: int, port: int | None) -> None:
         args = [sys.executable, "-m", "omni_server.runtime.worker"]
         args += [str(self.run_dir), self.run_id, str(index), str(os.getpid()), str(port or "")]
-        env = {**os.environ, "OMNI_RING_CAPACITY": str(self._ring_capacity)}
+        args.append(",".join(self._names))
+        env = {
+            **os.environ,
+            "OMNI_RING_CAPACITY": str(self._ring_capacity),
+            "OMNI_HEARTBEAT_S": str(self._heartbeat_interval_s if self._monitor else 0),
+        }
         # stage processes log at the server's level unless told otherwise
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         env.setdefault("OMNI_LOG_LEVEL", level)
         proc = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL)
-        self._procs.append(proc)
+        self._procs[index] = proc
+        self._killed_for[index] = None
         loop = asyncio.get_running_loop()
-        exited: asyncio.Future[int | None] = loop.create_future()
-        self._exited.append(exited)
+        self._exited[index] = loop.create_future()
         pidfd = os.pidfd_open(proc.pid)
-        self._pidfds.append(pidfd)
+        self._pidfds[index] = pidfd
         loop.add_reader(pidfd, self._reap, index)
+        self._pid_index[proc.pid] = index
+        if self._monitor is not None:  # until its first beat it may be importing
+            self._monitor.watch(proc.pid, self._start_timeout_s)
 
     def _reap(self, index: int) -> None:
         loop = asyncio.get_running_loop()
-        loop.remove_reader(self._pidfds[index])
+        pidfd, self._pidfds[index] = self._pidfds[index], -1
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
         proc = self._procs[index]
         assert proc is not None
         code = proc.wait()
+        self._pid_index.pop(proc.pid, None)
+        if self._monitor is not None:
+            self._monitor.forget(proc.pid)
         exited = self._exited[index]
-        if not exited.done():
+        if exited is not None and not exited.done():
             exited.set_result(code)
+        ack = self._rewired.pop(index, None)
+        if ack is not None and not ack.done():
+            ack.set_result(None)  # a dead peer needs no rewiring
         name = self.plan.instances[index].name
         if not self._stopping:
+            why = self._killed_for[index]
             log.error(
-                "stage process %s (pid %d) exited with code %s: pipeline unhealthy",
+                "stage process %s (pid %d) exited with code %s%s",
                 name,
                 proc.pid,
                 code,
+                f" (killed: {why})" if why else "",
             )
-            self._on_death(index, code)
+            self._on_death(index, code, why)
 
     def _receive(self, message: Any) -> None:
         match message:
             case Ready():
-                self._ready[message.instance].set_result(None)
+                fut = self._ready[message.instance]
+                if not fut.done():
+                    fut.set_result(None)
             case StartFailed():
                 fut = self._ready[message.instance]
                 if not fut.done():
                     fut.set_exception(PipelineError(message.message, code="unavailable"))
                     fut.exception()  # seen: start() reports it
+            case Rewired():
+                self._rewire_answered(message)
             case _:
                 self._on_message(message)
+
+    def _rewire_answered(self, message: Rewired) -> None:
+        for index, inst in enumerate(self.plan.instances):
+            if inst.name == message.instance:
+                ack = self._rewired.pop(index, None)
+                if ack is not None and not ack.done():
+                    ack.set_result(None)
+                return
+
+    # ---- supervision -------------------------------------------------------------------------
+
+    def alive(self, index: int) -> bool:
+        """Whether instance `index`'s current process runs (it may still be starting)."""
+        exited = self._exited[index]
+        return exited is not None and not exited.done()
+
+    def kill(self, index: int, why: str) -> None:
+        """SIGKILL instance `index` now (frozen, or a stuck compute thread); its exit is then
+        reported to on_death with `why`."""
+        proc = self._procs[index]
+        if proc is None or not self.alive(index) or self._stopping:
+            return
+        if self._killed_for[index] is None:
+            self._killed_for[index] = why
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGKILL)
+
+    def _heartbeat_missed(self, pid: int) -> None:
+        index = self._pid_index.get(pid)
+        if index is None:
+            return
+        timeout = self._heartbeat_timeout_s
+        self.kill(index, f"frozen: no heartbeat for {timeout:g} s")
+
+    async def restart(self, index: int) -> None:
+        """Start a successor of dead instance `index` under a new endpoint name; returns once
+        it is ready. Raises PipelineError if it exits or fails while starting."""
+        instance = self.plan.instances[index]
+        assert instance.tp_size == 1, "a TP group is not restarted"
+        assert not self.alive(index) and self._endpoint is not None
+        old = self._names[index]
+        self._generation[index] += 1
+        new = endpoint_name(index, self._generation[index])
+        await self._rewire(index, old, new)
+        self._names[index] = new
+        self._ready[instance.name] = asyncio.get_running_loop().create_future()
+        self._spawn(index, None)
+        exited = self._exited[index]
+        assert exited is not None
+        ready = self._ready[instance.name]
+        waits: list[asyncio.Future[Any]] = [ready, exited]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if ready.done():
+            ready.result()  # raises its StartFailed
+            return
+        self._raise_start_exit(index, exited.result())
+
+    async def _rewire(self, index: int, old: str, new: str) -> None:
+        """Every live peer (and this process) forgets `old` and is ready to receive from
+        `new`; the segments of `old` are then unlinked (no live process maps them any more)."""
+        assert self._endpoint is not None
+        loop = asyncio.get_running_loop()
+        peers = [
+            i
+            for i, inst in enumerate(self.plan.instances)
+            if i != index and inst.tp_rank == 0 and self.alive(i)
+        ]
+        for peer in peers:
+            self._rewired[peer] = loop.create_future()
+            self.links.control(peer, Rewire(index, old, new))
+        await self._endpoint.forget_peer(old)
+        self._endpoint.add_inbound(new)
+        acks = [self._rewired[p] for p in peers if p in self._rewired]
+        if acks:
+            _, late = await asyncio.wait(acks, timeout=_REWIRE_WAIT_S)
+            if late:
+                log.warning("%d peers did not confirm rewiring %s -> %s", len(late), old, new)
+        for peer in peers:
+            self._rewired.pop(peer, None)
+        for other in [COORDINATOR, *self._names]:
+            if other != old:
+                unlink_leftovers(ring_name(self.run_id, other, old))
+                unlink_leftovers(ring_name(self.run_id, old, other))
 
     # ---- running -----------------------------------------------------------------------------
 
@@ -181,16 +333,13 @@ class ProcessGroup:
     def links(self) -> ChannelLinks:
         """The coordinator's links to the stage processes (valid once start() returned)."""
         assert self._endpoint is not None, "the process group is not started"
-        return ChannelLinks(self._endpoint, alive=self._alive)
-
-    def _alive(self, index: int) -> bool:
-        return index < len(self._exited) and not self._exited[index].done()
+        return ChannelLinks(self._endpoint, alive=self.alive, name=self.name)
 
     # ---- stop --------------------------------------------------------------------------------
 
     async def stop(self) -> None:
         self._stopping = True
-        alive = [i for i, fut in enumerate(self._exited) if not fut.done()]
+        alive = [i for i in range(len(self._procs)) if self.alive(i)]
         if self._endpoint is not None:
             for index in alive:
                 if self.plan.instances[index].tp_rank == 0:
@@ -200,10 +349,13 @@ class ProcessGroup:
         await self._wait_exits(alive, _TERM_GRACE_S, None)
         loop = asyncio.get_running_loop()
         for index, pidfd in enumerate(self._pidfds):
-            if not self._exited[index].done():
+            if pidfd >= 0:
                 loop.remove_reader(pidfd)
-            os.close(pidfd)
-        self._pidfds.clear()
+                os.close(pidfd)
+                self._pidfds[index] = -1
+        if self._monitor is not None:
+            self._monitor.close()
+            self._monitor = None
         # Supervision never polls: exits arrive through pidfds. This blocking, bounded wait only
         # reaps a process whose pidfd has not fired even after SIGKILL (stuck in the kernel).
         for proc in self._procs:
@@ -218,7 +370,7 @@ class ProcessGroup:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
     async def _wait_exits(self, indexes: list[int], timeout: float, then: int | None) -> None:
-        waiting = [self._exited[i] for i in indexes if not self._exited[i].done()]
+        waiting = [f for i in indexes if (f := self._exited[i]) is not None and not f.done()]
         if not waiting:
             return
         await asyncio.wait(waiting, timeout=timeout)
@@ -226,7 +378,7 @@ class ProcessGroup:
             return
         for index in indexes:
             proc = self._procs[index]
-            if proc is not None and not self._exited[index].done():
+            if proc is not None and self.alive(index):
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(then)
 

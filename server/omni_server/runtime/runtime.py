@@ -5,14 +5,23 @@ Two placements, one code path for stages:
   (backends still run on their own compute threads). For tests and tools; no TP.
 - default: one OS process per plan instance (`processes.ProcessGroup`), with the coordinator
   here on the caller's event loop.
+
+Supervision (process placement): a dead stage process fails the requests that may have reached
+it, its replica takes no new requests, and it is restarted (`supervisor.SupervisionPolicy`:
+backoff, crash-loop limit). `health()` says "ok", "degraded" (an instance is down but every
+process has a live replica: requests are still served) or "unavailable". Counters of restarts
+and timeouts, and `supervision_observers`, are the metrics hooks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from omni_server.envelope import Payload
 from omni_server.repository.plan import ModelSpec, Plan
@@ -21,9 +30,16 @@ from .coordinator import Coordinator, RequestHandle, StageObserver
 from .errors import PipelineError
 from .host import StageHost, StageStartError
 from .links import InlineLinks
+from .messages import StageTimedOut
+from .supervisor import CrashHistory, InstanceState, SupervisionPolicy
 from .topology import Topology
 
 log = logging.getLogger(__name__)
+
+Health = Literal["ok", "degraded", "unavailable"]
+# (event, instance or stage, detail): "death" (instance, why), "restart" (instance, seconds it
+# was down), "failed" (instance, why), "timeout" (stage, instance)
+SupervisionObserver = Callable[[str, str, str], None]
 
 
 class Runtime:
@@ -37,9 +53,21 @@ class Runtime:
         inline: bool = False,
         ring_capacity: int = 8 << 20,
         start_timeout: float = 300.0,
+        supervision: SupervisionPolicy | None = None,
     ) -> None:
         self.plan = plan
         self.stage_observers: list[StageObserver] = []
+        self.supervision_observers: list[SupervisionObserver] = []
+        self.policy = supervision or SupervisionPolicy()
+        # metrics: restarts per instance name, timeouts per stage, deaths per instance name
+        self.restarts: collections.Counter[str] = collections.Counter()
+        self.timeouts: collections.Counter[str] = collections.Counter()
+        self.deaths: collections.Counter[str] = collections.Counter()
+        n = len(plan.instances)
+        self._states = [InstanceState.UP] * n
+        self._crashes = [CrashHistory(self.policy.crash_loop_window_s) for _ in range(n)]
+        self._restarts: dict[int, asyncio.Task[None]] = {}
+        self._restart_lock = asyncio.Lock()  # one successor at a time: rewiring is global
         self._inline = inline
         self._run_dir = run_dir
         self._ring_capacity = ring_capacity
@@ -49,6 +77,7 @@ class Runtime:
         self._state = "new"  # new -> starting -> running -> stopped
         self._unhealthy: str | None = None
         self.coordinator = Coordinator(plan, self.stage_observers)
+        self.coordinator.on_stage_timeout = self._stage_timed_out
         if inline and any(i.tp_size > 1 for i in plan.instances):
             raise ValueError("inline placement cannot host tensor-parallel stages")
 
@@ -58,7 +87,31 @@ class Runtime:
 
     @property
     def healthy(self) -> bool:
-        return self._state == "running" and self._unhealthy is None
+        """Requests can be served (health() is "ok" or "degraded")."""
+        return self.health()[0] != "unavailable"
+
+    def health(self) -> tuple[Health, str]:
+        """("ok" | "degraded" | "unavailable", detail for an operator)."""
+        if self._state != "running":
+            return "unavailable", f"the pipeline is {self._state}"
+        if self._unhealthy is not None:
+            return "unavailable", self._unhealthy
+        down = [
+            f"{inst.name} {state}"
+            for inst, state in zip(self.plan.instances, self._states, strict=True)
+            if state is not InstanceState.UP
+        ]
+        if not down:
+            return "ok", "every stage process is up"
+        binder = self.coordinator.binder
+        dead = [p for p in self.plan.processes if not any(binder.up(p))]
+        if dead:
+            return "unavailable", f"no live replica of {', '.join(dead)} ({'; '.join(down)})"
+        return "degraded", "; ".join(down)
+
+    def instance_states(self) -> dict[str, InstanceState]:
+        """Instance name -> up / restarting / failed."""
+        return {i.name: s for i, s in zip(self.plan.instances, self._states, strict=True)}
 
     @property
     def run_dir(self) -> Path | None:
@@ -85,6 +138,9 @@ class Runtime:
                     on_broken=self._broken,
                     run_dir=self._run_dir,
                     ring_capacity=self._ring_capacity,
+                    heartbeat_interval_s=self.policy.heartbeat_interval_s,
+                    heartbeat_timeout_s=self.policy.heartbeat_timeout_s,
+                    start_timeout_s=self._start_timeout,
                 )
                 await asyncio.wait_for(self._group.start(), self._start_timeout)
                 self.coordinator.open(self._group.links)
@@ -120,6 +176,10 @@ class Runtime:
 
     async def _stop_everything(self) -> None:
         self._state = "stopped"
+        for task in self._restarts.values():
+            task.cancel()
+        await asyncio.gather(*self._restarts.values(), return_exceptions=True)
+        self._restarts.clear()
         self.coordinator.close("the pipeline is stopped")
         for host in self._hosts:
             if host is not None:
@@ -136,12 +196,88 @@ class Runtime:
         `inputs` is handed to the entry stage as `request.inputs` (read-only from then on)."""
         return self.coordinator.submit(model, inputs, request_id)
 
-    def _instance_died(self, index: int, exitcode: int | None) -> None:
-        name = self.plan.instances[index].name
-        message = f"process {name} exited with code {exitcode}"  # processes.py logged it
-        self._unhealthy = message
+    # ---- supervision -------------------------------------------------------------------------
+
+    def _instance_died(self, index: int, exitcode: int | None, why: str | None = None) -> None:
+        instance = self.plan.instances[index]
+        message = f"process {instance.name} exited with code {exitcode}"  # processes.py logged it
+        if why:
+            message += f" (killed: {why})"
+        self.deaths[instance.name] += 1
+        self._set_down(index)
         self.coordinator.instance_died(index, message)  # its requests fail as process_died
-        self.coordinator.close(f"pipeline unhealthy: {message}", fail_in_flight=False)
+        self._notify("death", instance.name, why or f"exit code {exitcode}")
+        if self._state != "running":
+            return  # still starting: start() reports it
+        recent = self._crashes[index].record()
+        reason = None
+        if not self.policy.restart:
+            reason = "restarts are off"
+        elif instance.tp_size > 1:
+            reason = "a tensor-parallel group is not restarted"
+        elif recent >= self.policy.crash_loop_deaths:
+            window = self.policy.crash_loop_window_s
+            reason = f"crash loop: {recent} deaths within {window:g} s"
+        if reason is not None:
+            self._fail_instance(index, reason)
+            return
+        delay = self.policy.backoff(recent)
+        log.warning(
+            "restarting %s in %.2g s (death %d in the window)", instance.name, delay, recent
+        )
+        self._restarts[index] = asyncio.get_running_loop().create_task(self._restart(index, delay))
+
+    def _set_down(self, index: int) -> None:
+        """Instance `index` (every rank of its TP group) takes no new requests."""
+        instance = self.plan.instances[index]
+        for i, other in enumerate(self.plan.instances):
+            same = (other.process, other.replica) == (instance.process, instance.replica)
+            if same and self._states[i] is InstanceState.UP:
+                self._states[i] = InstanceState.RESTARTING
+        self.coordinator.binder.set_up(instance.process, instance.replica, False)
+
+    def _fail_instance(self, index: int, reason: str) -> None:
+        instance = self.plan.instances[index]
+        self._states[index] = InstanceState.FAILED
+        log.error("stage process %s failed for good: %s", instance.name, reason)
+        self._notify("failed", instance.name, reason)
+
+    async def _restart(self, index: int, delay: float) -> None:
+        instance = self.plan.instances[index]
+        died_at = time.monotonic()
+        try:
+            await asyncio.sleep(delay)  # the backoff: a timer, not a synchronization
+            async with self._restart_lock:
+                await self._group.restart(index)
+        except PipelineError as exc:
+            # its exit (if any) went through _instance_died, which scheduled the next try
+            log.error("restarting %s failed: %s", instance.name, exc)
+            return
+        finally:
+            if self._restarts.get(index) is asyncio.current_task():
+                del self._restarts[index]
+        self._states[index] = InstanceState.UP
+        self.coordinator.binder.set_up(instance.process, instance.replica, True)
+        self.restarts[instance.name] += 1
+        down_s = time.monotonic() - died_at
+        log.warning("stage process %s restarted (down %.2f s)", instance.name, down_s)
+        self._notify("restart", instance.name, f"{down_s:.3f}")
+
+    def _stage_timed_out(self, message: StageTimedOut) -> None:
+        failed = self.coordinator.timed_out(message.keys, message.stage, message.timeout_s)
+        self.timeouts[message.stage] += failed
+        for _ in range(failed):
+            self._notify("timeout", message.stage, message.instance)
+        if message.overran and self._group is not None:
+            index = next(i for i, x in enumerate(self.plan.instances) if x.name == message.instance)
+            self._group.kill(index, f"stage {message.stage} overran its timeout_s")
+
+    def _notify(self, event: str, subject: str, detail: str) -> None:
+        for observer in self.supervision_observers:
+            try:
+                observer(event, subject, detail)
+            except Exception:  # a metrics bug must not break supervision
+                log.exception("supervision observer %r failed", observer)
 
     def _broken(self, message: str) -> None:
         log.error("pipeline unhealthy: %s", message)

@@ -39,10 +39,12 @@ from omni_server.envelope import Envelope, Payload, Timings
 from omni_server.repository.plan import StageSpec
 from omni_server.scheduling import BackendContractError, StageCalls, WorkItem, make_scheduler
 
+from .deadlines import ComputeExecutor, StageDeadlines
 from .messages import (
     Deliver,
     Skipped,
     StageFailed,
+    StageTimedOut,
     StreamChunk,
     StreamEnd,
     TerminalChunk,
@@ -109,6 +111,10 @@ class StageRunner:
         # requests finished (or skipped: "") here -> who started them, so a late stream message
         # does not start them again and a second payload is refused naming the first sender
         self._done: collections.OrderedDict[int, str] = collections.OrderedDict()
+        timeout = host.plan.timeout_of(spec.name)
+        self.deadlines: StageDeadlines | None = None
+        if timeout is not None and isinstance(executor, ComputeExecutor):
+            self.deadlines = StageDeadlines(timeout, executor, self._timed_out, self._overran)
 
     # ---- inputs (event-loop thread) --------------------------------------------------------
 
@@ -237,6 +243,8 @@ class StageRunner:
         self._skips.pop(env.key, None)
         self._admitted[env.key] = item
         self._started_by[env.key] = source or "the caller"
+        if self.deadlines is not None:
+            self.deadlines.start(env.key)
         self.scheduler.admit(item)
 
     def abort_all(self) -> None:
@@ -245,6 +253,8 @@ class StageRunner:
             self.abort(key)
 
     def abort(self, key: int) -> None:
+        if self.deadlines is not None:
+            self.deadlines.stop(key)
         self._fan_in.pop(key, None)
         self._skips.pop(key, None)
         self._started_by.pop(key, None)
@@ -256,6 +266,34 @@ class StageRunner:
         inbox = self._inboxes.pop(key, None)
         if inbox is not None:
             inbox.abort()
+
+    # ---- timeouts (deadlines.py, event-loop thread) ------------------------------------------
+
+    def _timed_out(self, key: int, overran: bool) -> None:
+        """Request `key` stayed here past timeout_s: drop it here, let the coordinator fail it
+        (and, when a backend call overran, kill this process)."""
+        assert self.deadlines is not None
+        self.abort(key)
+        log.warning(
+            "stage %s: request %d timed out (%g s)", self.name, key, self.deadlines.timeout_s
+        )
+        self._report_timeout((key,), overran)
+
+    def _overran(self) -> None:
+        assert self.deadlines is not None
+        log.error(
+            "stage %s: a backend call has run past timeout_s (%g s); its thread cannot be "
+            "stopped, asking the supervisor to restart this process",
+            self.name,
+            self.deadlines.timeout_s,
+        )
+        self._report_timeout((), True)
+
+    def _report_timeout(self, keys: tuple[int, ...], overran: bool) -> None:
+        assert self.deadlines is not None
+        instance = self.host.instance.name
+        timeout = self.deadlines.timeout_s
+        self.host.to_coordinator(StageTimedOut(instance, self.name, keys, timeout, overran))
 
     # ---- outcomes (StageCallbacks, event-loop thread) --------------------------------------
 
@@ -290,6 +328,8 @@ class StageRunner:
                 self.host.send(env, dst, Skipped(env, dst, self.name))
 
     def _forget(self, key: int) -> None:
+        if self.deadlines is not None:
+            self.deadlines.stop(key)
         self._admitted.pop(key, None)
         self._seq.pop(key, None)
         self._done[key] = self._started_by.pop(key, "")

@@ -1,8 +1,11 @@
-"""A stage process: `python -m omni_server.runtime.worker RUN_DIR RUN_ID INDEX PARENT_PID [PORT]`.
+"""A stage process:
+`python -m omni_server.runtime.worker RUN_DIR RUN_ID INDEX PARENT_PID [PORT] [NAMES]`.
 
 Hosts the stages of plan instance INDEX (the plan is pickled in RUN_DIR/plan.pkl). It dies with
-its parent (PR_SET_PDEATHSIG), reports Ready or StartFailed to the coordinator, then serves
-until Shutdown (or SIGTERM). A TP rank other than 0 hosts no stage: it mirrors rank 0's calls.
+its parent (PR_SET_PDEATHSIG), beats its heartbeat from a thread of its own, reports Ready or
+StartFailed to the coordinator, then serves until Shutdown (or SIGTERM). NAMES: every instance's
+endpoint name, comma-separated (a restarted instance has a new one; `Rewire` updates them). A
+TP rank other than 0 hosts no stage: it mirrors rank 0's calls.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ from omni_server.repository.plan import Plan
 
 from . import codec
 from .channels import COORDINATOR, Endpoint
+from .heartbeats import SOCKET_NAME, HeartbeatSender
 from .host import StageHost, StageStartError, bind_thread_to_device
 from .links import ChannelLinks
-from .messages import Ready, Shutdown, StartFailed
+from .messages import Ready, Rewire, Rewired, Shutdown, StartFailed
 from .topology import Topology
 
 log = logging.getLogger("omni_server.worker")
@@ -41,17 +45,19 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-async def serve(plan: Plan, run_dir: Path, run_id: str, index: int, port: int | None) -> int:
+async def serve(
+    plan: Plan, run_dir: Path, run_id: str, index: int, port: int | None, names: list[str]
+) -> int:
     instance = plan.instances[index]
     topology = Topology(plan)
-    peer_devices = {
-        str(n): frozenset(d for d in inst.devices.values() if d is not None)
+    peer_devices = {  # CUDA IPC engages towards peers' first lives only (names change later)
+        names[n]: frozenset(d for d in inst.devices.values() if d is not None)
         for n, inst in enumerate(plan.instances)
         if n != index
     }
-    endpoint = Endpoint(run_dir, run_id, str(index), _ring_capacity(), peer_devices)
+    endpoint = Endpoint(run_dir, run_id, names[index], _ring_capacity(), peer_devices)
     codec.set_local_devices(frozenset(d for d in instance.devices.values() if d is not None))
-    senders = [str(i) for i in sorted(topology.senders_to(index))]
+    senders = [names[i] for i in sorted(topology.senders_to(index))]
     if topology.takes_entries(index):
         senders.append(COORDINATOR)
     endpoint.create_inbound(senders)
@@ -72,15 +78,21 @@ async def serve(plan: Plan, run_dir: Path, run_id: str, index: int, port: int | 
                 return TPLeaderCalls(spec, backend, control)
 
         kwargs = {"calls_factory": calls_factory} if calls_factory else {}
-        host = StageHost(
-            plan, index, ChannelLinks(endpoint), topology=topology, process_group=group, **kwargs
-        )
+        links = ChannelLinks(endpoint, name=names.__getitem__)
+        host = StageHost(plan, index, links, topology=topology, process_group=group, **kwargs)
         try:
             await host.start()
         except StageStartError as exc:
             endpoint.send_control(COORDINATOR, StartFailed(instance.name, str(exc)), _LAST_WORD_S)
             return 1
-        endpoint.start_receiving(host.handle, lambda _: host.shutdown_requested.set())
+
+        def on_message(message: Any) -> None:
+            if isinstance(message, Rewire):
+                host.spawn(_rewire(message, endpoint, names, topology, index))
+            else:
+                host.handle(message)
+
+        endpoint.start_receiving(on_message, lambda _: host.shutdown_requested.set())
         endpoint.send_control(COORDINATOR, Ready(instance.name))
         waiters = [asyncio.ensure_future(e.wait()) for e in (stop, host.shutdown_requested)]
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
@@ -91,6 +103,18 @@ async def serve(plan: Plan, run_dir: Path, run_id: str, index: int, port: int | 
         return 0
     finally:
         await endpoint.close()
+
+
+async def _rewire(
+    message: Rewire, endpoint: Endpoint, names: list[str], topology: Topology, index: int
+) -> None:
+    """A peer restarts under a new name: forget the old one's rings and socket, receive from
+    the new one if it sends to us, then confirm (the successor is spawned after that)."""
+    await endpoint.forget_peer(message.old)
+    names[message.index] = message.new
+    if message.index in topology.senders_to(index):
+        endpoint.add_inbound(message.new)
+    endpoint.send_control(COORDINATOR, Rewired(topology.plan.instances[index].name, message.index))
 
 
 async def _join_tp(plan: Plan, index: int, port: int | None) -> tuple[Any, Any]:
@@ -160,14 +184,20 @@ def main(argv: list[str]) -> int:
     port = int(argv[4]) if len(argv) > 4 and argv[4] else None
     die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops us
+    beat_s = float(os.environ.get("OMNI_HEARTBEAT_S", "0"))
+    if beat_s > 0:  # first: a slow start (imports, model loading) still beats
+        HeartbeatSender(run_dir / SOCKET_NAME, beat_s).start()
     with open(run_dir / "plan.pkl", "rb") as f:
         plan: Plan = pickle.load(f)
+    names = argv[5].split(",") if len(argv) > 5 else [str(i) for i in range(len(plan.instances))]
+    if len(names) != len(plan.instances):
+        raise SystemExit(f"worker: {len(names)} endpoint names for {len(plan.instances)} instances")
     name = plan.instances[index].name
     logging.basicConfig(
         level=os.environ.get("OMNI_LOG_LEVEL", "WARNING"),
         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
     )
-    code = asyncio.run(serve(plan, run_dir, run_id, index, port))
+    code = asyncio.run(serve(plan, run_dir, run_id, index, port, names))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # a TP peer thread may still sit in a collective: do not wait for it

@@ -1,0 +1,106 @@
+"""Stage timeouts inside a stage process: `timeout_s` per stage (stage.toml, or the server's
+`stage_timeout_s`).
+
+A request admitted to a stage gets a timer; if it is still there when the timer fires, the
+stage aborts it locally and reports `StageTimedOut` to the coordinator, which fails it with
+`PipelineError(code="timeout", stage=...)` and aborts it everywhere else.
+
+A backend call cannot be cancelled (a Python thread cannot be interrupted). So the compute thread
+records which call it runs since when (`ComputeExecutor`), and a call that runs longer than
+`timeout_s` marks the stage overran: the report asks the supervisor to kill the process, which
+is then restarted (the requests it held fail as `process_died`). A stage process that is frozen
+as a whole runs no timers: heartbeats (heartbeats.py) catch that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+class ComputeExecutor(concurrent.futures.ThreadPoolExecutor):
+    """A stage's one compute thread, which publishes the call it is running.
+
+    `current` is written by the compute thread only and read on the event loop: a tuple
+    (call number, monotonic start) or None, replaced whole (one atomic store under the GIL)."""
+
+    def __init__(self, thread_name_prefix: str) -> None:
+        super().__init__(1, thread_name_prefix=thread_name_prefix)
+        self.current: tuple[int, float] | None = None
+        self._calls = 0
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        return super().submit(self._timed, fn, args, kwargs)
+
+    def _timed(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        self._calls += 1
+        self.current = (self._calls, time.monotonic())
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.current = None
+
+
+class StageDeadlines:
+    """Per-request timers of one stage (event-loop thread).
+
+    `expired(key)` is called for a request still at the stage `timeout_s` after start(key);
+    `overran()` once per backend call that is still running `timeout_s` after it began."""
+
+    def __init__(
+        self,
+        timeout_s: float,
+        executor: ComputeExecutor,
+        expired: Callable[[int, bool], None],
+        overran: Callable[[], None],
+    ) -> None:
+        self.timeout_s = timeout_s
+        self._executor = executor
+        self._expired = expired
+        self._overran = overran
+        self._timers: dict[int, asyncio.TimerHandle] = {}
+        self._watched_call: int | None = None
+        self._call_timer: asyncio.TimerHandle | None = None
+
+    def start(self, key: int) -> None:
+        loop = asyncio.get_running_loop()
+        self._timers[key] = loop.call_later(self.timeout_s, self._fire, key)
+
+    def stop(self, key: int) -> None:
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+
+    def stop_all(self) -> None:
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
+        if self._call_timer is not None:
+            self._call_timer.cancel()
+
+    def _fire(self, key: int) -> None:
+        del self._timers[key]
+        self._expired(key, self._call_overran())
+
+    def _call_overran(self) -> bool:
+        """Whether the running call (if any) overran; if it may still, watch it."""
+        current = self._executor.current
+        if current is None:
+            return False
+        call, started = current
+        age = time.monotonic() - started
+        if age >= self.timeout_s:
+            return True
+        if self._watched_call != call:
+            self._watched_call = call
+            loop = asyncio.get_running_loop()
+            self._call_timer = loop.call_later(self.timeout_s - age, self._check_call, call)
+        return False
+
+    def _check_call(self, call: int) -> None:
+        current = self._executor.current
+        if current is not None and current[0] == call:
+            self._overran()
