@@ -49,6 +49,7 @@ def document(state: ServerState) -> Schema:
         "/v1/audio/speech": {"post": _speech(plan, options.max_input_chars)},
         "/v1/audio/transcriptions": {"post": _transcription(plan)},
         "/v1/chat/completions": {"post": _chat(plan)},
+        "/v1/realtime": {"get": _realtime(plan)},
         "/v1/models": {"get": _get("list the served models", _json(_MODEL_LIST))},
         "/v1/models/{model}": {"get": _retrieve_model(plan)},
         "/health": {"get": _get("readiness and health with detail", _json(_HEALTH), 503)},
@@ -215,6 +216,27 @@ def _chat(plan: Plan) -> Schema:
     return _post(
         "chat completion (text, and audio from a speech stage)", "application/json", body, content
     )
+
+
+def _realtime(plan: Plan) -> Schema:
+    """A WebSocket upgrade; the events are OpenAI's Realtime protocol (docs/realtime.md)."""
+    return {
+        "summary": "OpenAI's Realtime protocol over a WebSocket (upgrade required)",
+        "parameters": [
+            {
+                "name": "model",
+                "in": "query",
+                "required": False,
+                "schema": _names_or_string(_model_names(plan, "realtime")),
+            }
+        ],
+        "responses": {
+            "101": {"description": "switching to the WebSocket protocol"},
+            "400": _error_response("not a WebSocket upgrade request"),
+            "404": _error_response("no realtime model, or not this one"),
+            "503": _error_response("the pipeline is not ready"),
+        },
+    }
 
 
 def _retrieve_model(plan: Plan) -> Schema:
