@@ -24,6 +24,7 @@ from omni_server.serve import (
     transcription,
     transcription_request,
 )
+from omni_server.serve.realtime import realtime
 from omni_server.serve.access import add_cors_headers, api_key, cors, host_guard
 from omni_server.serve.admission import Admission
 from omni_server.serve.body import body_guard
@@ -73,6 +74,7 @@ def create_app(
     app.router.add_post("/v1/audio/speech", speech.create_speech)
     app.router.add_post("/v1/audio/transcriptions", transcription.create_transcription)
     app.router.add_post("/v1/chat/completions", chat.create_chat_completion)
+    app.router.add_get("/v1/realtime", realtime)
     state.body_limits["/v1/audio/transcriptions"] = (
         transcription_request.MAX_FILE_BYTES + transcription_request.FORM_OVERHEAD_BYTES
     )

@@ -1,0 +1,129 @@
+"""A session's conversation: ordered items (user / assistant / system messages) that become the
+thinker's context on every response."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni_server.serve.realtime.protocol import BETA_PARTS, ProtocolError
+
+ROLES = ("user", "assistant", "system")
+INPUT_PARTS = ("input_text", "input_audio")
+MAX_ITEMS = 512  # a session's history is bounded; the oldest items go first
+
+
+@dataclass
+class Item:
+    id: str
+    role: str
+    content: list[dict[str, Any]] = field(default_factory=list)  # GA content parts
+    status: str = "completed"
+    audio_ms: float = 0.0  # assistant audio sent so far (truncate cuts the transcript with it)
+
+    def text(self) -> str:
+        return "".join(
+            str(part.get("text") or part.get("transcript") or "") for part in self.content
+        )
+
+    def ga(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "realtime.item",
+            "type": "message",
+            "role": self.role,
+            "status": self.status,
+            "content": [dict(part) for part in self.content],
+        }
+
+    def beta(self) -> dict[str, Any]:
+        item = self.ga()
+        for part in item["content"]:
+            part["type"] = BETA_PARTS.get(part["type"], part["type"])
+        return item
+
+
+class Conversation:
+    def __init__(self) -> None:
+        self.items: list[Item] = []
+
+    def add(self, item: Item, previous_item_id: str | None = None) -> str | None:
+        """Insert after `previous_item_id` (at the end when None); returns the id before it."""
+        if previous_item_id is None:
+            index = len(self.items)
+        else:
+            index = self._index(previous_item_id, "previous_item_id") + 1
+        self.items.insert(index, item)
+        if len(self.items) > MAX_ITEMS:
+            del self.items[0]
+        position = self.items.index(item)
+        return self.items[position - 1].id if position > 0 else None
+
+    def get(self, item_id: str, param: str = "item_id") -> Item:
+        return self.items[self._index(item_id, param)]
+
+    def delete(self, item_id: str) -> None:
+        del self.items[self._index(item_id, "item_id")]
+
+    def truncate(self, item_id: str, content_index: int, audio_end_ms: int) -> None:
+        """Cut an assistant item's audio at `audio_end_ms`: its transcript keeps the share of
+        its text that was heard (the listener never heard the rest)."""
+        item = self.get(item_id)
+        if item.role != "assistant":
+            raise ProtocolError("only assistant audio can be truncated", param="item_id")
+        if not 0 <= content_index < len(item.content):
+            raise ProtocolError(f"no content part {content_index}", param="content_index")
+        if audio_end_ms < 0 or audio_end_ms > item.audio_ms + 1:
+            raise ProtocolError(
+                f"audio_end_ms must be in [0, {int(item.audio_ms)}] (the audio sent)",
+                param="audio_end_ms",
+            )
+        part = item.content[content_index]
+        text = str(part.get("transcript") or "")
+        keep = round(len(text) * audio_end_ms / item.audio_ms) if item.audio_ms else 0
+        part["transcript"] = text[:keep]
+        item.audio_ms = float(audio_end_ms)
+
+    def messages(self, instructions: str) -> list[dict[str, str]]:
+        """The thinker's context: the instructions, then every item with text."""
+        out = [{"role": "system", "content": instructions}] if instructions else []
+        for item in self.items:
+            text = item.text().strip()
+            if text:
+                out.append({"role": item.role, "content": text})
+        return out
+
+    def _index(self, item_id: str, param: str) -> int:
+        for i, item in enumerate(self.items):
+            if item.id == item_id:
+                return i
+        raise ProtocolError(
+            f"no item {item_id!r} in the conversation", code="item_not_found", param=param
+        )
+
+
+def item_from_client(raw: Any, item_id: str) -> Item:
+    """A conversation.item.create's item: a message with text content (audio items come from
+    the input buffer)."""
+    if not isinstance(raw, dict) or raw.get("type", "message") != "message":
+        raise ProtocolError('item must be {"type": "message", "role", "content"}', param="item")
+    role = raw.get("role")
+    if role not in ROLES:
+        raise ProtocolError(f"item.role must be one of {', '.join(ROLES)}", param="item.role")
+    content = raw.get("content")
+    if not isinstance(content, list) or not content:
+        raise ProtocolError("item.content must be a non-empty list", param="item.content")
+    parts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        text = part.get("text") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text") and isinstance(text, str):
+            out_kind = "input_text" if role != "assistant" else "output_text"
+            parts.append({"type": out_kind, "text": text})
+        else:
+            raise ProtocolError(
+                "content parts must be text parts ({type: input_text | output_text, text}); "
+                "send audio with input_audio_buffer.append",
+                param=f"item.content[{i}]",
+            )
+    return Item(id=item_id, role=role, content=parts)
