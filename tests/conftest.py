@@ -26,7 +26,8 @@ SLOW_FIXTURES = frozenset(
         # load the voice (and Whisper), and every request synthesizes real speech
         "server",
         "server_url",
-        # the real SmolLM2 weights (dequantized from the GGUF) and transformers' reference model
+        # the real SmolLM2 (its GGUF read, weights dequantized) and transformers' reference model
+        "gguf",
         "smol_model",
         "hf_model",
         "hf_tokenizer",

@@ -38,6 +38,7 @@ def test_piper_http_serves_the_voice_and_stops_cleanly():
     assert pid is not None and not alive(pid), "piper.http_server still running after close()"
 
 
+@pytest.mark.slow  # loads the voice
 @pytest.mark.timeout(120)
 def test_in_process_voice_streams_the_repository_stages_per_sentence():
     async def scenario():

@@ -42,6 +42,7 @@ def test_seeded_audio_is_bit_identical_across_runs_and_instances(voice, reposito
         assert len(a) == len(b) and np.allclose(a, b, atol=1e-3)
 
 
+@pytest.mark.slow  # a second interpreter loads the voice
 def test_seeded_audio_is_bit_identical_in_another_process(voice, repository):
     script = (
         "import hashlib, sys; from pathlib import Path;"
