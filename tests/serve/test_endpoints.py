@@ -37,7 +37,8 @@ def test_health_probes(server):
     assert server.get_json("/health/live") == (200, {"status": "live"})
     assert server.get_json("/health/ready") == (200, {"status": "ready"})
     status, body = server.get_json("/health")
-    assert status == 200 and body["status"] == "ok" and body["models"] == ["piper-joe"]
+    served = list(compile_repository(EMBEDDED_REPO).models)
+    assert status == 200 and body["status"] == "ok" and body["models"] == served
 
 
 def test_metrics_count_requests_latency_and_stages(server, client: OpenAI):
@@ -64,7 +65,7 @@ def test_metrics_count_requests_latency_and_stages(server, client: OpenAI):
         before, "omni_audio_seconds_total", model="piper-joe"
     )
     assert value(after, "omni_requests_in_flight", model="piper-joe") == 0
-    for stage in compile_repository(EMBEDDED_REPO).stages:
+    for stage in compile_repository(EMBEDDED_REPO).models["piper-joe"].stages:
         assert grew("omni_stage_queue_seconds_count", stage=stage)
         assert grew("omni_stage_compute_seconds_count", stage=stage)
 
