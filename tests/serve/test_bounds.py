@@ -123,9 +123,15 @@ async def test_a_queued_request_waits_for_a_place_then_runs(app_client):
         client.post("/v1/audio/speech", json=dict(SPEECH, input="slow 5", stream=False))
     )
     await asyncio.sleep(0.1)
-    second = await client.post("/v1/audio/speech", json=SPEECH)  # queued behind the first
-    assert second.status == 200 and await second.read() == bytes(1440)
+    second = asyncio.ensure_future(client.post("/v1/audio/speech", json=SPEECH))
+    await asyncio.sleep(0.1)  # queued behind the first
+    metrics = await (await client.get("/metrics")).text()
+    assert 'omni_requests_queued{model="quiet"} 1.0' in metrics
     assert (await first).status == 200
+    answered = await second
+    assert answered.status == 200 and await answered.read() == bytes(1440)
+    metrics = await (await client.get("/metrics")).text()
+    assert 'omni_requests_queued{model="quiet"} 0.0' in metrics
 
 
 async def test_admission_is_first_come_and_times_out():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from omni_server.serve.errors import ApiError
@@ -41,11 +41,23 @@ class _Gate:
 
 
 class Admission:
-    def __init__(self, max_in_flight: int, max_queued: int, queue_timeout_s: float) -> None:
+    def __init__(
+        self,
+        max_in_flight: int,
+        max_queued: int,
+        queue_timeout_s: float,
+        on_queue: Callable[[str, int], None] | None = None,
+    ) -> None:
+        """`on_queue(model, length)` hears every change of a model's queue (a metrics gauge)."""
         self.max_in_flight = max_in_flight
         self.max_queued = max_queued
         self.queue_timeout_s = queue_timeout_s
+        self._on_queue = on_queue
         self._gates: dict[str, _Gate] = {}
+
+    def _queue_changed(self, model: str, gate: _Gate) -> None:
+        if self._on_queue is not None:
+            self._on_queue(model, len(gate.waiters))
 
     def in_flight(self, model: str) -> int:
         return self._gates[model].in_flight if model in self._gates else 0
@@ -61,7 +73,7 @@ class Admission:
         try:
             yield
         finally:
-            self._release(gate)
+            self._release(gate, model)
 
     async def _acquire(self, gate: _Gate, model: str) -> None:
         if gate.in_flight < self.max_in_flight and not gate.waiters:
@@ -74,15 +86,17 @@ class Admission:
             )
         waiter = asyncio.get_running_loop().create_future()
         gate.waiters.append(waiter)
+        self._queue_changed(model, gate)
         try:
             await asyncio.wait_for(asyncio.shield(waiter), self.queue_timeout_s)
         except (TimeoutError, asyncio.CancelledError) as exc:
             if waiter.done() and not waiter.cancelled():
-                self._release(gate)  # granted in the same instant: hand the place on
+                self._release(gate, model)  # granted in the same instant: hand the place on
             else:
                 waiter.cancel()
                 with contextlib.suppress(ValueError):
                     gate.waiters.remove(waiter)
+                self._queue_changed(model, gate)
             if isinstance(exc, TimeoutError):
                 raise RateLimited(
                     f"model '{model}' had no free place within {self.queue_timeout_s:g} s "
@@ -91,10 +105,12 @@ class Admission:
                 ) from None
             raise
 
-    def _release(self, gate: _Gate) -> None:
+    def _release(self, gate: _Gate, model: str) -> None:
         while gate.waiters:
             waiter = gate.waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)  # the place passes to the waiter; in_flight unchanged
+                self._queue_changed(model, gate)
                 return
         gate.in_flight -= 1
+        self._queue_changed(model, gate)

@@ -24,7 +24,6 @@ from omni_server.serve import (
     transcription,
     transcription_request,
 )
-from omni_server.serve.realtime import realtime
 from omni_server.serve.access import add_cors_headers, api_key, cors, host_guard
 from omni_server.serve.admission import Admission
 from omni_server.serve.body import body_guard
@@ -32,6 +31,7 @@ from omni_server.serve.errors import ApiError, openai_errors
 from omni_server.serve.lifecycle import Lifecycle
 from omni_server.serve.metrics import ServerMetrics
 from omni_server.serve.options import MAX_BODY_BYTES, ServeOptions
+from omni_server.serve.realtime import realtime
 from omni_server.serve.state import STATE, ServerState
 
 if TYPE_CHECKING:
@@ -53,12 +53,19 @@ def create_app(
     if options is None:
         options = ServeOptions(max_body_bytes=max_body_bytes)
     lifecycle = Lifecycle()
+    metrics = ServerMetrics()
+    admission = Admission(
+        options.max_in_flight,
+        options.max_queued,
+        options.queue_timeout_s,
+        on_queue=metrics.queue_length,
+    )
     state = ServerState(
         runtime=runtime,
         plan=plan if plan is not None else runtime.plan,
-        metrics=ServerMetrics(),
+        metrics=metrics,
         options=options,
-        admission=Admission(options.max_in_flight, options.max_queued, options.queue_timeout_s),
+        admission=admission,
         lifecycle=lifecycle,
         created=int(time.time()),
     )

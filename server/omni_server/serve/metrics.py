@@ -9,6 +9,7 @@ Names (all prefixed `omni_`):
                                                client_disconnected | server_shutdown |
                                                server_error
   requests_in_flight{model}                    requests inside the pipeline now
+  requests_queued{model}                       requests waiting for a place (admission)
   time_to_first_audio_seconds{model}           request received -> first audio bytes ready
   request_latency_seconds{endpoint, model}     request received -> last byte written
   audio_seconds_total{model}                   seconds of audio produced
@@ -110,12 +111,22 @@ class ServerMetrics:
             buckets=_STAGE_BUCKETS,
             registry=r,
         )
+        self.queued = Gauge(
+            "omni_requests_queued",
+            "requests waiting for a place in the pipeline (admission)",
+            ["model"],
+            registry=r,
+        )
         self.rejections = Counter(
             "omni_http_rejections",
             "requests refused before any endpoint saw them",
             ["reason"],
             registry=r,
         )
+
+    def queue_length(self, model: str, length: int) -> None:
+        """An admission `on_queue` hook."""
+        self.queued.labels(model).set(length)
 
     def rejected(self, reason: str) -> None:
         """A request the door refused (access.py): counted, never seen by an endpoint."""
