@@ -62,7 +62,7 @@ class Level:
     ttft_ms: float
     decode_tps_per_request: float
     aggregate_tps: float
-    note: str = ""
+    steady_tps: float = float("nan")  # while all c requests decode (no prefill in the window)
 
 
 @dataclass
@@ -97,7 +97,12 @@ def engine_level(engine: Engine, prompts: list[list[int]], c: int, new_tokens: i
     ttft = statistics.mean(t[0] - start for t in times.values())
     per_req = statistics.mean((len(t) - 1) / (t[-1] - t[0]) for t in times.values())
     total = sum(len(t) for t in times.values())
-    return Level("engine", c, ttft * 1e3, per_req, total / wall)
+    # steady state: from the moment every request has its first token to the first finish
+    lo = max(t[0] for t in times.values())
+    hi = min(t[-1] for t in times.values())
+    window = sum(sum(1 for x in t if lo < x <= hi) for t in times.values())
+    steady = window / (hi - lo) if hi > lo else float("nan")
+    return Level("engine", c, ttft * 1e3, per_req, total / wall, steady)
 
 
 # --- transformers -------------------------------------------------------------------------
@@ -207,7 +212,7 @@ def build_engine(args: argparse.Namespace, max_c: int) -> tuple[Engine, list[lis
     config = EngineConfig(
         max_total_tokens=max(8192, max_c * (args.prompt_tokens + args.new_tokens + 64)),
         max_batch_size=max(max_c, 1),
-        max_step_tokens=max(512, max_c + 64),
+        max_step_tokens=max(args.max_step_tokens, max_c + 64),
         dtype=args.dtype,
         device=args.device,
         cuda_graphs=not args.no_graphs,
@@ -232,12 +237,13 @@ def build_engine(args: argparse.Namespace, max_c: int) -> tuple[Engine, list[lis
 
 def table(result: Result) -> str:
     lines = [
-        f"{'who':<10} {'c':>3} {'TTFT ms':>9} {'decode tok/s/req':>17} {'aggregate tok/s':>16}",
+        f"{'who':<10} {'c':>3} {'TTFT ms':>9} {'decode tok/s/req':>17} {'aggregate tok/s':>16}"
+        f" {'steady tok/s':>13}",
     ]
     for lv in result.levels:
         lines.append(
             f"{lv.name:<10} {lv.concurrency:>3} {lv.ttft_ms:>9.1f} "
-            f"{lv.decode_tps_per_request:>17.1f} {lv.aggregate_tps:>16.1f}"
+            f"{lv.decode_tps_per_request:>17.1f} {lv.aggregate_tps:>16.1f} {lv.steady_tps:>13.1f}"
         )
     by = {(lv.name, lv.concurrency): lv for lv in result.levels}
     eng1, hf1 = by.get(("engine", 1)), by.get(("hf-seq", 1))
@@ -275,6 +281,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         choices=sorted(SHAPES),
         default=None,
         help="random weights of this Llama shape instead of the embedded GGUF",
+    )
+    p.add_argument(
+        "--max-step-tokens", type=int, default=512, help="engine token budget of one step"
     )
     p.add_argument("--no-peer", action="store_true", help="skip transformers")
     p.add_argument("--no-graphs", action="store_true", help="CUDA: eager decode, no graphs")

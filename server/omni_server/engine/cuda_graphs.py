@@ -14,6 +14,7 @@ from 256 up to max_seq_len. Graphs are captured lazily on first use (or all at o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,8 +55,16 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, model: Llama, cache: KVCache, max_batch_size: int, max_seq_len: int) -> None:
+    def __init__(
+        self,
+        model: Llama,
+        cache: KVCache,
+        max_batch_size: int,
+        max_seq_len: int,
+        forward: Callable[..., torch.Tensor] | None = None,  # e.g. the torch.compile'd forward
+    ) -> None:
         self.model = model
+        self.forward = forward or model.forward
         self.cache = cache
         self.device = next(model.parameters()).device
         self.batch_buckets = batch_buckets(max_batch_size)
@@ -114,11 +123,11 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(2):  # warm up kernels / allocator outside the capture
-                self.model(static, self.cache.k, self.cache.v)
+                self.forward(static, self.cache.k, self.cache.v)
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool), torch.inference_mode():
-            logits = self.model(static, self.cache.k, self.cache.v)
+            logits = self.forward(static, self.cache.k, self.cache.v)
         if self.pool is None:
             self.pool = graph.pool()
         captured = _Graph(graph, static, logits)

