@@ -48,18 +48,13 @@ class TranscriptionRequest:
 
     @property
     def words(self) -> bool:
+        """Word timings cost the recognizer an alignment pass: only when asked for."""
         return "word" in self.granularities
 
     def pipeline_inputs(self) -> dict[str, Any]:
         """The ASR entry stage's inputs (the transcription contract with the pipeline)."""
-        return {
-            "file": self.file,
-            "options": {
-                "prompt": self.prompt,
-                "temperature": self.temperature,
-                "words": self.words,
-            },
-        }
+        options = {"prompt": self.prompt, "temperature": self.temperature, "words": self.words}
+        return {"file": self.file, "options": options}
 
 
 @dataclass

@@ -1,0 +1,405 @@
+"""omni-bench transcribe: the served ASR model against faster-whisper in this process.
+
+    python -m omni_bench.transcribe [--short 12] [--long-seconds 300] [--levels 1,4,8]
+
+Audio is made here: the embedded voice (short clips of 3-10 s, and a long file of its sentences
+joined by 0.5-2 s pauses), espeak-ng as a second, harder voice, and the voice's clips with white
+noise at `--snr` dB. The peers run in this process with the same model files and 2 CPU threads:
+faster-whisper's plain `transcribe` (sequential 30 s windows; the floor a served request is held
+to) and its `BatchedInferencePipeline` (its own Silero VAD, batch 8) on the long file. Then the
+server (`omni-server --repo REPO`, started here unless `--url` names one) gets:
+
+  - every short clip at each concurrency level: throughput (audio seconds per wall second),
+    mean real-time factor (latency / audio length), WER;
+  - the long file, whole (c=1) and streamed (time to the first `transcript.text.delta`);
+  - espeak and noisy clips at c=1: WER served vs in-process.
+
+Peers and server never run at once (2 cores). Greedy decoding (temperature 0) everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from omni_bench import asr_audio
+from omni_bench.child_server import ChildServer
+from omni_bench.wer import word_error_rate
+from omni_server.audio import whisper
+
+MODEL = "whisper-1"
+RATE = asr_audio.RATE
+
+
+@dataclass
+class Corpus:
+    name: str
+    clips: list[np.ndarray]
+    texts: list[str]
+
+    @property
+    def seconds(self) -> float:
+        return sum(c.size for c in self.clips) / RATE
+
+
+@dataclass
+class Run:
+    """One way of transcribing one corpus."""
+
+    who: str
+    corpus: str
+    concurrency: int
+    audio_s: float
+    wall_s: float
+    latencies: list[float] = field(default_factory=list)
+    rtfs: list[float] = field(default_factory=list)
+    wer: float | None = None
+    first_text_s: float | None = None
+
+    @property
+    def throughput(self) -> float:
+        return self.audio_s / self.wall_s
+
+
+def make_corpora(args: argparse.Namespace) -> tuple[list[Corpus], Corpus]:
+    voice = asr_audio.VoiceSynth()
+    texts = [t for t in asr_audio.sentences(60, max_words=28) if len(t.split()) >= 8]
+    short_texts = texts[: args.short]
+    short = Corpus("voice", [voice.say(t) for t in short_texts], short_texts)
+    corpora = [short]
+    noisy = [asr_audio.add_noise(c, args.snr, seed=i) for i, c in enumerate(short.clips)]
+    corpora.append(Corpus(f"voice {args.snr:g} dB SNR", noisy, short_texts))
+    if not args.no_espeak:
+        try:
+            espeak = asr_audio.EspeakSynth()
+            corpora.append(Corpus("espeak-ng", [espeak.say(t) for t in short_texts], short_texts))
+        except RuntimeError as err:
+            print(f"espeak-ng left out: {err}", file=sys.stderr)
+    # the long file: the dataset's sentences, spoken once each, then again, until long enough
+    long_clips: list[np.ndarray] = []
+    long_texts: list[str] = []
+    every = asr_audio.sentences(100, max_words=60)
+    said = {t: c for t, c in zip(short_texts, short.clips, strict=True)}
+    while sum(c.size for c in long_clips) / RATE < args.long_seconds * 0.8:
+        text = every[len(long_texts) % len(every)]
+        if text not in said:
+            said[text] = voice.say(text)
+        long_clips.append(said[text])
+        long_texts.append(text)
+    joined = asr_audio.join_with_pauses(long_clips, long_texts, pause_s=(0.5, 2.0), seed=1)
+    long = Corpus("voice long file", [joined.samples], [joined.text])
+    return corpora, long
+
+
+# ---- in-process peers ---------------------------------------------------------------------
+
+
+def inprocess_sequential(model: Any, corpus: Corpus) -> Run:
+    """faster-whisper's plain transcribe, one clip after another."""
+    hyps, latencies = [], []
+    start = time.perf_counter()
+    for clip in corpus.clips:
+        t = time.perf_counter()
+        segments, _ = model.transcribe(
+            clip, language="en", beam_size=1, temperature=0.0, vad_filter=False
+        )
+        hyps.append(" ".join(s.text.strip() for s in segments))
+        latencies.append(time.perf_counter() - t)
+    wall = time.perf_counter() - start
+    return _run("faster-whisper sequential", corpus, 1, wall, latencies, hyps)
+
+
+def inprocess_batched(model: Any, corpus: Corpus, batch_size: int = 8) -> Run:
+    """faster-whisper's BatchedInferencePipeline (its own Silero VAD), one clip after another."""
+    from faster_whisper import BatchedInferencePipeline
+
+    pipeline = BatchedInferencePipeline(model)
+    hyps, latencies = [], []
+    start = time.perf_counter()
+    for clip in corpus.clips:
+        t = time.perf_counter()
+        segments, _ = pipeline.transcribe(
+            clip, language="en", beam_size=1, temperature=0.0, batch_size=batch_size
+        )
+        hyps.append(" ".join(s.text.strip() for s in segments))
+        latencies.append(time.perf_counter() - t)
+    wall = time.perf_counter() - start
+    return _run(f"faster-whisper batched ({batch_size})", corpus, 1, wall, latencies, hyps)
+
+
+def inprocess_stage_code(recognizer: whisper.Recognizer, corpus: Corpus) -> Run:
+    """The served stages' recognizer (segmenter + batched windows), without the server."""
+    hyps, latencies = [], []
+    start = time.perf_counter()
+    for clip in corpus.clips:
+        t = time.perf_counter()
+        hyps.append(recognizer.transcribe(clip, RATE))
+        latencies.append(time.perf_counter() - t)
+    wall = time.perf_counter() - start
+    return _run(
+        f"stage code in-process (batch {recognizer.batch_size})", corpus, 1, wall, latencies, hyps
+    )
+
+
+def _run(
+    who: str, corpus: Corpus, c: int, wall: float, latencies: list[float], hyps: Sequence[str]
+) -> Run:
+    rtfs = [lat / (clip.size / RATE) for lat, clip in zip(latencies, corpus.clips, strict=True)]
+    return Run(
+        who,
+        corpus.name,
+        c,
+        corpus.seconds,
+        wall,
+        latencies,
+        rtfs,
+        word_error_rate(corpus.texts, hyps),
+    )
+
+
+# ---- the server ---------------------------------------------------------------------------
+
+
+async def _transcribe(session: aiohttp.ClientSession, url: str, wav: bytes) -> str:
+    form = aiohttp.FormData()
+    form.add_field("model", MODEL)
+    form.add_field("response_format", "text")
+    form.add_field("file", wav, filename="clip.wav", content_type="audio/wav")
+    async with session.post(url + "/v1/audio/transcriptions", data=form) as response:
+        body = await response.text()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {body[:300]}")
+        return body.strip()
+
+
+async def _first_text(
+    session: aiohttp.ClientSession, url: str, wav: bytes
+) -> tuple[float, float, str]:
+    """(seconds to the first delta, to the done event, the done text) of a streamed request."""
+    form = aiohttp.FormData()
+    form.add_field("model", MODEL)
+    form.add_field("stream", "true")
+    form.add_field("file", wav, filename="clip.wav", content_type="audio/wav")
+    start = time.perf_counter()
+    first = None
+    async with session.post(url + "/v1/audio/transcriptions", data=form) as response:
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:300]}")
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if event["type"] == "transcript.text.delta" and first is None:
+                first = time.perf_counter() - start
+            if event["type"] == "transcript.text.done":
+                done = time.perf_counter() - start
+                return (first if first is not None else done), done, event["text"]
+    raise RuntimeError("the stream ended without transcript.text.done")
+
+
+async def served(
+    session: aiohttp.ClientSession, url: str, corpus: Corpus, c: int, rounds: int
+) -> Run:
+    """Every clip `rounds` times, `c` requests in flight at once."""
+    wavs = [asr_audio.to_wav(clip) for clip in corpus.clips]
+    jobs = [i for _ in range(rounds) for i in range(len(wavs))]
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for j in jobs:
+        queue.put_nowait(j)
+    hyps: dict[int, str] = {}
+    latencies: list[float] = []
+    rtfs: list[float] = []
+
+    async def worker() -> None:
+        while not queue.empty():
+            i = queue.get_nowait()
+            t = time.perf_counter()
+            hyps[i] = await _transcribe(session, url, wavs[i])
+            lat = time.perf_counter() - t
+            latencies.append(lat)
+            rtfs.append(lat / (corpus.clips[i].size / RATE))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(c)))
+    wall = time.perf_counter() - start
+    wer = word_error_rate(corpus.texts, [hyps[i] for i in range(len(wavs))])
+    return Run("served", corpus.name, c, corpus.seconds * rounds, wall, latencies, rtfs, wer)
+
+
+async def served_all(args: argparse.Namespace, corpora: list[Corpus], long: Corpus) -> list[Run]:
+    server = None
+    url = args.url
+    if url is None:
+        server = ChildServer(
+            "omni-server",
+            lambda port: [
+                sys.executable,
+                "-m",
+                "omni_server",
+                "--repo",
+                str(args.repo),
+                "--port",
+                str(port),
+            ],
+            "/health/ready",
+        )
+        await server.start()
+        url = server.url
+    runs: list[Run] = []
+    try:
+        timeout = aiohttp.ClientTimeout(total=900)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            voice = corpora[0]
+            await _transcribe(session, url, asr_audio.to_wav(voice.clips[0]))  # warm-up
+            for c in args.levels:
+                runs.append(
+                    await served(
+                        session, url, voice, c, rounds=max(1, -(-2 * c // len(voice.clips)))
+                    )
+                )
+                print(_line(runs[-1]), file=sys.stderr)
+            for corpus in corpora[1:]:
+                runs.append(await served(session, url, corpus, 1, rounds=1))
+                print(_line(runs[-1]), file=sys.stderr)
+            runs.append(await served(session, url, long, 1, rounds=1))
+            print(_line(runs[-1]), file=sys.stderr)
+            first, done, text = await _first_text(session, url, asr_audio.to_wav(long.clips[0]))
+            run = Run(
+                "served, stream=true",
+                long.name,
+                1,
+                long.seconds,
+                done,
+                [done],
+                [done / long.seconds],
+            )
+            run.first_text_s, run.wer = first, word_error_rate(long.texts, [text])
+            runs.append(run)
+            first, done, text = await _first_text(session, url, asr_audio.to_wav(voice.clips[0]))
+            run = Run(
+                "served, stream=true", "voice (first clip)", 1, voice.clips[0].size / RATE, done
+            )
+            run.first_text_s, run.wer = first, word_error_rate(voice.texts[:1], [text])
+            runs.append(run)
+    finally:
+        if server is not None:
+            await server.stop()
+    return runs
+
+
+# ---- report -------------------------------------------------------------------------------
+
+
+def _line(r: Run) -> str:
+    return f"{r.who:38} {r.corpus:20} c={r.concurrency} {r.throughput:6.1f} audio s/s wer={r.wer}"
+
+
+def table(runs: list[Run]) -> str:
+    lines = [
+        "| who | audio | c | audio s | wall s | throughput (audio s/s) | mean RTF | p90 latency s | first text s | WER % |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in runs:
+        p90 = float(np.percentile(r.latencies, 90)) if r.latencies else float("nan")
+        rtf = statistics.fmean(r.rtfs) if r.rtfs else float("nan")
+        first = f"{r.first_text_s:.2f}" if r.first_text_s is not None else ""
+        wer = f"{100 * r.wer:.1f}" if r.wer is not None else ""
+        lines.append(
+            f"| {r.who} | {r.corpus} | {r.concurrency} | {r.audio_s:.0f} | {r.wall_s:.2f} | "
+            f"{r.throughput:.1f} | {rtf:.3f} | {p90:.2f} | {first} | {wer} |"
+        )
+    return "\n".join(lines)
+
+
+def verdicts(runs: list[Run]) -> list[str]:
+    def find(who: str, corpus: str, c: int = 1) -> Run | None:
+        return next(
+            (
+                r
+                for r in runs
+                if r.who.startswith(who) and r.corpus == corpus and r.concurrency == c
+            ),
+            None,
+        )
+
+    out = []
+    floor = find("faster-whisper sequential", "voice")
+    for r in runs:
+        if r.who == "served" and r.corpus == "voice" and floor is not None:
+            out.append(
+                f"short clips c={r.concurrency}: served {r.throughput:.1f} audio s/s = "
+                f"{r.throughput / floor.throughput:.2f}x the in-process floor ({floor.throughput:.1f})"
+                + (" (target >= 0.9x at c >= 4)" if r.concurrency >= 4 else "")
+            )
+    seq = find("faster-whisper sequential", "voice long file")
+    long_served = find("served", "voice long file")
+    if seq and long_served:
+        out.append(
+            f"long file: served {long_served.wall_s:.1f} s vs sequential faster-whisper "
+            f"{seq.wall_s:.1f} s = {seq.wall_s / long_served.wall_s:.2f}x faster (target >= 1.5x)"
+        )
+    for r in runs:
+        if r.who == "served" and r.concurrency == 1:
+            peer = find("faster-whisper sequential", r.corpus)
+            if peer and peer.wer is not None and r.wer is not None:
+                out.append(
+                    f"WER {r.corpus}: served {100 * r.wer:.1f}% vs in-process {100 * peer.wer:.1f}% "
+                    f"(difference {100 * (r.wer - peer.wer):+.1f} points; target within 0.5)"
+                )
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--short", type=int, default=12, help="short clips per corpus")
+    parser.add_argument("--long-seconds", type=float, default=300.0)
+    parser.add_argument("--levels", default="1,4,8", help="concurrency levels")
+    parser.add_argument("--snr", type=float, default=10.0, help="SNR (dB) of the noisy condition")
+    parser.add_argument("--no-espeak", action="store_true")
+    parser.add_argument("--repo", type=Path, default=asr_audio.REPOSITORY)
+    parser.add_argument("--url", help="a running server instead of starting one")
+    parser.add_argument("--json", type=Path, help="write the runs here")
+    args = parser.parse_args(argv)
+    args.levels = [int(x) for x in args.levels.split(",")]
+
+    corpora, long = make_corpora(args)
+    print(
+        f"audio: {len(corpora[0].clips)} short clips per corpus ({corpora[0].seconds:.0f} s of voice), "
+        f"long file {long.seconds:.0f} s",
+        file=sys.stderr,
+    )
+    model = whisper.load_whisper(cpu_threads=2)
+    runs: list[Run] = []
+    for corpus in corpora:
+        runs.append(inprocess_sequential(model, corpus))
+        print(_line(runs[-1]), file=sys.stderr)
+    runs.append(inprocess_sequential(model, long))
+    print(_line(runs[-1]), file=sys.stderr)
+    runs.append(inprocess_batched(model, long))
+    print(_line(runs[-1]), file=sys.stderr)
+    runs.append(inprocess_stage_code(whisper.Recognizer(model, batch_size=4), long))
+    print(_line(runs[-1]), file=sys.stderr)
+    del model
+    runs += asyncio.run(served_all(args, corpora, long))
+    print(table(runs))
+    print()
+    for line in verdicts(runs):
+        print("- " + line)
+    if args.json:
+        args.json.write_text(json.dumps([r.__dict__ for r in runs], indent=1))
+
+
+if __name__ == "__main__":
+    main()
