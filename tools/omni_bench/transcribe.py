@@ -308,7 +308,8 @@ def _line(r: Run) -> str:
 
 def table(runs: list[Run]) -> str:
     lines = [
-        "| who | audio | c | audio s | wall s | throughput (audio s/s) | mean RTF | p90 latency s | first text s | WER % |",
+        "| who | audio | c | audio s | wall s | throughput (audio s/s) | mean RTF "
+        "| p90 latency s | first text s | WER % |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in runs:
@@ -340,7 +341,8 @@ def verdicts(runs: list[Run]) -> list[str]:
         if r.who == "served" and r.corpus == "voice" and floor is not None:
             out.append(
                 f"short clips c={r.concurrency}: served {r.throughput:.1f} audio s/s = "
-                f"{r.throughput / floor.throughput:.2f}x the in-process floor ({floor.throughput:.1f})"
+                f"{r.throughput / floor.throughput:.2f}x the in-process floor "
+                f"({floor.throughput:.1f})"
                 + (" (target >= 0.9x at c >= 4)" if r.concurrency >= 4 else "")
             )
     seq = find("faster-whisper sequential", "voice long file")
@@ -355,7 +357,8 @@ def verdicts(runs: list[Run]) -> list[str]:
             peer = find("faster-whisper sequential", r.corpus)
             if peer and peer.wer is not None and r.wer is not None:
                 out.append(
-                    f"WER {r.corpus}: served {100 * r.wer:.1f}% vs in-process {100 * peer.wer:.1f}% "
+                    f"WER {r.corpus}: served {100 * r.wer:.1f}% vs in-process "
+                    f"{100 * peer.wer:.1f}% "
                     f"(difference {100 * (r.wer - peer.wer):+.1f} points; target within 0.5)"
                 )
     return out
@@ -376,7 +379,8 @@ def main(argv: list[str] | None = None) -> None:
 
     corpora, long = make_corpora(args)
     print(
-        f"audio: {len(corpora[0].clips)} short clips per corpus ({corpora[0].seconds:.0f} s of voice), "
+        f"audio: {len(corpora[0].clips)} short clips per corpus "
+        f"({corpora[0].seconds:.0f} s of voice), "
         f"long file {long.seconds:.0f} s",
         file=sys.stderr,
     )
