@@ -46,7 +46,7 @@ def sentences(count: int, *, max_words: int = 30) -> list[str]:
 
 def decode_file(data: bytes) -> np.ndarray:
     """Any container PyAV reads -> 16 kHz mono float32."""
-    with av.open(io.BytesIO(data)) as container:
+    with av.open(io.BytesIO(data), mode="r") as container:
         stream = container.streams.audio[0]
         resampler = av.AudioResampler(format="flt", layout="mono", rate=RATE)
         parts = [
