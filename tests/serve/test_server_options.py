@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -13,7 +15,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.helpers.server import ServerProcess
+from tests.helpers.server import EMBEDDED_REPO, ROOT, ServerProcess
 from tests.serve.inline import MODEL, stand_in_repo
 
 pytestmark = pytest.mark.timeout(180)
@@ -123,3 +125,23 @@ def test_stop_gives_requests_the_grace_period_then_cancels_them(keyed_server):
     assert "aborted: the server is shutting down" in log
     # one grace period, not aiohttp's two: well under 2 x GRACE_S even on a loaded machine
     assert GRACE_S <= stopped_after < 2 * GRACE_S - 0.5, stopped_after
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--max-in-flight", "0"], "max_in_flight must be at least 1"),
+        (["--body-timeout", "-1"], "body_timeout_s must be positive"),
+        (["--api-key", " "], "api_key is empty"),
+    ],
+)
+def test_bad_serve_options_exit_2_naming_them(flags, says):
+    done = subprocess.run(
+        [sys.executable, "-m", "omni_server", "--repo", str(EMBEDDED_REPO), *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert done.returncode == 2
+    assert says in done.stderr and "Traceback" not in done.stderr
