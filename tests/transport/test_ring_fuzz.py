@@ -187,3 +187,21 @@ def test_release_refuses_an_end_that_was_not_popped(ring_name):
     finally:
         consumer.close()
         producer.close()
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [b"not json", b"{}", b'[["O", [1]]]', b'[["<f4", [3]]]', b'[["<f4"]]', b'[["nope", [1]]]'],
+)
+def test_record_arrays_refuses_a_bad_descriptor(ring_name, meta):
+    from omni_transport import record_arrays
+
+    producer = Ring.create(ring_name(), CAP, role="producer")
+    consumer = Ring.attach(producer.name, role="consumer")
+    try:
+        producer.push(b"", [meta, bytes(8)])  # one 8-byte array buffer
+        with consumer.pop(timeout=5) as rec, pytest.raises(ValueError, match="not an array"):
+            record_arrays(rec)
+    finally:
+        consumer.close()
+        producer.close()

@@ -30,10 +30,18 @@ def record_arrays(rec: Record) -> list[np.ndarray]:
     """Read-only numpy views over a record made by push_arrays; valid until rec.release()."""
     if not rec.buffers:
         raise ValueError("record has no array descriptor: it was not made by push_arrays")
-    meta = json.loads(bytes(rec.buffers[0]))
-    if len(meta) != len(rec.buffers) - 1:
-        raise ValueError(f"record describes {len(meta)} arrays but holds {len(rec.buffers) - 1}")
-    out = []
-    for (dtype, shape), buf in zip(meta, rec.buffers[1:], strict=True):
-        out.append(np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape))
+    # the descriptor comes from shared memory: every part of it is checked (a ValueError
+    # otherwise), and no dtype may hold Python objects
+    try:
+        meta = json.loads(bytes(rec.buffers[0]))
+        if not isinstance(meta, list) or len(meta) != len(rec.buffers) - 1:
+            raise ValueError(f"describes {len(meta)} arrays, holds {len(rec.buffers) - 1}")
+        out = []
+        for (dtype, shape), buf in zip(meta, rec.buffers[1:], strict=True):
+            dt = np.dtype(dtype)
+            if dt.hasobject:
+                raise ValueError(f"dtype {dt} holds Python objects")
+            out.append(np.frombuffer(buf, dtype=dt).reshape(shape))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"record is not an array record of push_arrays: {e}") from None
     return out

@@ -575,8 +575,10 @@ int omni_record_buffer(const omni_ring *r, const omni_record *rec, uint32_t i, u
 const uint8_t *omni_ring_data(const omni_ring *r) { return r->data; }
 
 int omni_ring_release(omni_ring *r, uint64_t end) {
-    if (r->role != OMNI_CONSUMER || end <= r->released || end > r->local_pos ||
-        (end - r->released) % REC_ALIGN)
+    /* positions are counted modulo 2^64, like head and tail */
+    uint64_t step = end - r->released;
+    if (r->role != OMNI_CONSUMER || step == 0 || step > r->local_pos - r->released ||
+        step % REC_ALIGN)
         return omni_fail(OMNI_EINVAL, "%s: release(%llu): not the end of a popped record",
                          RNAME(r), (unsigned long long)end);
     r->released = end;
