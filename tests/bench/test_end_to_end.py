@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +53,35 @@ def test_speech_bench_against_a_real_server(server, tmp_path):
     assert "| omni-server | 1 |" in (out / "speech.md").read_text()
     for png in ("ttfa.png", "throughput.png"):
         assert (out / png).stat().st_size > 1000
+
+
+@pytest.mark.timeout(300)
+def test_serve_starts_the_server_measures_it_and_stops_it(tmp_path):
+    out = tmp_path / "bench"
+    code = "import sys; from omni_bench.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "speech", "--serve", "--repo", str(EMBEDDED_REPO),
+         "--concurrency", "1", "--requests", "2", "--warmup", "1", "--format", "pcm",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=280, env=os.environ | {"TQDM_DISABLE": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads((out / "speech.json").read_text())
+    assert result["settings"]["served_repository"] == str(EMBEDDED_REPO)
+    [ours] = result["targets"]
+    [level] = ours["levels"]
+    assert level["requests"] == 2 and level["failed"] == 0
+    cpu = level["cpu"]
+    assert cpu["server"]["total"] > 0, "the started server's CPU is reported as its own"
+    assert any(name.startswith("worker") for name in cpu["server"]["processes"])
+    assert not any(name.startswith("worker") for name in cpu["bench"]["processes"])
+    port = result["settings"]["url"].rsplit(":", 1)[1]
+    left = [p for p in Path("/proc").glob("[0-9]*") if f"--port\0{port}\0" in _cmdline(p)]
+    assert not left, "the server the bench started outlived it"
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
