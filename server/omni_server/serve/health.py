@@ -27,17 +27,20 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """`ready`: the runtime has started; `healthy`: ready and no stage process has died."""
+    """`ready`: the runtime has started; `healthy`: ready and every process has a live replica
+    ("degraded", still 200, while a replica restarts or has failed: `detail` says which)."""
     state = request.app[STATE]
     is_ready = bool(state.runtime.ready) and not state.lifecycle.stopping
     healthy = is_ready and bool(state.runtime.healthy)
-    status = "ok" if healthy else ("unhealthy" if is_ready else "not_ready")
+    runtime_status, detail = state.runtime.health()
+    status = runtime_status if healthy else ("unhealthy" if is_ready else "not_ready")
     if state.lifecycle.stopping:
         status = "stopping"
     body = {
         "status": status,
         "ready": is_ready,
         "healthy": healthy,
+        "detail": detail,
         "models": list(state.plan.models),
     }
     return web.json_response(body, status=200 if healthy else 503)
