@@ -159,6 +159,41 @@ def test_push_without_waiting_sees_a_dead_consumer(ring_name):
         producer.close()
 
 
+POPPER = """
+import sys
+from omni_transport import Ring
+ring = Ring.attach(sys.argv[1], role="consumer", spin_us=0)
+print("ready", flush=True)
+ring.pop()  # blocks, asleep on its doorbell, until killed
+"""
+
+
+@pytest.mark.parametrize("seen_alive", [True, False])
+def test_push_sees_a_consumer_that_died_asleep_at_once(ring_name, seen_alive):
+    producer = Ring.create(ring_name(), PAGE, role="producer")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", POPPER, producer.name], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 20  # until it declared itself asleep
+        while not side_word(producer.name, "consumer", STATE + 4, "<I"):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        if seen_alive:  # connected to its doorbell: the first push finds the socket gone
+            assert not producer.peer_gone()
+        proc.kill()
+        proc.wait(10)
+        # the first push rings a doorbell that is gone; the next one does not fill the ring
+        # for no one
+        producer.push(b"first", timeout=0)
+        with pytest.raises(RingClosed, match="consumer closed the ring or died"):
+            producer.push(b"second", timeout=0)
+    finally:
+        finish(proc)
+        producer.close()
+
+
 def test_push_without_waiting_is_full_while_the_consumer_lives(ring_name):
     producer = Ring.create(ring_name(), PAGE, role="producer")
     proc = attacher(producer.name, "consumer")

@@ -83,6 +83,7 @@ struct omni_ring {
     uint64_t peer_id;    /* the peer's identity, once seen attached */
     int peer_pidfd;      /* held from the first sight of the attached peer */
     int peer_dead;       /* the peer was found dead when first seen */
+    int peer_refused;    /* its doorbell refused a wake-up: its socket is gone */
     /* validated (offset, length) of buffers OMNI_RECORD_INLINE_BUFS.. of the last record */
     uint64_t *ext;
     uint64_t ext_cap, ext_n, ext_end;
@@ -158,9 +159,11 @@ static void ring_peer(struct omni_ring *r) {
     if (!r->bell_connected) return;
     /* when the peer woke: its spin adaptation learns when the event came, not when it ran */
     __atomic_store_n(&r->ctl->side[r->role].wake_ns, (uint64_t)omni_now_ns(), __ATOMIC_RELAXED);
-    /* EAGAIN: a wake-up is already queued; ECONNREFUSED: the peer is gone (the liveness
-     * check reports it). Neither needs handling here. */
-    (void)send(r->bell, "w", 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+    /* EAGAIN: a wake-up is already queued. ECONNREFUSED: the peer's socket is gone (it
+     * closed or died, asleep): noted, so that the next push looks at the peer instead of
+     * filling the ring for no one. */
+    if (send(r->bell, "w", 1, MSG_DONTWAIT | MSG_NOSIGNAL) < 0 && errno == ECONNREFUSED)
+        r->peer_refused = 1;
 }
 
 static void drain_bell(struct omni_ring *r) {
@@ -420,8 +423,9 @@ int omni_ring_push(omni_ring *r, const void *header, uint64_t header_len,
         return omni_fail(OMNI_ETOOLARGE, "%s: record of %llu bytes (with framing) exceeds the "
                          "ring capacity of %llu bytes", RNAME(r), (unsigned long long)size,
                          (unsigned long long)r->capacity);
-    if (load_acquire_u32(&r->ctl->side[OMNI_CONSUMER].state) == STATE_CLOSED)
-        return omni_fail(OMNI_ECLOSED, "%s: the consumer closed the ring", RNAME(r));
+    if (load_acquire_u32(&r->ctl->side[OMNI_CONSUMER].state) == STATE_CLOSED ||
+        ((r->peer_refused || r->peer_dead) && omni_ring_peer_gone(r)))
+        return omni_fail(OMNI_ECLOSED, "%s: the consumer closed the ring or died", RNAME(r));
     uint64_t used = r->local_pos - r->peer_cache;
     if (used > r->capacity || r->capacity - used < size) {
         /* pairs with the consumer's release of tail: its reads of the space are done */
