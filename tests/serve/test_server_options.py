@@ -145,3 +145,30 @@ def test_bad_serve_options_exit_2_naming_them(flags, says):
     )
     assert done.returncode == 2
     assert says in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_official_client_sees_429_as_a_rate_limit(tmp_path):
+    with ServerProcess.start(
+        stand_in_repo(tmp_path / "repo"),
+        tmp_path / "server.log",
+        "--max-in-flight",
+        "1",
+        "--max-queued",
+        "0",
+    ) as server:
+        holder = socket.create_connection(("127.0.0.1", server.port), timeout=20)
+        body = f'{{"model": "{MODEL}", "input": "slow 100", "response_format": "pcm"}}'.encode()
+        holder.sendall(
+            b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        assert holder.recv(12) == b"HTTP/1.1 200"  # streaming: it holds the only place
+        with (
+            OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client,
+            pytest.raises(openai.RateLimitError) as caught,
+        ):
+            client.audio.speech.create(model=MODEL, voice="hush", input="hello")
+        holder.close()
+    assert caught.value.code == "rate_limit_exceeded"
+    assert caught.value.response.headers["retry-after"] == "1"
