@@ -70,6 +70,7 @@ class Result:
     setup: dict[str, Any]
     levels: list[Level] = field(default_factory=list)
     floor: list[dict[str, float]] = field(default_factory=list)
+    cache: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _sync(device: str) -> None:
@@ -205,6 +206,46 @@ def graph_floor(engine: Engine, batch_sizes: list[int], context: int) -> list[di
     return rows
 
 
+# --- paged blocks vs fixed slots -------------------------------------------------------------
+
+
+def cache_comparison(
+    engine: Engine, prompts: list[list[int]], c: int, new_tokens: int
+) -> list[dict[str, float]]:
+    """The same KV budget as 16-token blocks and as fixed slots of max_seq_len tokens each.
+
+    A fixed-slot cache is this cache with block_size = max_seq_len: each request holds one slot
+    of the longest allowed request. Measured: most requests running at once, and wall time.
+    """
+    rows = []
+    budget = 8 * 2048  # 16k tokens, max_seq_len 2048: 8 fixed slots
+    for name, block in (("paged-16", 16), ("fixed-slot", 2048)):
+        config = EngineConfig(
+            max_total_tokens=budget,
+            max_seq_len=2048,
+            block_size=block,
+            max_batch_size=c,
+            max_step_tokens=max(512, c + 64),
+            dtype=engine.config.dtype,
+            device=engine.config.device,
+            cuda_graphs=engine.config.cuda_graphs,
+        )
+        other = Engine(engine.model, config, engine.tokenizer)
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        for i in range(c):
+            other.add(GenerationRequest(f"{name}{i}", prompts[i % len(prompts)], params))
+        most = 0
+        start = time.perf_counter()
+        while other.has_work():
+            other.step()
+            most = max(most, other.num_running)
+        wall = time.perf_counter() - start
+        rows.append(
+            {"cache": name, "max_running": most, "wall_s": wall, "tps": c * new_tokens / wall}
+        )
+    return rows
+
+
 # --- driver -------------------------------------------------------------------------------
 
 
@@ -260,6 +301,11 @@ def table(result: Result) -> str:
             if hfb:
                 line += f", {lv.aggregate_tps / hfb.aggregate_tps:.2f}x hf-batch"
             lines.append(line)
+    for row in result.cache:
+        lines.append(
+            f"cache {row['cache']:<10}: {row['max_running']} requests running at most, "
+            f"{row['tps']:.1f} tok/s aggregate"
+        )
     for row in result.floor:
         lines.append(
             f"floor b={row['batch']:<3} graph replay {row['graph_replay_ms']:.3f} ms, "
@@ -288,6 +334,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-peer", action="store_true", help="skip transformers")
     p.add_argument("--no-graphs", action="store_true", help="CUDA: eager decode, no graphs")
     p.add_argument("--compile", action="store_true", help="torch.compile the forward")
+    p.add_argument(
+        "--cache-compare",
+        action="store_true",
+        help="also run the top level with paged blocks vs fixed max_seq_len slots",
+    )
     p.add_argument("--json", default=None, help="also write the result here")
     return p.parse_args(argv)
 
@@ -322,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device.startswith("cuda"):
         context = max(len(p) for p in prompts) + args.new_tokens
         result.floor = graph_floor(engine, levels, context)
+    if args.cache_compare:
+        result.cache = cache_comparison(engine, prompts, max(levels), args.new_tokens)
     setup["load_avg_after"] = os.getloadavg()[0]
     print(json.dumps(setup))
     print(table(result))

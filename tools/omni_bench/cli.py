@@ -3,6 +3,7 @@
     omni-bench speech     load test of /v1/audio/speech against peers (omni_bench.speech)
     omni-bench transport  the transport benchmark (omni_bench.transport)
     omni-bench overhead   the runtime overhead benchmark (omni_bench.overhead)
+    omni-bench chat       the AR engine against transformers' generate (omni_bench.chat)
 
 Each subcommand module exposes `main(argv) -> int`; modules load only when their subcommand
 runs, so one benchmark's heavy imports never slow another.
@@ -17,6 +18,7 @@ SUBCOMMANDS = {
     "speech": ("omni_bench.speech", "load test of the speech endpoint, with peers and WER"),
     "transport": ("omni_bench.transport", "transport latency and GB/s vs memcpy, pyzmq, SHM"),
     "overhead": ("omni_bench.overhead", "framework overhead of an empty 3-stage pipeline"),
+    "chat": ("omni_bench.chat", "AR engine vs transformers generate: TTFT, decode tok/s"),
 }
 
 
