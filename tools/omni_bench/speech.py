@@ -190,7 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--requests", type=int, default=0, help="per level (0: the dataset size)")
     p.add_argument("--dataset", type=Path, default=DEFAULT_DATASET, help="one text per line")
-    p.add_argument("--stream", action="store_true", help='stream_format "audio" (chunked as ready)')
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help='stream_format "audio" (chunked as ready); without it, "stream": false (one body)',
+    )
     p.add_argument(
         "--format", default="pcm", choices=FORMATS, help="response_format (default: pcm)"
     )

@@ -100,8 +100,11 @@ class OpenAISpeechTarget:
         body = {"model": self.model, "input": text, "response_format": self.response_format}
         if self.voice is not None:
             body["voice"] = self.voice
+        # said either way: the server streams by default (as OpenAI does)
         if self.stream:
             body["stream_format"] = "audio"
+        else:
+            body["stream"] = False  # our extension: one whole body with a Content-Length
         if self.seed is not None:
             body["seed"] = self.seed  # our extension: same seed, same text -> same audio
         return body
