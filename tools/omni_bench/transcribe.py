@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import resource
 import statistics
 import sys
 import time
@@ -33,7 +34,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from omni_bench import asr_audio
+from omni_bench import asr_audio, proc_cpu
 from omni_bench.child_server import ChildServer
 from omni_bench.wer import word_error_rate
 from omni_server.audio import whisper
@@ -66,10 +67,28 @@ class Run:
     rtfs: list[float] = field(default_factory=list)
     wer: float | None = None
     first_text_s: float | None = None
+    cpu_s: float | None = None  # CPU seconds spent (this process, or the server's process tree)
 
     @property
     def throughput(self) -> float:
         return self.audio_s / self.wall_s
+
+    @property
+    def audio_per_cpu(self) -> float | None:
+        """Audio seconds per CPU second: the work a way of transcribing costs, which a busy
+        machine disturbs much less than wall time."""
+        return self.audio_s / self.cpu_s if self.cpu_s else None
+
+
+def _own_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _tree_cpu(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    return sum(proc_cpu.snapshot(pid).processes.values())
 
 
 def make_corpora(args: argparse.Namespace) -> tuple[list[Corpus], Corpus]:
@@ -108,6 +127,7 @@ def make_corpora(args: argparse.Namespace) -> tuple[list[Corpus], Corpus]:
 def inprocess_sequential(model: Any, corpus: Corpus) -> Run:
     """faster-whisper's plain transcribe, one clip after another."""
     hyps, latencies = [], []
+    cpu = _own_cpu()
     start = time.perf_counter()
     for clip in corpus.clips:
         t = time.perf_counter()
@@ -117,7 +137,7 @@ def inprocess_sequential(model: Any, corpus: Corpus) -> Run:
         hyps.append(" ".join(s.text.strip() for s in segments))
         latencies.append(time.perf_counter() - t)
     wall = time.perf_counter() - start
-    return _run("faster-whisper sequential", corpus, 1, wall, latencies, hyps)
+    return _run("faster-whisper sequential", corpus, 1, wall, latencies, hyps, _own_cpu() - cpu)
 
 
 def inprocess_batched(model: Any, corpus: Corpus, batch_size: int = 8) -> Run:
@@ -126,6 +146,7 @@ def inprocess_batched(model: Any, corpus: Corpus, batch_size: int = 8) -> Run:
 
     pipeline = BatchedInferencePipeline(model)
     hyps, latencies = [], []
+    cpu = _own_cpu()
     start = time.perf_counter()
     for clip in corpus.clips:
         t = time.perf_counter()
@@ -135,25 +156,32 @@ def inprocess_batched(model: Any, corpus: Corpus, batch_size: int = 8) -> Run:
         hyps.append(" ".join(s.text.strip() for s in segments))
         latencies.append(time.perf_counter() - t)
     wall = time.perf_counter() - start
-    return _run(f"faster-whisper batched ({batch_size})", corpus, 1, wall, latencies, hyps)
+    who = f"faster-whisper batched ({batch_size})"
+    return _run(who, corpus, 1, wall, latencies, hyps, _own_cpu() - cpu)
 
 
 def inprocess_stage_code(recognizer: whisper.Recognizer, corpus: Corpus) -> Run:
     """The served stages' recognizer (segmenter + batched windows), without the server."""
     hyps, latencies = [], []
+    cpu = _own_cpu()
     start = time.perf_counter()
     for clip in corpus.clips:
         t = time.perf_counter()
         hyps.append(recognizer.transcribe(clip, RATE))
         latencies.append(time.perf_counter() - t)
     wall = time.perf_counter() - start
-    return _run(
-        f"stage code in-process (batch {recognizer.batch_size})", corpus, 1, wall, latencies, hyps
-    )
+    who = f"stage code in-process (batch {recognizer.batch_size})"
+    return _run(who, corpus, 1, wall, latencies, hyps, _own_cpu() - cpu)
 
 
 def _run(
-    who: str, corpus: Corpus, c: int, wall: float, latencies: list[float], hyps: Sequence[str]
+    who: str,
+    corpus: Corpus,
+    c: int,
+    wall: float,
+    latencies: list[float],
+    hyps: Sequence[str],
+    cpu_s: float,
 ) -> Run:
     rtfs = [lat / (clip.size / RATE) for lat, clip in zip(latencies, corpus.clips, strict=True)]
     return Run(
@@ -165,6 +193,7 @@ def _run(
         latencies,
         rtfs,
         word_error_rate(corpus.texts, hyps),
+        cpu_s=cpu_s,
     )
 
 
@@ -210,7 +239,12 @@ async def _first_text(
 
 
 async def served(
-    session: aiohttp.ClientSession, url: str, corpus: Corpus, c: int, rounds: int
+    session: aiohttp.ClientSession,
+    url: str,
+    corpus: Corpus,
+    c: int,
+    rounds: int,
+    pid: int | None = None,
 ) -> Run:
     """Every clip `rounds` times, `c` requests in flight at once."""
     wavs = [asr_audio.to_wav(clip) for clip in corpus.clips]
@@ -231,11 +265,15 @@ async def served(
             latencies.append(lat)
             rtfs.append(lat / (corpus.clips[i].size / RATE))
 
+    cpu = _tree_cpu(pid)
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(c)))
     wall = time.perf_counter() - start
+    after = _tree_cpu(pid)
+    cpu_s = after - cpu if after is not None and cpu is not None else None
     wer = word_error_rate(corpus.texts, [hyps[i] for i in range(len(wavs))])
-    return Run("served", corpus.name, c, corpus.seconds * rounds, wall, latencies, rtfs, wer)
+    audio = corpus.seconds * rounds
+    return Run("served", corpus.name, c, audio, wall, latencies, rtfs, wer, cpu_s=cpu_s)
 
 
 async def served_all(args: argparse.Namespace, corpora: list[Corpus], long: Corpus) -> list[Run]:
@@ -257,6 +295,7 @@ async def served_all(args: argparse.Namespace, corpora: list[Corpus], long: Corp
         )
         await server.start()
         url = server.url
+    pid = server.pid if server is not None else args.server_pid
     runs: list[Run] = []
     try:
         timeout = aiohttp.ClientTimeout(total=900)
@@ -265,15 +304,13 @@ async def served_all(args: argparse.Namespace, corpora: list[Corpus], long: Corp
             await _transcribe(session, url, asr_audio.to_wav(voice.clips[0]))  # warm-up
             for c in args.levels:
                 runs.append(
-                    await served(
-                        session, url, voice, c, rounds=max(1, -(-2 * c // len(voice.clips)))
-                    )
+                    await served(session, url, voice, c, max(1, -(-2 * c // len(voice.clips))), pid)
                 )
                 print(_line(runs[-1]), file=sys.stderr)
             for corpus in corpora[1:]:
-                runs.append(await served(session, url, corpus, 1, rounds=1))
+                runs.append(await served(session, url, corpus, 1, 1, pid))
                 print(_line(runs[-1]), file=sys.stderr)
-            runs.append(await served(session, url, long, 1, rounds=1))
+            runs.append(await served(session, url, long, 1, 1, pid))
             print(_line(runs[-1]), file=sys.stderr)
             first, done, text = await _first_text(session, url, asr_audio.to_wav(long.clips[0]))
             run = Run(
@@ -308,18 +345,19 @@ def _line(r: Run) -> str:
 
 def table(runs: list[Run]) -> str:
     lines = [
-        "| who | audio | c | audio s | wall s | throughput (audio s/s) | mean RTF "
-        "| p90 latency s | first text s | WER % |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| who | audio | c | audio s | wall s | throughput (audio s/s) | audio s per CPU s "
+        "| mean RTF | p90 latency s | first text s | WER % |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in runs:
         p90 = float(np.percentile(r.latencies, 90)) if r.latencies else float("nan")
         rtf = statistics.fmean(r.rtfs) if r.rtfs else float("nan")
         first = f"{r.first_text_s:.2f}" if r.first_text_s is not None else ""
         wer = f"{100 * r.wer:.1f}" if r.wer is not None else ""
+        per_cpu = f"{r.audio_per_cpu:.1f}" if r.audio_per_cpu is not None else ""
         lines.append(
             f"| {r.who} | {r.corpus} | {r.concurrency} | {r.audio_s:.0f} | {r.wall_s:.2f} | "
-            f"{r.throughput:.1f} | {rtf:.3f} | {p90:.2f} | {first} | {wer} |"
+            f"{r.throughput:.1f} | {per_cpu} | {rtf:.3f} | {p90:.2f} | {first} | {wer} |"
         )
     return "\n".join(lines)
 
@@ -345,6 +383,12 @@ def verdicts(runs: list[Run]) -> list[str]:
                 f"({floor.throughput:.1f})"
                 + (" (target >= 0.9x at c >= 4)" if r.concurrency >= 4 else "")
             )
+            if r.audio_per_cpu and floor.audio_per_cpu:
+                out.append(
+                    f"  per CPU second: served {r.audio_per_cpu:.1f} vs in-process "
+                    f"{floor.audio_per_cpu:.1f} audio s = "
+                    f"{r.audio_per_cpu / floor.audio_per_cpu:.2f}x"
+                )
     seq = find("faster-whisper sequential", "voice long file")
     long_served = find("served", "voice long file")
     if seq and long_served:
@@ -352,6 +396,11 @@ def verdicts(runs: list[Run]) -> list[str]:
             f"long file: served {long_served.wall_s:.1f} s vs sequential faster-whisper "
             f"{seq.wall_s:.1f} s = {seq.wall_s / long_served.wall_s:.2f}x faster (target >= 1.5x)"
         )
+        if seq.cpu_s and long_served.cpu_s:
+            out.append(
+                f"  CPU seconds: served {long_served.cpu_s:.1f} vs sequential {seq.cpu_s:.1f} "
+                f"= {seq.cpu_s / long_served.cpu_s:.2f}x less work"
+            )
     for r in runs:
         if r.who == "served" and r.concurrency == 1:
             peer = find("faster-whisper sequential", r.corpus)
@@ -373,6 +422,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-espeak", action="store_true")
     parser.add_argument("--repo", type=Path, default=asr_audio.REPOSITORY)
     parser.add_argument("--url", help="a running server instead of starting one")
+    parser.add_argument("--server-pid", type=int, help="with --url: its pid, for CPU seconds")
     parser.add_argument("--json", type=Path, help="write the runs here")
     args = parser.parse_args(argv)
     args.levels = [int(x) for x in args.levels.split(",")]
