@@ -27,8 +27,11 @@ from .binding import ReplicaBinder
 from .errors import PipelineError
 from .links import Links
 from .messages import (
+    CHUNK_WINDOW,
+    UNLIMITED,
     Abort,
     CoordinatorMessage,
+    Credit,
     Deliver,
     StageFailed,
     StageTimedOut,
@@ -53,7 +56,11 @@ class RequestHandle:
         self.id = request_id
         self._coordinator = coordinator
         self._key = key
+        # Bounded by credits: each terminal stage has at most CHUNK_WINDOW chunks here that the
+        # consumer has not taken (stage.py pauses the request when it has no credit left).
         self._chunks: asyncio.Queue[Any] = asyncio.Queue()
+        self._taken: dict[str, int] = {}  # chunks taken per terminal stage, not yet credited
+        self._paced = True  # False once result() is awaited without reading the stream
         self._result: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         # a failure nobody awaited is still a handled outcome: no "never retrieved" warnings
         self._result.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -75,9 +82,20 @@ class RequestHandle:
                 return
             if isinstance(item, PipelineError):
                 raise item
+            stage = item[0]
+            taken = self._taken.get(stage, 0) + 1
+            if taken >= CHUNK_WINDOW // 2 and self._paced:  # credit in batches: fewer messages
+                self._coordinator.credit(self._key, stage, taken)
+                taken = 0
+            self._taken[stage] = taken
             yield item
 
     async def result(self) -> Any:
+        if self._paced and not self._result.done():
+            # nobody may read the chunks before the result: do not pace the stages on them
+            self._paced = False
+            for stage in self._coordinator.terminals_of(self._key):
+                self._coordinator.credit(self._key, stage, UNLIMITED)
         return await asyncio.shield(self._result)
 
     async def abort(self) -> None:
@@ -274,6 +292,17 @@ class Coordinator:
         for index in flight.touched:
             if index != skip and self.plan.instances[index].tp_rank == 0 and self._links:
                 self._links.control(index, Abort((flight.env.key,)))
+
+    def credit(self, key: int, stage: str, chunks: int) -> None:
+        """Let terminal `stage` send `chunks` more chunks of request `key` (UNLIMITED: all)."""
+        flight = self._flights.get(key)
+        if flight is not None and self._links is not None:
+            index = self.topology.host_of(stage, flight.env.bindings)
+            self._links.control(index, Credit(key, stage, chunks))
+
+    def terminals_of(self, key: int) -> tuple[str, ...]:
+        flight = self._flights.get(key)
+        return tuple(sorted(flight.expected)) if flight is not None else ()
 
     def abort(self, key: int) -> None:
         flight = self._flights.get(key)

@@ -28,6 +28,7 @@ from .links import Links
 from .messages import (
     Abort,
     CoordinatorMessage,
+    Credit,
     Deliver,
     HostMessage,
     Shutdown,
@@ -182,6 +183,9 @@ class StageHost:
                     self._remember_abort(key)
                     for runner in self.stages.values():
                         runner.abort(key)
+            case Credit():
+                if message.key not in self._aborted and message.stage in self.stages:
+                    self.stages[message.stage].on_credit(message.key, message.chunks)
             case Shutdown():
                 self.shutdown_requested.set()
             case _:

@@ -9,7 +9,7 @@ Direction and channel (channels.py):
   host -> host          Deliver, Skipped, StreamChunk, StreamEnd           data (or a direct call)
   host -> coordinator   TerminalChunk, TerminalResult, TerminalSkipped,    data (ring)
                         StageFailed
-  coordinator -> host   Abort, Shutdown, Rewire                            control (ZMQ)
+  coordinator -> host   Abort, Shutdown, Rewire, Credit                    control (ZMQ)
   host -> coordinator   Ready, StartFailed, Rewired, StageTimedOut         control (ZMQ)
 Control never queues behind data.
 """
@@ -75,6 +75,22 @@ class Abort:
 @dataclass(slots=True)
 class Shutdown:
     pass
+
+
+# a terminal stage may have this many chunks of one request sent to the coordinator and not yet
+# taken by the request's consumer (credits.md in runtime.md: back-pressure to slow readers)
+CHUNK_WINDOW = 16
+UNLIMITED = -1
+
+
+@dataclass(slots=True)
+class Credit:
+    """The consumer of request `key` took `chunks` chunks of terminal `stage`: it may send that
+    many more (UNLIMITED: the consumer reads only the result, so chunks are not paced)."""
+
+    key: int
+    stage: str
+    chunks: int
 
 
 @dataclass(slots=True)
@@ -156,7 +172,7 @@ class StageFailed:
     param: str | None = None
 
 
-HostMessage = Deliver | Skipped | StreamChunk | StreamEnd | Abort | Shutdown | Rewire
+HostMessage = Deliver | Skipped | StreamChunk | StreamEnd | Abort | Shutdown | Rewire | Credit
 CoordinatorMessage = (
     Ready
     | StartFailed

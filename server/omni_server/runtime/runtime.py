@@ -238,7 +238,9 @@ class Runtime:
 
     def _fail_instance(self, index: int, reason: str) -> None:
         instance = self.plan.instances[index]
-        self._states[index] = InstanceState.FAILED
+        for i, other in enumerate(self.plan.instances):  # every rank of a TP group
+            if (other.process, other.replica) == (instance.process, instance.replica):
+                self._states[i] = InstanceState.FAILED
         log.error("stage process %s failed for good: %s", instance.name, reason)
         self._notify("failed", instance.name, reason)
 

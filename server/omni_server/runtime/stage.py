@@ -41,6 +41,8 @@ from omni_server.scheduling import BackendContractError, StageCalls, WorkItem, m
 
 from .deadlines import ComputeExecutor, StageDeadlines
 from .messages import (
+    CHUNK_WINDOW,
+    UNLIMITED,
     Deliver,
     Skipped,
     StageFailed,
@@ -78,6 +80,20 @@ class _Inputs:
         return self.senders or self.streamers
 
 
+@dataclass(eq=False)
+class _TerminalItem(WorkItem):
+    """A request at a terminal stage. Its chunks go to the caller, who may read slowly: it is
+    runnable only while it has credit for another chunk (the coordinator returns credit as the
+    consumer takes chunks), so a slow reader pauses its request here instead of piling chunks
+    up in the server. UNLIMITED: the consumer only awaits the result."""
+
+    credits: int = CHUNK_WINDOW
+
+    @property
+    def runnable(self) -> bool:
+        return self.credits != 0 and super().runnable
+
+
 class _FanIn:
     def __init__(self) -> None:
         self.payloads: dict[str, Payload] = {}
@@ -111,6 +127,8 @@ class StageRunner:
         # requests finished (or skipped: "") here -> who started them, so a late stream message
         # does not start them again and a second payload is refused naming the first sender
         self._done: collections.OrderedDict[int, str] = collections.OrderedDict()
+        # credits that came before the request was admitted here (control overtakes data)
+        self._early_credits: collections.OrderedDict[int, int] = collections.OrderedDict()
         timeout = host.plan.timeout_of(spec.name)
         self.deadlines: StageDeadlines | None = None
         if timeout is not None and isinstance(executor, ComputeExecutor):
@@ -239,7 +257,12 @@ class StageRunner:
     def _admit(self, env: Envelope, inputs: Payload, timings: Timings, source: str) -> None:
         inbox = self._inbox(env) if self.inputs(env.model).streamers else None
         request = Request(id=env.id, inputs=inputs, _stream=iter(inbox) if inbox else None)
-        item = WorkItem(env=env, request=request, timings=timings, stream=inbox)
+        item: WorkItem
+        if self.spec.terminal:
+            credits = self._early_credits.pop(env.key, CHUNK_WINDOW)
+            item = _TerminalItem(env, request, timings, stream=inbox, credits=credits)
+        else:
+            item = WorkItem(env=env, request=request, timings=timings, stream=inbox)
         self._skips.pop(env.key, None)
         self._admitted[env.key] = item
         self._started_by[env.key] = source or "the caller"
@@ -252,7 +275,22 @@ class StageRunner:
         for key in list(self._admitted):
             self.abort(key)
 
+    def on_credit(self, key: int, chunks: int) -> None:
+        """The caller took `chunks` chunks of request `key` (UNLIMITED: it will not pace)."""
+        item = self._admitted.get(key)
+        if isinstance(item, _TerminalItem):
+            unlimited = chunks == UNLIMITED or item.credits == UNLIMITED
+            item.credits = UNLIMITED if unlimited else item.credits + chunks
+            self.scheduler.wake()
+        elif item is None and key not in self._done:
+            early = self._early_credits.get(key, CHUNK_WINDOW)
+            unlimited = chunks == UNLIMITED or early == UNLIMITED
+            self._early_credits[key] = UNLIMITED if unlimited else early + chunks
+            if len(self._early_credits) > _DONE_MEMORY:
+                self._early_credits.popitem(last=False)
+
     def abort(self, key: int) -> None:
+        self._early_credits.pop(key, None)
         if self.deadlines is not None:
             self.deadlines.stop(key)
         self._fan_in.pop(key, None)
@@ -306,6 +344,8 @@ class StageRunner:
         for dst in stream_to:
             self.host.send(env, dst, StreamChunk(env, dst, self.name, seq, next(copies)))
         if spec.terminal:
+            if isinstance(item, _TerminalItem) and item.credits > 0:
+                item.credits -= 1
             self.host.to_coordinator(TerminalChunk(item.key, self.name, seq, next(copies)))
 
     def complete(self, item: WorkItem, payload: Payload | None, targets: tuple[str, ...]) -> None:
