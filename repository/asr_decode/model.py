@@ -1,12 +1,11 @@
 """Decode stage: an uploaded file (any container PyAV reads) -> 16 kHz mono float32 samples.
 
 A file that is not audio, is corrupt or truncated, or is longer than `max_audio_seconds` is not
-a failure of the pipeline but of the request: the stage passes `{"rejected": {...}}` on instead
-of audio, every later ASR stage hands it through untouched, and the endpoint answers 400 with its
-message. (A raised error would read as a server fault, a 500.)
+a failure of the pipeline but of the request: that request fails with `InvalidRequest`
+(code `invalid_audio`, param `file`), which the endpoint answers with a 400 and the message.
 
 Inputs:  {"file": bytes, "options": {...}}     (options pass through to the recognizer)
-Output:  {"audio": float32[n], "duration": s, "options"} | {"rejected": {"message", "code"}}
+Output:  {"audio": float32[n], "duration": s, "options"}
 """
 
 from __future__ import annotations
@@ -17,7 +16,14 @@ import av
 import numpy as np
 
 from omni_server.audio.resample import StreamResampler
-from omni_server.backend import Payload, Request, StageBackend, StageConfigError, StageContext
+from omni_server.backend import (
+    InvalidRequest,
+    Payload,
+    Request,
+    StageBackend,
+    StageConfigError,
+    StageContext,
+)
 
 RATE = 16_000
 # A container that declares a duration but decodes to much less was cut short (a truncated mp3
@@ -50,7 +56,7 @@ class DecodeUpload(StageBackend):
             try:
                 audio = self.decode(bytes(data))
             except Rejected as rejected:
-                outputs.append({"rejected": {"message": str(rejected), "code": "invalid_audio"}})
+                outputs.append(InvalidRequest(str(rejected), code="invalid_audio", param="file"))
                 continue
             outputs.append({"audio": audio, "duration": audio.size / RATE, "options": options})
         return outputs

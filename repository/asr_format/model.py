@@ -7,8 +7,6 @@ is made from:
 
     {"text", "language", "duration", "segments": [{"id", "start", "end", "text", "tokens",
      "avg_logprob", "compression_ratio", "no_speech_prob", "words"}]}
-
-or {"rejected": {...}} when the upload was not usable audio.
 """
 
 from __future__ import annotations
@@ -25,8 +23,6 @@ class TranscriptStage(StageBackend):
         segments: list[dict[str, Any]] = []
         text = ""
         for chunk in request.stream():
-            if "rejected" in chunk:
-                return {"rejected": chunk["rejected"]}
             if header is None:
                 header = chunk
                 continue

@@ -4,8 +4,7 @@ The segmenter is `omni_server.audio.vad` (Silero VAD v6 on onnxruntime; docs/asr
 Silero over webrtcvad), the same module a realtime turn detector uses. Silence gives no window:
 the recognizer then has nothing to hear and the transcript is empty.
 
-Output: {"audio", "duration", "options", "windows": [(start s, end s), ...]}, or the decode
-stage's {"rejected": ...} passed on.
+Output: {"audio", "duration", "options", "windows": [(start s, end s), ...]}.
 """
 
 from __future__ import annotations
@@ -42,9 +41,6 @@ class SegmentSpeech(StageBackend):
         outputs: list[Payload | Exception] = []
         for request in requests:
             inputs = request.inputs
-            if "rejected" in inputs:
-                outputs.append(dict(inputs))
-                continue
             utterances = vad.segment_speech(inputs["audio"], self.detector, self.options)
             windows = vad.pack_windows(utterances, self.window_s)
             outputs.append({**inputs, "windows": windows})

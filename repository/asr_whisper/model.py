@@ -1,10 +1,9 @@
 """Recognizer stage: Whisper tiny.en over the segmenter's windows, streamed a batch at a time.
 
-The first chunk is the transcript's header ({"language", "duration"}, or the decode stage's
-{"rejected"}); then one {"segments": [...]} chunk per batch of windows, in order, as each batch
-is decoded. The recognizer is `omni_server.audio.whisper.Recognizer`, the same code the tools'
-WER judge hears with.
-"""
+The first chunk is the transcript's header ({"language", "duration"}); then one
+{"segments": [...]} chunk per batch of windows, in order, as each batch is decoded. The
+recognizer is `omni_server.audio.whisper.Recognizer`, the same code the tools' WER judge hears
+with."""
 
 from __future__ import annotations
 
@@ -34,9 +33,6 @@ class WhisperStage(StageBackend):
 
     def generate(self, request: Request) -> Iterator[Payload]:
         inputs = request.inputs
-        if "rejected" in inputs:
-            yield {"rejected": inputs["rejected"]}
-            return
         yield {"language": whisper.LANGUAGE, "duration": float(inputs["duration"])}
         raw = inputs.get("options") or {}
         options = whisper.DecodeOptions(

@@ -10,7 +10,7 @@ import pytest
 
 from omni_bench.inprocess import load_stage
 from omni_server.audio.encode import AudioEncoder
-from omni_server.backend import Request, StageConfigError
+from omni_server.backend import InvalidRequest, Request, StageConfigError
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +34,13 @@ def _tone(seconds: float, rate: int) -> np.ndarray:
 def _run(decoder, data: bytes) -> dict:
     [out] = decoder.execute([Request(id="r", inputs={"file": data, "options": {"words": True}})])
     assert not isinstance(out, Exception), out
+    return out
+
+
+def _refusal(decoder, data: bytes) -> InvalidRequest:
+    [out] = decoder.execute([Request(id="r", inputs={"file": data, "options": {}})])
+    assert isinstance(out, InvalidRequest), out
+    assert out.code == "invalid_audio" and out.param == "file"
     return out
 
 
@@ -75,27 +82,24 @@ def test_stereo_is_mixed_down(decoder):
         (np.random.default_rng(0).bytes(4000), "could not be decoded"),
     ],
 )
-def test_not_audio_is_rejected_not_raised(decoder, data, says):
-    out = _run(decoder, data)
-    assert out["rejected"]["code"] == "invalid_audio"
-    assert says in out["rejected"]["message"]
+def test_not_audio_is_refused_as_the_callers_fault(decoder, data, says):
+    assert says in _refusal(decoder, data).message
 
 
 def test_a_truncated_flac_is_rejected(decoder):
     flac = _encode(_tone(3.0, 22050), 22050, "flac")
-    out = _run(decoder, flac[: len(flac) // 2])
-    assert "rejected" in out
+    _refusal(decoder, flac[: len(flac) // 2])
 
 
 def test_audio_over_the_limit_is_rejected(plan):
     short = load_stage(plan, "asr_decode", parameters={"max_audio_seconds": 1})
-    out = _run(short, _encode(_tone(2.0, 16000), 16000, "wav"))
-    assert "longer than this server's limit of 1 s" in out["rejected"]["message"]
+    refusal = _refusal(short, _encode(_tone(2.0, 16000), 16000, "wav"))
+    assert "longer than this server's limit of 1 s" in refusal.message
 
 
-def test_a_missing_file_fails_the_request(decoder):
+def test_a_missing_file_fails_the_request_as_a_server_fault(decoder):
     [out] = decoder.execute([Request(id="r", inputs={})])
-    assert isinstance(out, ValueError)
+    assert isinstance(out, ValueError) and not isinstance(out, InvalidRequest)
 
 
 @pytest.mark.parametrize("limit", [0, -5, "long", True])

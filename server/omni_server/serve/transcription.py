@@ -6,11 +6,11 @@ pipeline as bytes, and the pipeline's transcript is rendered in the asked format
 `transcript.text.delta` per text chunk the terminal stage yields (a batch of recognized segments),
 then `transcript.text.done` with the whole text and usage.
 
-An upload the pipeline cannot use (not audio, corrupt, truncated, too long) comes back from it as
-a `{"rejected": {...}}` result and is a 400, never a 500. A stream that fails after its first
-event is cut (no `transcript.text.done`). Leaving the request handle's context, for any reason,
-aborts the request in every stage; a client that leaves mid-upload or mid-answer is counted as
-`client_disconnected`.
+An upload the pipeline cannot use (not audio, corrupt, truncated, too long) is refused by a
+stage with `InvalidRequest` and answered 400 with its message and code, never a 500. A stream
+that fails after its first event is cut (no `transcript.text.done`). Leaving the request
+handle's context, for any reason, aborts the request in every stage; a client that leaves
+mid-upload or mid-answer is counted as `client_disconnected`.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ async def create_transcription(request: web.Request) -> web.StreamResponse:
                 try:
                     handle = state.runtime.submit(model, asr.pipeline_inputs())
                 except PipelineError as exc:
-                    raise pipeline_error(exc) from exc
+                    raise _api_error(exc) from exc
                 async with handle:
                     try:
                         return await _answer(request, asr, handle, track)
@@ -92,7 +92,7 @@ async def _answer(
             await response.write(_sse({"type": "transcript.text.delta", "delta": delta}))
         transcript = _transcript(await handle.result())
     except PipelineError as exc:
-        error = pipeline_error(exc, handle.id)
+        error = _api_error(exc, handle.id)
         if response is None:
             log.warning("transcription %s failed: %s", handle.id, exc.message)
             raise error from exc
@@ -121,16 +121,16 @@ async def _answer(
     return response
 
 
+def _api_error(exc: PipelineError, request_id: str | None = None) -> ApiError:
+    """A stage that refused the upload (`InvalidRequest`) answers 400 with its words; the rest
+    maps as for speech (500, 503, 504)."""
+    if exc.code == "invalid_request":
+        return ApiError(400, exc.message, param=exc.param, code=exc.error_code or "invalid_value")
+    return pipeline_error(exc, request_id)
+
+
 def _transcript(result: Any) -> dict[str, Any]:
-    """The terminal result: a transcript, or the upload's rejection (a 400)."""
-    if isinstance(result, dict) and isinstance(result.get("rejected"), dict):
-        rejected = result["rejected"]
-        raise ApiError(
-            400,
-            str(rejected.get("message", "the uploaded file is not usable audio")),
-            param="file",
-            code=str(rejected.get("code", "invalid_audio")),
-        )
+    """The terminal result, checked against the transcription contract."""
     needed = ("text", "language", "duration", "segments")
     if not isinstance(result, dict) or any(k not in result for k in needed):
         keys = sorted(result) if isinstance(result, dict) else type(result).__name__
