@@ -1,11 +1,13 @@
-"""Audio helpers for stage authors: encoding, streaming WAV, resampling, decoding, ASR judging.
+"""Audio helpers for stage authors: encoding, streaming WAV, resampling, decoding, speech in.
 
 encode     AudioEncoder: float32 mono blocks -> the next bytes of an mp3|opus|aac|flac|wav|pcm
            body, progressively (streamed responses) or as one seekable file
 wav        RIFF/WAVE headers, including the streaming header whose sizes are 0xFFFFFFFF
 resample   one-shot and streaming resampling with soxr
 decode     bytes of any of those formats -> float32 samples (tests, benchmarks, quality checks)
-whisper    the bundled Whisper tiny.en (faster-whisper), text normalization and WER
+vad        voice activity: Silero / webrtcvad detectors, the utterance tracker, Whisper windows
+whisper    the bundled Whisper tiny.en (faster-whisper): the recognizer of the ASR stage and of
+           the tools' WER judge (normalization and WER live in omni_bench.wer)
 """
 
 from omni_server.audio.decode import decode
