@@ -3,6 +3,9 @@
     omni-bench speech     load test of /v1/audio/speech against peers (omni_bench.speech)
     omni-bench transport  the transport benchmark (omni_bench.transport)
     omni-bench overhead   the runtime overhead benchmark (omni_bench.overhead)
+    omni-bench chat       the AR engine against transformers (omni_bench.chat)
+    omni-bench transcribe the transcription endpoint against faster-whisper (omni_bench.transcribe)
+    omni-bench realtime   voice-to-voice latency by hop, barge-in (omni_bench.realtime)
     omni-bench chat       the AR engine against transformers' generate (omni_bench.chat)
 
 Each subcommand module exposes `main(argv) -> int`; modules load only when their subcommand
@@ -19,6 +22,8 @@ SUBCOMMANDS = {
     "transport": ("omni_bench.transport", "transport latency and GB/s vs memcpy, pyzmq, SHM"),
     "overhead": ("omni_bench.overhead", "framework overhead of an empty 3-stage pipeline"),
     "chat": ("omni_bench.chat", "AR engine vs transformers generate: TTFT, decode tok/s"),
+    "transcribe": ("omni_bench.transcribe", "transcription RTF and throughput vs faster-whisper"),
+    "realtime": ("omni_bench.realtime", "voice-to-voice latency over /v1/realtime, by hop"),
 }
 
 
