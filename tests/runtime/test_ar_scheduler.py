@@ -12,7 +12,7 @@ from omni_server.repository.compiler import compile_repository
 from omni_server.runtime import PipelineError
 from tests.fixtures import FIXTURES
 from tests.helpers.repo import make_repo
-from tests.runtime.conftest import running
+from tests.helpers.runtime import running
 
 pytestmark = pytest.mark.timeout(120)
 

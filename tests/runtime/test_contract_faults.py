@@ -11,7 +11,7 @@ from omni_server.repository.compiler import compile_repository
 from omni_server.runtime import PipelineError
 from tests.fixtures import FIXTURES
 from tests.helpers.repo import make_repo
-from tests.runtime.conftest import running
+from tests.helpers.runtime import running
 from tests.runtime.pipelines import _stage, build
 
 pytestmark = pytest.mark.timeout(120)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.proc import alive, run_segments
-from tests.runtime.conftest import running
+from tests.helpers.runtime import running
 from tests.runtime.pipelines import chain
 
 pytestmark = pytest.mark.timeout(120)

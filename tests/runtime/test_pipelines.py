@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from omni_server.runtime import PipelineError
-from tests.runtime.conftest import running
+from tests.helpers.runtime import running
 from tests.runtime.pipelines import _stage, build, chain, stream
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from omni_server.runtime import PipelineError
-from tests.runtime.conftest import running
+from tests.helpers.runtime import running
 from tests.runtime.pipelines import chain
 
 pytestmark = pytest.mark.timeout(120)

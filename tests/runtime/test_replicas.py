@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from omni_server.runtime import PipelineError
-from tests.runtime.conftest import running
+from tests.helpers.runtime import running
 from tests.runtime.pipelines import stream
 
 pytestmark = pytest.mark.timeout(120)

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from omni_server.runtime import PipelineError
-from tests.runtime.conftest import running
+from tests.helpers.runtime import running
 from tests.runtime.pipelines import _stage, build
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from omni_server.runtime.processes import OWNER_FILE, RUN_DIR_PREFIX, _process_identity
-from tests.runtime.conftest import running
+from tests.helpers.runtime import running
 from tests.runtime.pipelines import chain
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from tests.runtime.conftest import running
+from tests.helpers.runtime import running
 from tests.runtime.pipelines import _stage, build, stream
 
 pytestmark = pytest.mark.timeout(60)

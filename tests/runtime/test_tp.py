@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from tests.runtime.conftest import running
+from tests.helpers.runtime import running
 from tests.runtime.pipelines import _stage, build
 
 pytestmark = pytest.mark.timeout(180)

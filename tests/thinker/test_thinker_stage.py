@@ -11,7 +11,7 @@ import pytest
 from omni_server.repository.compiler import compile_repository
 from omni_server.runtime import PipelineError
 from tests.helpers.repo import make_repo
-from tests.runtime.conftest import running
+from tests.helpers.runtime import running
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -99,7 +99,7 @@ class _Sink(io.RawIOBase):
     def seekable(self) -> bool:
         return False
 
-    def write(self, data) -> int:  # type: ignore[override]
+    def write(self, data) -> int:
         self._parts.append(bytes(data))
         return len(data)
 

@@ -51,7 +51,7 @@ def _blame_override(error: RepositoryError, overridden: Mapping[str, str]) -> Re
     if not overridden:
         return error
     key = f"stages.{error.stage}.{error.field}" if error.stage is not None else error.field
-    if error.field is None or key not in overridden:
+    if key is None or error.field is None or key not in overridden:
         # a rule across fields (a process two stages share, a GPU budget): the file alone may
         # be fine, so name every override that changed the repository
         applied = ", ".join(f"--{path}" for path in overridden.values())

@@ -75,7 +75,7 @@ class ARScheduler(Scheduler):
         for request in leaving:
             if self._held.pop(id(request), None) is not None:
                 self.calls.abort(request)
-        refused = []
+        refused: list[tuple[WorkItem, BaseException]] = []
         for item in joining:
             try:
                 self.calls.add(item.request)
@@ -83,7 +83,9 @@ class ARScheduler(Scheduler):
                 refused.append((item, exc))
                 continue
             self._held[id(item.request)] = item.request
-        outputs = self.calls.ar_step(dict(self._held)) if self._held else []
+        outputs: list[tuple[Request, Any]] = (
+            self.calls.ar_step(dict(self._held)) if self._held else []
+        )
         for request, outcome in outputs:
             if not (isinstance(outcome, tuple) and outcome[0] == "chunk"):
                 self._held.pop(id(request), None)  # finished or failed: the backend let go

@@ -91,12 +91,13 @@ class StageCalls:
             )
         out: list[tuple[Request, Any]] = []
         for output in outputs:
-            request = getattr(output, "request", None)
+            request: Request | None = getattr(output, "request", None)
             if request is None or requests.get(id(request)) is not request:
                 raise BackendContractError(
                     "step() returned an output for a request the stage did not add() "
                     f"(got {type(output).__name__})"
                 )
+            assert request is not None
             try:
                 if output.chunk is not None:
                     out.append((request, ("chunk", self._check_payload(output.chunk, "chunk"))))

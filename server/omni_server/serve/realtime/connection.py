@@ -477,7 +477,8 @@ class Response:
             "output_index": 0,
             "content_index": 0,
         }
-        status, details = "completed", None
+        status: str = "completed"
+        details: dict[str, Any] | None = None
         try:
             await session.send({"type": "response.created", "response": self._view("in_progress")})
             if self._waits:  # the turn's transcript is the thinker's input
@@ -503,7 +504,11 @@ class Response:
                 status, details = "cancelled", {"type": "cancelled", "reason": self._cancelled}
             else:
                 status = "failed"
-                error = {"type": "server_error", "code": err.code, "message": err.message}
+                error: dict[str, Any] = {
+                    "type": "server_error",
+                    "code": err.code,
+                    "message": err.message,
+                }
                 details = {"type": "failed", "error": error}
                 await session.send({"type": "error", "error": {**error, "param": None}})
         finally:
