@@ -1,5 +1,6 @@
 """The `omni-client` command line: speak (to a file, stdout, a PCM stream, a batch), transcribe
-(whole, or streamed as it is heard), models, health.
+(whole, or streamed as it is heard), talk (one spoken turn over the realtime WebSocket),
+models, health.
 
 Exit status: 0 success; 1 the server failed or could not be reached (HTTP 5xx, connection
 refused or broken, timeout); 2 the command or request was wrong (bad arguments, HTTP 4xx such
@@ -164,6 +165,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     transcribe.set_defaults(run=run_transcribe, parser=transcribe)
 
+    talk = commands.add_parser(
+        "talk",
+        parents=[connection],
+        help="one spoken turn over the realtime WebSocket",
+        description="Send a spoken question (a WAV file) to a realtime model and hear the "
+        "answer; transcripts go to stderr as they arrive.",
+        epilog="examples:\n  omni-client talk --file question.wav -o answer.wav\n"
+        "  omni-client talk --file question.wav --stream | aplay -f S16_LE -r 24000 -c 1",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    talk.add_argument("--file", required=True, help="the question, a 16-bit PCM WAV file")
+    talk.add_argument("-o", "--output", help="write the answer as a WAV file")
+    talk.add_argument(
+        "--stream", action="store_true", help="write the answer's raw PCM16 (24 kHz) to stdout"
+    )
+    talk.add_argument("--model", default="smol-realtime", help="(smol-realtime)")
+    talk.add_argument("--instructions", help="the session's instructions for the answer")
+    talk.set_defaults(run=run_talk, parser=talk)
+
     models = commands.add_parser("models", parents=[connection], help="list the served models")
     models.add_argument("--json", action="store_true", help="print the full model objects")
     models.set_defaults(run=run_models, parser=models)
@@ -295,6 +315,46 @@ def _speech_options(args: argparse.Namespace) -> dict[str, Any]:
         "instructions": args.instructions,
         "sample_rate": args.sample_rate,
     }
+
+
+def run_talk(args: argparse.Namespace) -> int:
+    from omni_client.talk import read_wav, talk, wav_bytes
+
+    if args.stream and args.output:
+        raise CommandError("--stream writes to stdout; drop -o, or --stream", EXIT_USAGE)
+    pcm = read_wav(Path(args.file).read_bytes())
+
+    def on_event(kind: str, text: str) -> None:
+        if kind == "heard":
+            print(f"you: {text}", file=sys.stderr)
+            print("answer: ", end="", file=sys.stderr, flush=True)
+        else:
+            print(text, end="", file=sys.stderr, flush=True)
+
+    def on_audio(data: bytes) -> None:
+        if args.stream:
+            sys.stdout.buffer.write(data)
+            sys.stdout.buffer.flush()
+
+    connection = _connection(args)
+    turn = asyncio.run(
+        talk(
+            pcm,
+            base_url=connection["base_url"] or os.environ.get(protocol.URL_ENV),
+            api_key=connection["api_key"] or os.environ.get(protocol.API_KEY_ENV),
+            model=args.model,
+            instructions=args.instructions,
+            timeout=connection["timeout"],
+            on_event=on_event,
+            on_audio=on_audio,
+        )
+    )
+    print(file=sys.stderr)
+    if args.output:
+        Path(args.output).write_bytes(wav_bytes(bytes(turn.audio)))
+    if turn.status != "completed":
+        raise CommandError(f"the answer ended {turn.status}", EXIT_SERVER)
+    return 0
 
 
 def _connection(args: argparse.Namespace) -> dict[str, Any]:
