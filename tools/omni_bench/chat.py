@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_avg_before": os.getloadavg()[0],
     }
     result = Result(setup)
-    engine.warmup()
+    engine.warmup(capture_all_graphs=not args.compile)  # compiling every bucket takes minutes
     if hf is not None:
         hf_generate_time(hf, prompts[:1], 2, args.device)  # warm-up
     for c in levels:  # interleaved, so machine-load drift hits both sides alike

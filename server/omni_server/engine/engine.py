@@ -209,10 +209,14 @@ class Engine:
                 out.setdefault(event.request_id, []).append(event)
         return out
 
-    def warmup(self) -> None:
-        """One short request through prefill and decode (allocations, kernels, graphs)."""
+    def warmup(self, capture_all_graphs: bool = True) -> None:
+        """One short request through prefill and decode (allocations, kernels, graphs).
+
+        With `capture_all_graphs`, every decode-graph bucket is captured now instead of on its
+        first use (no capture pause while serving).
+        """
         self.generate([GenerationRequest("__warmup__", [0, 1, 2], _warmup_params())])
-        if self.runner.graphs is not None:
+        if capture_all_graphs and self.runner.graphs is not None:
             self.runner.graphs.capture_all()
 
 
