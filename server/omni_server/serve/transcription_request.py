@@ -52,9 +52,17 @@ class TranscriptionRequest:
         return "word" in self.granularities
 
     def pipeline_inputs(self) -> dict[str, Any]:
-        """The ASR entry stage's inputs (the transcription contract with the pipeline)."""
-        options = {"prompt": self.prompt, "temperature": self.temperature, "words": self.words}
-        return {"file": self.file, "options": options}
+        return asr_inputs(
+            self.file, prompt=self.prompt, temperature=self.temperature, words=self.words
+        )
+
+
+def asr_inputs(
+    file: bytes, *, prompt: str | None = None, temperature: float = 0.0, words: bool = False
+) -> dict[str, Any]:
+    """The ASR entry stage's inputs: the transcription contract with the pipeline (docs/asr.md),
+    for every endpoint that hears audio."""
+    return {"file": file, "options": {"prompt": prompt, "temperature": temperature, "words": words}}
 
 
 @dataclass
