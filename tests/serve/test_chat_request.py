@@ -78,7 +78,17 @@ def test_roles_and_parts():
         ([{"role": "user", "content": 3}], "messages[0].content", "invalid_type"),
         ([{"role": "user", "content": [3]}], "messages[0].content[0]", "invalid_type"),
         (
-            [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}],
+            [{"role": "user", "content": [{"type": "input_audio", "input_audio": "x"}]}],
+            "messages[0].content[0].input_audio",
+            "invalid_type",
+        ),
+        (
+            [{"role": "assistant", "content": [{"type": "input_audio", "input_audio": {}}]}],
+            "messages[0].content[0].type",
+            "unsupported_value",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
             "messages[0].content[0].type",
             "unsupported_value",
         ),

@@ -17,6 +17,7 @@ from aiohttp import web
 from omni_server.repository.plan import Plan
 from omni_server.serve import (
     chat,
+    chat_request,
     health,
     models,
     openapi,
@@ -82,6 +83,7 @@ def create_app(
     app.router.add_post("/v1/audio/transcriptions", transcription.create_transcription)
     app.router.add_post("/v1/chat/completions", chat.create_chat_completion)
     app.router.add_get("/v1/realtime", realtime)
+    state.body_limits["/v1/chat/completions"] = chat_request.MAX_BODY_BYTES  # input_audio
     state.body_limits["/v1/audio/transcriptions"] = (
         transcription_request.MAX_FILE_BYTES + transcription_request.FORM_OVERHEAD_BYTES
     )

@@ -17,6 +17,9 @@ prompt over its context: 400 `context_length_exceeded`) gets OpenAI's error JSON
 A stream that fails later sends an `error` event and is cut without `data: [DONE]`. Leaving the
 request handle's context, for any reason (a client gone, a failure, server shutdown), aborts the
 request in every stage.
+
+Audio in: `input_audio` parts of user messages are heard first by the repository's
+transcription model; their transcripts take their place in the messages the thinker reads.
 """
 
 from __future__ import annotations
@@ -34,7 +37,12 @@ from aiohttp import web
 
 from omni_server.runtime import PipelineError, RequestHandle
 from omni_server.serve.body import ClientGone, read_json
-from omni_server.serve.chat_request import ChatRequest, chat_model, parse_chat_request
+from omni_server.serve.chat_request import (
+    AudioPart,
+    ChatRequest,
+    chat_model,
+    parse_chat_request,
+)
 from omni_server.serve.errors import STREAM_STARTED, ApiError
 from omni_server.serve.metrics import RequestTrack
 from omni_server.serve.speech import CLIENT_GONE, pipeline_error, require_ready
@@ -76,6 +84,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             track.model = model.id
             chat = parse_chat_request(body, model)
             require_ready(state.runtime)
+            if chat.audio_parts:  # heard first: the thinker reads their transcripts
+                chat = await hear_audio_parts(state, chat)
             async with state.admission.place(model.id):
                 with state.metrics.in_pipeline(model.id):
                     # the completion's id is the request's id in the runtime and the logs
@@ -94,6 +104,39 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         except (ConnectionResetError, ClientGone):
             _cancelled(request, track, request_id)
             return web.Response(status=CLIENT_GONE)  # nobody is left to read it
+
+
+async def hear_audio_parts(state: Any, chat: ChatRequest) -> ChatRequest:
+    """Transcribe every `input_audio` part with the repository's transcription model (in
+    parallel); audio it cannot use is a 400 naming the part."""
+    asr = next((m for m in state.plan.models.values() if "transcription" in m.tasks), None)
+    if asr is None:
+        raise ApiError(
+            400,
+            "this server has no transcription model to hear input_audio parts; send text",
+            param=chat.audio_parts[0].param,
+            code="unsupported_value",
+        )
+
+    async def hear(part: AudioPart) -> tuple[str, str]:
+        options = {"prompt": None, "temperature": 0.0, "timestamps": False}
+        try:
+            handle = state.runtime.submit(asr, {"file": part.data, "options": options})
+            async with handle:
+                result = await handle.result()
+        except PipelineError as exc:
+            if exc.code == "invalid_request":  # the part is no usable audio: the caller's fault
+                raise ApiError(
+                    400, f"'{part.param}': {exc.message}", param=part.param, code="invalid_audio"
+                ) from exc
+            raise pipeline_error(exc) from exc
+        if not isinstance(result, dict) or not isinstance(result.get("text"), str):
+            raise ChatContractError(f"the transcription model {asr.id} returned no text")
+        return part.param, result["text"]
+
+    async with state.admission.place(asr.id):
+        heard = await asyncio.gather(*(hear(part) for part in chat.audio_parts))
+    return chat.transcribed(dict(heard))
 
 
 def _cancelled(request: web.Request, track: RequestTrack, request_id: str) -> None:

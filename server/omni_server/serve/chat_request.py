@@ -11,8 +11,10 @@ fields meant for other servers.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from omni_server.repository.plan import ModelSpec, Plan
@@ -33,6 +35,9 @@ MAX_TOP_K = 1 << 20  # beyond any vocabulary: the same as 0 (off)
 # OpenAI's chat `audio.format` -> the audio encoder's response_format
 AUDIO_FORMATS = {"wav": "wav", "mp3": "mp3", "flac": "flac", "opus": "opus", "pcm16": "pcm"}
 STREAM_AUDIO_FORMAT = "pcm16"  # OpenAI streams chat audio as raw pcm16 only
+INPUT_AUDIO_FORMATS = ("wav", "mp3")  # OpenAI's input_audio formats
+MAX_INPUT_AUDIO_BYTES = 25 << 20  # per part, as the transcription endpoint's upload limit
+MAX_BODY_BYTES = 32 << 20  # a chat body may carry base64 audio (4/3 of its bytes)
 
 # OpenAI parameters whose meaning this server cannot give, and the value that asks for nothing
 # (None: any value but null is refused). A request sending the neutral value is served.
@@ -65,9 +70,21 @@ class AudioOut:
 
 
 @dataclass(frozen=True)
+class AudioPart:
+    """An `input_audio` content part: heard by the transcription model before the thinker reads
+    the message (its transcript takes the part's place)."""
+
+    param: str  # where it sat, e.g. messages[1].content[0]
+    data: bytes
+    format: str
+
+
+@dataclass(frozen=True)
 class ChatRequest:
     model: ModelSpec
-    messages: tuple[dict[str, str], ...]  # {"role": system|user|assistant, "content": str}
+    # {"role": system|user|assistant, "content": str}; a user message with input_audio parts
+    # holds a tuple of str and AudioPart until `transcribed` replaces the audio by its text
+    messages: tuple[dict[str, Any], ...]
     max_tokens: int | None
     temperature: float
     top_p: float
@@ -79,8 +96,30 @@ class ChatRequest:
     include_usage: bool  # stream_options.include_usage: a usage chunk before [DONE]
     audio: AudioOut | None  # None: text only
 
+    @property
+    def audio_parts(self) -> list[AudioPart]:
+        return [
+            part
+            for message in self.messages
+            if isinstance(message["content"], tuple)
+            for part in message["content"]
+            if isinstance(part, AudioPart)
+        ]
+
+    def transcribed(self, transcripts: Mapping[str, str]) -> ChatRequest:
+        """The request with each audio part replaced by its transcript (keyed by `param`)."""
+        messages = []
+        for message in self.messages:
+            content = message["content"]
+            if isinstance(content, tuple):
+                texts = (transcripts[p.param] if isinstance(p, AudioPart) else p for p in content)
+                content = " ".join(t.strip() for t in texts if t.strip())
+            messages.append({**message, "content": content})
+        return replace(self, messages=tuple(messages))
+
     def pipeline_inputs(self) -> dict[str, Any]:
         """The entry stage's inputs: the chat contract with the thinker (docs/serving.md)."""
+        assert not self.audio_parts, "audio parts are transcribed before the thinker runs"
         speech = None
         if self.audio is not None:
             speech = {
@@ -167,7 +206,7 @@ def _same(value: Any, neutral: Any) -> bool:
     return type(value) is type(neutral) and value == neutral
 
 
-def _messages(raw: Any) -> tuple[dict[str, str], ...]:
+def _messages(raw: Any) -> tuple[dict[str, Any], ...]:
     if raw is None:
         raise invalid_field("messages", "'messages' is required", code="missing_required_parameter")
     if not isinstance(raw, list):
@@ -187,7 +226,7 @@ def _messages(raw: Any) -> tuple[dict[str, str], ...]:
     return tuple(_message(i, m) for i, m in enumerate(raw))
 
 
-def _message(index: int, message: Any) -> dict[str, str]:
+def _message(index: int, message: Any) -> dict[str, Any]:
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise invalid_field(where, f"'{where}' must be an object", code="invalid_type")
@@ -223,7 +262,8 @@ def _message(index: int, message: Any) -> dict[str, str]:
     return {"role": "system" if role == "developer" else role, "content": content}
 
 
-def _content(where: str, role: str, content: Any) -> str:
+def _content(where: str, role: str, content: Any) -> str | tuple[str | AudioPart, ...]:
+    """A message's text; a user message with `input_audio` parts keeps its parts in order."""
     param = f"{where}.content"
     if content is None:
         raise invalid_field(
@@ -233,7 +273,7 @@ def _content(where: str, role: str, content: Any) -> str:
         return _valid_unicode(param, content)
     if not isinstance(content, list):
         raise invalid_field(
-            param, f"'{param}' must be a string or an array of text parts", code="invalid_type"
+            param, f"'{param}' must be a string or an array of content parts", code="invalid_type"
         )
     if len(content) > MAX_PARTS:
         raise invalid_field(
@@ -241,25 +281,60 @@ def _content(where: str, role: str, content: Any) -> str:
             f"'{param}' has {len(content)} parts; at most {MAX_PARTS} are allowed",
             code="array_above_max_length",
         )
-    texts = []
+    parts: list[str | AudioPart] = []
     for i, part in enumerate(content):
         at = f"{param}[{i}]"
         if not isinstance(part, dict):
             raise invalid_field(at, f"'{at}' must be an object", code="invalid_type")
         kind = part.get("type")
+        if kind == "input_audio" and role == "user":
+            parts.append(_input_audio(at, part.get("input_audio")))
+            continue
         if kind != "text":
             raise invalid_field(
                 f"{at}.type",
-                f"'{at}.type' is {kind!r}: this server's chat models read text only; send "
-                '{"type": "text", "text": ...} parts',
+                f"'{at}.type' is {kind!r}: this server's chat models read text parts "
+                '({"type": "text", "text": ...}) and, in user messages, input_audio parts',
                 code="unsupported_value",
             )
         text = part.get("text")
         if not isinstance(text, str):
             raise invalid_field(f"{at}.text", f"'{at}.text' must be a string", code="invalid_type")
-        texts.append(_valid_unicode(f"{at}.text", text))
+        parts.append(_valid_unicode(f"{at}.text", text))
+    if any(isinstance(p, AudioPart) for p in parts):
+        return tuple(parts)
     # OpenAI joins a message's text parts without a separator
-    return "".join(texts)
+    return "".join(str(p) for p in parts)
+
+
+def _input_audio(at: str, raw: Any) -> AudioPart:
+    if not isinstance(raw, dict):
+        raise invalid_field(
+            f"{at}.input_audio",
+            f"'{at}.input_audio' must be an object {{data: base64, format: wav | mp3}}",
+            code="invalid_type",
+        )
+    fmt = raw.get("format")
+    if fmt not in INPUT_AUDIO_FORMATS:
+        raise invalid_field(
+            f"{at}.input_audio.format",
+            f"'{at}.input_audio.format' must be one of {', '.join(INPUT_AUDIO_FORMATS)}; "
+            f"got {fmt!r}",
+        )
+    data = raw.get("data")
+    if not isinstance(data, str) or len(data) > MAX_INPUT_AUDIO_BYTES * 4 // 3 + 4:
+        raise invalid_field(
+            f"{at}.input_audio.data",
+            f"'{at}.input_audio.data' must be base64 audio of at most "
+            f"{MAX_INPUT_AUDIO_BYTES >> 20} MiB",
+        )
+    try:
+        audio = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise invalid_field(
+            f"{at}.input_audio.data", f"'{at}.input_audio.data' is not valid base64"
+        ) from None
+    return AudioPart(param=at, data=audio, format=str(fmt))
 
 
 def _valid_unicode(param: str, value: str) -> str:

@@ -178,7 +178,17 @@ def _chat(plan: Plan) -> Schema:
     part = {
         "type": "object",
         "required": ["type"],
-        "properties": {"type": {"type": "string"}, "text": {"type": "string"}},
+        "properties": {
+            "type": {"type": "string", "enum": ["text", "input_audio"]},
+            "text": {"type": "string"},
+            "input_audio": {
+                "type": "object",
+                "properties": {
+                    "data": {"type": "string", "contentEncoding": "base64"},
+                    "format": {"type": "string", "enum": ["wav", "mp3"]},
+                },
+            },
+        },
     }
     message = {
         "type": "object",
@@ -206,9 +216,15 @@ def _chat(plan: Plan) -> Schema:
             "max_completion_tokens": {"type": "integer", "minimum": 1},
             "temperature": {"type": "number", "minimum": 0, "maximum": 2},
             "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+            "top_k": {"type": "integer", "minimum": 0},
+            "min_p": {"type": "number", "minimum": 0, "maximum": 1},
             "seed": {"type": "integer", "minimum": 0},
             "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
             "stream": {"type": "boolean"},
+            "stream_options": {
+                "type": "object",
+                "properties": {"include_usage": {"type": "boolean"}},
+            },
             "n": {"type": "integer", "minimum": 1, "maximum": 1},
         },
     }
