@@ -21,14 +21,17 @@ import logging
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from omni_server.runtime import PipelineError, RequestHandle
 from omni_server.serve import transcription_format as fmt
+from omni_server.serve.body import ClientGone
 from omni_server.serve.errors import STREAM_STARTED, ApiError
 from omni_server.serve.metrics import RequestTrack
 from omni_server.serve.speech import CLIENT_GONE, pipeline_error, require_ready
 from omni_server.serve.state import STATE
 from omni_server.serve.transcription_request import (
+    Form,
     TranscriptionRequest,
     parse_transcription,
     read_form,
@@ -42,10 +45,13 @@ async def create_transcription(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     with state.metrics.track("transcription") as track:
         try:
-            form = await read_form(request)
-        except (asyncio.CancelledError, ConnectionResetError):
+            form = await _read_upload(request)
+        except asyncio.CancelledError:
             _cancelled(request, track, "upload")
             raise
+        except (ConnectionResetError, ClientGone):
+            _cancelled(request, track, "upload")
+            return web.Response(status=CLIENT_GONE)  # nobody is left to read it
         model = transcription_model(form, state.plan)
         track.model = model.id
         asr = parse_transcription(form, model)
@@ -66,6 +72,27 @@ async def create_transcription(request: web.Request) -> web.StreamResponse:
                     except ConnectionResetError:
                         _cancelled(request, track, handle.id)
                         return web.Response(status=CLIENT_GONE)  # nobody is left to read it
+
+
+async def _read_upload(request: web.Request) -> Form:
+    """The multipart form within the server's body timeout (408 after it, as other bodies)."""
+    timeout = request.app[STATE].options.body_timeout_s
+    try:
+        async with asyncio.timeout(timeout):
+            return await read_form(request)
+    except TimeoutError:
+        raise ApiError(
+            408,
+            f"the upload did not arrive within {timeout:g} s",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
+    except RequestPayloadError as exc:
+        if request.transport is None or request.transport.is_closing():
+            raise ClientGone() from exc
+        raise ApiError(
+            400, "the request body's length or chunked framing is broken", code="invalid_body"
+        ) from None
 
 
 def _cancelled(request: web.Request, track: RequestTrack, what: str) -> None:

@@ -66,7 +66,7 @@ def asr_inputs(
 
 
 @dataclass
-class _Form:
+class Form:
     """What the multipart body held: text fields (lists, for `name[]` fields) and the file."""
 
     fields: dict[str, list[str]] = field(default_factory=dict)
@@ -81,7 +81,7 @@ class _Form:
         return self.fields.get(name + "[]", []) + self.fields.get(name, [])
 
 
-async def read_form(request: web.Request) -> _Form:
+async def read_form(request: web.Request) -> Form:
     """The multipart form, read within the limits (see the module docstring)."""
     if request.content_type != "multipart/form-data":
         raise ApiError(
@@ -97,7 +97,7 @@ async def read_form(request: web.Request) -> _Form:
         reader = await request.multipart()
     except (ValueError, AssertionError) as err:  # a bad boundary
         raise ApiError(400, f"malformed multipart body: {err}", code="invalid_request") from None
-    form = _Form()
+    form = Form()
     parts = 0
     while True:
         try:
@@ -159,7 +159,7 @@ def _field_too_large(name: str):
     return error
 
 
-def transcription_model(form: _Form, plan: Plan) -> ModelSpec:
+def transcription_model(form: Form, plan: Plan) -> ModelSpec:
     """The served model the form names: checked first, so errors can be counted by it."""
     name = form.one("model")
     if not name:
@@ -167,7 +167,7 @@ def transcription_model(form: _Form, plan: Plan) -> ModelSpec:
     return resolve_model(plan, name, task="transcription")
 
 
-def parse_transcription(form: _Form, model: ModelSpec) -> TranscriptionRequest:
+def parse_transcription(form: Form, model: ModelSpec) -> TranscriptionRequest:
     if form.file is None:
         raise invalid_field(
             "file", "'file' is required: the audio to transcribe", "missing_required_parameter"
@@ -212,7 +212,7 @@ def parse_transcription(form: _Form, model: ModelSpec) -> TranscriptionRequest:
     )
 
 
-def _language(form: _Form, model: ModelSpec) -> None:
+def _language(form: Form, model: ModelSpec) -> None:
     language = form.one("language")
     if language and language.strip().lower() not in LANGUAGES:
         raise invalid_field(
@@ -223,7 +223,7 @@ def _language(form: _Form, model: ModelSpec) -> None:
         )
 
 
-def _temperature(form: _Form) -> float:
+def _temperature(form: Form) -> float:
     raw = form.one("temperature")
     if raw is None or raw == "":
         return 0.0
@@ -241,7 +241,7 @@ def _temperature(form: _Form) -> float:
     return value
 
 
-def _boolean(form: _Form, name: str) -> bool:
+def _boolean(form: Form, name: str) -> bool:
     raw = form.one(name)
     if raw is None or raw == "":
         return False
