@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_server.envelope import Envelope, Payload, Timings
-from omni_server.repository.plan import ModelSpec, Plan
+from omni_server.repository.plan import ModelSpec, Plan, SchedulerKind
 
 from .binding import ReplicaBinder
 from .errors import PipelineError
@@ -44,6 +44,7 @@ from .topology import Topology
 log = logging.getLogger(__name__)
 
 StageObserver = Callable[[str, float, float], None]
+STREAM = SchedulerKind.STREAM
 
 
 _END = object()
@@ -83,11 +84,12 @@ class RequestHandle:
             if isinstance(item, PipelineError):
                 raise item
             stage = item[0]
-            taken = self._taken.get(stage, 0) + 1
-            if taken >= CHUNK_WINDOW // 2 and self._paced:  # credit in batches: fewer messages
-                self._coordinator.credit(self._key, stage, taken)
-                taken = 0
-            self._taken[stage] = taken
+            if self._paced and stage in self._coordinator.paced_stages:
+                taken = self._taken.get(stage, 0) + 1
+                if taken >= CHUNK_WINDOW // 2:  # credit in batches: fewer messages
+                    self._coordinator.credit(self._key, stage, taken)
+                    taken = 0
+                self._taken[stage] = taken
             yield item
 
     async def result(self) -> Any:
@@ -95,7 +97,8 @@ class RequestHandle:
             # nobody may read the chunks before the result: do not pace the stages on them
             self._paced = False
             for stage in self._coordinator.terminals_of(self._key):
-                self._coordinator.credit(self._key, stage, UNLIMITED)
+                if stage in self._coordinator.paced_stages:
+                    self._coordinator.credit(self._key, stage, UNLIMITED)
         return await asyncio.shield(self._result)
 
     async def abort(self) -> None:
@@ -149,6 +152,10 @@ class Coordinator:
         self._flights: dict[int, _Flight] = {}
         self._keys = itertools.count(1)
         self._binder = ReplicaBinder(plan)
+        # terminal stages whose chunks are paced by credits (stage.py: stream schedulers)
+        self.paced_stages = frozenset(
+            s.name for s in plan.stages.values() if s.terminal and s.scheduler.kind is STREAM
+        )
         # who hears a stage's timeout report (the runtime: counts it, kills an overran
         # process); by default the requests just fail
         self.on_stage_timeout: Callable[[StageTimedOut], object] = lambda m: self.timed_out(

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from omni_server.backend import InvalidRequest, Request, StageConfigError
 from omni_server.envelope import Envelope, Payload, Timings
-from omni_server.repository.plan import StageSpec
+from omni_server.repository.plan import SchedulerKind, StageSpec
 from omni_server.scheduling import BackendContractError, StageCalls, WorkItem, make_scheduler
 
 from .deadlines import ComputeExecutor, StageDeadlines
@@ -258,7 +258,7 @@ class StageRunner:
         inbox = self._inbox(env) if self.inputs(env.model).streamers else None
         request = Request(id=env.id, inputs=inputs, _stream=iter(inbox) if inbox else None)
         item: WorkItem
-        if self.spec.terminal:
+        if self.spec.terminal and self.spec.scheduler.kind is SchedulerKind.STREAM:
             credits = self._early_credits.pop(env.key, CHUNK_WINDOW)
             item = _TerminalItem(env, request, timings, stream=inbox, credits=credits)
         else:
