@@ -4,7 +4,9 @@ Each stage process runs a `HeartbeatSender` thread that sends a one-byte datagra
 server's `HeartbeatMonitor` every interval. The thread shares nothing with the stage's compute
 threads or its event loop, so a backend busy for minutes still beats; a process that beats no
 more is stopped (SIGSTOP), stuck in a call that holds the GIL, or otherwise frozen, and the
-monitor reports it once its deadline passes (the supervisor kills it, and restarts it).
+monitor reports it once its deadline passes (the supervisor kills it, and restarts it). Deadlines
+apply once a process is ready: before that, loading a model may hold the GIL for long, and the
+start timeout bounds it.
 
 Who sent a beat is read from the kernel (SCM_CREDENTIALS), never from the datagram: a beat is
 counted only for a pid the monitor watches and only from our own user. The socket lives in the
@@ -31,14 +33,16 @@ class HeartbeatMonitor:
     """The server's side: deadlines per watched pid, checked on the event loop.
 
     `on_silent(pid)` is called once for a watched pid whose deadline passed (then it is no longer
-    watched). A watched pid's first deadline is `grace_s` after watch() (the process is still
-    importing); each beat moves it to `timeout_s` from now."""
+    watched). A watched pid's deadline is `grace_s` after watch() while it starts (loading a
+    model may hold the GIL for long: start() has its own timeout); from arm() on (it is ready)
+    each beat moves it to `timeout_s` from now."""
 
     def __init__(self, run_dir: Path, timeout_s: float, on_silent: Callable[[int], None]) -> None:
         self.path = run_dir / SOCKET_NAME
         self.timeout_s = timeout_s
         self._on_silent = on_silent
         self._deadlines: dict[int, float] = {}
+        self._armed: set[int] = set()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self._sock.bind(str(self.path))
@@ -54,8 +58,15 @@ class HeartbeatMonitor:
     def watch(self, pid: int, grace_s: float) -> None:
         self._deadlines[pid] = time.monotonic() + grace_s
 
+    def arm(self, pid: int) -> None:
+        """`pid` is ready: from now on it must beat every `timeout_s`."""
+        if pid in self._deadlines:
+            self._armed.add(pid)
+            self._deadlines[pid] = time.monotonic() + self.timeout_s
+
     def forget(self, pid: int) -> None:
         self._deadlines.pop(pid, None)
+        self._armed.discard(pid)
 
     def _drain(self) -> None:
         """Read every waiting beat (non-blocking)."""
@@ -68,7 +79,7 @@ class HeartbeatMonitor:
             for level, kind, data in ancillary:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
                     pid, sender_uid, _ = _UCRED.unpack(data[: _UCRED.size])
-                    if sender_uid == uid and pid in self._deadlines:
+                    if sender_uid == uid and pid in self._armed:
                         self._deadlines[pid] = time.monotonic() + self.timeout_s
 
     def _schedule(self) -> None:
@@ -80,7 +91,7 @@ class HeartbeatMonitor:
         now = time.monotonic()
         silent = [pid for pid, deadline in self._deadlines.items() if deadline < now]
         for pid in silent:
-            del self._deadlines[pid]
+            self.forget(pid)
             self._on_silent(pid)
         self._schedule()
 

@@ -234,6 +234,7 @@ class ProcessGroup:
                 fut = self._ready[message.instance]
                 if not fut.done():
                     fut.set_result(None)
+                self._arm_heartbeats(message.instance)
             case StartFailed():
                 fut = self._ready[message.instance]
                 if not fut.done():
@@ -243,6 +244,15 @@ class ProcessGroup:
                 self._rewire_answered(message)
             case _:
                 self._on_message(message)
+
+    def _arm_heartbeats(self, instance: str) -> None:
+        """`instance` is ready (every TP rank reports its own Ready): it must beat from now."""
+        if self._monitor is None:
+            return
+        for index, inst in enumerate(self.plan.instances):
+            proc = self._procs[index]
+            if inst.name == instance and proc is not None:
+                self._monitor.arm(proc.pid)
 
     def _rewire_answered(self, message: Rewired) -> None:
         for index, inst in enumerate(self.plan.instances):
