@@ -158,3 +158,20 @@ def test_stop_string_truncates_and_holds_back(
     assert _text(events) == full[: full.index(stop)]
     # No delta ever carried text past the stop string (held back until ruled out).
     assert all(stop not in e.text for e in events)
+
+
+def test_bfloat16_on_cpu_answers_like_float32(gguf, tokenizer: GGUFTokenizer) -> None:
+    from omni_server.engine import EngineConfig
+    from omni_server.engine.llama import Llama
+
+    model = Llama(gguf.shape, max_positions=1024)
+    model.load_weights(gguf.weights)
+    model.place("cpu", torch.bfloat16)
+    assert model.embed.weight.dtype == torch.bfloat16 and model.rope.dtype == torch.complex64
+    engine = Engine(model, EngineConfig(max_total_tokens=1024, dtype="bfloat16"), tokenizer)
+    assert engine.cache.k[0].dtype == torch.bfloat16
+    prompt = tokenizer.encode_chat(CHAT_PROMPTS[0])
+    events = engine.generate(
+        [GenerationRequest("a", prompt, SamplingParams(temperature=0, max_tokens=12))]
+    )["a"]
+    assert "Paris" in _text(events) and events[-1].finish_reason is FinishReason.STOP

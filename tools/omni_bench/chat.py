@@ -211,7 +211,7 @@ def graph_floor(engine: Engine, batch_sizes: list[int], context: int) -> list[di
 
 def cache_comparison(
     engine: Engine, prompts: list[list[int]], c: int, new_tokens: int
-) -> list[dict[str, float]]:
+) -> list[dict[str, Any]]:
     """The same KV budget as 16-token blocks and as fixed slots of max_seq_len tokens each.
 
     A fixed-slot cache is this cache with block_size = max_seq_len: each request holds one slot
