@@ -22,6 +22,7 @@ __all__ = [
     "LLAMA_1B",
     "SMOLLM2_135M",
     "ChatTemplateError",
+    "ChatTemplateError",
     "ContextLengthExceeded",
     "Engine",
     "EngineConfig",
