@@ -22,7 +22,6 @@ __all__ = [
     "LLAMA_1B",
     "SMOLLM2_135M",
     "ChatTemplateError",
-    "ChatTemplateError",
     "ContextLengthExceeded",
     "Engine",
     "EngineConfig",
