@@ -103,7 +103,9 @@ class ProcessGroup:
         self._killed_for: list[str | None] = [None] * n
         self._pid_index: dict[int, int] = {}
         self._ready: dict[str, asyncio.Future[None]] = {}
-        self._rewired: dict[int, asyncio.Future[None]] = {}  # peers yet to answer a Rewire
+        # (peer, restarting instance) -> answered: a peer's Rewired, or its death
+        self._acks: dict[tuple[int, int], asyncio.Future[None]] = {}
+        self._spawning = asyncio.Lock()  # one rewire + spawn at a time (names change)
         self._endpoint: Endpoint | None = None
         self._monitor: HeartbeatMonitor | None = None
         self._stopping = False
@@ -213,9 +215,10 @@ class ProcessGroup:
         exited = self._exited[index]
         if exited is not None and not exited.done():
             exited.set_result(code)
-        ack = self._rewired.pop(index, None)
-        if ack is not None and not ack.done():
-            ack.set_result(None)  # a dead peer needs no rewiring
+        for key in [k for k in self._acks if k[0] == index]:
+            ack = self._acks.pop(key)
+            if not ack.done():
+                ack.set_result(None)  # a dead peer needs no rewiring
         name = self.plan.instances[index].name
         if not self._stopping:
             why = self._killed_for[index]
@@ -257,10 +260,14 @@ class ProcessGroup:
     def _rewire_answered(self, message: Rewired) -> None:
         for index, inst in enumerate(self.plan.instances):
             if inst.name == message.instance:
-                ack = self._rewired.pop(index, None)
+                ack = self._acks.pop((index, message.index), None)
                 if ack is not None and not ack.done():
                     ack.set_result(None)
                 return
+
+    def _is_ready(self, index: int) -> bool:
+        ready = self._ready.get(self.plan.instances[index].name)
+        return ready is not None and ready.done() and ready.exception() is None
 
     # ---- supervision -------------------------------------------------------------------------
 
@@ -293,22 +300,28 @@ class ProcessGroup:
         instance = self.plan.instances[index]
         assert instance.tp_size == 1, "a TP group is not restarted"
         assert not self.alive(index) and self._endpoint is not None
-        old = self._names[index]
-        self._generation[index] += 1
-        new = endpoint_name(index, self._generation[index])
-        await self._rewire(index, old, new)
-        self._names[index] = new
-        self._ready[instance.name] = asyncio.get_running_loop().create_future()
-        self._spawn(index, None)
+        async with self._spawning:
+            old = self._names[index]
+            self._generation[index] += 1
+            new = endpoint_name(index, self._generation[index])
+            await self._rewire(index, old, new)
+            self._names[index] = new
+            self._ready[instance.name] = asyncio.get_running_loop().create_future()
+            self._spawn(index, None)
+        # not under the lock: a successor slow (or frozen) in starting holds up no other restart
         exited = self._exited[index]
         assert exited is not None
         ready = self._ready[instance.name]
         waits: list[asyncio.Future[Any]] = [ready, exited]
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        if ready.done():
-            ready.result()  # raises its StartFailed
-            return
-        self._raise_start_exit(index, exited.result())
+        if not ready.done():
+            self._raise_start_exit(index, exited.result())
+        ready.result()  # raises its StartFailed
+        # peers restarted while this one started told it their new names before it could
+        # listen: it is ready for requests once it has taken them in
+        owed = [ack for (peer, _), ack in self._acks.items() if peer == index]
+        if owed:
+            await asyncio.wait(owed, timeout=_REWIRE_WAIT_S)
 
     async def _rewire(self, index: int, old: str, new: str) -> None:
         """Every live peer (and this process) forgets `old` and is ready to receive from
@@ -321,17 +334,20 @@ class ProcessGroup:
             if i != index and inst.tp_rank == 0 and self.alive(i)
         ]
         for peer in peers:
-            self._rewired[peer] = loop.create_future()
+            self._acks[(peer, index)] = loop.create_future()
             self.links.control(peer, Rewire(index, old, new))
         await self._endpoint.forget_peer(old)
         self._endpoint.add_inbound(new)
-        acks = [self._rewired[p] for p in peers if p in self._rewired]
+        # a peer still starting reads control only once started: its successor-to-be waits
+        # for its answer in restart(), not this rewire
+        ready = [p for p in peers if self._is_ready(p)]
+        acks = [a for p in ready if (a := self._acks.get((p, index))) is not None]
         if acks:
             _, late = await asyncio.wait(acks, timeout=_REWIRE_WAIT_S)
             if late:
                 log.warning("%d peers did not confirm rewiring %s -> %s", len(late), old, new)
-        for peer in peers:
-            self._rewired.pop(peer, None)
+        for peer in ready:
+            self._acks.pop((peer, index), None)
         for other in [COORDINATOR, *self._names]:
             if other != old:
                 unlink_leftovers(ring_name(self.run_id, other, old))

@@ -67,7 +67,6 @@ class Runtime:
         self._states = [InstanceState.UP] * n
         self._crashes = [CrashHistory(self.policy.crash_loop_window_s) for _ in range(n)]
         self._restarts: dict[int, asyncio.Task[None]] = {}
-        self._restart_lock = asyncio.Lock()  # one successor at a time: rewiring is global
         self._inline = inline
         self._run_dir = run_dir
         self._ring_capacity = ring_capacity
@@ -249,8 +248,7 @@ class Runtime:
         died_at = time.monotonic()
         try:
             await asyncio.sleep(delay)  # the backoff: a timer, not a synchronization
-            async with self._restart_lock:
-                await self._group.restart(index)
+            await self._group.restart(index)
         except PipelineError as exc:
             # its exit (if any) went through _instance_died, which scheduled the next try
             log.error("restarting %s failed: %s", instance.name, exc)
