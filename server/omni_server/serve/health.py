@@ -33,7 +33,7 @@ async def health(request: web.Request) -> web.Response:
     is_ready = bool(state.runtime.ready) and not state.lifecycle.stopping
     healthy = is_ready and bool(state.runtime.healthy)
     runtime_status, detail = state.runtime.health()
-    status = runtime_status if healthy else ("unhealthy" if is_ready else "not_ready")
+    status: str = runtime_status if healthy else ("unhealthy" if is_ready else "not_ready")
     if state.lifecycle.stopping:
         status = "stopping"
     body = {
