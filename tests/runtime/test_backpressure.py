@@ -11,7 +11,7 @@ import pytest
 from omni_server.repository.compiler import compile_repository
 from omni_server.runtime.messages import CHUNK_WINDOW
 from tests.helpers.repo import make_repo
-from tests.runtime.conftest import running
+from tests.helpers.runtime import running
 
 pytestmark = pytest.mark.timeout(120)
 
