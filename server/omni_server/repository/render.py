@@ -28,6 +28,7 @@ def config_dict(plan: Plan) -> dict[str, Any]:
             "mps": str(plan.server.mps),
             "weight_share": "on" if plan.server.weight_share else "off",
             "gpu_memory_limit": plan.server.gpu_memory_limit,
+            "stage_timeout_s": plan.server.stage_timeout_s,
         },
         "models": {m.id: _model(m) for m in plan.models.values()},
         "processes": {
@@ -80,6 +81,7 @@ def config_json(plan: Plan) -> str:
 
 def _model(m: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"entry": m.entry, "tasks": list(m.tasks), "aliases": list(m.aliases)}
+    out["stages"] = list(m.stages)
     out["voices"] = list(m.voices)
     if m.default_voice is not None:
         out["default_voice"] = m.default_voice
@@ -113,12 +115,10 @@ def _stage(s: StageSpec) -> dict[str, Any]:
         "max_batch_size": s.scheduler.max_batch_size,
         "max_queue_delay_ms": s.scheduler.max_queue_delay_ms,
     }
+    if s.timeout_s is not None:
+        out["timeout_s"] = s.timeout_s
     if s.engine is not None:
-        out["engine"] = (
-            {}
-            if s.engine.max_total_tokens is None
-            else {"max_total_tokens": s.engine.max_total_tokens}
-        )
+        out["engine"] = _thaw(s.engine.settings)
     if s.parameters:
         out["parameters"] = _thaw(s.parameters)
     return out

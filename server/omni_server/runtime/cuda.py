@@ -41,7 +41,8 @@ class CudaExporter:
 
     def export(self, tensor: Any) -> bytes | None:
         """The record bytes of `tensor` moved into this process's pool, or None (host path)."""
-        from omni_transport import TransportError, cuda_ipc
+        import omni_transport.cuda_ipc as cuda_ipc
+        from omni_transport import TransportError
 
         device = tensor.device.index
         pool = self._pools.get(device)
@@ -83,7 +84,7 @@ _receivers: dict[int, Any] = {}
 
 def open_tensor(record: bytes, device: int) -> Any:
     """The receiver side: a tensor of our own with the record's contents (codec calls it)."""
-    from omni_transport import cuda_ipc
+    import omni_transport.cuda_ipc as cuda_ipc
 
     receiver = _receivers.get(device)
     if receiver is None:

@@ -103,12 +103,17 @@ async def _server_header(request: web.Request, response: web.StreamResponse) -> 
 
 
 async def _stage_metrics(app: web.Application) -> AsyncIterator[None]:
-    """Feed per-stage queue and compute times into this app's metrics while the app runs."""
+    """Feed per-stage times and supervision events into this app's metrics while it runs."""
     state = app[STATE]
-    observer = state.metrics.observe_stage
-    state.runtime.stage_observers.append(observer)
+    stage, supervision = state.metrics.observe_stage, state.metrics.observe_supervision
+    state.runtime.stage_observers.append(stage)
+    observers = getattr(state.runtime, "supervision_observers", None)  # stand-in runtimes
+    if observers is not None:
+        observers.append(supervision)
     yield
-    state.runtime.stage_observers.remove(observer)
+    state.runtime.stage_observers.remove(stage)
+    if observers is not None:
+        observers.remove(supervision)
 
 
 async def _metrics(request: web.Request) -> web.Response:

@@ -124,6 +124,18 @@ class ServerMetrics:
             registry=r,
         )
 
+        self.supervision = Counter(
+            "omni_supervision_events",
+            "stage process deaths, restarts and crash-loop failures (by instance), stage "
+            "timeouts (by stage)",
+            ["event", "subject"],
+            registry=r,
+        )
+
+    def observe_supervision(self, event: str, subject: str, detail: str) -> None:
+        """A runtime supervision observer: death / restart / failed (instance), timeout (stage)."""
+        self.supervision.labels(event, subject).inc()
+
     def queue_length(self, model: str, length: int) -> None:
         """An admission `on_queue` hook."""
         self.queued.labels(model).set(length)
