@@ -7,12 +7,14 @@ it can send it, and through raw HTTP where it cannot (no file, oversize, a clien
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import re
 import socket
 import time
 
+import aiohttp
 import httpx2 as httpx
 import numpy as np
 import openai
@@ -397,3 +399,51 @@ def test_served_speech_decodes_to_what_was_uploaded(spoken):
     samples, rate = decode(spoken["three.wav"], "wav")
     assert 5 < samples.size / rate < 30
     assert io.BytesIO(spoken["three.mp3"]).getbuffer().nbytes > 1000
+
+
+# ---- the upload's bounds, on the app with a stand-in pipeline (no server process, no Whisper)
+
+
+async def test_a_slow_upload_gets_408(app_client):
+    client = await app_client(body_timeout_s=0.3)
+
+    async def trickle():
+        yield b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\n'
+        await asyncio.sleep(5)  # the rest never comes in time
+        yield b"\r\n--b--\r\n"
+
+    response = await client.post(
+        "/v1/audio/transcriptions",
+        data=trickle(),
+        headers={"Content-Type": "multipart/form-data; boundary=b"},
+    )
+    assert response.status == 408
+    assert (await response.json())["error"]["code"] == "request_timeout"
+
+
+@pytest.mark.parametrize(
+    ("content_type", "body", "code"),
+    [
+        ("multipart/form-data; boundary=b", b"no boundary anywhere", "invalid_request"),
+        ("multipart/form-data", b"--b\r\n\r\n", "invalid_request"),  # no boundary parameter
+        ("text/plain", b"hello", "invalid_request"),
+    ],
+    ids=["no-parts", "no-boundary", "not-multipart"],
+)
+async def test_malformed_forms_are_400s(app_client, content_type, body, code):
+    client = await app_client()
+    response = await client.post(
+        "/v1/audio/transcriptions", data=body, headers={"Content-Type": content_type}
+    )
+    assert response.status == 400
+    assert (await response.json())["error"]["code"] in (code, "missing_required_parameter")
+
+
+async def test_a_model_that_does_not_transcribe_is_refused_after_the_form(app_client):
+    client = await app_client()
+    form = aiohttp.FormData()
+    form.add_field("model", "quiet")  # the stand-in speech model
+    form.add_field("file", b"RIFF", filename="a.wav")
+    response = await client.post("/v1/audio/transcriptions", data=form)
+    assert response.status == 400
+    assert (await response.json())["error"]["code"] == "unsupported_task"
