@@ -6,6 +6,7 @@
     omni-bench chat       the AR engine against transformers (omni_bench.chat)
     omni-bench transcribe the transcription endpoint against faster-whisper (omni_bench.transcribe)
     omni-bench realtime   voice-to-voice latency by hop, barge-in (omni_bench.realtime)
+    omni-bench soak       requests under SIGKILL / SIGSTOP chaos: recovery, leaks (omni_bench.soak)
     omni-bench chat       the AR engine against transformers' generate (omni_bench.chat)
 
 Each subcommand module exposes `main(argv) -> int`; modules load only when their subcommand
@@ -24,6 +25,7 @@ SUBCOMMANDS = {
     "chat": ("omni_bench.chat", "AR engine vs transformers generate: TTFT, decode tok/s"),
     "transcribe": ("omni_bench.transcribe", "transcription RTF and throughput vs faster-whisper"),
     "realtime": ("omni_bench.realtime", "voice-to-voice latency over /v1/realtime, by hop"),
+    "soak": ("omni_bench.soak", "requests under injected process faults: recovery and leaks"),
 }
 
 

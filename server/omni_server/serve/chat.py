@@ -47,6 +47,7 @@ from omni_server.serve.errors import STREAM_STARTED, ApiError
 from omni_server.serve.metrics import RequestTrack
 from omni_server.serve.speech import CLIENT_GONE, pipeline_error, require_ready
 from omni_server.serve.state import STATE
+from omni_server.serve.transcription_request import asr_inputs
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +120,8 @@ async def hear_audio_parts(state: Any, chat: ChatRequest) -> ChatRequest:
         )
 
     async def hear(part: AudioPart) -> tuple[str, str]:
-        options = {"prompt": None, "temperature": 0.0, "timestamps": False}
         try:
-            handle = state.runtime.submit(asr, {"file": part.data, "options": options})
+            handle = state.runtime.submit(asr, asr_inputs(part.data))
             async with handle:
                 result = await handle.result()
         except PipelineError as exc:

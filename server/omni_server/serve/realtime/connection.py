@@ -48,6 +48,7 @@ from omni_server.serve.realtime.protocol import (
     ProtocolError,
 )
 from omni_server.serve.state import STATE, ServerState
+from omni_server.serve.transcription_request import asr_inputs
 
 log = logging.getLogger(__name__)
 
@@ -289,11 +290,7 @@ class Session:
     async def _transcribe(self, item: Item, clip: np.ndarray) -> None:
         if self._asr is None:
             return
-        inputs = {
-            "file": _wav(clip, VAD_RATE),
-            "options": {"prompt": None, "temperature": 0.0, "timestamps": False},
-        }
-        handle = self.state.runtime.submit(self._asr, inputs)
+        handle = self.state.runtime.submit(self._asr, asr_inputs(_wav(clip, VAD_RATE)))
         async with handle:
             try:
                 result = await handle.result()
