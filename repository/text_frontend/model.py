@@ -217,6 +217,7 @@ class SpeechOptions:
 # A candidate sentence (or clause) end: punctuation, closing quotes, then space, and the next
 # non-space character (the lookahead: espeak-ng reads it to decide whether a sentence ended).
 _BOUNDARY = re.compile(r"""[.!?;:,]["')\]]*\s+(?=\S)""")
+MAX_CUT_TRIES = 8
 
 
 class SentenceStream:
@@ -245,7 +246,10 @@ class SentenceStream:
         whole = self._sentences(self._pending)
         if len(whole) < 2:
             return []
-        for boundary in reversed(boundaries):  # cut as late as possible: all but the last
+        # Cut as late as possible (all but the last sentence): the right cut is one of the last
+        # few boundaries (the last sentence's own commas come after it); trying only those
+        # bounds the work per piece, and a text no cut fits waits for the end of the stream.
+        for boundary in reversed(boundaries[-MAX_CUT_TRIES:]):
             cut = boundary.end()
             head = self._sentences(self._pending[:cut])
             if not 0 < len(head) < len(whole) or head != whole[: len(head)]:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from omni_bench.inprocess import InProcessVoice
+from omni_bench.speech import DEFAULT_DATASET, load_dataset
 from omni_server.backend import Request
 from omni_server.repository.compiler import compile_repository
 from tests.fixtures import FIXTURES
@@ -76,6 +77,17 @@ def test_any_split_gives_the_whole_texts_sentences(voice, text):
     }
     for cuts in splits.values():
         same_sentences(streamed(voice, pieces(text, cuts)), expected)
+
+
+def test_the_benchmark_dataset_streams_into_its_own_sentences(voice):
+    """Every text of omni-bench's dataset (numbers, times, abbreviations, acronyms, paragraphs),
+    streamed in random pieces of 1-6 characters as tokens come, gives its whole-text chunks."""
+    rng = random.Random(17)
+    for text in load_dataset(DEFAULT_DATASET):
+        cuts, at = [], 0
+        while (at := at + rng.randint(1, 6)) < len(text):
+            cuts.append(at)
+        same_sentences(streamed(voice, pieces(text, cuts)), whole(voice, text))
 
 
 def test_streamed_sentences_give_the_same_audio(voice):
