@@ -7,7 +7,9 @@ synthesized; its `next` payload (the acoustic stage's totals) is not needed.
 Per chunk: resample to the output rate with soxr (a stream resampler, so sentence joins have no
 seams), encode with PyAV, yield {"audio": bytes} when the encoder produced any. A streamed
 request gets bytes after every sentence (wav: the 0xFFFFFFFF header first; pcm: raw s16le);
-a non-streamed one gets the whole file in one chunk at the end (wav with true sizes).
+a non-streamed one gets the whole file in one chunk at the end (wav with true sizes). A stream
+with no chunk at all (a text-only request of an omni model: the frontend said nothing) ends with
+no bytes and a result of no audio (`format` None).
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ class AudioEncoderStage(StageBackend):
                 data = encoder.encode(resampler.push(chunk["audio"]))
                 if data:
                     yield {"audio": data}
-            if encoder is None:
-                raise RuntimeError("the stream ended before any audio chunk arrived")
+            if encoder is None:  # a request the voice does not speak (omni, text only)
+                return {"sample_rate": None, "audio_seconds": 0.0, "format": None, "sentences": 0}
             tail = encoder.encode(resampler.flush()) + encoder.finish()
             if tail:
                 yield {"audio": tail}

@@ -5,7 +5,8 @@ Two ways in (a stream stage; its chunks go to the acoustic stage along `stream_t
   (docs/voice.md): `text`, `voice`, `speed`, `seed`, `response_format`, `stream`, `sample_rate`;
 - streamed text (the omni model: a thinker stage streams its answer here): `request.inputs` is
   empty and `request.stream()` yields `{"text": delta}`; the first chunk also carries
-  `"speech": {voice, speed, seed, response_format, stream, sample_rate}`. Each sentence leaves
+  `"speech": {voice, speed, seed, response_format, stream, sample_rate}` (`"speech": None` or
+  absent: a text-only request, the voice stays silent). Each sentence leaves
   as soon as the text after it shows it is complete, so speech starts while the answer is
   still being written; the remainder leaves at the end of the stream.
 Either way the chunks are the same for the same text (tested: any split of the text gives the
@@ -320,10 +321,12 @@ class TextFrontend(StageBackend):
             if first is None:
                 raise ValueError("the text stream ended before its first chunk")
             speech = first.get("speech")
+            if speech is None:  # a text-only request of a model with a voice: nothing to say
+                return
             if not isinstance(speech, Mapping):
                 raise ValueError(
-                    'the first streamed text chunk must carry "speech": {voice, speed, seed, '
-                    f"response_format, stream, sample_rate}}; found {speech!r}"
+                    'the first streamed text chunk\'s "speech" must be {voice, speed, seed, '
+                    f"response_format, stream, sample_rate}} or None; found {speech!r}"
                 )
             try:
                 options = self.options(speech)

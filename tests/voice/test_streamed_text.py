@@ -128,11 +128,28 @@ def test_streamed_text_with_nothing_speakable_gives_one_empty_chunk(voice):
     assert len(audio["audio"]) == 0
 
 
+def test_a_text_only_request_is_not_spoken(voice):
+    """No "speech" (the omni model asked for text only): the voice says nothing, the encoder
+    ends with no bytes and a result of no audio."""
+    for first in ({"text": "Hello there. "}, {"text": "Hello there. ", "speech": None}):
+        assert streamed(voice, [first, {"text": "How are you?"}]) == []
+    sentences = voice.acoustic.generate(Request("a", {}, _stream=iter([])))
+    encoder = voice.encoder.generate(Request("e", {}, _stream=sentences))
+    with pytest.raises(StopIteration) as end:
+        next(encoder)
+    assert end.value.value == {
+        "sample_rate": None,
+        "audio_seconds": 0.0,
+        "format": None,
+        "sentences": 0,
+    }
+
+
 @pytest.mark.parametrize(
     ("chunks", "message"),
     [
         ([], "the text stream ended before its first chunk"),
-        ([{"text": "Hi."}], 'the first streamed text chunk must carry "speech"'),
+        ([{"text": "Hi.", "speech": "joe"}], r'"speech" must be \{voice, .*\} or None'),
         ([{"text": "Hi.", "speech": {**SPEECH, "speed": 9.0}}], "speed must lie in 0.25..4.0"),
         ([{"text": "Hi.", "speech": {**SPEECH, "voice": "alloy"}}], "unknown voice 'alloy'"),
         ([{"text": 5, "speech": SPEECH}], "text must be a string"),
@@ -194,3 +211,7 @@ async def test_a_thinker_streaming_into_the_voice_gives_the_speech_models_audio(
             handle = runtime.submit(plan.models["speech"], {"text": text, **SPEECH})
             assert b"".join([c["audio"] async for c in handle]) == expected
             await handle.result()
+        # a text-only request of the omni model: the voice stays silent, the request completes
+        handle = runtime.submit(plan.models["omni"], {"text": text, "cuts": cuts, "speech": None})
+        assert [c async for c in handle] == []
+        assert (await handle.result())["sentences"] == 0
