@@ -108,6 +108,20 @@ class Runtime:
             return "unavailable", f"no live replica of {', '.join(dead)} ({'; '.join(down)})"
         return "degraded", "; ".join(down)
 
+    def unavailable_for(self, model: ModelSpec) -> str | None:
+        """Why requests of `model` cannot be served now, or None: a process down that the model
+        does not use (the thinker, for a speech model) does not stop it."""
+        if self._state != "running":
+            return f"the pipeline is {self._state}"
+        if self._unhealthy is not None:
+            return self._unhealthy
+        binder = self.coordinator.binder
+        processes = self.coordinator.topology.model_processes[model.id]
+        dead = [p for p in processes if not any(binder.up(p))]
+        if dead:
+            return f"no live replica of {', '.join(dead)} (restarting or failed; see /health)"
+        return None
+
     def instance_states(self) -> dict[str, InstanceState]:
         """Instance name -> up / restarting / failed."""
         return {i.name: s for i, s in zip(self.plan.instances, self._states, strict=True)}

@@ -84,7 +84,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             model = chat_model(body, state.plan)
             track.model = model.id
             chat = parse_chat_request(body, model)
-            require_ready(state.runtime)
+            require_ready(state.runtime, model)
             if chat.audio_parts:  # heard first: the thinker reads their transcripts
                 chat = await hear_audio_parts(state, chat)
             async with state.admission.place(model.id):

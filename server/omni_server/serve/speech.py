@@ -24,6 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
+from omni_server.repository.plan import ModelSpec
 from omni_server.runtime import PipelineError, RequestHandle
 from omni_server.serve.body import ClientGone, read_json
 from omni_server.serve.errors import STREAM_STARTED, ApiError
@@ -55,7 +56,7 @@ async def create_speech(request: web.Request) -> web.StreamResponse:
             model = speech_model(body, state.plan)
             track.model = model.id
             speech = parse_speech_request(body, model, state.options)
-            require_ready(state.runtime)
+            require_ready(state.runtime, model)
             async with state.admission.place(speech.model.id):
                 with state.metrics.in_pipeline(speech.model.id):
                     try:
@@ -83,11 +84,17 @@ def _cancelled(request: web.Request, track: RequestTrack, request_id: str) -> No
         log.info("speech request %s aborted: client disconnected", request_id)
 
 
-def require_ready(runtime) -> None:
-    """503 unless the runtime takes requests (`ready`: started; `healthy`: no stage died)."""
+def require_ready(runtime, model: ModelSpec | None = None) -> None:
+    """503 unless the runtime takes requests of `model`: started, and every process the model's
+    stages use has a live replica (a process of another model being down does not matter)."""
     if not runtime.ready:
         raise ApiError(503, "the pipeline is not ready; see /health/ready", code="not_ready")
-    if not runtime.healthy:
+    unavailable = getattr(runtime, "unavailable_for", None)  # stand-in runtimes lack it
+    if model is not None and unavailable is not None:
+        reason = unavailable(model)
+        if reason is not None:
+            raise ApiError(503, f"{model.id} is unavailable: {reason}", code="unavailable")
+    elif not runtime.healthy:
         raise ApiError(503, "the pipeline is unhealthy; see /health", code="unavailable")
 
 

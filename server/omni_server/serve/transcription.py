@@ -56,7 +56,7 @@ async def create_transcription(request: web.Request) -> web.StreamResponse:
         track.model = model.id
         asr = parse_transcription(form, model)
         del form  # the file's bytes live on in `asr` only
-        require_ready(state.runtime)
+        require_ready(state.runtime, model)
         async with state.admission.place(model.id):
             with state.metrics.in_pipeline(model.id):
                 try:
