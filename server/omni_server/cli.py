@@ -18,10 +18,10 @@ import os
 import sys
 from collections.abc import Sequence
 
-from omni_server.repository.compiler import compile_repository
-from omni_server.repository.errors import RepositoryError
-from omni_server.repository.plan import Plan
-from omni_server.repository.render import config_json, config_toml, topology_text
+from omni_server.compiler.compiler import compile_repository
+from omni_server.compiler.errors import RepositoryError
+from omni_server.compiler.plan import Plan
+from omni_server.compiler.render import config_json, config_toml, topology_text
 from omni_server.serve.options import ServeOptions
 
 EXIT_INVALID = 2

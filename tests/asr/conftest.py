@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from omni_bench import asr_audio
-from omni_server.repository.compiler import compile_repository
-from omni_server.repository.plan import Plan
+from omni_server.compiler.compiler import compile_repository
+from omni_server.compiler.plan import Plan
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "repository"
 TEXTS = [

@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from omni_server.repository.plan import Plan
+from omni_server.compiler.plan import Plan
 from omni_server.runtime import Runtime
 from tests.helpers.proc import alive, run_segments
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omni_server.repository.compiler import compile_repository
-from omni_server.repository.plan import Plan
+from omni_server.compiler.compiler import compile_repository
+from omni_server.compiler.plan import Plan
 from tests.fixtures import FIXTURES
 from tests.helpers.repo import make_repo
 

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from omni_server.repository.compiler import compile_repository
+from omni_server.compiler.compiler import compile_repository
 from omni_server.runtime import PipelineError
 from tests.fixtures import FIXTURES
 from tests.helpers.repo import make_repo

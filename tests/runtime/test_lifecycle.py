@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(120)
 SERVER = textwrap.dedent(
     """
     import asyncio, json, sys
-    from omni_server.repository.compiler import compile_repository
+    from omni_server.compiler.compiler import compile_repository
     from omni_server.runtime import Runtime
 
     async def main():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_server.repository.compiler import compile_repository
+from omni_server.compiler.compiler import compile_repository
 from omni_server.runtime import PipelineError, Runtime
 from omni_server.runtime.supervisor import CrashHistory, InstanceState, SupervisionPolicy
 from tests.helpers.proc import alive, mapped_segments, run_segments

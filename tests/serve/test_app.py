@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_server.repository.compiler import compile_repository
+from omni_server.compiler.compiler import compile_repository
 from omni_server.runtime import Runtime
 from omni_server.serve import create_app
 from tests.fixtures import FIXTURES

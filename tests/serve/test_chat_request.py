@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from omni_server.repository.plan import ModelSpec
+from omni_server.compiler.plan import ModelSpec
 from omni_server.serve.chat_request import MAX_MESSAGES, parse_chat_request
 from omni_server.serve.errors import ApiError
 

@@ -7,7 +7,7 @@ import urllib.request
 import pytest
 from openai import OpenAI
 
-from omni_server.repository.compiler import compile_repository
+from omni_server.compiler.compiler import compile_repository
 from tests.helpers.metrics import samples, value
 from tests.helpers.server import EMBEDDED_REPO
 from tests.serve.speech_texts import ONE_SENTENCE

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from openai import OpenAI
 
-from omni_server.repository.compiler import compile_repository
+from omni_server.compiler.compiler import compile_repository
 from tests.helpers.server import EMBEDDED_REPO, ServerProcess
 from tests.serve.speech_texts import ONE_SENTENCE, THREE_SENTENCES
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from omni_bench.inprocess import InProcessVoice
-from omni_server.repository.compiler import compile_repository
-from omni_server.repository.plan import Plan
+from omni_server.compiler.compiler import compile_repository
+from omni_server.compiler.plan import Plan
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "repository"
 

@@ -13,7 +13,7 @@ import pytest
 from omni_bench.inprocess import InProcessVoice
 from omni_bench.speech import DEFAULT_DATASET, load_dataset
 from omni_server.backend import Request
-from omni_server.repository.compiler import compile_repository
+from omni_server.compiler.compiler import compile_repository
 from tests.fixtures import FIXTURES
 from tests.helpers.repo import make_repo
 from tests.helpers.runtime import running

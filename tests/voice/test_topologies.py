@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni_server.repository.compiler import compile_repository
+from omni_server.compiler.compiler import compile_repository
 from omni_server.runtime.runtime import Runtime
 
 pytestmark = pytest.mark.slow  # the real voice through runtime processes

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from omni_server.backend import Payload, Request, StageContext
-from omni_server.repository.compiler import compile_repository
-from omni_server.repository.plan import ModelSpec, Plan
+from omni_server.compiler.compiler import compile_repository
+from omni_server.compiler.plan import ModelSpec, Plan
 from omni_server.runtime.backends import load_backend
 from omni_server.serve.speech_request import SpeechRequest
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from omni_server.repository.compiler import compile_repository
-from omni_server.repository.plan import Plan
+from omni_server.compiler.compiler import compile_repository
+from omni_server.compiler.plan import Plan
 from omni_server.runtime import Runtime
 
 LAYOUTS = {

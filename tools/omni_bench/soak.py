@@ -28,7 +28,7 @@ from pathlib import Path
 import aiohttp
 
 from omni_bench.child_server import ChildServer
-from omni_server.repository.compiler import compile_repository
+from omni_server.compiler.compiler import compile_repository
 
 TEXT = "The quick brown fox jumps over the lazy dog."
 RECOVERY_TIMEOUT_S = 60.0

@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from omni_server.repository.compiler import compile_repository
+from omni_server.compiler.compiler import compile_repository
 from omni_server.runtime.runtime import Runtime
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "repository"

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from omni_server.backend import StageConfigError
-from omni_server.repository.plan import SchedulerKind, StageSpec
+from omni_server.compiler.plan import SchedulerKind, StageSpec
 
 _loads = itertools.count()
 

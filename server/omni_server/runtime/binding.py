@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 
-from omni_server.repository.plan import BindingPolicy, Plan
+from omni_server.compiler.plan import BindingPolicy, Plan
 
 from .errors import PipelineError
 

@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from omni_server.compiler.plan import ModelSpec, Plan, SchedulerKind
 from omni_server.envelope import Envelope, Payload, Timings
-from omni_server.repository.plan import ModelSpec, Plan, SchedulerKind
 
 from .binding import ReplicaBinder
 from .errors import PipelineError

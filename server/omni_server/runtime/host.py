@@ -17,8 +17,8 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from omni_server.backend import StageConfigError, StageContext
+from omni_server.compiler.plan import Plan, StageSpec
 from omni_server.envelope import Envelope
-from omni_server.repository.plan import Plan, StageSpec
 from omni_server.scheduling import StageCalls
 
 from .backends import load_backend

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omni_server.repository.plan import Plan
+from omni_server.compiler.plan import Plan
 from omni_transport import unlink_leftovers
 
 from .channels import COORDINATOR, Endpoint, ring_name

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+from omni_server.compiler.plan import ModelSpec, Plan
 from omni_server.envelope import Payload
-from omni_server.repository.plan import ModelSpec, Plan
 
 from .coordinator import Coordinator, RequestHandle, StageObserver
 from .errors import PipelineError

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from omni_server.backend import InvalidRequest, Request, StageConfigError
+from omni_server.compiler.plan import SchedulerKind, StageSpec
 from omni_server.envelope import Envelope, Payload, Timings
-from omni_server.repository.plan import SchedulerKind, StageSpec
 from omni_server.scheduling import BackendContractError, StageCalls, WorkItem, make_scheduler
 
 from .deadlines import ComputeExecutor, StageDeadlines

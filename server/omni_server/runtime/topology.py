@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
-from omni_server.repository.plan import EdgeKind, ModelSpec, Plan, ProcessInstance
+from omni_server.compiler.plan import EdgeKind, ModelSpec, Plan, ProcessInstance
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from omni_server.backend import Request
-from omni_server.repository.plan import StageSpec
+from omni_server.compiler.plan import StageSpec
 from omni_server.scheduling import StageCalls
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from omni_server.repository.plan import Plan
+from omni_server.compiler.plan import Plan
 
 from . import codec
 from .channels import COORDINATOR, Endpoint

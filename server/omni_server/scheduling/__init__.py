@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 
-from omni_server.repository.plan import SchedulerKind, SchedulerSpec
+from omni_server.compiler.plan import SchedulerKind, SchedulerSpec
 
 from .ar import ARScheduler
 from .base import Scheduler, StageCallbacks, WorkItem

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from omni_server.backend import Request
+from omni_server.compiler.plan import StageSpec
 from omni_server.envelope import Payload
-from omni_server.repository.plan import StageSpec
 
 # execute() outcome per request: (payload, next targets) or the exception that failed it
 Outcome = tuple[Payload | None, tuple[str, ...]] | BaseException

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from omni_server.repository.plan import Plan
+from omni_server.compiler.plan import Plan
 from omni_server.serve import (
     chat,
     chat_request,

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from omni_server.repository.plan import ModelSpec, Plan
+from omni_server.compiler.plan import ModelSpec, Plan
 from omni_server.serve.errors import ApiError, invalid_field
 from omni_server.serve.models import resolve_model
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
-from omni_server.repository.plan import ModelSpec, Plan
+from omni_server.compiler.plan import ModelSpec, Plan
 from omni_server.serve.errors import ApiError, invalid_field
 from omni_server.serve.state import STATE, ServerState
 

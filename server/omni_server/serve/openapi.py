@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from omni_server.audio import FORMATS
-from omni_server.repository.plan import Plan
+from omni_server.compiler.plan import Plan
 from omni_server.serve.access import OPEN_PATHS
 from omni_server.serve.speech_request import MAX_SEED, MAX_SPEED, MIN_SPEED, STREAM_FORMATS
 from omni_server.serve.state import STATE, ServerState

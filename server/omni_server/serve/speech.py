@@ -24,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from omni_server.repository.plan import ModelSpec
+from omni_server.compiler.plan import ModelSpec
 from omni_server.runtime import PipelineError, RequestHandle
 from omni_server.serve.body import ClientGone, read_json
 from omni_server.serve.errors import STREAM_STARTED, ApiError

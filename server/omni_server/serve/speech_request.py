@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_server.audio import CONTENT_TYPES, DEFAULT_SAMPLE_RATES, FORMATS, check_sample_rate
-from omni_server.repository.plan import ModelSpec, Plan
+from omni_server.compiler.plan import ModelSpec, Plan
 from omni_server.serve.errors import ApiError, invalid_field
 from omni_server.serve.models import resolve_model
 from omni_server.serve.options import ESTIMATE_CHARS_PER_SECOND, ServeOptions

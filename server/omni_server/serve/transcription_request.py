@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import BodyPartReader, web
 
-from omni_server.repository.plan import ModelSpec, Plan
+from omni_server.compiler.plan import ModelSpec, Plan
 from omni_server.serve.errors import ApiError, invalid_field
 from omni_server.serve.models import resolve_model
 

@@ -33,7 +33,7 @@ from omni_server.audio.vad import (
     Utterance,
     UtteranceTracker,
 )
-from omni_server.repository.plan import ModelSpec, Plan
+from omni_server.compiler.plan import ModelSpec, Plan
 from omni_server.runtime import PipelineError
 from omni_server.serve.errors import ApiError
 from omni_server.serve.realtime import audio

@@ -16,8 +16,8 @@ from typing import Any
 
 import tomli_w
 
-from omni_server.repository.placement import gpu_budgets
-from omni_server.repository.plan import Plan, ProcessInstance, StageSpec
+from omni_server.compiler.placement import gpu_budgets
+from omni_server.compiler.plan import Plan, ProcessInstance, StageSpec
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 

@@ -10,9 +10,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from omni_server.repository.errors import RepositoryError
-from omni_server.repository.files import NAME, RawStage
-from omni_server.repository.plan import (
+from omni_server.compiler.errors import RepositoryError
+from omni_server.compiler.files import NAME, RawStage
+from omni_server.compiler.plan import (
     BackendRef,
     EngineSpec,
     FrozenMap,
@@ -20,7 +20,7 @@ from omni_server.repository.plan import (
     SchedulerSpec,
     StageSpec,
 )
-from omni_server.repository.schema import (
+from omni_server.compiler.schema import (
     ENGINE_FIELDS,
     SCHEDULER_FIELDS,
     STAGE_FIELDS,

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from omni_server.repository.compiler import compile_repository
-from omni_server.repository.errors import RepositoryError
-from omni_server.repository.overrides import Override, parse_tokens
-from omni_server.repository.plan import SchedulerKind
+from omni_server.compiler.compiler import compile_repository
+from omni_server.compiler.errors import RepositoryError
+from omni_server.compiler.overrides import Override, parse_tokens
+from omni_server.compiler.plan import SchedulerKind
 from tests.helpers.repo import make_repo
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from omni_server.cli import main
-from omni_server.repository.compiler import compile_repository
-from omni_server.repository.render import config_dict
+from omni_server.compiler.compiler import compile_repository
+from omni_server.compiler.render import config_dict
 from tests.helpers.repo import make_repo
 
 

@@ -17,8 +17,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from omni_server.repository.errors import RepositoryError
-from omni_server.repository.plan import BindingPolicy, MpsMode, SchedulerKind
+from omni_server.compiler.errors import RepositoryError
+from omni_server.compiler.plan import BindingPolicy, MpsMode, SchedulerKind
 
 
 class Kind(StrEnum):

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from omni_server.repository.compiler import compile_repository
-from omni_server.repository.errors import RepositoryError
+from omni_server.compiler.compiler import compile_repository
+from omni_server.compiler.errors import RepositoryError
 from tests.helpers.repo import make_repo
 
 FRONTEND = 'backend = "Frontend"\nnext = "synth"\n'

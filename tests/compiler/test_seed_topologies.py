@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from omni_server.repository.compiler import compile_repository
-from omni_server.repository.errors import RepositoryError
-from omni_server.repository.plan import EdgeKind
-from omni_server.repository.render import topology_text
+from omni_server.compiler.compiler import compile_repository
+from omni_server.compiler.errors import RepositoryError
+from omni_server.compiler.plan import EdgeKind
+from omni_server.compiler.render import topology_text
 from tests.helpers.repo import make_repo
 
 TTS_MODEL = '[models.tts]\nentry = "preprocessing"\ntasks = ["speech"]\n'

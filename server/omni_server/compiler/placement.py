@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from omni_server.repository.errors import RepositoryError
-from omni_server.repository.plan import (
+from omni_server.compiler.errors import RepositoryError
+from omni_server.compiler.plan import (
     BindingPolicy,
     Edge,
     FrozenMap,
@@ -31,7 +31,7 @@ from omni_server.repository.plan import (
     ServerOptions,
     StageSpec,
 )
-from omni_server.repository.schema import PROCESS_FIELDS, check_fields, field_value
+from omni_server.compiler.schema import PROCESS_FIELDS, check_fields, field_value
 
 # Sums of declared fractions are compared with this much slack (0.1 + 0.2 must fit 0.3).
 EPSILON = 1e-9

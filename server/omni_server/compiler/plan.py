@@ -1,6 +1,6 @@
 """The compiled pipeline: typed, immutable, shared by the compiler, the runtime and the server.
 
-The compiler (`omni_server.repository.compiler`) is the only producer of these objects; every
+The compiler (`omni_server.compiler.compiler`) is the only producer of these objects; every
 other room only reads them. All collections are tuples or read-only mappings (`FrozenMap`) so a
 plan can be handed to child processes (pickled) and shared between threads without copies or
 locks.

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omni_server.repository.errors import RepositoryError
+from omni_server.compiler.errors import RepositoryError
 
 REPOSITORY_FILE = "repository.toml"
 STAGE_FILE = "stage.toml"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from omni_server.cli import main
-from omni_server.repository.schema import (
+from omni_server.compiler.schema import (
     ENGINE_FIELDS,
     MODEL_FIELDS,
     PROCESS_FIELDS,
@@ -64,7 +64,7 @@ def test_transcripts_match(example: Path, capsys: pytest.CaptureFixture) -> None
 
 
 def test_python_snippet(example: Path) -> None:
-    from omni_server.repository.compiler import compile_repository
+    from omni_server.compiler.compiler import compile_repository
 
     plan = compile_repository("example", ["--processes.encoder.num_replicas", "3"])
     assert plan.processes["encoder"].num_replicas == 3

@@ -18,9 +18,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from omni_server.repository.errors import RepositoryError
-from omni_server.repository.files import RawRepository
-from omni_server.repository.schema import (
+from omni_server.compiler.errors import RepositoryError
+from omni_server.compiler.files import RawRepository
+from omni_server.compiler.schema import (
     ENGINE_FIELDS,
     MODEL_FIELDS,
     PROCESS_FIELDS,

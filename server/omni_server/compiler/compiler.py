@@ -13,12 +13,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from omni_server.repository import graph, placement
-from omni_server.repository.descriptor import check_unique, parse_stage
-from omni_server.repository.errors import RepositoryError
-from omni_server.repository.files import RawRepository, load_repository
-from omni_server.repository.overrides import apply_overrides
-from omni_server.repository.plan import (
+from omni_server.compiler import graph, placement
+from omni_server.compiler.descriptor import check_unique, parse_stage
+from omni_server.compiler.errors import RepositoryError
+from omni_server.compiler.files import RawRepository, load_repository
+from omni_server.compiler.overrides import apply_overrides
+from omni_server.compiler.plan import (
     FrozenMap,
     ModelSpec,
     MpsMode,
@@ -26,7 +26,7 @@ from omni_server.repository.plan import (
     ServerOptions,
     StageSpec,
 )
-from omni_server.repository.schema import (
+from omni_server.compiler.schema import (
     MODEL_FIELDS,
     REPOSITORY_TABLES,
     SERVER_FIELDS,

@@ -12,8 +12,8 @@ import heapq
 from collections.abc import Mapping
 from pathlib import Path
 
-from omni_server.repository.errors import RepositoryError
-from omni_server.repository.plan import Edge, EdgeKind, ModelSpec, SchedulerKind, StageSpec
+from omni_server.compiler.errors import RepositoryError
+from omni_server.compiler.plan import Edge, EdgeKind, ModelSpec, SchedulerKind, StageSpec
 
 
 def check_wiring(
