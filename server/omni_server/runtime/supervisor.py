@@ -24,7 +24,7 @@ class SupervisionPolicy:
     crash_loop_deaths: int = 5  # this many deaths within the window: the instance failed
     crash_loop_window_s: float = 60.0
     heartbeat_interval_s: float = 1.0  # how often a stage process beats
-    heartbeat_timeout_s: float = 10.0  # silent this long: frozen, killed (0: never)
+    heartbeat_timeout_s: float = 6.0  # silent this long: frozen, killed (0: never)
 
     def backoff(self, recent_deaths: int) -> float:
         """Delay before the restart that follows the `recent_deaths`-th death in the window."""
