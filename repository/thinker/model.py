@@ -39,7 +39,7 @@ ROLES = ("system", "user", "assistant")
 
 class Thinker(StageBackend):
     def initialize(self, context: StageContext) -> None:
-        threads = context.parameters.get("intra_op_threads", 2)
+        threads = context.parameters.get("intra_op_threads", 1)
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
             raise StageConfigError(
                 f"parameters.intra_op_threads must be an integer >= 1; found {threads!r}"
