@@ -8,6 +8,7 @@ truth for voice-activity boundaries.
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -20,7 +21,9 @@ import numpy as np
 from omni_server.audio.resample import resample
 
 RATE = 16_000
-REPOSITORY = Path(__file__).resolve().parents[2] / "repository"
+# the embedded repository, from the working directory (a source checkout) unless the
+# environment names another: an installed omni_bench has no repository beside it
+REPOSITORY = Path(os.environ.get("OMNI_REPOSITORY", "repository"))
 SENTENCES = Path(__file__).parent / "data" / "sentences.txt"
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import time
 from pathlib import Path
@@ -20,7 +21,9 @@ from pathlib import Path
 from omni_server.compiler.compiler import compile_repository
 from omni_server.runtime.runtime import Runtime
 
-REPOSITORY = Path(__file__).resolve().parents[2] / "repository"
+# the embedded repository, from the working directory (a source checkout) unless the
+# environment names another: an installed omni_bench has no repository beside it
+REPOSITORY = Path(os.environ.get("OMNI_REPOSITORY", "repository"))
 PARAGRAPH = (
     "The sun rose slowly over the quiet hills. Birds began to sing in the tall trees. "
     "A new day had started in the little town by the river."

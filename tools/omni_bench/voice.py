@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import threading
 import time
@@ -22,7 +23,9 @@ from omni_bench.inprocess import InProcessVoice
 from omni_server.audio.encode import FORMATS, AudioEncoder, default_sample_rate
 from omni_server.audio.resample import StreamResampler
 
-REPOSITORY = Path(__file__).resolve().parents[2] / "repository"
+# the embedded repository, from the working directory (a source checkout) unless the
+# environment names another: an installed omni_bench has no repository beside it
+REPOSITORY = Path(os.environ.get("OMNI_REPOSITORY", "repository"))
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
     "Please call Stella and ask her to bring these things with her from the store.",
