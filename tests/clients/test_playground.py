@@ -141,3 +141,61 @@ def test_server_errors_are_shown(browser, server_url: str) -> None:
     assert "HTTP 400" in status.text and "no-such-voice" in status.text
     assert "error" in status.get_attribute("class")
     assert last_run(browser)["samplesScheduled"] == 0
+
+
+@pytest.fixture
+def talking_browser(chromium_paths, server_url: str, tmp_path: Path) -> Iterator[webdriver.Chrome]:
+    """Chromium whose fake microphone plays a question spoken by the embedded voice, then a long
+    silence (the fake device loops its file: the silence lets the answer finish uninterrupted)."""
+    import wave
+
+    with OmniClient(server_url) as client:
+        pcm = client.speech("What is the capital of France?", format="pcm")
+    rate = 24_000
+    silence = bytes(2 * rate)
+    question = tmp_path / "question.wav"
+    with wave.open(str(question), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(silence + bytes(pcm) + silence * 20)
+    chromium, driver_path = chromium_paths
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--autoplay-policy=no-user-gesture-required",
+        "--use-fake-ui-for-media-stream",
+        "--use-fake-device-for-media-stream",
+        f"--use-file-for-fake-audio-capture={question}",
+    ):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(driver_path))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def test_talk_hears_the_microphone_and_answers_aloud(talking_browser, server_url: str) -> None:
+    browser = talking_browser
+    open_playground(browser, server_url)
+    browser.find_element(By.ID, "talk").click()
+
+    def answered(b) -> dict | None:
+        run = b.execute_script("return window.playground.lastTalk")
+        return run if run and (run["error"] or run["status"]) else None
+
+    run = WebDriverWait(browser, 240).until(answered)
+    browser.find_element(By.ID, "hangup").click()
+    ARTIFACTS.mkdir(exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / "playground-talk.png"))
+    assert run["error"] is None, run["error"]
+    assert run["status"] == "completed"
+    assert "capital" in run["heard"].lower() and "france" in run["heard"].lower(), run["heard"]
+    assert run["answer"].strip()
+    assert run["samplesScheduled"] > 12_000  # over half a second of answer at 24 kHz
+    assert run["firstAudioMs"] is not None and run["firstAudioMs"] > 0
+    assert browser.find_element(By.ID, "heard").text == run["heard"]

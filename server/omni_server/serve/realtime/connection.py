@@ -62,7 +62,10 @@ async def realtime(request: web.Request) -> web.WebSocketResponse:
     model = _realtime_model(state.plan, request.query.get("model"))
     if not state.runtime.ready:
         raise ApiError(503, "the pipeline is not ready", code="unavailable")
-    ws = web.WebSocketResponse(max_msg_size=MAX_EVENT_BYTES, heartbeat=30.0)
+    # "realtime": browsers offer it beside the key subprotocol, and need one echoed back
+    ws = web.WebSocketResponse(
+        max_msg_size=MAX_EVENT_BYTES, heartbeat=30.0, protocols=("realtime",)
+    )
     await ws.prepare(request)
     beta = request.headers.get("OpenAI-Beta", "").startswith("realtime")
     session = Session(state, model, ws, beta=beta)
