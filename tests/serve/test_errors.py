@@ -25,7 +25,7 @@ GOOD = {"model": "tts-1", "voice": "alloy", "input": ONE_SENTENCE}
         ({"input": "a" * 4097}, "input", "4096"),
         ({"response_format": "ogg"}, "response_format", "mp3, opus, aac, flac, wav, pcm"),
         ({"speed": 0.1}, "speed", "0.25"),
-        ({"speed": 4.5}, "speed", "4.0"),
+        ({"speed": 4.5}, "speed", "between 0.25 and 4; got 4.5"),
         ({"voice": "bob"}, "voice", "valid voices: joe, alloy"),
         ({"voice": {"name": "joe"}}, "voice", "object"),
         ({"stream_format": "chunks"}, "stream_format", "audio, sse"),

@@ -19,6 +19,7 @@ from typing import Any
 
 from omni_server.compiler.plan import ModelSpec, Plan
 from omni_server.serve.errors import ApiError, invalid_field
+from omni_server.serve.json_fields import boolean, integer, number, valid_unicode
 from omni_server.serve.models import resolve_model
 
 TASK = "chat"
@@ -158,23 +159,23 @@ def chat_model(body: Any, plan: Plan) -> ModelSpec:
 def parse_chat_request(body: dict[str, Any], model: ModelSpec) -> ChatRequest:
     """The rest of the request, for the model `chat_model` found."""
     _refuse_unsupported(body)
-    n = _integer(body, "n", 1, MAX_TOKENS)
+    n = integer(body, "n", 1, MAX_TOKENS)
     if n not in (None, 1):
         raise invalid_field(
             "n",
             f"'n' must be 1: this server makes one choice per request; got {n}",
             code="unsupported_value",
         )
-    stream = _boolean(body, "stream", default=False)
+    stream = boolean(body, "stream", default=False)
     return ChatRequest(
         model=model,
         messages=_messages(body.get("messages")),
         max_tokens=_max_tokens(body),
-        temperature=_number(body, "temperature", MIN_TEMPERATURE, MAX_TEMPERATURE, 1.0),
-        top_p=_number(body, "top_p", 0.0, 1.0, 1.0),
-        top_k=_integer(body, "top_k", 0, MAX_TOP_K) or 0,
-        min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
-        seed=_integer(body, "seed", 0, MAX_SEED),
+        temperature=number(body, "temperature", MIN_TEMPERATURE, MAX_TEMPERATURE, 1.0),
+        top_p=number(body, "top_p", 0.0, 1.0, 1.0),
+        top_k=integer(body, "top_k", 0, MAX_TOP_K) or 0,
+        min_p=number(body, "min_p", 0.0, 1.0, 0.0),
+        seed=integer(body, "seed", 0, MAX_SEED),
         stop=_stop(body.get("stop")),
         stream=stream,
         include_usage=_include_usage(body, stream),
@@ -270,7 +271,7 @@ def _content(where: str, role: str, content: Any) -> str | tuple[str | AudioPart
             param, f"'{param}' is required for a {role} message", code="missing_required_parameter"
         )
     if isinstance(content, str):
-        return _valid_unicode(param, content)
+        return valid_unicode(param, content)
     if not isinstance(content, list):
         raise invalid_field(
             param, f"'{param}' must be a string or an array of content parts", code="invalid_type"
@@ -300,7 +301,7 @@ def _content(where: str, role: str, content: Any) -> str | tuple[str | AudioPart
         text = part.get("text")
         if not isinstance(text, str):
             raise invalid_field(f"{at}.text", f"'{at}.text' must be a string", code="invalid_type")
-        parts.append(_valid_unicode(f"{at}.text", text))
+        parts.append(valid_unicode(f"{at}.text", text))
     if any(isinstance(p, AudioPart) for p in parts):
         return tuple(parts)
     # OpenAI joins a message's text parts without a separator
@@ -337,23 +338,10 @@ def _input_audio(at: str, raw: Any) -> AudioPart:
     return AudioPart(param=at, data=audio, format=str(fmt))
 
 
-def _valid_unicode(param: str, value: str) -> str:
-    """JSON may carry a lone UTF-16 surrogate (\\ud800); no tokenizer downstream can."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise invalid_field(
-            param,
-            f"'{param}' has an unpaired UTF-16 surrogate (U+{ord(value[exc.start]):04X}) at "
-            f"character {exc.start}; send valid Unicode text",
-        ) from None
-    return value
-
-
 def _max_tokens(body: dict[str, Any]) -> int | None:
     """`max_completion_tokens` (OpenAI's current name) or `max_tokens` (the deprecated one)."""
-    current = _integer(body, "max_completion_tokens", 1, MAX_TOKENS)
-    legacy = _integer(body, "max_tokens", 1, MAX_TOKENS)
+    current = integer(body, "max_completion_tokens", 1, MAX_TOKENS)
+    legacy = integer(body, "max_tokens", 1, MAX_TOKENS)
     if current is not None and legacy is not None and current != legacy:
         raise invalid_field(
             "max_tokens",
@@ -378,7 +366,7 @@ def _stop(raw: Any) -> tuple[str, ...]:
     for s in stops:
         if not s:
             raise invalid_field("stop", "'stop' sequences must not be empty strings")
-        _valid_unicode("stop", s)
+        valid_unicode("stop", s)
     return tuple(stops)
 
 
@@ -483,37 +471,3 @@ def _voice(raw: Any, model: ModelSpec) -> str:
     raise invalid_field(
         "audio.voice", f"unknown voice '{raw}' for model '{model.id}'; valid voices: {names}"
     )
-
-
-def _boolean(body: dict[str, Any], name: str, *, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise invalid_field(name, f"'{name}' must be true or false", code="invalid_type")
-    return value
-
-
-def _number(body: dict[str, Any], name: str, low: float, high: float, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    # bool is an int in Python, never a number in JSON
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise invalid_field(name, f"'{name}' must be a number", code="invalid_type")
-    if not low <= value <= high:
-        raise invalid_field(name, f"'{name}' must be between {low:g} and {high:g}; got {value}")
-    return float(value)
-
-
-def _integer(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid_field(name, f"'{name}' must be an integer", code="invalid_type")
-    if not low <= value <= high:
-        raise invalid_field(name, f"'{name}' must be between {low} and {high}; got {value}")
-    return value

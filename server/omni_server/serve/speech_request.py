@@ -14,6 +14,14 @@ from typing import Any
 from omni_server.audio import CONTENT_TYPES, DEFAULT_SAMPLE_RATES, FORMATS, check_sample_rate
 from omni_server.compiler.plan import ModelSpec, Plan
 from omni_server.serve.errors import ApiError, invalid_field
+from omni_server.serve.json_fields import (
+    choice,
+    integer,
+    number,
+    optional_str,
+    required_str,
+    valid_unicode,
+)
 from omni_server.serve.models import resolve_model
 from omni_server.serve.options import ESTIMATE_CHARS_PER_SECOND, ServeOptions
 
@@ -60,7 +68,7 @@ def speech_model(body: Any, plan: Plan) -> ModelSpec:
     """The served model a speech request names: checked first, so errors can be counted by it."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
-    return resolve_model(plan, _required_str(body, "model"), task="speech")
+    return resolve_model(plan, required_str(body, "model"), task="speech")
 
 
 def parse_speech_request(
@@ -68,14 +76,14 @@ def parse_speech_request(
 ) -> SpeechRequest:
     """The rest of the request, for the model `speech_model` found, within `options`' bounds."""
     options = options or ServeOptions()
-    response_format = _choice(body, "response_format", FORMATS, default="mp3")
+    response_format = choice(body, "response_format", FORMATS, default="mp3")
     stream_format = _stream_format(body)
     # accepted and type-checked for OpenAI compatibility; the speech contract with the pipeline
     # has no instructions field yet, so no voice can act on them
-    instructions = _optional_str(body, "instructions")
+    instructions = optional_str(body, "instructions")
     if instructions is not None:
-        _valid_unicode("instructions", instructions)
-    speed = _number(body, "speed", MIN_SPEED, MAX_SPEED, default=1.0)
+        valid_unicode("instructions", instructions)
+    speed = number(body, "speed", MIN_SPEED, MAX_SPEED, default=1.0)
     text = _input_text(body, options.max_input_chars)
     _check_audio_estimate(text, speed, options.max_audio_seconds)
     return SpeechRequest(
@@ -85,7 +93,7 @@ def parse_speech_request(
         response_format=response_format,
         speed=speed,
         stream_format=stream_format,
-        seed=_integer(body, "seed", 0, MAX_SEED),
+        seed=integer(body, "seed", 0, MAX_SEED),
         sample_rate=_sample_rate(body, response_format),
     )
 
@@ -94,7 +102,7 @@ def _input_text(body: dict[str, Any], max_chars: int) -> str:
     """`input` in NFKC form, which is what the pipeline gets and what the bounds count: one
     character can expand to many (U+FDFA is 18 after NFKC), so counting before would let a
     short input buy far more work than its length says."""
-    sent = _valid_unicode("input", _required_str(body, "input"))
+    sent = valid_unicode("input", required_str(body, "input"))
     if len(sent) > max_chars:  # bounds the normalization's own work too
         raise _too_long(len(sent), max_chars)
     text = unicodedata.normalize("NFKC", sent)
@@ -134,19 +142,6 @@ def _check_audio_estimate(text: str, speed: float, max_seconds: float) -> None:
         )
 
 
-def _valid_unicode(name: str, value: str) -> str:
-    """JSON may carry a lone UTF-16 surrogate (\\ud800); no text codec downstream can."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise invalid_field(
-            name,
-            f"'{name}' has an unpaired UTF-16 surrogate (U+{ord(value[exc.start]):04X}) at "
-            f"character {exc.start}; send valid Unicode text",
-        ) from None
-    return value
-
-
 def _stream_format(body: dict[str, Any]) -> str | None:
     """How the body travels: "audio" (OpenAI's default), "sse", or None for one whole response.
 
@@ -157,7 +152,7 @@ def _stream_format(body: dict[str, Any]) -> str | None:
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise invalid_field("stream", "'stream' must be true or false", code="invalid_type")
-    stream_format = _choice(body, "stream_format", STREAM_FORMATS, default=None)
+    stream_format = choice(body, "stream_format", STREAM_FORMATS, default=None)
     if stream is False:
         if stream_format is not None:
             raise invalid_field(
@@ -202,60 +197,10 @@ def _voice_names(model: ModelSpec) -> str:
 
 
 def _sample_rate(body: dict[str, Any], response_format: str) -> int | None:
-    rate = _integer(body, "sample_rate", 1, 2**31 - 1)
+    rate = integer(body, "sample_rate", 1, 2**31 - 1)
     if rate is not None:
         try:
             check_sample_rate(response_format, rate)
         except ValueError as exc:
             raise invalid_field("sample_rate", f"'sample_rate': {exc}") from None
     return rate
-
-
-def _required_str(body: dict[str, Any], name: str) -> str:
-    if name not in body or body[name] is None:
-        raise invalid_field(name, f"'{name}' is required", code="missing_required_parameter")
-    value = body[name]
-    if not isinstance(value, str):
-        raise invalid_field(name, f"'{name}' must be a string", code="invalid_type")
-    return value
-
-
-def _optional_str(body: dict[str, Any], name: str) -> str | None:
-    value = body.get(name)
-    if value is not None and not isinstance(value, str):
-        raise invalid_field(name, f"'{name}' must be a string", code="invalid_type")
-    return value
-
-
-def _choice(body: dict[str, Any], name: str, choices: tuple[str, ...], default: str | None):
-    value = body.get(name)
-    if value is None:
-        return default
-    if value not in choices:
-        raise invalid_field(name, f"'{name}' must be one of {', '.join(choices)}; got {value!r}")
-    return value
-
-
-def _number(body: dict[str, Any], name: str, low: float, high: float, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    # bool is an int in Python, never a speed in JSON
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise invalid_field(name, f"'{name}' must be a number", code="invalid_type")
-    if not low <= value <= high:
-        raise invalid_field(name, f"'{name}' must be between {low} and {high}; got {value}")
-    return float(value)
-
-
-def _integer(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid_field(name, f"'{name}' must be an integer", code="invalid_type")
-    if not low <= value <= high:
-        raise invalid_field(name, f"'{name}' must be between {low} and {high}; got {value}")
-    return value
