@@ -77,5 +77,6 @@ def test_a_server_out_of_descriptors_logs_little_and_recovers(tmp_path):
         text = server.log()
     failures = text.count("out of system resource")
     assert 1 <= failures <= 10, failures  # about one a second, not thousands
-    assert "more like this suppressed" in text
+    # (the "N more like this suppressed" count rides the next line let through, so whether it
+    # shows depends on how long the episode lasted: the filter's own test above checks it)
     assert len(text) < 100_000
