@@ -1,9 +1,10 @@
 """Suite-wide rules: the slow tier, and guards that nothing the tests start may outlive them.
 
-Tiers: `pytest -m "not slow"` is the fast tier for development; CI runs everything. Slow tests
-carry `@pytest.mark.slow` where they are written (ring stress, Whisper, the browser, the bench
-end to end, the voice through runtime processes, one interpreter per module), and every test
-that needs one of the expensive things in SLOW_FIXTURES is slow by the rule below.
+Tiers: `pytest -m "not slow"` is the fast tier for development; CI runs everything. Tests marked
+`gpu` (one CUDA GPU) and `gpu2` (two) skip where the GPUs are missing; docs/gpu.md runs them.
+Slow tests carry `@pytest.mark.slow` where they are written (ring stress, Whisper, the
+browser, the bench end to end, the voice through runtime processes, one interpreter per module),
+and every test that needs one of the expensive things in SLOW_FIXTURES is slow by the rule below.
 
 After the whole session: no child process of the test runner is left, and no shared-memory
 segment of ours (`/dev/shm/omni-*`) remains. A leak fails the run loudly instead of hiding in CI.
@@ -35,11 +36,27 @@ SLOW_FIXTURES = frozenset(
 )
 
 
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    gpus: int | None = None  # asked once, and only when a GPU test was collected
     for item in items:
         # fixturenames is the closure: a fixture built on one of these is slow too
         if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        # the GPU tiers: `gpu` needs one CUDA GPU, `gpu2` two; without them they skip, saying why
+        needed = (
+            2 if item.get_closest_marker("gpu2") else 1 if item.get_closest_marker("gpu") else 0
+        )
+        if needed:
+            gpus = _gpu_count() if gpus is None else gpus
+            if gpus < needed:
+                reason = "needs a CUDA GPU" if needed == 1 else "needs two CUDA GPUs"
+                item.add_marker(pytest.mark.skip(reason=f"{reason} ({gpus} found)"))
 
 
 @pytest.fixture(scope="session", autouse=True)
