@@ -7,7 +7,9 @@
     omni-bench transcribe the transcription endpoint against faster-whisper (omni_bench.transcribe)
     omni-bench realtime   voice-to-voice latency by hop, barge-in (omni_bench.realtime)
     omni-bench soak       requests under SIGKILL / SIGSTOP chaos: recovery, leaks (omni_bench.soak)
-    omni-bench chat       the AR engine against transformers' generate (omni_bench.chat)
+    omni-bench gpu-mps    two GPU stages on one GPU, MPS off and on (omni_bench.gpu_mps)
+    omni-bench gpu-share  replicas' GPU memory and start, sharing off/on (omni_bench.gpu_share)
+    omni-bench gpu-tp     the engine's decode at TP=1 and TP=2 over NCCL (omni_bench.gpu_tp)
 
 Each subcommand module exposes `main(argv) -> int`; modules load only when their subcommand
 runs, so one benchmark's heavy imports never slow another.
@@ -26,6 +28,9 @@ SUBCOMMANDS = {
     "transcribe": ("omni_bench.transcribe", "transcription RTF and throughput vs faster-whisper"),
     "realtime": ("omni_bench.realtime", "voice-to-voice latency over /v1/realtime, by hop"),
     "soak": ("omni_bench.soak", "requests under injected process faults: recovery and leaks"),
+    "gpu-mps": ("omni_bench.gpu_mps", "two GPU stages on one GPU: MPS off vs on"),
+    "gpu-share": ("omni_bench.gpu_share", "GPU memory and start of replicas, sharing off/on"),
+    "gpu-tp": ("omni_bench.gpu_tp", "engine decode tok/s at TP=1 vs TP=2 (NCCL)"),
 }
 
 
