@@ -22,10 +22,14 @@ def main() -> int:
                 msg = bytes(rec.header)
             if msg == b"stop":
                 return 0
-            if msg == b"release":
+            if msg in (b"release", b"release-later"):
+                wait = msg == b"release"
                 for trec in held:
-                    rx.release(trec)
-                outbox.push(json.dumps({"released": len(held)}).encode())
+                    rx.release(trec, wait=wait)
+                reply = {"released": len(held), "releasing": rx.releasing}
+                while rx.reap():  # released without waiting: hand back once the work is done
+                    pass
+                outbox.push(json.dumps(reply).encode())
                 held.clear()
                 continue
             trec = TensorRecord.from_bytes(msg)

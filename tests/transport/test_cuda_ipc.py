@@ -201,7 +201,7 @@ def test_tensor_crosses_and_block_is_reused_only_after_release(ring_name):
             pool.empty((16,), torch.float32, timeout=0)
 
         # 3. released: the same block comes back, and new contents cross through it
-        assert ask(b"release") == {"released": 1}
+        assert ask(b"release") == {"released": 1, "releasing": 0}
         assert pool.reap() == 1 and pool.in_flight == 0
         z = pool.empty((1024, 1024), torch.float32)
         assert z.data_ptr() == x.data_ptr()
@@ -217,8 +217,17 @@ def test_tensor_crosses_and_block_is_reused_only_after_release(ring_name):
         seen = ask()
         assert seen["dtype"] == "bfloat16" and seen["shape"] == [333, 7]
         assert seen["sum"] == pytest.approx(float(w.double().sum()), rel=1e-9, abs=1e-9)
-        assert ask(b"release") == {"released": 2}
+        assert ask(b"release") == {"released": 2, "releasing": 0}
         assert pool.reap() == 2
+
+        # 5. released without waiting (the runtime's way): pending until the consumer's stream
+        # passed it, then the block comes back like any other
+        v = pool.empty((256, 1024), torch.float32)
+        v.fill_(3.0)
+        send_tensor(to_peer, pool, v)
+        assert ask()["sum"] == 3.0 * 256 * 1024
+        assert ask(b"release-later") == {"released": 1, "releasing": 1}
+        assert pool.reap() == 1 and pool.in_flight == 0
         to_peer.push(b"stop")
         assert proc.wait(60) == 0
     finally:

@@ -10,6 +10,7 @@
     omni-bench gpu-mps    two GPU stages on one GPU, MPS off and on (omni_bench.gpu_mps)
     omni-bench gpu-share  replicas' GPU memory and start, sharing off/on (omni_bench.gpu_share)
     omni-bench gpu-tp     the engine's decode at TP=1 and TP=2 over NCCL (omni_bench.gpu_tp)
+    omni-bench gpu-handoff  a CUDA tensor between two stage processes (omni_bench.gpu_handoff)
 
 Each subcommand module exposes `main(argv) -> int`; modules load only when their subcommand
 runs, so one benchmark's heavy imports never slow another.
@@ -31,12 +32,13 @@ SUBCOMMANDS = {
     "gpu-mps": ("omni_bench.gpu_mps", "two GPU stages on one GPU: MPS off vs on"),
     "gpu-share": ("omni_bench.gpu_share", "GPU memory and start of replicas, sharing off/on"),
     "gpu-tp": ("omni_bench.gpu_tp", "engine decode tok/s at TP=1 vs TP=2 (NCCL)"),
+    "gpu-handoff": ("omni_bench.gpu_handoff", "a CUDA tensor from stage to stage, one GPU"),
 }
 
 
 def usage() -> str:
     lines = ["usage: omni-bench {" + ",".join(SUBCOMMANDS) + "} [options]", ""]
-    lines += [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += [f"  {name:<11} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
 

@@ -422,10 +422,16 @@ class CudaReceiver:
         self._held: set[tuple[str, int]] = set()  # (pool, slot) opened and not released
         self._done = ffi.new("uint64_t *")
         check(lib.omni_cuda_event_create_ipc(self._done))
+        # release(wait=False): blocks whose event has not completed yet, oldest first, and
+        # the recorded events that are free for reuse
+        self._releasing: list[tuple[int, str, int]] = []  # (event, pool, slot)
+        self._spare_events: list[int] = []
 
     def open(self, rec: TensorRecord) -> Any:
         """A tensor viewing the producer's block; work queued on the current stream after
         this call sees the producer's writes. Valid until release(rec)."""
+        if self._releasing:
+            self.reap()
         pool = self._pools.get(rec.pool)
         if pool is None:
             pool = self._pools[rec.pool] = _OpenPool(rec.pool)
@@ -437,26 +443,65 @@ class CudaReceiver:
         self._held.add((rec.pool, rec.slot))
         return tensor
 
-    def release(self, rec: TensorRecord) -> None:
+    def release(self, rec: TensorRecord, *, wait: bool = True) -> None:
         """Hands the block back once the GPU work queued so far on the current stream is
-        done (it waits for that work)."""
+        done. `wait=True` waits for that work here; `wait=False` returns at once and the block
+        goes back at a later `reap()` (or `open()`, which reaps first) that finds the work done:
+        the caller keeps the host free while, e.g., a copy out of the block runs."""
         if (rec.pool, rec.slot) not in self._held:
             raise BadTensorRecord(f"pool {rec.pool!r} slot {rec.slot} is not held here")
-        check(lib.omni_cuda_event_record(self._done[0], _stream()))
-        check(lib.omni_cuda_event_synchronize(self._done[0]))
         self._held.discard((rec.pool, rec.slot))
-        self._pools[rec.pool].shared.set_state(rec.slot, 0)
+        if wait:
+            check(lib.omni_cuda_event_record(self._done[0], _stream()))
+            check(lib.omni_cuda_event_synchronize(self._done[0]))
+            self._pools[rec.pool].shared.set_state(rec.slot, 0)
+            return
+        if self._spare_events:
+            event = self._spare_events.pop()
+        else:
+            out = ffi.new("uint64_t *")
+            check(lib.omni_cuda_event_create_ipc(out))
+            event = out[0]
+        check(lib.omni_cuda_event_record(event, _stream()))
+        self._releasing.append((event, rec.pool, rec.slot))
+
+    def reap(self) -> int:
+        """Hands back the blocks of `release(wait=False)` whose GPU work is done; returns how
+        many are still waiting. Events complete in stream order, so the first one not done
+        ends the scan."""
+        while self._releasing:
+            event, pool, slot = self._releasing[0]
+            rc = lib.omni_cuda_event_query(event)
+            if rc == lib.OMNI_EEMPTY:
+                break
+            check(rc)
+            self._releasing.pop(0)
+            self._spare_events.append(event)
+            self._pools[pool].shared.set_state(slot, 0)
+        return len(self._releasing)
+
+    @property
+    def releasing(self) -> int:
+        """Blocks released without waiting whose GPU work has not been seen done yet."""
+        return len(self._releasing)
 
     def close(self) -> None:
         """Gives back every block still held (after the GPU work queued on the current stream)
         and closes the pools: the producer is never left waiting for blocks of a receiver that
         is gone."""
-        if self._held and self._done[0]:
+        if (self._held or self._releasing) and self._done[0]:
             check(lib.omni_cuda_event_record(self._done[0], _stream()))
             check(lib.omni_cuda_event_synchronize(self._done[0]))
             for name, slot in self._held:
                 self._pools[name].shared.set_state(slot, 0)
+            for _, name, slot in self._releasing:
+                self._pools[name].shared.set_state(slot, 0)
+            self._spare_events.extend(event for event, _, _ in self._releasing)
             self._held.clear()
+            self._releasing.clear()
+        for event in self._spare_events:
+            lib.omni_cuda_event_destroy(event)
+        self._spare_events.clear()
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()

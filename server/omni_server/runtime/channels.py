@@ -39,6 +39,11 @@ COORDINATOR = "c"  # the coordinator's endpoint name; stage processes are named 
 _CONTROL = b"C"
 _SPILL = b"S"
 
+# Bytes of data messages this process received, by path (ring records; spills of records too
+# large for the ring, over the socket). Tests read it to show what did and did not cross the
+# host, e.g. that a CUDA tensor crossed as a small IPC record instead of its contents.
+received_bytes = {"ring": 0, "spill": 0}
+
 
 class _Spilled:
     """Ring marker for a message that went over ZMQ: (sender, seq) finds it there."""
@@ -168,6 +173,7 @@ class Endpoint:
                 handle(decode(frames[1].bytes, [f.buffer for f in frames[2:]]))
             elif kind == _SPILL:
                 sender, seq = frames[1].bytes.decode(), int(frames[2].bytes)
+                received_bytes["spill"] += sum(len(f.buffer) for f in frames[3:])
                 message = decode(frames[3].bytes, [f.buffer for f in frames[4:]])
                 self._spill_future((sender, seq)).set_result(message)
             else:
@@ -187,6 +193,7 @@ class Endpoint:
                 return  # the sender is gone; the supervisor reports its death
             # copy out and release at once: arrays must outlive the record, ring space must not
             buffers = [bytearray(b) for b in record.buffers]
+            received_bytes["ring"] += len(record.header) + sum(len(b) for b in buffers)
             message = decode(record.header, buffers)
             record.release()
             if isinstance(message, _Spilled):

@@ -6,13 +6,17 @@ receiver on another GPU or on none, a full pool) takes the host-copy path of `co
 
 Sender: one exported device pool per (process, GPU), made on first use; a tensor crosses as a
 small record (pool, slot, offset, dtype, shape) inside the message header. Receiver: opens
-the pool once, copies the tensor out on the device (one device-to-device copy, so the
-backend owns a normal tensor and the sender's block comes back at once), then releases the
-block. Both sides run on the process's event-loop thread, as the pool and receiver require.
+the pool once, queues a copy of the tensor out of the block on the device (one device-to-device
+copy, so the backend owns a normal tensor and the sender's block comes back soon), and releases
+the block without waiting for that copy: the block goes back to the sender once the copy is seen
+done, checked at the next arrival and by a short timer on the loop (so the loop never waits for
+the GPU, and a quiet receiver still returns its blocks). Both sides run on the process's
+event-loop thread, as the pool and receiver require.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Iterable
@@ -92,12 +96,41 @@ def open_tensor(record: bytes, device: int) -> Any:
     rec = cuda_ipc.TensorRecord.from_bytes(record)
     view = receiver.open(rec)
     tensor = view.clone()  # queued after the wait on the sender's event
-    receiver.release(rec)  # waits for the clone, then hands the block back
+    receiver.release(rec, wait=False)  # the block goes back once the clone is done
     stats["ipc_received"] += 1
+    _schedule_reap(0)
     return tensor
 
 
+# the timer that hands blocks back when no further arrival does: 0.25 ms, doubling to 8 ms
+_REAP_DELAYS_S = (0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008)
+_reap_timer: asyncio.TimerHandle | None = None
+
+
+def _schedule_reap(attempt: int) -> None:
+    global _reap_timer
+    if _reap_timer is not None:
+        return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # decoded outside a loop (tests): the next open() reaps
+        return
+    delay = _REAP_DELAYS_S[min(attempt, len(_REAP_DELAYS_S) - 1)]
+    _reap_timer = loop.call_later(delay, _reap, attempt)
+
+
+def _reap(attempt: int) -> None:
+    global _reap_timer
+    _reap_timer = None
+    if sum(receiver.reap() for receiver in _receivers.values()):
+        _schedule_reap(attempt + 1)
+
+
 def close_receivers() -> None:
+    global _reap_timer
+    if _reap_timer is not None:
+        _reap_timer.cancel()
+        _reap_timer = None
     for receiver in _receivers.values():
         receiver.close()
     _receivers.clear()

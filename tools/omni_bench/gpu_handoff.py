@@ -1,0 +1,146 @@
+"""A CUDA tensor handed from one stage process to the next on the same GPU, through the runtime
+at its default settings (a GPU machine).
+
+    omni-bench gpu-handoff [--requests 300] [--warmup 30] [--sizes-mib 1,64]
+
+Two stages on `cuda:0`, `make -> take`, each in its own process (and, for comparison, both in
+one process, where the tensor object is passed as it is). `make` fills a fresh tensor, waits for
+the GPU, stamps the clock and returns it; `take` stamps the clock when its backend is called
+(the tensor is usable: work it queues runs after the copy out of the sender's block) and again
+once its stream has finished that copy. A tiny CPU payload over the same hop gives the runtime's
+own cost of a stage-to-stage hop, so the difference is what the tensor adds. One request at a
+time, after warm-up; microseconds (same-host monotonic clock).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from omni_server.backend import Request, StageBackend, StageContext
+from omni_server.compiler.compiler import compile_repository
+from omni_server.runtime import Runtime
+
+_STAGE_FILE = """
+from omni_bench.gpu_handoff import Make, Take  # noqa: F401
+"""
+
+
+class Make(StageBackend):
+    def initialize(self, context: StageContext) -> None:
+        self.device = context.device
+
+    def execute(self, requests: list[Request]) -> list[dict[str, Any]]:
+        import torch
+
+        out = []
+        for r in requests:
+            nbytes = r.inputs["nbytes"]
+            payload: dict[str, Any] = {}
+            if nbytes:
+                t = torch.empty(nbytes // 4, dtype=torch.float32, device=self.device)
+                t.fill_(float(r.inputs["i"]))
+                payload["t"] = t
+            torch.cuda.synchronize(self.device)
+            payload["sent"] = time.perf_counter()
+            out.append(payload)
+        return out
+
+
+class Take(StageBackend):
+    def initialize(self, context: StageContext) -> None:
+        self.device = context.device
+
+    def execute(self, requests: list[Request]) -> list[dict[str, Any]]:
+        import torch
+
+        now = time.perf_counter()
+        out = []
+        for r in requests:
+            t = r.inputs.get("t")
+            if t is not None:
+                torch.cuda.current_stream(self.device).synchronize()
+            ready = time.perf_counter()
+            out.append({"received": now - r.inputs["sent"], "ready": ready - r.inputs["sent"]})
+        return out
+
+
+def _repository(root: Path, same_process: bool) -> Any:
+    for name, cls, wire in (("make", "Make", 'next = "take"'), ("take", "Take", "terminal = true")):
+        folder = root / name
+        folder.mkdir(parents=True)
+        process = "gpu" if same_process else name
+        (folder / "stage.toml").write_text(
+            f'backend = "model.py:{cls}"\nprocess = "{process}"\n{wire}\ngpu = 0\n'
+            "gpu_memory_fraction = 0.1\n"
+        )
+        (folder / "model.py").write_text(_STAGE_FILE)
+    (root / "repository.toml").write_text('[models.h]\nentry = "make"\ntasks = ["speech"]\n')
+    return compile_repository(root)
+
+
+async def _measure(same_process: bool, nbytes: int, requests: int, warmup: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        plan = _repository(Path(tmp), same_process)
+        runtime = Runtime(plan)
+        await runtime.start()
+        try:
+            model = plan.models["h"]
+            received, ready = [], []
+            for i in range(warmup + requests):
+                result = await runtime.submit(model, {"nbytes": nbytes, "i": i}).result()
+                if i >= warmup:
+                    received.append(result["received"] * 1e6)
+                    ready.append(result["ready"] * 1e6)
+        finally:
+            await runtime.stop()
+    return {"received": received, "ready": ready}
+
+
+def _cell(values: list[float]) -> str:
+    return f"{statistics.median(values):.0f} / {np.percentile(values, 90):.0f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="omni-bench gpu-handoff", description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--sizes-mib", default="1,64", help="tensor sizes, MiB, comma-separated")
+    args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("omni-bench gpu-handoff: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    sizes = [0] + [int(float(s) * (1 << 20)) for s in args.sizes_mib.split(",")]
+    rows = []
+    for same in (False, True):
+        for nbytes in sizes:
+            res = asyncio.run(_measure(same, nbytes, args.requests, args.warmup))
+            what = f"{nbytes >> 20} MiB CUDA tensor" if nbytes else "tiny CPU payload (no tensor)"
+            where = "one process" if same else "two processes"
+            rows.append(f"| {where} | {what} | {_cell(res['received'])} | {_cell(res['ready'])} |")
+            print(rows[-1], flush=True)
+    print()
+    print(
+        f"{torch.cuda.get_device_name()}, {args.requests} requests one at a time after "
+        f"{args.warmup} warm-up; microseconds from `make` returning to `take` called "
+        "(received) and to its stream holding the data (ready), median / p90:"
+    )
+    print()
+    print("| layout | payload | received | ready |")
+    print("|---|---|---|---|")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
