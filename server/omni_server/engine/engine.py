@@ -16,11 +16,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
+import torch
+
 from omni_server.engine.config import EngineConfig, LlamaShape
 from omni_server.engine.errors import ContextLengthExceeded
 from omni_server.engine.gguf_weights import load_gguf
 from omni_server.engine.kv_cache import KVCache
 from omni_server.engine.llama import Llama
+from omni_server.engine.parallel import SINGLE, TensorParallel
 from omni_server.engine.runner import ModelRunner
 from omni_server.engine.sampling import SamplingParams, sample
 from omni_server.engine.scheduler import ScheduledBatch, Scheduler
@@ -31,6 +34,7 @@ from omni_server.engine.sequence import (
     TokenEvent,
 )
 from omni_server.engine.tokenizer import GGUFTokenizer
+from omni_server.engine.workspace import plan_kv_cache
 
 
 class Engine:
@@ -40,10 +44,14 @@ class Engine:
         self.shape = model.shape
         self.tokenizer = tokenizer
         device = next(model.parameters()).device
-        self.cache = KVCache(
-            model.shape, config.max_total_tokens, config.block_size, config.torch_dtype, device
-        )
         limit = config.max_seq_len or model.shape.max_position_embeddings
+        # On a GPU with a memory fraction the budget sizes (or checks) the cache: workspace.py
+        max_total_tokens, self.memory = plan_kv_cache(
+            model, config, min(limit, model.shape.max_position_embeddings)
+        )
+        self.cache = KVCache(  # tensor parallel: this rank's KV heads only
+            model.local_shape, max_total_tokens, config.block_size, config.torch_dtype, device
+        )
         # One request alone must always fit the cache, or preemption could never make progress.
         self.max_seq_len = min(
             limit, model.shape.max_position_embeddings, self.cache.capacity_tokens
@@ -56,20 +64,32 @@ class Engine:
 
     @classmethod
     def from_gguf(
-        cls, config: EngineConfig | None = None, path: Path | str | None = None
+        cls,
+        config: EngineConfig | None = None,
+        path: Path | str | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> Engine:
-        """The model and tokenizer of a llama GGUF (default: the embedded SmolLM2-135M)."""
+        """The model and tokenizer of a llama GGUF (default: the embedded SmolLM2-135M).
+
+        With `tp`, this rank keeps its slice of the weights (parallel.py); ValueError when
+        tp.size does not divide the model's heads."""
         config = config or EngineConfig()
         gguf = load_gguf(path)
-        model = _build_model(gguf.shape, config)
+        model = _build_model(gguf.shape, config, tp)
         model.load_weights(gguf.weights)
         model.place(config.device, config.torch_dtype)
         return cls(model, config, GGUFTokenizer(gguf.metadata))
 
     @classmethod
-    def from_random(cls, shape: LlamaShape, config: EngineConfig, seed: int = 0) -> Engine:
-        """Random weights of a given shape, no tokenizer (token ids only): speed benchmarks."""
-        model = _build_model(shape, config)
+    def from_random(
+        cls, shape: LlamaShape, config: EngineConfig, seed: int = 0, tp: TensorParallel = SINGLE
+    ) -> Engine:
+        """Random weights of a given shape, no tokenizer (token ids only): speed benchmarks.
+
+        The weights are drawn on the engine's device (an 8B shape in seconds on a GPU), the same
+        for every `tp` (each rank keeps its slice)."""
+        with torch.device("meta"):  # no CPU copy of the weights: place() allocates them
+            model = _build_model(shape, config, tp)
         model.place(config.device, config.torch_dtype)
         model.init_random(seed)
         return cls(model, config, None)
@@ -224,6 +244,6 @@ def _warmup_params() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 
 
-def _build_model(shape: LlamaShape, config: EngineConfig) -> Llama:
+def _build_model(shape: LlamaShape, config: EngineConfig, tp: TensorParallel = SINGLE) -> Llama:
     limit = min(config.max_seq_len or shape.max_position_embeddings, shape.max_position_embeddings)
-    return Llama(shape, max_positions=limit)
+    return Llama(shape, max_positions=limit, tp=tp)

@@ -3,6 +3,8 @@
 RMSNorm, RoPE on adjacent pairs (the GGUF's Q/K row order, see gguf_weights), grouped-query
 attention (attention.py), SwiGLU MLP, tied or separate LM head. Q/K/V and gate/up are fused into
 one matmul each: fewer, larger kernels (what decode speed on CPU and launch count on GPU want).
+Under tensor parallelism (parallel.py) each rank holds its share of the heads and of the MLP and
+one all-reduce closes each half of a block.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from torch import nn
 
 from omni_server.engine.attention import ForwardBatch, paged_attention
 from omni_server.engine.config import LlamaShape
+from omni_server.engine.parallel import SINGLE, TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -43,8 +46,11 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, shape: LlamaShape) -> None:
+    """`shape` is this rank's share (local heads); the output is summed over the ranks."""
+
+    def __init__(self, shape: LlamaShape, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.num_heads = shape.num_heads
         self.num_kv_heads = shape.num_kv_heads
         self.head_dim = shape.head_dim
@@ -52,7 +58,7 @@ class Attention(nn.Module):
         kv_size = shape.num_kv_heads * shape.head_dim
         self.split = (q_size, kv_size, kv_size)
         self.wqkv = nn.Linear(shape.hidden_size, q_size + 2 * kv_size, bias=False)
-        self.wo = nn.Linear(q_size, shape.hidden_size, bias=False)
+        self.wo = nn.Linear(q_size, shape.hidden_size, bias=False)  # row-parallel
 
     def forward(
         self,
@@ -73,28 +79,31 @@ class Attention(nn.Module):
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v.view(t, self.num_kv_heads, self.head_dim))
         out = paged_attention(q, k_cache, v_cache, batch)  # [T, H, D]
-        return self.wo(out.view(t, -1))
+        return self.tp.all_reduce(self.wo(out.view(t, -1)))
 
 
 class MLP(nn.Module):
-    def __init__(self, shape: LlamaShape) -> None:
+    """`shape` is this rank's share (local width); the output is summed over the ranks."""
+
+    def __init__(self, shape: LlamaShape, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.intermediate = shape.intermediate_size
         self.w_gate_up = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
         self.w_down = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, C]
         gate, up = self.w_gate_up(x).split(self.intermediate, dim=-1)  # [T, I] each
-        return self.w_down(F.silu(gate) * up)
+        return self.tp.all_reduce(self.w_down(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: LlamaShape) -> None:
+    def __init__(self, shape: LlamaShape, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.attn = Attention(shape)
+        self.attn = Attention(shape, tp)
         self.ffn_norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.mlp = MLP(shape)
+        self.mlp = MLP(shape, tp)
 
     def forward(
         self,
@@ -109,17 +118,23 @@ class DecoderLayer(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, shape: LlamaShape, max_positions: int) -> None:
+    def __init__(self, shape: LlamaShape, max_positions: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.shape = shape
+        self.shape = shape  # the whole model's
+        self.tp = tp
+        self.local_shape = tp.local_shape(shape)  # this rank's share: what its KV cache holds
         self.embed = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(self.local_shape, tp) for _ in range(shape.num_layers)
+        )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.lm_head: nn.Linear | None = None
         if not shape.tie_word_embeddings:
             self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
-        # [P, D/2] complex64; a plain attribute, not a buffer, so a dtype cast never touches it
-        self.rope = rope_table(shape, max_positions)
+        # [P, D/2] complex64; a plain attribute, not a buffer, so a dtype cast never touches it.
+        # Built on the CPU even when the weights are built on the meta device (from_random).
+        with torch.device("cpu"):
+            self.rope = rope_table(shape, max_positions)
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -138,9 +153,15 @@ class Llama(nn.Module):
         return F.linear(h, head).float()
 
     def place(self, device: torch.device | str, dtype: torch.dtype) -> Llama:
-        """Move to `device`, weights in `dtype`; the RoPE table stays complex64."""
-        for p in self.parameters():
-            p.data = p.data.to(device=device, dtype=dtype)
+        """Move to `device`, weights in `dtype`; the RoPE table stays complex64. Weights built
+        on the meta device get uninitialized storage (init_random or load_weights fill it)."""
+        for module in self.modules():
+            for name, p in module.named_parameters(recurse=False):
+                if p.is_meta:  # a meta tensor cannot take real data: a new parameter
+                    empty = torch.empty(p.shape, device=device, dtype=dtype)
+                    setattr(module, name, nn.Parameter(empty, requires_grad=False))
+                else:
+                    p.data = p.data.to(device=device, dtype=dtype)
         self.rope = self.rope.to(device)
         return self
 
@@ -150,6 +171,7 @@ class Llama(nn.Module):
 
         def put(name: str, value: torch.Tensor) -> None:
             target = params[name]
+            value = self.shard(name, value)
             if target.shape != value.shape:
                 raise ValueError(f"weight {name}: shape {tuple(value.shape)} != {target.shape}")
             target.copy_(value)
@@ -176,13 +198,42 @@ class Llama(nn.Module):
         """Random weights (benchmarks: speed does not depend on values; tests of scheduling).
 
         Unit-variance embeddings and 1/sqrt(fan_in) matrices, so every layer moves the residual
-        stream and greedy outputs vary with the context instead of repeating one token.
+        stream and greedy outputs vary with the context instead of repeating one token. Drawn on
+        the weights' device, whole (unsharded) and then sliced, so every tp_size gives the same
+        model.
         """
-        gen = torch.Generator().manual_seed(seed)
+        gen: torch.Generator | None = None
         with torch.no_grad():
             for name, p in self.named_parameters():
+                if gen is None:
+                    gen = torch.Generator(device=p.device).manual_seed(seed)
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
                     continue
-                std = 1.0 if name == "embed.weight" else p.shape[1] ** -0.5
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+                full = self.full_shape(name, p)
+                std = 1.0 if name == "embed.weight" else full[1] ** -0.5
+                value = torch.randn(full, generator=gen, device=p.device, dtype=torch.float32)
+                p.copy_(self.shard(name, value.mul_(std)))
+
+    # --- tensor parallelism -------------------------------------------------------------------
+
+    def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the whole weight `name` (the whole of a replicated one)."""
+        tp, shape = self.tp, self.shape
+        if name.endswith("attn.wqkv.weight"):
+            q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+            return tp.rows(full, (q, kv, kv))
+        if name.endswith("mlp.w_gate_up.weight"):
+            return tp.rows(full, (shape.intermediate_size, shape.intermediate_size))
+        if name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
+            return tp.columns(full)
+        return full
+
+    def full_shape(self, name: str, local: torch.Tensor) -> tuple[int, ...]:
+        """The unsharded shape of parameter `name` (local: this rank's slice of it)."""
+        rows, *rest = local.shape
+        if name.endswith(("attn.wqkv.weight", "mlp.w_gate_up.weight")):
+            return (rows * self.tp.size, *rest)
+        if name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
+            return (rows, rest[0] * self.tp.size)
+        return tuple(local.shape)
