@@ -38,8 +38,10 @@ from typing import Any
 from omni_server.compiler.plan import Plan
 from omni_transport import unlink_leftovers
 
+from . import mps
 from .channels import COORDINATOR, Endpoint, ring_name
 from .errors import PipelineError
+from .gpus import Machine
 from .heartbeats import HeartbeatMonitor
 from .links import ChannelLinks
 from .messages import (
@@ -77,9 +79,10 @@ class ProcessGroup:
         heartbeat_interval_s: float = 1.0,
         heartbeat_timeout_s: float = 10.0,
         start_timeout_s: float = 300.0,
+        machine: Machine | None = None,
     ) -> None:
         """`on_death(index, exit code, why we killed it or None)` for every exit we did not
-        ask for with stop()."""
+        ask for with stop(). `machine`: the GPUs (None: the plan uses none), for MPS."""
         self.plan = plan
         self.topology = Topology(plan)
         self._on_message = on_message
@@ -109,6 +112,9 @@ class ProcessGroup:
         self._endpoint: Endpoint | None = None
         self._monitor: HeartbeatMonitor | None = None
         self._stopping = False
+        self._machine = machine
+        self._mps: mps.MpsDaemon | None = None
+        self._mps_clients: dict[int, int] = {}  # instance index -> its GPU, under the daemon
 
     def pids(self) -> dict[str, int]:
         return {
@@ -128,6 +134,12 @@ class ProcessGroup:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         _remove_dead_runs()
         _remove_dead_run_dirs()
+        if self._machine is not None:
+            try:
+                started = await asyncio.to_thread(mps.start, self.plan, self._machine, self.run_dir)
+            except mps.MpsUnavailable as exc:
+                raise PipelineError(str(exc), code="unavailable") from exc
+            self._mps, self._mps_clients = started
         with open(self.run_dir / "plan.pkl", "wb") as f:
             pickle.dump(self.plan, f)
         self._endpoint = Endpoint(self.run_dir, self.run_id, COORDINATOR, self._ring_capacity)
@@ -189,6 +201,8 @@ class ProcessGroup:
         # stage processes log at the server's level unless told otherwise
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         env.setdefault("OMNI_LOG_LEVEL", level)
+        if self._mps is not None and index in self._mps_clients:
+            env = self._mps.client_env(env)
         proc = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL)
         self._procs[index] = proc
         self._killed_for[index] = None
@@ -391,6 +405,9 @@ class ProcessGroup:
         if self._endpoint is not None:
             await self._endpoint.close()
             self._endpoint = None
+        if self._mps is not None:  # after its clients exited
+            await asyncio.to_thread(self._mps.stop)
+            self._mps = None
         unlink_leftovers(f"omni-{self.run_id}-")
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -437,6 +454,7 @@ def _remove_dead_run_dirs() -> None:
             continue  # no owner file yet: a server being born, or not ours to judge
         pid = owner.split()[0] if owner else ""
         if pid.isdigit() and _process_identity(int(pid)) != owner:
+            mps.remove_stale(run_dir)  # its MPS daemon outlived it
             shutil.rmtree(run_dir, ignore_errors=True)
             log.warning("removed the run directory %s of a dead server", run_dir)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,7 @@ from omni_server.envelope import Payload
 
 from .coordinator import Coordinator, RequestHandle, StageObserver
 from .errors import PipelineError
+from .gpus import Machine, check_placement, discover, uses_gpus
 from .host import StageHost, StageStartError
 from .links import InlineLinks
 from .messages import StageTimedOut
@@ -54,7 +56,10 @@ class Runtime:
         ring_capacity: int = 8 << 20,
         start_timeout: float = 300.0,
         supervision: SupervisionPolicy | None = None,
+        machine: Machine | None = None,
     ) -> None:
+        """`machine`: the GPUs and MPS tools to place stages on; None: discovered at start()
+        when the plan has GPU stages (tests pass their own)."""
         self.plan = plan
         self.stage_observers: list[StageObserver] = []
         self.supervision_observers: list[SupervisionObserver] = []
@@ -69,6 +74,7 @@ class Runtime:
         self._restarts: dict[int, asyncio.Task[None]] = {}
         self._inline = inline
         self._run_dir = run_dir
+        self._machine = machine
         self._ring_capacity = ring_capacity
         self._start_timeout = start_timeout
         self._hosts: list[StageHost | None] = []
@@ -139,6 +145,11 @@ class Runtime:
             raise RuntimeError(f"runtime already {self._state}")
         self._state = "starting"
         try:
+            machine = self._machine
+            if machine is None and uses_gpus(self.plan):
+                machine = await asyncio.to_thread(discover, os.environ)
+            if machine is not None:
+                check_placement(self.plan, machine)  # one line naming the stage and device
             if self._inline:
                 await self._start_inline()
             else:
@@ -154,6 +165,7 @@ class Runtime:
                     heartbeat_interval_s=self.policy.heartbeat_interval_s,
                     heartbeat_timeout_s=self.policy.heartbeat_timeout_s,
                     start_timeout_s=self._start_timeout,
+                    machine=machine,
                 )
                 await asyncio.wait_for(self._group.start(), self._start_timeout)
                 self.coordinator.open(self._group.links)
