@@ -131,7 +131,8 @@ class MpsDaemon:
             lines = out.read().strip().splitlines()
         out_path.unlink()
         if code != 0:
-            raise MpsUnavailable(f"{MPS_CONTROL} -d failed: {lines[-1] if lines else code}")
+            why = lines[-1] if lines else f"exit code {code}"
+            raise MpsUnavailable(f"{MPS_CONTROL} -d failed: {why}")
 
     def _command(
         self, args: list[str], stdin: str | None, env: Mapping[str, str] | None = None
