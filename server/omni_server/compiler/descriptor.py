@@ -210,7 +210,15 @@ def _scheduler(data: dict[str, Any], fail: _Fail) -> SchedulerSpec:
             raise fail(
                 "scheduler.max_queue_delay_ms", f'batches need kind = "batch" (it is "{kind}")'
             )
-    return SchedulerSpec(kind=kind, max_batch_size=size, max_queue_delay_ms=delay)
+    lane: bool = field_value(data, SCHEDULER_FIELDS, "first_chunk_lane")
+    if lane and kind is not SchedulerKind.STREAM:
+        raise fail(
+            "scheduler.first_chunk_lane",
+            f'a first-chunk lane needs kind = "stream" (it is "{kind}")',
+        )
+    return SchedulerSpec(
+        kind=kind, max_batch_size=size, max_queue_delay_ms=delay, first_chunk_lane=lane
+    )
 
 
 def _names_or_ints(value: int | list[int] | None) -> tuple[int, ...]:

@@ -86,6 +86,9 @@ class SchedulerSpec:
     kind: SchedulerKind = SchedulerKind.SINGLE
     max_batch_size: int = 1
     max_queue_delay_ms: float = 0.0
+    # kind = stream: a second compute thread that runs only requests' first chunks, beside the
+    # step in progress (the backend's generate() steps must then be thread-safe)
+    first_chunk_lane: bool = False
 
 
 @dataclass(frozen=True)

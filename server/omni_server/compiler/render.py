@@ -17,7 +17,7 @@ from typing import Any
 import tomli_w
 
 from omni_server.compiler.placement import gpu_budgets
-from omni_server.compiler.plan import Plan, ProcessInstance, StageSpec
+from omni_server.compiler.plan import Plan, ProcessInstance, SchedulerKind, StageSpec
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 
@@ -115,6 +115,8 @@ def _stage(s: StageSpec) -> dict[str, Any]:
         "max_batch_size": s.scheduler.max_batch_size,
         "max_queue_delay_ms": s.scheduler.max_queue_delay_ms,
     }
+    if s.scheduler.kind is SchedulerKind.STREAM:  # the only kind it applies to
+        out["scheduler"]["first_chunk_lane"] = s.scheduler.first_chunk_lane
     if s.timeout_s is not None:
         out["timeout_s"] = s.timeout_s
     if s.engine is not None:

@@ -176,6 +176,14 @@ SCHEDULER_FIELDS = _fields(
         default=0.0,
         minimum=0,
     ),
+    Field(
+        "first_chunk_lane",
+        Kind.BOOL,
+        "a second compute thread for requests' first chunks, so a new request's first chunk "
+        "starts beside the step in progress instead of behind it (kind = stream; the backend's "
+        "generate() steps of different requests must be safe to run at once)",
+        default=False,
+    ),
 )
 
 ENGINE_FIELDS = _fields(
@@ -227,7 +235,11 @@ STAGE_FIELDS = _fields(
     Field("merge", Kind.STR, "backend method merging the wait_for outputs; required with it"),
     Field("stream_to", Kind.NAMES, "stages receiving this stage's chunks, beside routing", []),
     Field("process_local", Kind.NAMES, "successors whose edge must stay in one process", []),
-    Field("scheduler", Kind.TABLE, "[scheduler] table: kind, max_batch_size, max_queue_delay_ms"),
+    Field(
+        "scheduler",
+        Kind.TABLE,
+        "[scheduler] table: kind, max_batch_size, max_queue_delay_ms, first_chunk_lane",
+    ),
     Field(
         "timeout_s",
         Kind.FLOAT,

@@ -95,9 +95,12 @@ class StageHost:
         start() does this for every stage; a TP peer rank, which runs no scheduler, calls it for
         its one stage alone. Raises StageStartError naming the stage."""
         spec = self.plan.stages[stage]
-        executor = ComputeExecutor(thread_name_prefix=f"stage-{stage}")
-        self._executors[stage] = executor
         device = self.instance.devices.get(spec.name)
+        # the initializer binds every compute thread of the stage (a first-chunk lane too)
+        executor = ComputeExecutor(
+            f"stage-{stage}", initializer=bind_thread_to_device, initargs=(device,)
+        )
+        self._executors[stage] = executor
         context = StageContext(
             stage=spec.name,
             parameters=dict(spec.parameters),

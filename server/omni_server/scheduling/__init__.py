@@ -10,7 +10,7 @@ from .ar import ARScheduler
 from .base import Scheduler, StageCallbacks, WorkItem
 from .batch import BatchScheduler
 from .calls import BackendContractError, StageCalls
-from .stream import StreamScheduler
+from .stream import StreamScheduler, first_chunk_lane
 
 __all__ = [
     "ARScheduler",
@@ -34,7 +34,8 @@ def make_scheduler(
     if spec.kind is SchedulerKind.AR:
         return ARScheduler(calls, callbacks, executor)
     if spec.kind is SchedulerKind.STREAM:
-        return StreamScheduler(calls, callbacks, executor)
+        lane = first_chunk_lane(executor) if spec.first_chunk_lane else None
+        return StreamScheduler(calls, callbacks, executor, first_chunk_lane=lane)
     if spec.kind is SchedulerKind.BATCH:
         return BatchScheduler(
             calls,

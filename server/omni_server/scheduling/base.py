@@ -11,7 +11,9 @@ complete() report tokens as they come.
 Invariants:
 - admit / abort / wake and every callback run on the event-loop thread;
 - every backend call of one stage runs on that stage's one compute thread, one at a time
-  (backends need no locks, and TP ranks see the same call order);
+  (backends need no locks, and TP ranks see the same call order). The one exception is opt-in:
+  a stream stage with `first_chunk_lane = true` also runs first chunks on a second thread
+  (stream.py), so its backend's generate() steps of different requests must be thread-safe;
 - every admitted request ends in exactly one complete() or fail(), unless it is aborted first,
   after which no callback mentions it.
 """
@@ -112,9 +114,15 @@ class Scheduler(abc.ABC):
         """Stream input arrived for an admitted request."""
         self._wakeup.set()
 
-    async def _compute(self, fn: Callable[..., T], *args: Any) -> tuple[T, float, float]:
-        """Run one backend call on the stage's compute thread: (result, start, seconds)."""
+    async def _compute(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        executor: concurrent.futures.Executor | None = None,
+    ) -> tuple[T, float, float]:
+        """Run one backend call on the stage's compute thread (or `executor`, a stream stage's
+        first-chunk lane): (result, start, seconds)."""
         loop = asyncio.get_running_loop()
         start = time.monotonic()
-        result = await loop.run_in_executor(self._executor, fn, *args)
+        result = await loop.run_in_executor(executor or self._executor, fn, *args)
         return result, start, time.monotonic() - start

@@ -9,10 +9,24 @@ marker is waiting for it, so one request waiting for upstream does not stall the
 Steps run on the stage's compute thread one at a time; the loop thread handles admissions and
 aborts between steps. An aborted request's generator is closed (its `finally` blocks run) on the
 compute thread; an exception from one generator fails that request alone.
+
+First-chunk lane (`[scheduler] first_chunk_lane = true`, opt-in). Fewest-chunks-first only
+orders the queue: a first chunk still waits for the step already running, and for a TTS voice
+that step is a whole sentence (hundreds of ms on a busy core). With the lane, a second compute
+thread runs first chunks only, and only while the main thread is busy: a request's first chunk
+starts beside the running step instead of behind it, and the OS shares the cores between the
+two. When the main thread is idle it takes the first chunk itself, so a lone request runs
+exactly as without the lane. Invariants kept:
+- steps of ONE request never run at once (a request is marked running from pick to outcome,
+  and neither lane picks a running request), so a generator needs no lock of its own; steps of
+  DIFFERENT requests may, which is why the backend must opt in;
+- generators are closed on the main compute thread, never while a step of theirs runs;
+- an exception, or RequestAborted, ends its request alone, whichever lane ran the step.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +43,22 @@ class _Active:
     item: WorkItem
     generator: Iterator[Any] | None = None
     chunks: int = 0
+    running: bool = False  # a step of it is in flight, on either lane
+
+
+def first_chunk_lane(
+    executor: concurrent.futures.ThreadPoolExecutor,
+) -> concurrent.futures.ThreadPoolExecutor:
+    """A second compute thread beside the stage's `executor`.
+
+    The runtime's executor (runtime.deadlines.ComputeExecutor) makes a sibling: the same thread
+    setup (its CUDA device), the same watchdog over overrunning calls, shut down with it.
+    Any other executor gets a plain one-thread pool, which the scheduler shuts down itself."""
+    sibling = getattr(executor, "sibling", None)
+    if sibling is not None:
+        lane: concurrent.futures.ThreadPoolExecutor = sibling("-first")
+        return lane
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stream-first-chunk")
 
 
 class StreamScheduler(Scheduler):
@@ -37,10 +67,13 @@ class StreamScheduler(Scheduler):
         calls: StageCalls,
         callbacks: StageCallbacks,
         executor: concurrent.futures.ThreadPoolExecutor,
+        *,
+        first_chunk_lane: concurrent.futures.ThreadPoolExecutor | None = None,
     ) -> None:
         super().__init__(calls, callbacks, executor)
         self._active: dict[int, _Active] = {}  # insertion order = admission order
-        self._current: int | None = None  # the key whose step is running now
+        self._lane = first_chunk_lane
+        self._main_busy = False  # the main compute thread runs a step
 
     def admit(self, item: WorkItem) -> None:
         self._active[item.key] = _Active(item)
@@ -48,37 +81,80 @@ class StreamScheduler(Scheduler):
 
     def abort(self, key: int) -> None:
         active = self._active.pop(key, None)
-        if active is not None and active.generator is not None and key != self._current:
+        if active is not None and active.generator is not None and not active.running:
             self._executor.submit(self.calls.close, active.item.request, active.generator)
         # a running step finds its request gone when it returns and closes the generator then
 
     async def run(self) -> None:
+        if self._lane is None:
+            await self._serve(first_only=False)
+            return
+        try:
+            async with asyncio.TaskGroup() as lanes:  # a lane that fails cancels the other
+                lanes.create_task(self._serve(first_only=False))
+                lanes.create_task(self._serve(first_only=True))
+        finally:
+            # Cancelled (the host stops): a lane step may still be running. Calls the host
+            # makes next on the main thread (finalize) wait for it, so no backend call overlaps
+            # finalize().
+            drained = self._lane.submit(lambda: None)
+            self._executor.submit(concurrent.futures.wait, [drained])
+            if getattr(self._executor, "sibling", None) is None:
+                self._lane.shutdown(wait=False)  # our own pool (see first_chunk_lane)
+
+    async def _serve(self, *, first_only: bool) -> None:
+        """One lane's loop: pick, step, repeat; sleep when nothing is runnable for this lane."""
+        executor = self._lane if first_only else None
         while True:
-            active = self._pick()
+            active = self._pick_first() if first_only else self._pick()
             if active is None:
+                # no await between the pick and clear(): a wakeup cannot fall in between
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            await self._step(active)
+            active.running = True
+            if not first_only:
+                self._main_busy = True
+                self._wakeup.set()  # the first-chunk lane may now take a first chunk
+            try:
+                await self._step(active, executor)
+            finally:
+                active.running = False
+                if not first_only:
+                    self._main_busy = False
+                self._wakeup.set()  # the request may be runnable again, for the other lane too
 
     def _pick(self) -> _Active | None:
         best: _Active | None = None
         for active in self._active.values():  # oldest first, so ties go to the oldest
-            if active.item.runnable and (best is None or active.chunks < best.chunks):
+            if (
+                active.item.runnable
+                and not active.running
+                and (best is None or active.chunks < best.chunks)
+            ):
                 best = active
         return best
 
-    async def _step(self, active: _Active) -> None:
+    def _pick_first(self) -> _Active | None:
+        """The oldest runnable request with no chunk yet, while the main thread is busy (an
+        idle main thread takes it itself: one step at a time whenever that costs no wait)."""
+        if not self._main_busy:
+            return None
+        for active in self._active.values():
+            if active.chunks == 0 and active.item.runnable and not active.running:
+                return active
+        return None
+
+    async def _step(
+        self, active: _Active, executor: concurrent.futures.ThreadPoolExecutor | None
+    ) -> None:
         item = active.item
-        self._current = item.key
         try:
-            outcome, start, seconds = await self._compute(self._advance, active)
+            outcome, start, seconds = await self._compute(self._advance, active, executor=executor)
         except RequestAborted:
             outcome, start, seconds = None, 0.0, 0.0
         except Exception as exc:  # noqa: BLE001 - the generator raised: fail this request only
             outcome, start, seconds = exc, 0.0, 0.0
-        finally:
-            self._current = None
         if self._active.get(item.key) is not active:  # aborted during the step
             if active.generator is not None:
                 self._executor.submit(self.calls.close, active.item.request, active.generator)
