@@ -3,11 +3,13 @@ tokens one unsharded engine samples; shapes the ranks cannot split are refused b
 
 from __future__ import annotations
 
-import datetime
+import dataclasses
 import json
+import os
 import socket
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -55,24 +57,29 @@ def _tokens(engine: Engine) -> dict[str, list[int]]:
     return {rid: [t for e in events for t in e.token_ids] for rid, events in out.items()}
 
 
-def rank_main(rank: int, size: int, port: int) -> None:
-    """One rank (a child process): prints its KV heads and tokens as JSON."""
+def rank_main(rank: int, size: int, port: int, gpu: int = 0, dtype: str = "float32") -> None:
+    """One rank (a child process): prints its KV heads and tokens as JSON. gpu: NCCL on
+    cuda:rank, else gloo on the CPU."""
     import torch.distributed as dist
 
+    from omni_server.runtime.tp import init_process_group
+
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=size,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        tp = TensorParallel(rank, size, dist.group.WORLD)
-        engine = Engine.from_random(SPLITTABLE, CONFIG, seed=5, tp=tp)
-        print(json.dumps({"heads": engine.cache.k[0].shape[1], "tokens": _tokens(engine)}))
-    finally:
-        dist.destroy_process_group()
+    group, _ = init_process_group(rank, size, port, rank if gpu else None)
+    tp = TensorParallel(rank, size, group)
+    config = _config(gpu, dtype, rank)
+    engine = Engine.from_random(SPLITTABLE, config, seed=5, tp=tp)
+    print(json.dumps({"heads": engine.cache.k[0].shape[1], "tokens": _tokens(engine)}), flush=True)
+    dist.barrier(group=group)
+    # Tearing a gloo group down while the peer already left can abort() the process: both ranks
+    # are done here, so leave without the teardown.
+    os._exit(0)
+
+
+def _config(gpu: int, dtype: str, rank: int = 0) -> EngineConfig:
+    if not gpu:
+        return CONFIG
+    return dataclasses.replace(CONFIG, device=f"cuda:{rank}", dtype=dtype, cuda_graphs=True)
 
 
 def _free_port() -> int:
@@ -81,21 +88,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.slow  # two torch processes
-def test_tp2_over_gloo_samples_the_tokens_of_tp1() -> None:
-    torch.set_num_threads(1)
-    expected = _tokens(Engine.from_random(SPLITTABLE, CONFIG, seed=5))
+def _run_ranks(size: int, gpu: int = 0, dtype: str = "float32") -> list[dict[str, Any]]:
     port = _free_port()
     code = (
-        "import sys; from tests.engine.test_tp import rank_main; rank_main(*map(int, sys.argv[1:]))"
+        "import sys; from tests.engine.test_tp import rank_main; "
+        "rank_main(*map(int, sys.argv[1:5]), sys.argv[5])"
     )
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", code, str(rank), "2", str(port)],
+            [sys.executable, "-c", code, str(rank), str(size), str(port), str(gpu), dtype],
             stdout=subprocess.PIPE,
             text=True,
         )
-        for rank in range(2)
+        for rank in range(size)
     ]
     try:
         outputs = [p.communicate(timeout=150)[0] for p in procs]
@@ -104,12 +109,37 @@ def test_tp2_over_gloo_samples_the_tokens_of_tp1() -> None:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    assert [p.returncode for p in procs] == [0, 0]
-    for rank, output in enumerate(outputs):
-        got = json.loads(output.strip().splitlines()[-1])
+    assert [p.returncode for p in procs] == [0] * size
+    return [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+
+
+@pytest.mark.slow  # two torch processes
+def test_tp2_over_gloo_samples_the_tokens_of_tp1() -> None:
+    torch.set_num_threads(1)
+    expected = _tokens(Engine.from_random(SPLITTABLE, CONFIG, seed=5))
+    for rank, got in enumerate(_run_ranks(2)):
         assert got["heads"] == SPLITTABLE.num_kv_heads // 2, f"rank {rank} caches its heads only"
         assert got["tokens"] == expected, f"rank {rank}"
     assert len({t for tokens in expected.values() for t in tokens}) > 4  # not one repeated token
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tp2_over_nccl_samples_the_tokens_of_tp1(dtype: str) -> None:
+    """NCCL on two GPUs, CUDA graphs on (the all-reduces are captured). float32: every token
+    equal; bfloat16 rounds each rank's partial sums, so it reports how many match and asks
+    only that the greedy streams start alike."""
+    expected = _tokens(Engine.from_random(SPLITTABLE, _config(1, dtype), seed=5))
+    ranks = _run_ranks(2, gpu=1, dtype=dtype)
+    assert ranks[0]["tokens"] == ranks[1]["tokens"], "the ranks sampled different tokens"
+    got = ranks[0]["tokens"]
+    same = sum(a == b for rid in expected for a, b in zip(expected[rid], got[rid], strict=True))
+    total = sum(len(t) for t in expected.values())
+    print(f"\nTP=2 over NCCL, {dtype}: {same}/{total} tokens equal to TP=1")
+    if dtype == "float32":
+        assert got == expected
+    else:
+        assert all(got[rid][:2] == expected[rid][:2] for rid in expected if rid in ("r0", "r2"))
 
 
 def test_a_shape_the_ranks_cannot_split_is_refused_by_name() -> None:
