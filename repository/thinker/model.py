@@ -50,7 +50,8 @@ class Thinker(StageBackend):
             config = EngineConfig.from_table({**context.engine, "device": context.device})
         except (TypeError, ValueError) as err:
             raise StageConfigError(f"[engine]: {err}") from err
-        self.engine = Engine.from_gguf(config)
+        # one copy of the weights per device when replicas share them (weight_share = "on")
+        self.engine = Engine.from_gguf(config, weights=context.shared_weights)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}  # engine id -> request
         self._speech: dict[str, Any] = {}  # engine id -> speech options, until the first chunk

@@ -81,6 +81,9 @@ LLAMA_1B = LlamaShape(
     max_position_embeddings=131072,
 )
 
+# The KV budget in tokens when nothing sizes it (the CPU, or a GPU stage without a fraction).
+DEFAULT_MAX_TOTAL_TOKENS = 16384
+
 SHAPES: dict[str, LlamaShape] = {"smollm2-135m": SMOLLM2_135M, "llama-1b": LLAMA_1B}
 
 
@@ -88,7 +91,9 @@ SHAPES: dict[str, LlamaShape] = {"smollm2-135m": SMOLLM2_135M, "llama-1b": LLAMA
 class EngineConfig:
     """How one engine instance runs. Every field can come from a stage's `[engine]` table.
 
-    max_total_tokens: KV cache capacity in tokens, over all requests; allocated once.
+    max_total_tokens: KV cache capacity in tokens, over all requests; allocated once. None:
+                      sized from gpu_memory_fraction on a GPU (memory.py), else
+                      DEFAULT_MAX_TOTAL_TOKENS.
     max_batch_size:   most requests in one step (running requests, prefilling or decoding).
     max_step_tokens:  token budget of one forward (decode tokens first, prefill chunks fill the
                       rest), so a long prompt is prefilled in chunks and never stalls decodes.
@@ -98,9 +103,12 @@ class EngineConfig:
     dtype, device:    "float32" | "bfloat16" | "float16"; "cpu" | "cuda" | "cuda:N".
     cuda_graphs:      capture decode steps in CUDA graphs per padded batch-size bucket (CUDA only).
     compile:          torch.compile the model's forward (optional; off by default).
+    gpu_memory_fraction: the stage's share of its GPU (not an [engine] key: the stage's own
+                      field, which the backend passes on). On a GPU it sizes the KV cache, or
+                      checks a given max_total_tokens against it; ignored on the CPU.
     """
 
-    max_total_tokens: int = 16384
+    max_total_tokens: int | None = None
     max_batch_size: int = 64
     max_step_tokens: int = 512
     max_seq_len: int | None = None
@@ -109,11 +117,14 @@ class EngineConfig:
     device: str = "cpu"
     cuda_graphs: bool = True
     compile: bool = False
+    gpu_memory_fraction: float | None = None
 
     def __post_init__(self) -> None:
         positive = ("max_total_tokens", "max_batch_size", "max_step_tokens", "block_size")
         for name in positive:
             value = getattr(self, name)
+            if value is None and name == "max_total_tokens":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"engine.{name} must be a positive integer, got {value!r}")
         if self.max_seq_len is not None and (
@@ -131,12 +142,28 @@ class EngineConfig:
                 raise ValueError(
                     f"engine.{name} must be true or false, got {getattr(self, name)!r}"
                 )
+        fraction = self.gpu_memory_fraction
+        if fraction is not None and (
+            not isinstance(fraction, int | float)
+            or isinstance(fraction, bool)
+            or not 0 < fraction <= 1
+        ):
+            raise ValueError(f"gpu_memory_fraction must be a number in (0, 1], got {fraction!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"engine.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.device, str) or not (
             self.device == "cpu" or self.device.startswith("cuda")
         ):
             raise ValueError(f"engine.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @property
+    def sized_from_fraction(self) -> bool:
+        """The KV cache takes what the GPU budget leaves (no pinned max_total_tokens)."""
+        return (
+            self.max_total_tokens is None
+            and self.gpu_memory_fraction is not None
+            and self.device.startswith("cuda")
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:

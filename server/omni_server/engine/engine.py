@@ -13,14 +13,21 @@ from its one compute thread. `abort` frees the request's KV blocks at once; its 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from omni_server.engine.config import EngineConfig, LlamaShape
 from omni_server.engine.errors import ContextLengthExceeded
-from omni_server.engine.gguf_weights import load_gguf
+from omni_server.engine.gguf_weights import (
+    _engine_name,
+    load_gguf,
+    read_metadata,
+    shape_from_metadata,
+    smollm2_gguf_path,
+)
 from omni_server.engine.kv_cache import KVCache
 from omni_server.engine.llama import Llama
 from omni_server.engine.parallel import SINGLE, TensorParallel
@@ -35,6 +42,9 @@ from omni_server.engine.sequence import (
 )
 from omni_server.engine.tokenizer import GGUFTokenizer
 from omni_server.engine.workspace import plan_kv_cache
+
+# a stage's `context.shared_weights(key, load)`: load() on a leader, the leader's tensors else
+WeightSource = Callable[[str, Callable[[], Mapping[str, torch.Tensor]]], Mapping[str, torch.Tensor]]
 
 
 class Engine:
@@ -68,12 +78,26 @@ class Engine:
         config: EngineConfig | None = None,
         path: Path | str | None = None,
         tp: TensorParallel = SINGLE,
+        weights: WeightSource | None = None,
     ) -> Engine:
         """The model and tokenizer of a llama GGUF (default: the embedded SmolLM2-135M).
 
         With `tp`, this rank keeps its slice of the weights (parallel.py); ValueError when
-        tp.size does not divide the model's heads."""
+        tp.size does not divide the model's heads. With `weights` (a stage's
+        `context.shared_weights`), the placed weights come through it: a sharing follower
+        reads only the GGUF's header and aliases its leader's tensors."""
         config = config or EngineConfig()
+        if weights is not None:  # the weights may come from a sharing leader (its load)
+            shape, metadata = _gguf_header(path)
+
+            def load() -> dict[str, torch.Tensor]:
+                gguf = load_gguf(path)
+                model = _build_model(gguf.shape, config, tp)
+                model.load_weights(gguf.weights)
+                return dict(model.place(config.device, config.torch_dtype).named_parameters())
+
+            model = _with_weights(shape, config, tp, weights("llama", load))
+            return cls(model, config, GGUFTokenizer(metadata))
         gguf = load_gguf(path)
         model = _build_model(gguf.shape, config, tp)
         model.load_weights(gguf.weights)
@@ -82,13 +106,28 @@ class Engine:
 
     @classmethod
     def from_random(
-        cls, shape: LlamaShape, config: EngineConfig, seed: int = 0, tp: TensorParallel = SINGLE
+        cls,
+        shape: LlamaShape,
+        config: EngineConfig,
+        seed: int = 0,
+        tp: TensorParallel = SINGLE,
+        weights: WeightSource | None = None,
     ) -> Engine:
         """Random weights of a given shape, no tokenizer (token ids only): speed benchmarks.
 
         The weights are drawn on the engine's device (an 8B shape in seconds on a GPU), the same
-        for every `tp` (each rank keeps its slice)."""
-        with torch.device("meta"):  # no CPU copy of the weights: place() allocates them
+        for every `tp` (each rank keeps its slice). `weights`: as in from_gguf."""
+
+        def load() -> dict[str, torch.Tensor]:
+            with torch.device("meta"):  # no CPU copy of the weights: place() allocates them
+                model = _build_model(shape, config, tp)
+            model.place(config.device, config.torch_dtype)
+            model.init_random(seed)
+            return dict(model.named_parameters())
+
+        if weights is not None:
+            return cls(_with_weights(shape, config, tp, weights("llama", load)), config, None)
+        with torch.device("meta"):
             model = _build_model(shape, config, tp)
         model.place(config.device, config.torch_dtype)
         model.init_random(seed)
@@ -247,3 +286,44 @@ def _warmup_params() -> SamplingParams:
 def _build_model(shape: LlamaShape, config: EngineConfig, tp: TensorParallel = SINGLE) -> Llama:
     limit = min(config.max_seq_len or shape.max_position_embeddings, shape.max_position_embeddings)
     return Llama(shape, max_positions=limit, tp=tp)
+
+
+def _with_weights(
+    shape: LlamaShape, config: EngineConfig, tp: TensorParallel, weights: Mapping[str, torch.Tensor]
+) -> Llama:
+    """A model whose parameters are `weights` themselves (no copy: a sharing follower's
+    tensors alias its leader's memory), after checking they are exactly the model's: the same
+    names, shapes, dtype and device."""
+    with torch.device("meta"):  # nothing allocated: every parameter is replaced below
+        model = _build_model(shape, config, tp)
+    device = torch.device(config.device)
+    expected = dict(model.named_parameters())
+    if set(weights) != set(expected):
+        missing, extra = set(expected) - set(weights), set(weights) - set(expected)
+        raise ValueError(f"shared weights: missing {sorted(missing)}, unexpected {sorted(extra)}")
+    for name, param in expected.items():
+        value = weights[name]
+        if value.shape != param.shape or value.dtype != config.torch_dtype:
+            raise ValueError(
+                f"shared weight {name}: {tuple(value.shape)} {value.dtype}, the model needs "
+                f"{tuple(param.shape)} {config.torch_dtype}"
+            )
+        if value.device.type != device.type or (
+            device.index is not None and value.device.index != device.index
+        ):
+            raise ValueError(f"shared weight {name} is on {value.device}, not {device}")
+    model.load_state_dict(dict(weights), strict=True, assign=True)
+    model.rope = model.rope.to(device)
+    return model
+
+
+def _gguf_header(path: Path | str | None) -> tuple[LlamaShape, dict[str, Any]]:
+    """A GGUF's shape and metadata without its weights (a sharing follower needs no more)."""
+    from gguf import GGUFReader
+
+    path = Path(path) if path is not None else smollm2_gguf_path()
+    reader = GGUFReader(path)  # maps the file; nothing is dequantized
+    metadata = read_metadata(reader)
+    shape = shape_from_metadata(metadata, path)
+    tied = all(_engine_name(t.name) != "lm_head" for t in reader.tensors)
+    return LlamaShape(**{**shape.__dict__, "tie_word_embeddings": tied}), metadata

@@ -82,6 +82,12 @@ class KVCache:
             torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(shape.num_layers)
         ]
 
+    @staticmethod
+    def token_bytes(shape: LlamaShape, dtype: torch.dtype) -> int:
+        """KV bytes one token takes: K and V of every layer (memory.py sizes the cache by it)."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * element
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

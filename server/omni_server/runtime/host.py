@@ -62,7 +62,10 @@ class StageHost:
         topology: Topology | None = None,
         process_group: Any = None,
         calls_factory: CallsFactory = StageCalls,
+        weight_sharing: Any = None,
     ) -> None:
+        """`weight_sharing`: the process's `runtime.weights.WeightSharing`, if it is in a
+        sharing group (the worker makes it); the host closes it after finalize."""
         self.plan = plan
         self.index = index
         self.instance = plan.instances[index]
@@ -71,6 +74,7 @@ class StageHost:
         self.stages: dict[str, StageRunner] = {}
         self.shutdown_requested = asyncio.Event()
         self._process_group = process_group
+        self._weight_sharing = weight_sharing
         self._calls_factory = calls_factory
         self._backends: dict[str, Any] = {}
         self._executors: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
@@ -113,6 +117,7 @@ class StageHost:
             process_group=self._process_group,
             engine=dict(spec.engine.settings) if spec.engine else {},
             gpu_memory_fraction=spec.gpu_memory_fraction if device is not None else None,
+            weight_sharing=self._weight_sharing,
         )
 
         def create() -> Any:
@@ -149,6 +154,8 @@ class StageHost:
             except Exception:
                 log.exception("stage %s: finalize failed", name)
         self._backends.clear()
+        if self._weight_sharing is not None:  # after finalize: no backend call runs any more
+            self._weight_sharing.close()
         for executor in self._executors.values():
             executor.shutdown(wait=False, cancel_futures=True)
 

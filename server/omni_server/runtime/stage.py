@@ -38,6 +38,7 @@ from omni_server.backend import InvalidRequest, Request, StageConfigError
 from omni_server.compiler.plan import SchedulerKind, StageSpec
 from omni_server.envelope import Envelope, Payload, Timings
 from omni_server.scheduling import BackendContractError, StageCalls, WorkItem, make_scheduler
+from omni_server.scheduling.oom import OutOfGPUMemory
 
 from .deadlines import ComputeExecutor, StageDeadlines
 from .messages import (
@@ -388,7 +389,9 @@ class StageRunner:
             return
         message = describe(error)
         log.warning("stage %s failed request %d: %s", self.name, key, message, exc_info=error)
-        self.host.to_coordinator(StageFailed(key, self.name, f"stage {self.name}: {message}"))
+        code = error.code if isinstance(error, OutOfGPUMemory) else None  # the 500 names it
+        failed = StageFailed(key, self.name, f"stage {self.name}: {message}", error_code=code)
+        self.host.to_coordinator(failed)
 
     def _timing(self, item: WorkItem) -> tuple[str, float, float]:
         return (self.name, item.queue_s, item.compute_s)

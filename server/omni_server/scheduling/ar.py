@@ -12,7 +12,9 @@ Invariants (beside the scheduler's):
 - a request is in `_held` from its add() until it finished, failed, or its abort() ran: an
   aborted request's late outputs are dropped, and its abort() reaches the backend exactly once
   (freeing its KV cache at once);
-- an add() that raises fails that request alone (InvalidRequest: the caller's fault, a 400).
+- an add() that raises fails that request alone (InvalidRequest: the caller's fault, a 400);
+- a step() out of GPU memory fails every request the backend holds and aborts them there (their
+  KV freed); the loop goes on with the next requests (oom.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from omni_server.backend import Request
 
 from .base import Scheduler, StageCallbacks, WorkItem
 from .calls import StageCalls
+from .oom import OutOfGPUMemory
 
 
 class ARScheduler(Scheduler):
@@ -83,9 +86,18 @@ class ARScheduler(Scheduler):
                 refused.append((item, exc))
                 continue
             self._held[id(item.request)] = item.request
-        outputs: list[tuple[Request, Any]] = (
-            self.calls.ar_step(dict(self._held)) if self._held else []
-        )
+        try:
+            outputs: list[tuple[Request, Any]] = (
+                self.calls.ar_step(dict(self._held)) if self._held else []
+            )
+        except OutOfGPUMemory as error:
+            # Which of its requests the step ran, the backend alone knows: fail them all, and
+            # abort each so the backend frees its KV now; new requests start from a clean cache.
+            outputs = []
+            for request in self._held.values():
+                self.calls.abort(request)
+                outputs.append((request, error))
+            self._held.clear()
         for request, outcome in outputs:
             if not (isinstance(outcome, tuple) and outcome[0] == "chunk"):
                 self._held.pop(id(request), None)  # finished or failed: the backend let go

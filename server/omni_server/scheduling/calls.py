@@ -1,7 +1,8 @@
 """Backend calls as the schedulers make them, with the backend contract checked.
 
 Every method runs on the stage's compute thread. Backend exceptions propagate to the scheduler,
-which fails the request they belong to; contract violations (a wrong number of outputs, a
+which fails the request they belong to (torch's out-of-memory error arrives as `OutOfGPUMemory`,
+the allocator's cache released: oom.py); contract violations (a wrong number of outputs, a
 non-dict payload, a route naming an undeclared stage) raise `BackendContractError` naming
 the stage.
 """
@@ -14,6 +15,8 @@ from typing import Any
 from omni_server.backend import Request
 from omni_server.compiler.plan import StageSpec
 from omni_server.envelope import Payload
+
+from .oom import guarded
 
 # execute() outcome per request: (payload, next targets) or the exception that failed it
 Outcome = tuple[Payload | None, tuple[str, ...]] | BaseException
@@ -31,7 +34,7 @@ class StageCalls:
         self._merge = getattr(backend, spec.merge) if spec.merge else None
 
     def execute(self, requests: list[Request]) -> list[Outcome]:
-        outputs = self.backend.execute(requests)
+        outputs = guarded(self.backend.execute, requests)
         if not isinstance(outputs, list | tuple) or len(outputs) != len(requests):
             got = len(outputs) if isinstance(outputs, list | tuple) else type(outputs).__name__
             raise BackendContractError(
@@ -59,7 +62,7 @@ class StageCalls:
         Returns ("chunk", chunk) or ("done", payload, targets); the backend's exceptions propagate.
         """
         try:
-            chunk = next(generator)
+            chunk = guarded(next, generator)
         except StopIteration as stop:
             payload = None if stop.value is None else self._check_payload(stop.value, "return")
             return ("done", payload, self.targets(request, payload))
@@ -73,7 +76,7 @@ class StageCalls:
     # ---- "ar": continuous batching ----------------------------------------------------------
 
     def add(self, request: Request) -> None:
-        self.backend.add(request)
+        guarded(self.backend.add, request)
 
     def abort(self, request: Request) -> None:
         self.backend.abort(request)
@@ -84,7 +87,7 @@ class StageCalls:
         `requests` (id(request) -> request) are those the backend holds; an output naming
         another request breaks the contract. An outcome is (payload, targets) when the request
         finished, or the exception that failed it."""
-        outputs = self.backend.step()
+        outputs = guarded(self.backend.step)
         if not isinstance(outputs, list | tuple):
             raise BackendContractError(
                 f"step() must return a list of StepOutput, got {type(outputs).__name__}"
@@ -118,7 +121,8 @@ class StageCalls:
 
     def merge(self, request: Request, inputs: dict[str, Payload]) -> Payload:
         assert self._merge is not None
-        return self._check_payload(self._merge(request, inputs), f"{self.spec.merge}()")
+        merged = guarded(self._merge, request, inputs)
+        return self._check_payload(merged, f"{self.spec.merge}()")
 
     def targets(self, request: Request, payload: Payload | None) -> tuple[str, ...]:
         """The `next` stages this request's payload goes to."""

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from omni_server.compiler.plan import ModelSpec
 from omni_server.runtime import PipelineError, RequestHandle
+from omni_server.scheduling.oom import OUT_OF_GPU_MEMORY
 from omni_server.serve.body import ClientGone, read_json
 from omni_server.serve.errors import STREAM_STARTED, ApiError
 from omni_server.serve.metrics import RequestTrack
@@ -121,6 +122,8 @@ def pipeline_error(exc: PipelineError, request_id: str | None = None) -> ApiErro
         return ApiError(504, f"{where} did not finish in time{see_log}", code="timeout")
     if exc.code == "process_died":
         return ApiError(500, f"the process running {where} died{see_log}", code="pipeline_error")
+    if exc.error_code == OUT_OF_GPU_MEMORY:  # the request failed; the stage serves on
+        return ApiError(500, f"{where} ran out of GPU memory{see_log}", code="pipeline_error")
     return ApiError(500, f"{where} failed{see_log}", code="pipeline_error")
 
 
