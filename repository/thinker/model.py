@@ -33,6 +33,7 @@ from omni_server.engine import (
     GenerationRequest,
     SamplingParams,
 )
+from omni_server.engine.memory import MemoryBudgetError
 
 ROLES = ("system", "user", "assistant")
 
@@ -47,11 +48,21 @@ class Thinker(StageBackend):
         if context.device == "cpu":
             torch.set_num_threads(threads)
         try:
-            config = EngineConfig.from_table({**context.engine, "device": context.device})
+            config = EngineConfig.from_table(
+                {
+                    **context.engine,
+                    "device": context.device,
+                    # on a GPU the stage's budget sizes (or checks) the KV cache
+                    "gpu_memory_fraction": context.gpu_memory_fraction,
+                }
+            )
         except (TypeError, ValueError) as err:
             raise StageConfigError(f"[engine]: {err}") from err
-        # one copy of the weights per device when replicas share them (weight_share = "on")
-        self.engine = Engine.from_gguf(config, weights=context.shared_weights)
+        try:
+            # one copy of the weights per device when replicas share them (weight_share = "on")
+            self.engine = Engine.from_gguf(config, weights=context.shared_weights)
+        except MemoryBudgetError as err:  # the fraction cannot hold the model and one request
+            raise StageConfigError(str(err)) from err
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}  # engine id -> request
         self._speech: dict[str, Any] = {}  # engine id -> speech options, until the first chunk

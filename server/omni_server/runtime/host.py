@@ -21,6 +21,7 @@ from omni_server.compiler.plan import Plan, StageSpec
 from omni_server.envelope import Envelope
 from omni_server.scheduling import StageCalls
 
+from . import budgets
 from .backends import load_backend
 from .codec import Unencodable
 from .deadlines import ComputeExecutor
@@ -80,6 +81,7 @@ class StageHost:
         self._executors: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._aborted: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._budgets_enforced = False  # runtime/budgets.py, before the first backend loads
 
     # ---- life cycle ----------------------------------------------------------------------
 
@@ -121,6 +123,7 @@ class StageHost:
         )
 
         def create() -> Any:
+            self._enforce_budgets()  # the first stage's thread: before any backend allocates
             backend = load_backend(spec)
             bind_thread_to_device(device)
             backend.initialize(context)
@@ -131,12 +134,20 @@ class StageHost:
             backend = await loop.run_in_executor(executor, create)
         except StageConfigError as exc:
             raise StageStartError(f"stage {spec.name}: {exc}") from exc
+        except budgets.BudgetError as exc:  # names its stage
+            raise StageStartError(str(exc)) from exc
         except Exception as exc:
             raise StageStartError(
                 f"stage {spec.name}: initialize failed: {type(exc).__name__}: {exc}"
             ) from exc
         self._backends[spec.name] = backend
         return backend
+
+    def _enforce_budgets(self) -> None:
+        """Cap the allocator at the process's memory budget on each of its GPUs, once."""
+        if not self._budgets_enforced:
+            self._budgets_enforced = True
+            budgets.enforce(self.instance, self.plan.stages)
 
     async def stop(self) -> None:
         """Abort what is in flight, stop the schedulers, finalize the backends."""
