@@ -23,7 +23,7 @@ inputs as read-only: inside one process the upstream stage's very objects are pa
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,6 +89,21 @@ class StageContext:
     process_group: Any = None  # torch.distributed group of the TP ranks, None without TP
     engine: Mapping[str, Any] = field(default_factory=dict)  # the stage's [engine] table
     gpu_memory_fraction: float | None = None  # the share of the GPU this stage budgets
+    # the runtime's weight sharing (runtime/weights.py); None: every replica loads its own
+    weight_sharing: Any = field(default=None, repr=False, compare=False)
+
+    def shared_weights(self, key: str, load: Callable[[], Mapping[str, Any]]) -> dict[str, Any]:
+        """The tensors `load()` returns ({name: tensor} on this stage's device), loaded once
+        per device when `weight_share = "on"` puts this replica in a sharing group: the lowest
+        replica on the device (the leader) calls `load()` and publishes the tensors; the others
+        (followers) get tensors aliasing the leader's memory and never call `load()`. Treat
+        them as read-only (on the host a follower's are mapped read-only: a write faults).
+        Without a group this is `dict(load())`. `key` (1-64 of [A-Za-z0-9_-]) names the set
+        within the stage; leader and followers ask for the same keys."""
+        if self.weight_sharing is None:
+            return dict(load())
+        result: dict[str, Any] = self.weight_sharing.share(self.stage, key, load)
+        return result
 
 
 @dataclass

@@ -53,6 +53,7 @@ from .messages import (
     StartFailed,
 )
 from .topology import Topology
+from .weights import followers_of, leaders_of, start_waves
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,11 @@ class ProcessGroup:
         # (peer, restarting instance) -> answered: a peer's Rewired, or its death
         self._acks: dict[tuple[int, int], asyncio.Future[None]] = {}
         self._spawning = asyncio.Lock()  # one rewire + spawn at a time (names change)
+        # weight sharing (weights.py): a follower aliases its leaders' memory, so it starts
+        # after them, dies with them, and stops before them
+        self._followers = {i: followers_of(plan, i) for i in range(n)}
+        self._leaders = {i: leaders_of(plan, i) for i in range(n)}
+        self._up = [asyncio.Event() for _ in range(n)]  # set while ready and alive
         self._endpoint: Endpoint | None = None
         self._monitor: HeartbeatMonitor | None = None
         self._stopping = False
@@ -152,10 +158,16 @@ class ProcessGroup:
             )
             self._monitor.start()
         ports = self._tp_ports()
-        for index, instance in enumerate(self.plan.instances):
-            self._ready[instance.name] = loop.create_future()
-            self._spawn(index, ports.get((instance.process, instance.replica)))
-        # wait for every Ready; the first StartFailed or death ends the wait
+        # weight-sharing followers start once their leaders are ready (one wave without sharing)
+        for wave in start_waves(self.plan):
+            for index in wave:
+                instance = self.plan.instances[index]
+                self._ready[instance.name] = loop.create_future()
+                self._spawn(index, ports.get((instance.process, instance.replica)))
+            await self._wait_ready()
+
+    async def _wait_ready(self) -> None:
+        """Wait for every spawned instance's Ready; the first StartFailed or death ends it."""
         exited = [f for f in self._exited if f is not None]
         pending: list[asyncio.Future[Any]] = [*self._ready.values()]
         while pending:
@@ -229,6 +241,7 @@ class ProcessGroup:
         exited = self._exited[index]
         if exited is not None and not exited.done():
             exited.set_result(code)
+        self._up[index].clear()
         for key in [k for k in self._acks if k[0] == index]:
             ack = self._acks.pop(key)
             if not ack.done():
@@ -244,6 +257,8 @@ class ProcessGroup:
                 f" (killed: {why})" if why else "",
             )
             self._on_death(index, code, why)
+            for follower in sorted(self._followers.get(index, ())):
+                self.kill(follower, f"its weight-sharing leader {name} died")
 
     def _receive(self, message: Any) -> None:
         match message:
@@ -251,6 +266,9 @@ class ProcessGroup:
                 fut = self._ready[message.instance]
                 if not fut.done():
                     fut.set_result(None)
+                for i, inst in enumerate(self.plan.instances):
+                    if inst.name == message.instance and self.alive(i):
+                        self._up[i].set()
                 self._arm_heartbeats(message.instance)
             case StartFailed():
                 fut = self._ready[message.instance]
@@ -314,6 +332,7 @@ class ProcessGroup:
         instance = self.plan.instances[index]
         assert instance.tp_size == 1, "a TP group is not restarted"
         assert not self.alive(index) and self._endpoint is not None
+        await self._leaders_up(index)
         async with self._spawning:
             old = self._names[index]
             self._generation[index] += 1
@@ -336,6 +355,20 @@ class ProcessGroup:
         owed = [ack for (peer, _), ack in self._acks.items() if peer == index]
         if owed:
             await asyncio.wait(owed, timeout=_REWIRE_WAIT_S)
+
+    async def _leaders_up(self, index: int) -> None:
+        """Wait (bounded by the start timeout) until every weight-sharing leader of `index` is
+        ready: a follower attaches to the memory of a live leader only."""
+        for leader in sorted(self._leaders[index]):
+            try:
+                await asyncio.wait_for(self._up[leader].wait(), self._start_timeout_s)
+            except TimeoutError:
+                name = self.plan.instances[leader].name
+                raise PipelineError(
+                    f"{self.plan.instances[index].name} shares the weights of {name}, which "
+                    f"is not back after {self._start_timeout_s:g} s",
+                    code="unavailable",
+                ) from None
 
     async def _rewire(self, index: int, old: str, new: str) -> None:
         """Every live peer (and this process) forgets `old` and is ready to receive from
@@ -379,14 +412,10 @@ class ProcessGroup:
 
     async def stop(self) -> None:
         self._stopping = True
-        alive = [i for i in range(len(self._procs)) if self.alive(i)]
-        if self._endpoint is not None:
-            for index in alive:
-                if self.plan.instances[index].tp_rank == 0:
-                    self.links.control(index, Shutdown())
-        await self._wait_exits(alive, _STOP_GRACE_S, signal.SIGTERM)
-        await self._wait_exits(alive, _TERM_GRACE_S, signal.SIGKILL)
-        await self._wait_exits(alive, _TERM_GRACE_S, None)
+        # weight-sharing followers unmap their leaders' memory before the leaders free it:
+        # the waves of start, in reverse (one wave without sharing)
+        for wave in reversed(start_waves(self.plan)):
+            await self._stop_instances([i for i in wave if self.alive(i)])
         loop = asyncio.get_running_loop()
         for index, pidfd in enumerate(self._pidfds):
             if pidfd >= 0:
@@ -411,6 +440,16 @@ class ProcessGroup:
         unlink_leftovers(f"omni-{self.run_id}-")
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    async def _stop_instances(self, alive: list[int]) -> None:
+        """Shutdown, then SIGTERM after the grace, then SIGKILL; returns once all exited."""
+        if self._endpoint is not None:
+            for index in alive:
+                if self.plan.instances[index].tp_rank == 0:
+                    self.links.control(index, Shutdown())
+        await self._wait_exits(alive, _STOP_GRACE_S, signal.SIGTERM)
+        await self._wait_exits(alive, _TERM_GRACE_S, signal.SIGKILL)
+        await self._wait_exits(alive, _TERM_GRACE_S, None)
 
     async def _wait_exits(self, indexes: list[int], timeout: float, then: int | None) -> None:
         waiting = [f for i in indexes if (f := self._exited[i]) is not None and not f.done()]

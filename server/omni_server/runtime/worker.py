@@ -30,6 +30,7 @@ from .host import StageHost, StageStartError, bind_thread_to_device
 from .links import ChannelLinks
 from .messages import Ready, Rewire, Rewired, Shutdown, StartFailed
 from .topology import Topology
+from .weights import WeightSharing
 
 log = logging.getLogger("omni_server.worker")
 
@@ -78,6 +79,9 @@ async def serve(
                 return TPLeaderCalls(spec, backend, control)
 
         kwargs = {"calls_factory": calls_factory} if calls_factory else {}
+        sharing = WeightSharing(plan, index, run_dir, run_id)
+        if sharing.active:  # this replica leads or follows a weight-sharing group
+            kwargs["weight_sharing"] = sharing
         links = ChannelLinks(endpoint, name=names.__getitem__)
         host = StageHost(plan, index, links, topology=topology, process_group=group, **kwargs)
         try:

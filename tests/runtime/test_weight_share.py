@@ -1,0 +1,296 @@
+"""Weight sharing between replicas (runtime/weights.py) on the CPU: real stage processes, one
+shared-memory segment per group, followers mapping it read-only.
+
+The groups and the start waves from compiled plans; the protocol in one process (leader and
+follower sides, a tampered manifest refused); then real runtimes: two replicas alias one copy
+(the follower never loads, its tensors sit in the leader's segment, mapped read-only), the
+follower starts after its leader is ready, greedy engine outputs are equal, and a SIGKILLed
+leader takes its follower down, fails the request in flight there, and both come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from omni_server.compiler.compiler import compile_repository
+from omni_server.compiler.plan import Plan
+from omni_server.runtime import PipelineError, Runtime
+from omni_server.runtime.supervisor import SupervisionPolicy
+from omni_server.runtime.weights import (
+    WeightShareError,
+    WeightSharing,
+    followers_of,
+    leaders_of,
+    sharing_groups,
+    start_waves,
+)
+from tests.fixtures import FIXTURES
+from tests.helpers.proc import run_segments
+from tests.helpers.repo import make_repo
+from tests.helpers.runtime import running
+
+pytestmark = pytest.mark.timeout(120)
+
+BACKENDS = FIXTURES / "shared_weights.py"
+
+
+def _repo(
+    root: Path,
+    *,
+    share: str = "on",
+    replicas: int = 2,
+    cls: str = "SharedTensors",
+    parameters: str = "",
+    extra_stage: str = "",
+    processes: str = "",
+) -> Plan:
+    stage = f"""\
+        backend = "model.py:{cls}"
+        process = "lm"
+        terminal = true
+        {extra_stage}
+        [engine]
+        max_total_tokens = 256
+        [parameters]
+        {parameters}
+        """
+    repository = f"""\
+        [server]
+        weight_share = "{share}"
+        [models.m]
+        entry = "lm"
+        tasks = ["chat"]
+        [processes.lm]
+        num_replicas = {replicas}
+        {processes}
+        """
+    make_repo(root, {"lm": stage}, repository, {"lm": BACKENDS})
+    return compile_repository(root)
+
+
+def _weight_segments(run_id: str) -> list[str]:
+    return [s for s in run_segments(run_id) if s.startswith(f"omni-{run_id}-w-")]
+
+
+# ---- groups and order (pure) -----------------------------------------------------------------
+
+
+def test_groups_follow_the_engine_stage_and_its_device(tmp_path):
+    assert sharing_groups(_repo(tmp_path / "off", share="off", replicas=3)) == []
+    plan = _repo(tmp_path / "cpu", replicas=3)
+    (group,) = sharing_groups(plan)
+    assert (group.stage, group.device, group.members) == ("lm", None, (0, 1, 2))
+    assert group.name == "lm.lm.cpu"
+    assert start_waves(plan) == [[0], [1, 2]]
+    assert followers_of(plan, 0) == {1, 2} and leaders_of(plan, 2) == {0}
+
+    # GPU: replicas repeating a GPU share it; a replica alone on its GPU loads its own
+    gpu = _repo(
+        tmp_path / "gpu",
+        replicas=4,
+        extra_stage="gpu = [0]\ngpu_memory_fraction = 0.2",
+        processes="replica_devices = [0, 1, 0, 0]",
+    )
+    (group,) = sharing_groups(gpu)
+    assert (group.device, [gpu.instances[i].replica for i in group.members]) == (0, [0, 2, 3])
+    assert group.name == "lm.lm.gpu0"
+    assert start_waves(gpu) == [[0, 1], [2, 3]]
+    assert leaders_of(gpu, 1) == set() and followers_of(gpu, 1) == set()
+
+    # a stage without an [engine] table is never a sharing group
+    make_repo(
+        tmp_path / "plain",
+        {"s": 'backend = "Echo"\nterminal = true'},
+        '[server]\nweight_share = "on"\n[models.m]\nentry = "s"\ntasks = ["chat"]\n'
+        "[processes.s]\nnum_replicas = 2\n",
+    )
+    plain = compile_repository(tmp_path / "plain")
+    assert sharing_groups(plain) == [] and start_waves(plain) == [[0, 1]]
+
+
+# ---- the protocol in one process -------------------------------------------------------------
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    emb = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    return {
+        "emb": emb,
+        "head": emb,
+        "ids": torch.arange(7),
+        "h": torch.ones(3, dtype=torch.bfloat16),
+    }
+
+
+def test_a_follower_aliases_the_leader_and_refuses_a_tampered_manifest(tmp_path):
+    plan = _repo(tmp_path / "repo")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    run_id = "0badc0de"
+    leader = WeightSharing(plan, 0, run_dir, run_id)
+    follower = WeightSharing(plan, 1, run_dir, run_id)
+    try:
+        led = leader.share("lm", "w", _tensors)
+        assert led["emb"].data_ptr() == led["head"].data_ptr()  # tied: placed once
+        assert all(leader.contains(t.data_ptr()) for t in led.values())
+        (segment,) = _weight_segments(run_id)
+        assert segment.startswith(f"omni-{run_id}-w-lm.lm.cpu-w-")
+
+        def never() -> dict[str, torch.Tensor]:
+            raise AssertionError("a follower never loads")
+
+        followed = follower.share("lm", "w", never)
+        assert {k: v.tolist() for k, v in followed.items()} == {
+            k: v.tolist() for k, v in _tensors().items()
+        }
+        assert all(follower.contains(t.data_ptr()) for t in followed.values())
+        assert followed["emb"].data_ptr() == followed["head"].data_ptr()
+        # the leader's writes show through: the same memory, not a copy
+        led["ids"][0] = 42
+        assert int(followed["ids"][0]) == 42
+        # a stage outside any group just loads
+        assert set(follower.share("other", "w", _tensors)) == {"emb", "head", "ids", "h"}
+
+        manifest_path = run_dir / "weights-lm.lm.cpu-w.json"
+        good = json.loads(manifest_path.read_text())
+
+        def refused(change, match: str) -> None:
+            bad = json.loads(json.dumps(good))
+            change(bad)
+            manifest_path.write_text(json.dumps(bad))
+            with pytest.raises(WeightShareError, match=match):
+                WeightSharing(plan, 1, run_dir, run_id).share("lm", "w", never)
+
+        def past_the_end(m):
+            m["tensors"][0][1] = m["bytes"]
+
+        def dtype(m):
+            m["tensors"][0][3] = "object"
+
+        def shape(m):
+            m["tensors"][0][4] = [1000]
+
+        def region(m):
+            m["region"] = "omni-0badc0de-0-c"
+
+        def device(m):
+            m["device"] = 0
+
+        refused(past_the_end, "not inside the region")
+        refused(dtype, "not a tensor dtype")
+        refused(shape, "is not 48 bytes")
+        refused(region, "not this run's region")
+        refused(device, "device 0")
+        manifest_path.write_text(json.dumps(good))
+        manifest_path.chmod(0o644)
+        with pytest.raises(WeightShareError, match="mode 0600"):
+            WeightSharing(plan, 1, run_dir, run_id).share("lm", "w", never)
+        with pytest.raises(WeightShareError, match="key"):
+            follower.share("lm", "../x", never)
+    finally:
+        follower.close()
+        leader.close()
+    assert _weight_segments(run_id) == []
+
+
+# ---- real processes --------------------------------------------------------------------------
+
+
+async def _both(runtime: Runtime, inputs: dict | None = None) -> dict[int, dict]:
+    """One result from each of the two replicas (round robin)."""
+    model = runtime.plan.models["m"]
+    results = await asyncio.gather(
+        *(runtime.submit(model, dict(inputs or {})).result() for _ in range(2))
+    )
+    by_replica = {r["replica"]: r for r in results}
+    assert set(by_replica) == {0, 1}
+    return by_replica
+
+
+async def test_two_cpu_replicas_share_one_read_only_copy_started_in_order(tmp_path):
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    plan = _repo(tmp_path / "repo", parameters=f'mib = 16\nload_s = 0.5\nmarker_dir = "{markers}"')
+    async with running(plan) as runtime:
+        run_id = runtime._group.run_id
+        by_replica = await _both(runtime)
+        leader, follower = by_replica[0], by_replica[1]
+        assert leader["loaded"] and not follower["loaded"]
+        assert follower["sums"] == leader["sums"] and leader["tied"] and follower["tied"]
+        assert all(follower["in_region"].values()) and all(leader["in_region"].values())
+        # one segment holds the weights; the leader maps it read-write, the follower read-only
+        (segment,) = _weight_segments(run_id)
+        for name in leader["maps"]:
+            assert tuple(leader["maps"][name]) == (f"/dev/shm/{segment}", "rw-s")
+            assert tuple(follower["maps"][name]) == (f"/dev/shm/{segment}", "r--s")
+        # order: the follower's initialize began after the leader's had finished
+        leader_ready = float((markers / "r0-ready").read_text())
+        assert float((markers / "r1-start").read_text()) > leader_ready
+    assert _weight_segments(run_id) == []
+
+
+async def test_without_sharing_each_replica_loads_its_own(tmp_path):
+    plan = _repo(tmp_path / "repo", share="off")
+    async with running(plan) as runtime:
+        by_replica = await _both(runtime)
+        assert by_replica[0]["loaded"] and by_replica[1]["loaded"]
+        assert not any(by_replica[1]["in_region"].values())
+        assert by_replica[0]["sums"] == by_replica[1]["sums"]
+        assert _weight_segments(runtime._group.run_id) == []
+
+
+async def test_the_engine_on_shared_weights_gives_the_same_greedy_tokens(tmp_path):
+    plan = _repo(tmp_path / "repo", cls="SharedEngine")
+    async with running(plan) as runtime:
+        prompt = {"prompt": [5, 17, 99, 3], "max_tokens": 12}
+        by_replica = await _both(runtime, prompt)
+        leader, follower = by_replica[0], by_replica[1]
+        assert len(leader["tokens"]) == 12 and follower["tokens"] == leader["tokens"]
+        assert follower["in_region"] and follower["map"][1] == "r--s"
+        assert follower["map"][0] == leader["map"][0] != ""
+        assert follower["embed_sum"] == leader["embed_sum"]
+
+
+async def test_a_killed_leader_takes_its_follower_down_and_both_come_back(tmp_path):
+    plan = _repo(tmp_path / "repo")
+    policy = SupervisionPolicy(backoff_s=0.2)
+    async with running(plan, supervision=policy) as runtime:
+        events: asyncio.Queue[tuple[str, str, str]] = asyncio.Queue()
+        runtime.supervision_observers.append(lambda *e: events.put_nowait(e))
+        model = plan.models["m"]
+        run_id = runtime._group.run_id
+        first = await _both(runtime)
+        # a request in flight on the follower (round robin: the next one goes to r0, then r1)
+        await runtime.submit(model, {}).result()
+        held = runtime.submit(model, {"sleep": 30})
+        await asyncio.sleep(0.2)
+        old_leader = runtime.processes()["lm@r0"]
+        os.kill(old_leader, signal.SIGKILL)
+        with pytest.raises(PipelineError) as failed:
+            await asyncio.wait_for(held.result(), 20)
+        assert failed.value.code == "process_died" and "lm@r1" in failed.value.message
+
+        deaths, restarts = {}, set()
+        while len(restarts) < 2:
+            kind, subject, detail = await asyncio.wait_for(events.get(), 60)
+            if kind == "death":
+                deaths[subject] = detail
+            elif kind == "restart":
+                restarts.add(subject)
+        assert deaths["lm@r0"] == "exit code -9"
+        assert "weight-sharing leader lm@r0 died" in deaths["lm@r1"]
+        assert runtime.health()[0] == "ok"
+
+        again = await _both(runtime)
+        assert again[0]["loaded"] and not again[1]["loaded"]  # the new leader loaded again
+        assert again[1]["sums"] == first[1]["sums"] and all(again[1]["in_region"].values())
+        assert again[0]["pid"] != old_leader
+        (segment,) = _weight_segments(run_id)  # the dead leader's region is gone
+        assert segment.endswith(f"-{again[0]['pid']}")
+        assert again[1]["maps"]["big"][0] == f"/dev/shm/{segment}"
