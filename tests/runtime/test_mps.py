@@ -24,7 +24,7 @@ import pytest
 
 from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.plan import Plan
-from omni_server.runtime import Runtime
+from omni_server.runtime import Runtime, mps
 from omni_server.runtime.errors import PipelineError
 from omni_server.runtime.gpus import MPS_CONTROL, Machine, discover
 from omni_server.runtime.mps import PID_FILE, _ours
@@ -41,13 +41,25 @@ pytestmark = pytest.mark.timeout(120)
 FAKE_CONTROL = FIXTURES / "fake_mps_control.py"
 
 
+# Stands in for the runtime's CUDA client probe (no CUDA here): a client as MPS wants it, with
+# no CUDA_VISIBLE_DEVICES of its own, that reaches the daemon of its pipe directory.
+FAKE_CLIENT_PROBE = """
+import os, socket
+assert "CUDA_VISIBLE_DEVICES" not in os.environ
+client = socket.socket(socket.AF_UNIX)
+client.connect(os.environ["CUDA_MPS_PIPE_DIRECTORY"] + "/control")
+client.close()
+"""
+
+
 @pytest.fixture
-def fake_control(tmp_path: Path) -> str:
-    """An executable `nvidia-cuda-mps-control` that runs the fake."""
+def fake_control(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """An executable `nvidia-cuda-mps-control` that runs the fake (and the fake client probe)."""
     path = tmp_path / "bin" / MPS_CONTROL
     path.parent.mkdir()
     path.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_CONTROL}" "$@"\n')
     path.chmod(0o755)
+    monkeypatch.setattr(mps, "CLIENT_PROBE", FAKE_CLIENT_PROBE)
     return str(path)
 
 
@@ -100,6 +112,36 @@ async def test_mps_on_that_cannot_start_fails_with_one_line_and_leaves_nothing(
     run_dir = runtime.run_dir
     await runtime.stop()
     assert run_dir is not None and not run_dir.exists()
+
+
+def _has_libcuda() -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(_has_libcuda(), reason="this machine has a CUDA driver")
+async def test_mps_on_whose_cuda_client_cannot_start_fails_and_stops_the_daemon(
+    tmp_path, fake_control, monkeypatch
+):
+    monkeypatch.undo()  # the fixture's stand-in probe goes: the runtime's own CUDA client runs
+    plan = two_processes_on_gpu0(tmp_path, "on")
+    runtime = Runtime(plan, machine=fake_machine(1, fake_control))
+    with pytest.raises(PipelineError) as failed:
+        await runtime.start()
+    assert failed.value.message.startswith(
+        "mps = on, but MPS cannot start on cuda:0: a CUDA client of the MPS daemon failed: "
+        "OSError: libcuda.so.1"
+    )
+    run_dir = runtime.run_dir
+    assert run_dir is not None
+    await runtime.stop()
+    assert not run_dir.exists()
+    assert _ours(run_dir / "mps" / "pipe") == []  # the daemon it started is stopped
 
 
 async def test_mps_auto_that_cannot_start_warns_once_and_serves(tmp_path, caplog):
@@ -192,14 +234,17 @@ SERVER = """
 import asyncio, json, sys
 from omni_server.compiler.compiler import compile_repository
 from omni_server.runtime import Runtime
+from omni_server.runtime import mps
 from omni_server.runtime.gpus import Gpu, Machine, discover
 import os
 
 async def main():
     plan = compile_repository(sys.argv[1])
     control = sys.argv[2]
-    machine = discover(os.environ) if control == "real" else Machine(
-        (Gpu(0, "GPU-fake-0"),), mps_control=control)
+    machine = discover(os.environ)
+    if control != "real":
+        machine = Machine((Gpu(0, "GPU-fake-0"),), mps_control=control)
+        mps.CLIENT_PROBE = sys.argv[3]
     runtime = Runtime(plan, machine=machine)
     await runtime.start()
     await runtime.submit(plan.models["m"], {}).result()
@@ -216,7 +261,7 @@ asyncio.run(main())
 async def _sigkilled_server_is_cleaned_up(tmp_path: Path, control: str, compute: bool) -> None:
     plan = two_processes_on_gpu0(tmp_path / "repo", "on", compute=compute)
     server = subprocess.Popen(
-        [sys.executable, "-c", SERVER, str(plan.repository), control],
+        [sys.executable, "-c", SERVER, str(plan.repository), control, FAKE_CLIENT_PROBE],
         stdout=subprocess.PIPE,
         text=True,
         cwd=ROOT,

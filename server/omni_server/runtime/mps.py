@@ -29,6 +29,7 @@ import select
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -42,8 +43,27 @@ log = logging.getLogger(__name__)
 PID_FILE = "nvidia-cuda-mps-control.pid"  # the daemon writes it into its pipe directory
 _COMMAND_TIMEOUT_S = 10.0  # one control command (start, quit)
 _PID_FILE_WAIT_S = 5.0  # the daemon has detached: its pid file follows shortly
+_PROBE_TIMEOUT_S = 30.0  # a CUDA client's first context (the MPS server starts for it)
 _EXIT_WAIT_S = 5.0  # after quit / SIGTERM, before SIGKILL
 _MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes; the daemon's sockets live in the pipe dir
+
+
+# A CUDA client in a few driver calls (no torch: it starts in milliseconds). Primary context
+# retain/release: the driver API every CUDA version keeps. Exits non-zero naming the error.
+CLIENT_PROBE = """
+import ctypes, sys
+cuda = ctypes.CDLL("libcuda.so.1")
+def check(rc, call):
+    if rc:
+        name = ctypes.c_char_p()
+        cuda.cuGetErrorName(rc, ctypes.byref(name))
+        sys.exit(f"{call}: {(name.value or b'error %d' % rc).decode()}")
+check(cuda.cuInit(0), "cuInit")
+device, ctx = ctypes.c_int(), ctypes.c_void_p()
+check(cuda.cuDeviceGet(ctypes.byref(device), 0), "cuDeviceGet")
+check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device), "cuDevicePrimaryCtxRetain")
+check(cuda.cuDevicePrimaryCtxRelease_v2(device), "cuDevicePrimaryCtxRelease")
+"""
 
 
 class MpsUnavailable(Exception):
@@ -104,10 +124,29 @@ class MpsDaemon:
         self.pid = self._wait_pid_file()
         probe = self._command([], "get_server_list\n", env)
         if probe.returncode != 0:
-            self.stop()
             raise MpsUnavailable(f"the MPS control daemon does not answer: {_last_line(probe)}")
+        self._probe_client()
         gpus = ", ".join(f"cuda:{g.index}" for g in self.gpus)
         log.info("MPS control daemon (pid %d) for %s at %s", self.pid, gpus, self.pipe_dir)
+
+    def _probe_client(self) -> None:
+        """Open a CUDA context as a client, so that the daemon starts its MPS server now:
+        where MPS cannot run (the platform, a container, the compute mode) the run learns it
+        here, not from a stage's CUDA error later."""
+        try:
+            out = subprocess.run(
+                [sys.executable, "-c", CLIENT_PROBE],
+                env=self.client_env(os.environ),
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=_PROBE_TIMEOUT_S,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise MpsUnavailable("a CUDA client of the MPS daemon did not start in time") from exc
+        if out.returncode != 0:
+            raise MpsUnavailable(f"a CUDA client of the MPS daemon failed: {_last_line(out)}")
 
     def _daemonize(self, env: Mapping[str, str]) -> None:
         # its output goes to a file, not a pipe: the detached daemon may keep the pipe open
@@ -159,6 +198,9 @@ class MpsDaemon:
             pid = _read_pid(self.pipe_dir)
             if pid is not None and _pipe_dir_of(pid) == str(self.pipe_dir):
                 return pid
+            found = _ours(self.pipe_dir)  # a daemon that writes no pid file, by its environment
+            if len(found) == 1:
+                return found[0]
             if time.monotonic() > deadline:
                 raise MpsUnavailable(f"the MPS control daemon wrote no pid file in {self.pipe_dir}")
             time.sleep(0.05)
