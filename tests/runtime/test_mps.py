@@ -331,3 +331,21 @@ async def test_a_sigkilled_servers_real_daemon_is_stopped_by_the_next_start(tmp_
     if discover(os.environ).mps_control is None:
         pytest.skip("nvidia-cuda-mps-control is not installed here")
     await _sigkilled_server_is_cleaned_up(tmp_path, "real", compute=True)
+
+
+@pytest.mark.slow  # three runtimes in a row
+def test_the_gpu_mps_benchmark_runs_end_to_end_on_the_cpu():
+    code = "import sys; from omni_bench.cli import main; sys.exit(main(sys.argv[1:]))"
+    args = ["gpu-mps", "--cpu", "--requests", "4", "--warmup", "1", "--size", "32", "--layers", "1"]
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ")][1:]
+    assert [r.split("|")[1].strip() for r in rows] == [
+        "one process alone",
+        "two processes, MPS off",
+        "two processes, MPS on",
+    ]
+    for row in rows:
+        assert float(row.split("|")[2]) > 0  # requests/s measured

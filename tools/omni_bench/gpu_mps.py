@@ -54,9 +54,9 @@ class MatmulLoad(StageBackend):
             size, size, device=self.device, dtype=torch.bfloat16, generator=gen
         ) / (size**0.5)  # [K, N]: the "model" read once per layer
         self.x0 = torch.randn(self.rows, size, device=self.device, dtype=torch.bfloat16)
-        self.budget = (context.gpu_memory_fraction or 0.0) * torch.cuda.get_device_properties(
-            self.device
-        ).total_memory
+        self.on_gpu = self.device.type == "cuda"  # else the --cpu smoke run
+        total = torch.cuda.get_device_properties(self.device).total_memory if self.on_gpu else 0
+        self.budget = (context.gpu_memory_fraction or 0.0) * total
         self.step(self.x0)  # kernels chosen, memory pooled before the first request
 
     def step(self, x: Any) -> float:
@@ -64,7 +64,8 @@ class MatmulLoad(StageBackend):
 
         for _ in range(self.layers):
             x = torch.tanh(x @ self.weight)  # [rows, size]
-        torch.cuda.synchronize(self.device)
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
         return float(x[0, 0])
 
     def execute(self, requests: list[Request]) -> list[dict[str, Any]]:
@@ -78,7 +79,7 @@ class MatmulLoad(StageBackend):
             out.append(
                 {
                     "value": value,
-                    "peak": torch.cuda.max_memory_allocated(self.device),
+                    "peak": torch.cuda.max_memory_allocated(self.device) if self.on_gpu else 0,
                     "budget": self.budget,
                     "pid": os.getpid(),
                     "mps": os.environ.get("CUDA_MPS_PIPE_DIRECTORY") is not None,
@@ -94,8 +95,8 @@ def _plan(root: Path, args: argparse.Namespace, mps: str) -> Plan:
         (folder / "model.py").write_text(_STAGE_FILE)
         (folder / "stage.toml").write_text(
             'backend = "model.py:MatmulLoad"\nterminal = true\n'
-            f"gpu = {args.gpu}\ngpu_memory_fraction = {args.fraction}\n"
-            f"[parameters]\nsize = {args.size}\nrows = {args.rows}\nlayers = {args.layers}\n"
+            + ("" if args.cpu else f"gpu = {args.gpu}\ngpu_memory_fraction = {args.fraction}\n")
+            + f"[parameters]\nsize = {args.size}\nrows = {args.rows}\nlayers = {args.layers}\n"
         )
     models = "".join(f'[models.m{i}]\nentry = "s{i}"\ntasks = ["speech"]\n' for i in (0, 1))
     (root / "repository.toml").write_text(f'[server]\nmps = "{mps}"\n' + models)
@@ -152,8 +153,9 @@ async def run(args: argparse.Namespace) -> None:
         ("two processes, MPS off", "off", ["m0", "m1"]),
         ("two processes, MPS on", "on", ["m0", "m1"]),
     ]
+    where = "cpu (a smoke run)" if args.cpu else f"cuda:{args.gpu}"
     print(
-        f"# gpu-mps: cuda:{args.gpu}, {args.rows} rows x {args.layers} layers of a "
+        f"# gpu-mps: {where}, {args.rows} rows x {args.layers} layers of a "
         f"{args.size}^2 bf16 weight per request; {args.requests} requests per model, "
         f"{args.concurrency} clients per model; fraction {args.fraction} per process"
     )
@@ -183,9 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=64, help="matmuls per request (64)")
     parser.add_argument("--fraction", type=float, default=0.3, help="memory per process (0.3)")
     parser.add_argument("--gpu", type=int, default=0, help="the GPU (0)")
+    parser.add_argument(
+        "--cpu", action="store_true", help="stages on the CPU: a smoke run of the tool, no GPU"
+    )
     args = parser.parse_args(argv)
     machine = discover(os.environ)  # as the runtime does: no CUDA context in this process
-    if machine.gpu(args.gpu) is None:
+    if not args.cpu and machine.gpu(args.gpu) is None:
         print(f"omni-bench gpu-mps: needs cuda:{args.gpu} ({machine.why_no_gpu})", file=sys.stderr)
         return 2
     asyncio.run(run(args))
