@@ -71,6 +71,7 @@ class DecodeGraphs:
         self.context_buckets = context_buckets(max_seq_len)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.pool: Any = None  # one memory pool shared by all graphs
+        self._stream: Any = None  # the side stream graphs warm up and are captured on
 
     def capture_all(self) -> None:
         for b in self.batch_buckets:
@@ -119,14 +120,18 @@ class DecodeGraphs:
             decode=DecodeGroup(b, torch.zeros(b, length, dtype=torch.int64, device=dev), mask),
             prefills=[],
         )
-        stream = torch.cuda.Stream(device=dev)
+        # One side stream for every warm-up and capture: each stream a matmul runs on keeps a
+        # cuBLAS workspace for good, so a fresh stream per graph would hold up to 32 of them.
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=dev)
+        stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(2):  # warm up kernels / allocator outside the capture
                 self.forward(static, self.cache.k, self.cache.v)
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool), torch.inference_mode():
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream), torch.inference_mode():
             logits = self.forward(static, self.cache.k, self.cache.v)
         if self.pool is None:
             self.pool = graph.pool()

@@ -14,7 +14,8 @@ take:
 
 Eager steps reuse one another's memory, so their workspace is the largest peak. Decode graphs
 (cuda_graphs) keep a private pool: the largest graph's intermediates (the decode peak) plus
-every graph's static inputs and logits, which live as long as the engine; that adds on top.
+every graph's static inputs and logits, which live as long as the engine, and the cuBLAS
+workspace of the side stream they are captured on; that adds on top.
 Peaks are torch.cuda.max_memory_allocated above what was allocated before each forward.
 On the CPU the forwards run (tests) and every peak reads 0.
 """
@@ -108,7 +109,8 @@ def measure_workspace(model: Llama, config: EngineConfig, max_seq_len: int) -> W
     del scratch
     graphs = 0
     if config.cuda_graphs and device.type == "cuda":
-        graphs = decode + graph_static_bytes(model.shape.vocab_size, batch, max_seq_len)
+        statics = graph_static_bytes(model.shape.vocab_size, batch, max_seq_len)
+        graphs = decode + statics + _side_stream_workspace(device, config.torch_dtype)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return Workspace(mixed, prefill, decode, graphs)
@@ -126,7 +128,15 @@ def graph_static_bytes(vocab_size: int, max_batch_size: int, max_seq_len: int) -
     return total
 
 
-def _peak(device: torch.device, run: Callable[..., None], *args: Any) -> int:
+def _side_stream_workspace(device: torch.device, dtype: torch.dtype) -> int:
+    """What the first matmul on a stream of its own leaves allocated: cuBLAS's workspace for
+    that stream, which the decode graphs' side stream keeps (cuda_graphs.py)."""
+    a = torch.ones(64, 64, dtype=dtype, device=device)
+    with torch.cuda.stream(torch.cuda.Stream(device=device)):
+        return _peak(device, torch.matmul, a, a)
+
+
+def _peak(device: torch.device, run: Callable[..., object], *args: Any) -> int:
     """Bytes allocated at the peak of run(*args) above what was allocated before (0 on CPU)."""
     if device.type != "cuda":
         run(*args)
@@ -155,16 +165,16 @@ def _step(
     decode = None
     if decodes:
         slots = torch.zeros(decodes, context, dtype=torch.int64, device=dev)
-        mask = torch.ones(decodes, 1, 1, context, dtype=torch.bool, device=dev)
-        decode = DecodeGroup(decodes, slots, mask)
+        kv_mask = torch.ones(decodes, 1, 1, context, dtype=torch.bool, device=dev)
+        decode = DecodeGroup(decodes, slots, kv_mask)
     prefills = []
     if chunk:
         kv_slots = torch.zeros(context, dtype=torch.int64, device=dev)
-        mask = None
+        causal: torch.Tensor | None = None  # the chunk starts at 0: plain causal attention
         if start > 0:
             q_pos = torch.arange(start, context, device=dev).unsqueeze(1)
-            mask = torch.arange(context, device=dev).unsqueeze(0) <= q_pos
-        prefills.append(PrefillChunk(decodes, chunk, kv_slots, mask))
+            causal = torch.arange(context, device=dev).unsqueeze(0) <= q_pos
+        prefills.append(PrefillChunk(decodes, chunk, kv_slots, causal))
     positions = [context - 1] * decodes + list(range(start, context))
     rows = list(range(decodes)) + ([tokens - 1] if chunk else [])
     fwd = ForwardBatch(
