@@ -14,6 +14,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -294,3 +296,116 @@ async def test_a_killed_leader_takes_its_follower_down_and_both_come_back(tmp_pa
         (segment,) = _weight_segments(run_id)  # the dead leader's region is gone
         assert segment.endswith(f"-{again[0]['pid']}")
         assert again[1]["maps"]["big"][0] == f"/dev/shm/{segment}"
+
+
+def test_a_follower_writing_its_weights_faults_instead_of_changing_the_leaders(tmp_path):
+    plan = _repo(tmp_path / "repo")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    run_id = "0badbeef"
+    leader = WeightSharing(plan, 0, run_dir, run_id)
+    try:
+        led = leader.share("lm", "w", _tensors)
+        # a follower in a process of its own (the write kills it: not this test's process)
+        code = (
+            "import sys, torch\n"
+            "from pathlib import Path\n"
+            "from omni_server.compiler.compiler import compile_repository\n"
+            "from omni_server.runtime.weights import WeightSharing\n"
+            f"plan = compile_repository(Path({str(tmp_path / 'repo')!r}))\n"
+            f"follower = WeightSharing(plan, 1, Path({str(run_dir)!r}), {run_id!r})\n"
+            "w = follower.share('lm', 'w', None)\n"
+            "print(w['ids'].tolist(), flush=True)\n"
+            "w['ids'][0] = 99\n"
+            "print('wrote', flush=True)\n"
+        )
+        run = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+        )
+        assert run.stdout.splitlines()[0] == str(list(range(7)))  # it read the leader's values
+        assert run.returncode == -signal.SIGSEGV and "wrote" not in run.stdout
+        assert led["ids"].tolist() == list(range(7))
+    finally:
+        leader.close()
+
+
+def test_the_engine_refuses_shared_weights_that_are_not_its_model():
+    from omni_server.engine import Engine, EngineConfig
+    from omni_server.engine.config import LlamaShape
+
+    shape = LlamaShape(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=64,
+    )
+    config = EngineConfig(max_total_tokens=64, device="cpu")
+
+    def source(change):
+        def shared(key, load):
+            weights = dict(load())
+            change(weights)
+            return weights
+
+        return shared
+
+    def drop(w):
+        del w["norm.weight"]
+
+    def reshape(w):
+        w["norm.weight"] = torch.ones(31)
+
+    def retype(w):
+        w["norm.weight"] = w["norm.weight"].double()
+
+    for change, match in [(drop, "missing"), (reshape, r"\(31,\)"), (retype, "float64")]:
+        with pytest.raises(ValueError, match=match):
+            Engine.from_random(shape, config, weights=source(change))
+
+
+THINKER = Path(__file__).resolve().parents[2] / "repository" / "thinker"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_two_thinker_replicas_on_the_cpu_share_the_smollm2_weights(tmp_path):
+    stage = (THINKER / "stage.toml").read_text().replace('stream_to = ["text_frontend"]\n', "")
+    stage = stage.replace("max_total_tokens = 8192", "max_total_tokens = 1024")
+    make_repo(
+        tmp_path / "repo",
+        {"thinker": stage},
+        '[server]\nweight_share = "on"\n[models.chat]\nentry = "thinker"\ntasks = ["chat"]\n'
+        "[processes.thinker]\nnum_replicas = 2\n",
+        {"thinker": THINKER / "model.py"},
+    )
+    plan = compile_repository(tmp_path / "repo")
+    inputs = {
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+    async with running(plan) as runtime:
+        run_id = runtime._group.run_id
+        model = plan.models["chat"]
+        answers = await asyncio.gather(
+            *(runtime.submit(model, dict(inputs)).result() for _ in "ab")
+        )
+        pids = runtime.processes()
+        (segment,) = _weight_segments(run_id)
+        size = (Path("/dev/shm") / segment).stat().st_size
+        maps = {name: _maps_of(pid, segment) for name, pid in pids.items()}
+    assert answers[0]["text"] == answers[1]["text"] and answers[0]["text"]
+    assert size > 500 << 20  # SmolLM2-135M in float32, once
+    assert maps["thinker@r0"] == {"rw-s"} and maps["thinker@r1"] == {"r--s"}
+
+
+def _maps_of(pid: int, segment: str) -> set[str]:
+    """The permissions of `pid`'s mappings of /dev/shm/`segment`."""
+    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return {line.split()[1] for line in lines if line.endswith(f"/dev/shm/{segment}")}
