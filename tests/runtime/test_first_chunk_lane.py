@@ -9,8 +9,10 @@ inline (stage hosts in this process), so the test reaches the backend object its
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,6 +21,8 @@ from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.errors import RepositoryError
 from omni_server.runtime import PipelineError
 from omni_server.runtime.deadlines import ComputeExecutor
+from omni_server.runtime.streams import StreamInbox
+from omni_server.scheduling import StreamScheduler, WorkItem
 from tests.helpers.repo import make_repo
 from tests.helpers.runtime import running
 
@@ -277,3 +281,60 @@ def test_the_stage_watchdog_sees_a_call_on_the_lane_thread():
         main.shutdown(wait=True)
     with pytest.raises(RuntimeError):  # shut down with the stage's executor
         lane.submit(lambda: None)
+
+
+class _Stream:
+    """A stream input as the scheduler sees it (the runtime's StreamInbox has these two)."""
+
+    def __init__(self, ready: bool, drained: bool) -> None:
+        self.ready, self.drained = ready, drained
+
+
+def _item(key: int, stream: _Stream | None) -> WorkItem:
+    env = SimpleNamespace(key=key)  # the scheduler reads only the key of an envelope
+    return WorkItem(env=env, request=None, timings=[], stream=stream)  # type: ignore[arg-type]
+
+
+def test_pick_order_first_chunks_then_finishing_requests_then_fewest_chunks():
+    """The main thread's order: a request's first chunk; then a request whose stream input is
+    all read (its next step ends it, so its caller is freed at once instead of every request
+    finishing together); then the fewest chunks; ties to the oldest."""
+    with concurrent.futures.ThreadPoolExecutor(1) as executor:
+        scheduler = StreamScheduler(None, None, executor)  # type: ignore[arg-type]
+        chunks = {1: 3, 2: 1, 3: 2, 4: 0, 5: 0}
+        streams = {
+            1: _Stream(ready=True, drained=False),  # 3 chunks, more input waiting
+            2: _Stream(ready=True, drained=False),  # 1 chunk, more input waiting
+            3: _Stream(ready=True, drained=True),  # 2 chunks, its input all read
+            4: _Stream(ready=False, drained=False),  # no chunk yet, but nothing to read
+            5: None,  # no stream input: always runnable
+        }
+        for key in chunks:
+            scheduler.admit(_item(key, streams[key]))
+            scheduler._active[key].chunks = chunks[key]
+        order = []
+        while (active := scheduler._pick()) is not None:
+            order.append(active.item.key)
+            del scheduler._active[active.item.key]
+        assert order == [5, 3, 2, 1]  # 4 is not runnable
+        # the lane takes only first chunks, and only while the main thread is busy
+        scheduler.admit(_item(6, None))
+        scheduler.admit(_item(7, _Stream(ready=True, drained=False)))
+        scheduler._active[7].chunks = 1
+        assert scheduler._pick_first() is None
+        scheduler._main_busy = True
+        assert scheduler._pick_first().item.key == 6
+        scheduler._active[6].running = True
+        assert scheduler._pick_first() is None and scheduler._pick().item.key == 7
+
+
+def test_a_stream_inbox_is_drained_once_its_end_is_all_that_is_left():
+    inbox = StreamInbox("r", ["up"])
+    inbox.put({"i": 0})
+    assert inbox.ready and not inbox.drained  # a chunk is waiting
+    inbox.end("up", [])
+    assert not inbox.drained  # the chunk is still unread
+    reader = iter(inbox)
+    assert next(reader) == {"i": 0}
+    assert inbox.drained  # only the end is left: the next read returns
+    assert list(reader) == [] and inbox.drained  # the end marker is sticky

@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -183,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="start omni-server on --repo (a free loopback port) as the server under test, "
         "report its CPU, and stop it at the end (instead of --url)",
     )
+    p.add_argument(
+        "--serve-args",
+        default="",
+        help="more omni-server arguments for --serve, one shell-quoted string (e.g. "
+        '"--max-in-flight 32 --stages.acoustic.scheduler.first_chunk_lane false")',
+    )
     p.add_argument("--model", help="model id (default: the first one /v1/models lists)")
     p.add_argument("--voice", help="voice name sent with each request (default: none sent)")
     p.add_argument(
@@ -238,12 +245,18 @@ async def run(args: argparse.Namespace) -> dict:
         raise UsageError(f"--repo {args.repo}: no repository.toml")
     if args.server_pid is not None and not Path(f"/proc/{args.server_pid}").is_dir():
         raise UsageError(f"--server-pid {args.server_pid}: no such process")
+    if args.serve_args and not args.serve:
+        raise UsageError("--serve-args needs --serve")
+    try:
+        serve_args = shlex.split(args.serve_args)
+    except ValueError as err:
+        raise UsageError(f"--serve-args {args.serve_args!r}: {err}") from None
     if not args.serve:
         return await measure(args, texts, levels, requests, args.url, args.server_pid)
     server = ChildServer(
         "omni-server",
         lambda port: [sys.executable, "-m", "omni_server", "--repo", str(args.repo),
-                      "--port", str(port)],
+                      "--port", str(port), *serve_args],
         "/health/ready",
     )  # fmt: skip
     try:
@@ -299,6 +312,7 @@ async def measure(
         "settings": {
             "url": url,
             "served_repository": str(args.repo) if args.serve else None,
+            "serve_args": args.serve_args if args.serve else None,
             "format": args.format,
             "stream": args.stream,
             "seed": args.seed,

@@ -45,6 +45,12 @@ class StreamInbox:
         """Reading will not block: a chunk is waiting or the stream has ended."""
         return self._ended or not self._queue.empty()
 
+    @property
+    def drained(self) -> bool:
+        """The stream has ended and every chunk was read: the next read ends it (the backend's
+        generator typically returns then). Only meaningful while no step of it runs."""
+        return self._ended and self._queue.qsize() <= 1  # the sticky end marker alone
+
     # ---- compute-thread side
     def __iter__(self) -> Iterator[Payload]:
         while True:

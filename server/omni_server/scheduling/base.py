@@ -42,6 +42,11 @@ class StreamInput(Protocol):
         """A chunk (or the end marker) is waiting: a step reading the stream will not block."""
         ...
 
+    @property
+    def drained(self) -> bool:
+        """The stream has ended and every chunk was read: the next step reads its end."""
+        ...
+
 
 @dataclass(eq=False)
 class WorkItem:
@@ -62,6 +67,12 @@ class WorkItem:
     @property
     def runnable(self) -> bool:
         return self.stream is None or self.stream.ready
+
+    @property
+    def finishing(self) -> bool:
+        """Its whole stream input is read: its next step is (for a stage that returns at the
+        end of its input) its last, and short."""
+        return self.stream is not None and self.stream.drained
 
     def started(self, now: float) -> None:
         if self.started_at is None:

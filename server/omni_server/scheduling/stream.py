@@ -6,6 +6,13 @@ requests' later chunks, which keeps time-to-first-chunk flat as concurrency grow
 time to first audio). A request reading stream input is runnable only when a chunk or the end
 marker is waiting for it, so one request waiting for upstream does not stall the others.
 
+One exception to "fewest": a request whose stream input is all read (only its end is left)
+goes right after first chunks, before later chunks. Its next step reads the end and, for a
+stage that returns there, ends it. Ranked by its (many) chunks it would wait for every other
+request's later chunks, so under a closed loop all requests of a replica ended together and
+their callers' next requests came back as one burst of first chunks queueing behind each other
+(measured on the voice at concurrency 16: first chunks waited up to ~0.7 s; docs/voice.md).
+
 Steps run on the stage's compute thread one at a time; the loop thread handles admissions and
 aborts between steps. An aborted request's generator is closed (its `finally` blocks run) on the
 compute thread; an exception from one generator fails that request alone.
@@ -59,6 +66,12 @@ def first_chunk_lane(
         lane: concurrent.futures.ThreadPoolExecutor = sibling("-first")
         return lane
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stream-first-chunk")
+
+
+def _rank(active: _Active) -> tuple[bool, bool, int]:
+    """Lower runs first: first chunks; then requests whose stream input is all read (the step
+    that ends them is short, and ending them at once frees their caller); then fewest chunks."""
+    return (active.chunks > 0, not active.item.finishing, active.chunks)
 
 
 class StreamScheduler(Scheduler):
@@ -130,7 +143,7 @@ class StreamScheduler(Scheduler):
             if (
                 active.item.runnable
                 and not active.running
-                and (best is None or active.chunks < best.chunks)
+                and (best is None or _rank(active) < _rank(best))
             ):
                 best = active
         return best
