@@ -77,6 +77,18 @@ async def test_an_ar_step_out_of_memory_fails_its_requests_and_frees_them(tmp_pa
     assert sorted(after["aborted"]) == ["failing", "long"]  # both aborted: their state freed
 
 
+async def test_a_stage_that_runs_out_of_memory_while_it_initializes_is_a_one_line_start_error(
+    tmp_path,
+):
+    plan = _plan(tmp_path, "OomAtStart", None, "[parameters]\nalloc_gib = 2.0\n")
+    runtime = Runtime(plan)
+    with pytest.raises(PipelineError) as caught:
+        await runtime.start()
+    assert caught.value.message == (
+        "stage s: initialize() ran out of GPU memory: tried to allocate 2.00 GiB on GPU 0"
+    )
+
+
 @pytest.mark.slow  # a real server process
 def test_chat_out_of_memory_is_a_500_naming_the_stage_and_the_next_succeeds(tmp_path):
     stage = 'backend = "model.py:OomChat"\nprocess = "thinker"\nterminal = true\n'

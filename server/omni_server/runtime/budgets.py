@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from omni_server.compiler.plan import ProcessInstance, StageSpec
+from omni_server.scheduling.oom import describe
 
 log = logging.getLogger(__name__)
 _GiB = 1 << 30
@@ -87,3 +88,13 @@ def enforce(
 
 def _gib(n: float) -> str:
     return f"{n / _GiB:.1f} GiB"
+
+
+def initialize_oom(fraction: float | None, device: int | None, torch_message: str) -> str:
+    """The start error of a stage whose initialize() ran out of GPU memory (its weights or its
+    profile did not fit the process's cap, or the device was full): one line."""
+    what = describe(torch_message)  # "out of GPU memory: tried to allocate 2.00 MiB on GPU 0"
+    line = f"initialize() ran {what}"
+    if fraction is not None and device is not None:
+        line += f"; gpu_memory_fraction {fraction:g} of cuda:{device} caps its process"
+    return line

@@ -20,6 +20,7 @@ from omni_server.backend import StageConfigError, StageContext
 from omni_server.compiler.plan import Plan, StageSpec
 from omni_server.envelope import Envelope
 from omni_server.scheduling import StageCalls
+from omni_server.scheduling.oom import is_out_of_memory
 
 from . import budgets
 from .backends import load_backend
@@ -137,6 +138,10 @@ class StageHost:
         except budgets.BudgetError as exc:  # names its stage
             raise StageStartError(str(exc)) from exc
         except Exception as exc:
+            if is_out_of_memory(exc):  # one line, not torch's paragraph
+                fraction = context.gpu_memory_fraction
+                why = budgets.initialize_oom(fraction, device, str(exc))
+                raise StageStartError(f"stage {spec.name}: {why}") from exc
             raise StageStartError(
                 f"stage {spec.name}: initialize failed: {type(exc).__name__}: {exc}"
             ) from exc

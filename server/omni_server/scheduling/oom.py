@@ -29,6 +29,10 @@ class OutOfGPUMemory(RuntimeError):
     code = OUT_OF_GPU_MEMORY
 
 
+def is_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, _out_of_memory_types())
+
+
 def _out_of_memory_types() -> tuple[type[BaseException], ...]:
     torch = sys.modules.get("torch")  # no torch imported: nothing could have raised its OOM
     return () if torch is None else (torch.OutOfMemoryError,)
