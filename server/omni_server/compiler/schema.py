@@ -190,7 +190,8 @@ ENGINE_FIELDS = _fields(
     Field(
         "max_total_tokens",
         Kind.INT,
-        "pinned KV token budget of the engine; weight_share = on requires it",
+        "pinned KV token budget of the engine (absent: sized from gpu_memory_fraction on a "
+        "GPU, else the engine's 16384); weight_share = on requires it",
         minimum=1,
     ),
     Field("max_batch_size", Kind.INT, "most requests in one engine step", minimum=1),
