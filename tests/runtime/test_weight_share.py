@@ -409,3 +409,23 @@ def _maps_of(pid: int, segment: str) -> set[str]:
     """The permissions of `pid`'s mappings of /dev/shm/`segment`."""
     lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
     return {line.split()[1] for line in lines if line.endswith(f"/dev/shm/{segment}")}
+
+
+def test_a_follower_waits_a_bounded_time_for_a_live_leader(tmp_path):
+    plan = _repo(tmp_path / "repo")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    follower = WeightSharing(plan, 1, run_dir, "0badf00d", wait_s=0.2)
+    with pytest.raises(WeightShareError, match=r"after 0.2 s \(no manifest\)"):
+        follower.share("lm", "w", _tensors)
+    leader = WeightSharing(plan, 0, run_dir, "0badf00d")
+    try:
+        leader.share("lm", "w", _tensors)
+        path = run_dir / "weights-lm.lm.cpu-w.json"
+        manifest = json.loads(path.read_text())
+        manifest["leader"] = "999999999 1"  # a process that is not there
+        path.write_text(json.dumps(manifest))
+        with pytest.raises(WeightShareError, match=r"\(its leader is dead\)"):
+            follower.share("lm", "w", _tensors)
+    finally:
+        leader.close()

@@ -146,8 +146,12 @@ class WeightSharing:
 
     Runs on the stage's compute thread (initialize); `close()` after the backends' finalize."""
 
-    def __init__(self, plan: Plan, index: int, run_dir: Path, run_id: str) -> None:
+    def __init__(
+        self, plan: Plan, index: int, run_dir: Path, run_id: str, *, wait_s: float = _WAIT_S
+    ) -> None:
+        """`wait_s`: how long a follower waits for a manifest whose leader is alive."""
         self._index = index
+        self._wait_s = wait_s
         self._run_dir = run_dir
         self._run_id = run_id
         self._groups = {g.stage: g for g in sharing_groups(plan) if index in g.members}
@@ -250,7 +254,7 @@ class WeightSharing:
 
     def _follow(self, group: ShareGroup, key: str) -> dict[str, Any]:
         path = self._manifest_path(group, key)
-        deadline = time.monotonic() + _WAIT_S
+        deadline = time.monotonic() + self._wait_s
         while True:
             manifest = self._read_manifest(path, group)
             if manifest is not None and process_identity_alive(manifest["leader"]):
@@ -259,7 +263,7 @@ class WeightSharing:
                 why = "no manifest" if manifest is None else "its leader is dead"
                 raise WeightShareError(
                     f"no shared weights {key!r} from the leader of {group.name} after "
-                    f"{_WAIT_S:g} s ({why})"
+                    f"{self._wait_s:g} s ({why})"
                 )
             time.sleep(_POLL_S)  # bounded: the leader was Ready before we were spawned
         return self._attach(group, manifest)
