@@ -1,0 +1,158 @@
+"""Compare `omni-bench speech` runs of several server variants: a markdown table and a plot.
+
+    python -m omni_bench.speech_compare --run before=r1-before/speech.json \\
+        --run before=r2-before/speech.json --run after=r1-after/speech.json ... \\
+        --plot docs/img/voice-ttfa.png
+
+Each `--run LABEL=FILE` is one speech.json (a run of our server with the in-process floor
+measured alongside). Runs sharing a label are rounds of one variant: the table gives, per
+concurrency, the median over rounds of each metric (TTFA p50 / p95, audio s/s, throughput
+against the floor of the same run, TTFA p95 against the same run's c=1 p95), and the range
+over rounds. On a shared machine one run is noise; medians of interleaved rounds are the claim.
+The plot draws the medians' TTFA p50 (solid) and p95 (dashed) against concurrency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from omni_bench.report import FLOOR, OURS
+
+
+def load_runs(pairs: list[str]) -> dict[str, list[dict]]:
+    """LABEL=FILE pairs -> label -> its runs' result dicts, labels in first-seen order."""
+    runs: dict[str, list[dict]] = {}
+    for pair in pairs:
+        label, sep, file = pair.partition("=")
+        if not sep or not label or not file:
+            raise ValueError(f"--run {pair!r}: expected LABEL=path/to/speech.json")
+        runs.setdefault(label, []).append(json.loads(Path(file).read_text()))
+    return runs
+
+
+def _levels(result: dict, target: str) -> dict[int, dict]:
+    for t in result["targets"]:
+        if t["name"] == target:
+            return {x["concurrency"]: x for x in t["levels"]}
+    raise ValueError(f"a run has no target {target!r}")
+
+
+Metric = Callable[[dict, int], float]
+
+
+def _ttfa(quantile: str) -> Metric:
+    return lambda run, c: _levels(run, OURS)[c]["ttfa"][quantile] * 1000
+
+
+def _audio_rate(run: dict, c: int) -> float:
+    return _levels(run, OURS)[c]["audio_seconds_per_second"]
+
+
+def _vs_floor(run: dict, c: int) -> float:
+    floor = _levels(run, FLOOR)[c]["audio_seconds_per_second"]
+    return _audio_rate(run, c) / floor if floor else float("nan")
+
+
+def _cliff(run: dict, c: int) -> float:
+    ours = _levels(run, OURS)
+    return ours[c]["ttfa"]["p95"] / ours[1]["ttfa"]["p95"] if 1 in ours else float("nan")
+
+
+METRICS: dict[str, tuple[Metric, str]] = {
+    "TTFA p50 ms": (_ttfa("p50"), "{:.0f}"),
+    "TTFA p95 ms": (_ttfa("p95"), "{:.0f}"),
+    "audio s/s": (_audio_rate, "{:.1f}"),
+    "vs floor": (_vs_floor, "{:.2f}x"),
+    "p95 / c=1 p95": (_cliff, "{:.1f}x"),
+}
+
+
+def medians(runs: list[dict], c: int) -> dict[str, tuple[float, float, float]]:
+    """metric -> (median, min, max) over the runs at concurrency c."""
+    out = {}
+    for name, (metric, _) in METRICS.items():
+        values = [metric(run, c) for run in runs]
+        out[name] = (statistics.median(values), min(values), max(values))
+    return out
+
+
+def table(runs: dict[str, list[dict]]) -> str:
+    levels = sorted({c for rs in runs.values() for r in rs for c in _levels(r, OURS)})
+    rows = [
+        "| variant | rounds | c | " + " | ".join(METRICS) + " |",
+        "|---|---:|---:|" + "---:|" * len(METRICS),
+    ]
+    for label, rs in runs.items():
+        for c in levels:
+            cells = []
+            for name, (med, low, high) in medians(rs, c).items():
+                fmt = METRICS[name][1]
+                span = f" ({fmt.format(low)}-{fmt.format(high)})" if len(rs) > 1 else ""
+                cells.append(fmt.format(med) + span)
+            rows.append(f"| {label} | {len(rs)} | {c} | " + " | ".join(cells) + " |")
+    loads = [
+        f"{label}: {min(r['machine']['loadavg_at_start'][0] for r in rs):.1f}-"
+        f"{max(r['machine']['loadavg_at_start'][0] for r in rs):.1f}"
+        for label, rs in runs.items()
+    ]
+    rows.append("")
+    rows.append("load average (1 min) at the start of each run: " + "; ".join(loads))
+    return "\n".join(rows) + "\n"
+
+
+def plot(runs: dict[str, list[dict]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
+
+    levels = sorted({c for rs in runs.values() for r in rs for c in _levels(r, OURS)})
+    fig, ax = plt.subplots(figsize=(6, 3.8), dpi=100)
+    for label, rs in runs.items():
+        p50 = [medians(rs, c)["TTFA p50 ms"][0] for c in levels]
+        p95 = [medians(rs, c)["TTFA p95 ms"][0] for c in levels]
+        (line,) = ax.plot(levels, p50, "o-", label=f"{label} p50")
+        ax.plot(levels, p95, "s--", color=line.get_color(), label=f"{label} p95")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="concurrency",
+        ylabel="TTFA (ms)",
+        title="Time to first audio (streamed pcm), median of rounds",
+    )
+    ax.set_xticks(levels)
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.minorticks_off()
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m omni_bench.speech_compare", description=__doc__)
+    p.add_argument("--run", action="append", required=True, help="LABEL=path/to/speech.json")
+    p.add_argument("--plot", type=Path, help="write the TTFA plot (PNG) here")
+    args = p.parse_args(argv)
+    try:
+        runs = load_runs(args.run)
+        print(table(runs), end="")
+        if args.plot:
+            plot(runs, args.plot)
+    except (OSError, ValueError, KeyError) as err:
+        print(f"speech_compare: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
