@@ -261,7 +261,7 @@ async def test_the_engine_on_shared_weights_gives_the_same_greedy_tokens(tmp_pat
 
 async def test_a_killed_leader_takes_its_follower_down_and_both_come_back(tmp_path):
     plan = _repo(tmp_path / "repo")
-    policy = SupervisionPolicy(backoff_s=0.2)
+    policy = SupervisionPolicy(backoff_s=1.0)
     async with running(plan, supervision=policy) as runtime:
         events: asyncio.Queue[tuple[str, str, str]] = asyncio.Queue()
         runtime.supervision_observers.append(lambda *e: events.put_nowait(e))
@@ -279,14 +279,21 @@ async def test_a_killed_leader_takes_its_follower_down_and_both_come_back(tmp_pa
         assert failed.value.code == "process_died" and "lm@r1" in failed.value.message
 
         deaths, restarts = {}, set()
-        while len(restarts) < 2:
+        while len(deaths) < 2:
             kind, subject, detail = await asyncio.wait_for(events.get(), 60)
-            if kind == "death":
-                deaths[subject] = detail
-            elif kind == "restart":
-                restarts.add(subject)
+            assert kind == "death"
+            deaths[subject] = detail
         assert deaths["lm@r0"] == "exit code -9"
         assert "weight-sharing leader lm@r0 died" in deaths["lm@r1"]
+        # both replicas down until the leader is back (the backoff is 1 s): the model is
+        # unavailable (503), not served from memory that is gone
+        status, detail = runtime.health()
+        assert status == "unavailable" and "no live replica of lm" in detail
+        assert runtime.unavailable_for(model) is not None
+        while len(restarts) < 2:
+            kind, subject, detail = await asyncio.wait_for(events.get(), 60)
+            if kind == "restart":
+                restarts.add(subject)
         assert runtime.health()[0] == "ok"
 
         again = await _both(runtime)
