@@ -6,6 +6,9 @@ their values equal the leader's, and both give the same greedy tokens."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -72,3 +75,40 @@ async def test_two_replicas_on_one_gpu_alias_one_copy_of_the_weights(tmp_path):
         # the follower's allocator holds its KV cache and workspace, never the weights
         assert follower["memory_allocated"] < weights
         assert leader["memory_allocated"] < weights  # the leader's copy lives in the region
+
+
+_READER = """
+import sys, torch
+from omni_transport.regions import CudaRegionView
+view = CudaRegionView(sys.argv[1], device=0)
+t = view.tensor(int(sys.argv[2]), int(sys.argv[3]), "bfloat16", (1024, 1024))
+inside = view.contains(t.data_ptr())
+print(float(t.float().sum()), inside, torch.cuda.memory_allocated(), flush=True)
+view.close()
+"""
+
+
+def test_a_cuda_region_is_aliased_by_another_process():
+    import torch
+
+    from omni_transport.regions import CudaRegion
+
+    name = f"omni-{os.getpid():08x}-w-test-region"
+    region = CudaRegion(name, 4 << 20, device=0)
+    try:
+        value = torch.randn(1024, 1024, device="cuda:0").bfloat16()
+        offset, view = region.place(value)
+        torch.cuda.synchronize()
+        assert region.contains(view.data_ptr()) and torch.equal(view, value)
+        run = subprocess.run(
+            [sys.executable, "-c", _READER, name, str(offset), str(2 << 20)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        total, inside, allocated = run.stdout.split()
+        assert float(total) == pytest.approx(float(value.float().sum()), rel=1e-6, abs=1e-3)
+        assert inside == "True" and int(allocated) < (2 << 20)  # aliased, not copied
+    finally:
+        region.close()
