@@ -8,6 +8,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 from omni_server.compiler.plan import BackendRef, ProcessInstance, StageSpec
 from omni_server.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
@@ -154,6 +155,42 @@ def test_the_profile_steps_run_at_the_largest_shapes(batch: int, step: int, seq:
         [GenerationRequest("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4))]
     )
     assert out["r"][-1].finished
+
+
+def test_after_a_step_out_of_memory_aborting_its_requests_leaves_the_engine_serving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the "ar" scheduler does on an OOM in step() (scheduling/ar.py): abort every request
+    the engine holds. Their blocks come back, and the next request decodes as on a fresh engine.
+    The OOM is SIMULATED (the runner raises torch.OutOfMemoryError): a CPU has no CUDA memory."""
+    config = EngineConfig(max_total_tokens=256, max_batch_size=4, max_step_tokens=64)
+    engine = Engine.from_random(TINY, config, seed=5)
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    for i in range(3):
+        engine.add(GenerationRequest(f"r{i}", list(range(1, 20 + i)), greedy))
+    engine.step()  # they run and hold KV blocks
+    assert engine.cache.allocator.num_free < engine.cache.allocator.num_blocks
+    real_run = engine.runner.run
+
+    def out_of_memory(batch: object) -> object:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+
+    monkeypatch.setattr(engine.runner, "run", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.step()
+    monkeypatch.setattr(engine.runner, "run", real_run)
+    for i in range(3):
+        assert engine.abort(f"r{i}")
+    assert engine.cache.allocator.num_free == engine.cache.allocator.num_blocks
+    prompt = list(range(3, 40))
+    after = engine.generate([GenerationRequest("next", prompt, greedy)])
+    fresh = Engine.from_random(TINY, config, seed=5).generate(
+        [GenerationRequest("next", prompt, greedy)]
+    )
+    aborts = [e for e in after.values() if e and e[-1].finish_reason is not None]
+    assert len(aborts) == 4  # three aborted, and the new one finished
+    tokens = [t for e in after["next"] for t in e.token_ids]
+    assert tokens == [t for e in fresh["next"] for t in e.token_ids] and len(tokens) == 6
 
 
 # ---- the allocator cap in the stage process --------------------------------------------------
