@@ -7,6 +7,9 @@ import asyncio
 import pytest
 import torch
 
+from omni_server.compiler.compiler import compile_repository
+from tests.fixtures import FIXTURES
+from tests.helpers.repo import make_repo
 from tests.helpers.runtime import running
 from tests.runtime.pipelines import _stage, build
 
@@ -54,3 +57,34 @@ async def test_tp2_over_gloo_matches_the_unsharded_computation(tmp_path):
         assert result == {"rows": 2}
         expected = _expected([x, [1.0, 0, 0, 0]])
         assert torch.allclose(torch.tensor(chunks), expected, atol=1e-5)
+
+
+@pytest.mark.slow  # two torch processes over gloo
+async def test_check_aborted_between_collectives_keeps_the_ranks_in_step(tmp_path):
+    """The abort reaches every rank's request at the same step boundary: a backend checking it
+    between all-reduces raises on both ranks or on neither, so the next request completes."""
+    stage = (
+        'backend = "model.py:CollectiveStream"\nterminal = true\ntp_size = 2\n'
+        '[scheduler]\nkind = "stream"\n'
+    )
+    make_repo(
+        tmp_path,
+        {"s": stage},
+        '[models.m]\nentry = "s"\ntasks = ["speech"]\n',
+        {"s": FIXTURES / "tp_stages.py"},
+    )
+    async with running(compile_repository(tmp_path)) as runtime:
+        model = runtime.plan.models["m"]
+        for _ in range(3):
+            handle = runtime.submit(model, {"n": 200, "sleep": 0.01})
+            got = 0
+            async for _chunk in handle:
+                got += 1
+                if got == 4:
+                    break
+            await handle.abort()  # lands mid-step: between the two checks, or in the sleep
+        async with runtime.submit(model, {"n": 3}) as h:
+            chunks = [c async for c in h]
+            result = await asyncio.wait_for(h.result(), timeout=30)
+    assert result == {"chunks": 3}
+    assert [c["sum"] for c in chunks] == [0.0, 3.0, 6.0]  # (1 + 2) * i over the two ranks

@@ -70,8 +70,6 @@ def parse_stage(rs: RawStage) -> StageSpec:
         raise fail("process", "a process name may hold only letters, digits, '_' and '-'")
     gpu, tp_size, fraction = _placement(data, fail)
     scheduler = _scheduler(data.get("scheduler", {}), fail)
-    if scheduler.kind is SchedulerKind.AR and tp_size > 1:
-        raise fail("tp_size", 'an ar stage runs on one rank; tensor parallelism: kind "single"')
     nxt, route, terminal, stream_to = _routing(data, scheduler, fail)
     wait_for, merge = _fan_in(data, fail)
     process_local = _names(_value(data, "process_local"))

@@ -231,6 +231,8 @@ class Runtime:
         self.deaths[instance.name] += 1
         self._set_down(index)
         self.coordinator.instance_died(index, message)  # its requests fail as process_died
+        if instance.tp_size > 1:
+            self._stop_tp_group(index)
         self._notify("death", instance.name, why or f"exit code {exitcode}")
         if self._state != "running":
             return  # still starting: start() reports it
@@ -251,6 +253,17 @@ class Runtime:
             "restarting %s in %.2g s (death %d in the window)", instance.name, delay, recent
         )
         self._restarts[index] = asyncio.get_running_loop().create_task(self._restart(index, delay))
+
+    def _stop_tp_group(self, index: int) -> None:
+        """A TP rank died: its group can never be in step again (the others may wait in a
+        collective for it), so its other ranks are killed; the leader's death fails its requests
+        (runtime/tp.py)."""
+        instance = self.plan.instances[index]
+        assert self._group is not None  # TP never runs inline
+        for i, other in enumerate(self.plan.instances):
+            same = (other.process, other.replica) == (instance.process, instance.replica)
+            if same and i != index:
+                self._group.kill(i, f"its tensor-parallel rank {instance.name} died")
 
     def _set_down(self, index: int) -> None:
         """Instance `index` (every rank of its TP group) takes no new requests."""
