@@ -65,14 +65,14 @@ def rank_main(rank: int, size: int, port: int, gpu: int = 0, dtype: str = "float
     from omni_server.runtime.tp import init_process_group
 
     torch.set_num_threads(1)
-    group, _ = init_process_group(rank, size, port, rank if gpu else None)
+    group, control = init_process_group(rank, size, port, rank if gpu else None)
     tp = TensorParallel(rank, size, group)
     config = _config(gpu, dtype, rank)
     engine = Engine.from_random(SPLITTABLE, config, seed=5, tp=tp)
     print(json.dumps({"heads": engine.cache.k[0].shape[1], "tokens": _tokens(engine)}), flush=True)
-    dist.barrier(group=group)
-    # Tearing a gloo group down while the peer already left can abort() the process: both ranks
-    # are done here, so leave without the teardown.
+    dist.barrier(group=control)
+    # Tearing a group down can abort() (gloo, the peer gone) or hang (NCCL after graph capture):
+    # both ranks are done here, so leave without the teardown.
     os._exit(0)
 
 

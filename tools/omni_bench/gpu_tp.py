@@ -53,10 +53,11 @@ def _child_main(argv: list[str]) -> int:
     from omni_server.engine.parallel import TensorParallel
 
     tp = TensorParallel()
+    control = None
     if size > 1:
         from omni_server.runtime.tp import init_process_group
 
-        group, _ = init_process_group(rank, size, port, rank)
+        group, control = init_process_group(rank, size, port, rank)
         tp = TensorParallel(rank, size, group)
     torch.cuda.set_device(rank)
     sizes = [int(b) for b in batches.split(",")]
@@ -93,8 +94,10 @@ def _child_main(argv: list[str]) -> int:
     if size > 1:
         import torch.distributed as dist
 
-        dist.barrier()
-        dist.destroy_process_group()
+        dist.barrier(group=control)
+        # destroy_process_group can hang once NCCL calls were captured in graphs; leave instead
+        sys.stdout.flush()
+        os._exit(0)
     return 0
 
 
