@@ -34,6 +34,7 @@ from omni_server.engine import (
     SamplingParams,
 )
 from omni_server.engine.memory import MemoryBudgetError
+from omni_server.engine.parallel import ShardingError, TensorParallel
 
 ROLES = ("system", "user", "assistant")
 
@@ -58,10 +59,14 @@ class Thinker(StageBackend):
             )
         except (TypeError, ValueError) as err:
             raise StageConfigError(f"[engine]: {err}") from err
+        # tp_size > 1: this rank keeps its share of the heads and the MLP (engine/parallel.py)
+        tp = TensorParallel(context.tp_rank, context.tp_size, context.process_group)
         try:
             # one copy of the weights per device when replicas share them (weight_share = "on")
-            self.engine = Engine.from_gguf(config, weights=context.shared_weights)
+            self.engine = Engine.from_gguf(config, weights=context.shared_weights, tp=tp)
         except MemoryBudgetError as err:  # the fraction cannot hold the model and one request
+            raise StageConfigError(str(err)) from err
+        except ShardingError as err:  # SmolLM2-135M's 9 heads / 3 KV heads: no tp_size = 2
             raise StageConfigError(str(err)) from err
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}  # engine id -> request

@@ -174,3 +174,27 @@ async def test_tp2_thinker_over_nccl_on_two_gpus(tmp_path: Path, dtype: str) -> 
     assert after["tokens"] == g["tokens"] == g_chunks
     if dtype == "float32":
         assert got == expected
+
+
+def test_the_embedded_thinker_refuses_tp2_naming_its_heads() -> None:
+    """SmolLM2-135M has 9 heads / 3 KV heads: tp_size = 2 cannot split them."""
+    from omni_server.backend import StageConfigError, StageContext
+    from omni_server.compiler.compiler import compile_repository as compile_repo
+    from omni_server.runtime.backends import load_backend
+
+    repository = Path(__file__).resolve().parents[2] / "repository"
+    spec = compile_repo(repository).stages["thinker"]
+    thinker = load_backend(spec)
+    context = StageContext(
+        stage="thinker",
+        parameters=dict(spec.parameters),
+        device="cpu",
+        repository=repository,
+        stage_dir=spec.directory,
+        tp_rank=0,
+        tp_size=2,
+        process_group=object(),  # never used: the shape is refused first
+        engine=dict(spec.engine.settings) if spec.engine else {},
+    )
+    with pytest.raises(StageConfigError, match=r"tp_size = 2 must divide .*num_heads = 9"):
+        thinker.initialize(context)

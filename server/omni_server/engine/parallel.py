@@ -28,6 +28,10 @@ import torch
 from omni_server.engine.config import LlamaShape
 
 
+class ShardingError(ValueError):
+    """The model cannot be split over the ranks (a tp_size that does not divide its heads)."""
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """This rank's place in its tensor-parallel group. size 1 (the default): no parallelism."""
@@ -59,7 +63,7 @@ class TensorParallel:
         }
         bad = [f"{name} = {value}" for name, value in fields.items() if value % self.size]
         if bad:
-            raise ValueError(
+            raise ShardingError(
                 f"tp_size = {self.size} must divide the model's {', '.join(bad)} (its shape: "
                 f"{shape.num_heads} heads, {shape.num_kv_heads} KV heads, intermediate "
                 f"{shape.intermediate_size}); choose a tp_size dividing all three"
