@@ -59,6 +59,9 @@ class Engine:
         max_total_tokens, self.memory = plan_kv_cache(
             model, config, min(limit, model.shape.max_position_embeddings)
         )
+        # TP ranks must schedule alike (same admissions, same preemptions): the group's
+        # smallest cache, when the ranks' free memory sized theirs differently
+        max_total_tokens = model.tp.smallest(max_total_tokens, device)
         self.cache = KVCache(  # tensor parallel: this rank's KV heads only
             model.local_shape, max_total_tokens, config.block_size, config.torch_dtype, device
         )

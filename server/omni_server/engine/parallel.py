@@ -54,6 +54,16 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def smallest(self, value: int, device: torch.device) -> int:
+        """The smallest `value` over the ranks (a collective: every rank calls it)."""
+        if self.size == 1:
+            return value
+        import torch.distributed as dist
+
+        box = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self.group)
+        return int(box.item())
+
     def check(self, shape: LlamaShape) -> None:
         """Refuse a shape whose heads or MLP cannot be split evenly over the ranks."""
         fields = {
