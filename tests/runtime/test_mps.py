@@ -29,6 +29,7 @@ from omni_server.runtime.errors import PipelineError
 from omni_server.runtime.gpus import MPS_CONTROL, Machine, discover
 from omni_server.runtime.mps import PID_FILE, _ours
 from omni_server.runtime.processes import OWNER_FILE, RUN_DIR_PREFIX
+from omni_server.runtime.supervisor import SupervisionPolicy
 from tests.fixtures import FIXTURES
 from tests.helpers.proc import alive
 from tests.helpers.runtime import running
@@ -184,6 +185,31 @@ async def test_mps_daemon_serves_the_gpu_processes_and_goes_with_the_runtime(
     assert any(
         f"MPS control daemon (pid {daemon}) for cuda:0" in r.getMessage() for r in caplog.records
     )
+
+
+async def test_a_restarted_process_is_again_a_client_of_the_same_daemon(tmp_path, fake_control):
+    plan = two_processes_on_gpu0(tmp_path, "on")
+    policy = SupervisionPolicy(backoff_s=0.1)
+    async with running(plan, machine=fake_machine(1, fake_control), supervision=policy) as rt:
+        assert rt.run_dir is not None
+        pipe = rt.run_dir / "mps" / "pipe"
+        daemon = int((pipe / PID_FILE).read_text())
+        restarted = asyncio.get_running_loop().create_future()
+        rt.supervision_observers.append(
+            lambda kind, who, _: (
+                kind == "restart" and not restarted.done() and restarted.set_result(who)
+            )
+        )
+        victim = rt.processes()["b@r0"]
+        os.kill(victim, signal.SIGKILL)
+        assert await asyncio.wait_for(restarted, 60) == "b@r0"
+        successor = rt.processes()["b@r0"]
+        assert successor != victim
+        assert _environ(successor)["CUDA_MPS_PIPE_DIRECTORY"] == str(pipe)
+        assert alive(daemon)  # the daemon serves the whole run, across restarts
+        out = await rt.submit(plan.models["m"], {}).result()
+        assert out["pid"] == successor and out["mps_pipe"] == str(pipe)
+    assert _wait_gone(daemon)
 
 
 async def test_mps_off_starts_no_daemon(tmp_path, fake_control):
