@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from omni_server.compiler.compiler import compile_repository
+from omni_server.runtime import PipelineError
 from tests.fixtures import FIXTURES
 from tests.helpers.repo import make_repo
 from tests.helpers.runtime import running
@@ -59,21 +60,45 @@ async def test_tp2_over_gloo_matches_the_unsharded_computation(tmp_path):
         assert torch.allclose(torch.tensor(chunks), expected, atol=1e-5)
 
 
-@pytest.mark.slow  # two torch processes over gloo
-async def test_check_aborted_between_collectives_keeps_the_ranks_in_step(tmp_path):
-    """The abort reaches every rank's request at the same step boundary: a backend checking it
-    between all-reduces raises on both ranks or on neither, so the next request completes."""
+def _collective_stream(root):
     stage = (
         'backend = "model.py:CollectiveStream"\nterminal = true\ntp_size = 2\n'
         '[scheduler]\nkind = "stream"\n'
     )
     make_repo(
-        tmp_path,
+        root,
         {"s": stage},
         '[models.m]\nentry = "s"\ntasks = ["speech"]\n',
         {"s": FIXTURES / "tp_stages.py"},
     )
-    async with running(compile_repository(tmp_path)) as runtime:
+    return compile_repository(root)
+
+
+async def _three_chunks(runtime):
+    async with runtime.submit(runtime.plan.models["m"], {"n": 3}) as h:
+        chunks = [c async for c in h]
+        result = await asyncio.wait_for(h.result(), timeout=30)
+    assert result == {"chunks": 3}
+    assert [c["sum"] for c in chunks] == [0.0, 3.0, 6.0]  # (1 + 2) * i over the two ranks
+
+
+@pytest.mark.slow  # two torch processes over gloo
+@pytest.mark.parametrize("rank", [1, 0])
+async def test_a_stream_step_failing_on_one_rank_fails_on_both(tmp_path, rank):
+    async with running(_collective_stream(tmp_path)) as runtime:
+        handle = runtime.submit(runtime.plan.models["m"], {"n": 5, "fail_on_rank": rank})
+        with pytest.raises(PipelineError) as caught:
+            await asyncio.wait_for(handle.result(), timeout=30)
+        assert caught.value.code == "stage_failed"
+        assert f"rank {rank}" in str(caught.value) or f"rank(s) {rank}" in str(caught.value)
+        await _three_chunks(runtime)  # the peer dropped its generator too: still in step
+
+
+@pytest.mark.slow  # two torch processes over gloo
+async def test_check_aborted_between_collectives_keeps_the_ranks_in_step(tmp_path):
+    """The abort reaches every rank's request at the same step boundary: a backend checking it
+    between all-reduces raises on both ranks or on neither, so the next request completes."""
+    async with running(_collective_stream(tmp_path)) as runtime:
         model = runtime.plan.models["m"]
         for _ in range(3):
             handle = runtime.submit(model, {"n": 200, "sleep": 0.01})
@@ -83,8 +108,4 @@ async def test_check_aborted_between_collectives_keeps_the_ranks_in_step(tmp_pat
                 if got == 4:
                     break
             await handle.abort()  # lands mid-step: between the two checks, or in the sleep
-        async with runtime.submit(model, {"n": 3}) as h:
-            chunks = [c async for c in h]
-            result = await asyncio.wait_for(h.result(), timeout=30)
-    assert result == {"chunks": 3}
-    assert [c["sum"] for c in chunks] == [0.0, 3.0, 6.0]  # (1 + 2) * i over the two ranks
+        await _three_chunks(runtime)
