@@ -119,7 +119,7 @@ def _endpoint(run_dir: Path, name: str, peer: str) -> Any:
     return endpoint
 
 
-def _timed_decode() -> list[float]:
+def _timed_decode(profile: Any = None) -> list[float]:
     """Wraps the receiving side's decode to time it (what it costs on the receiver's loop)."""
     from omni_server.runtime import channels
 
@@ -128,20 +128,28 @@ def _timed_decode() -> list[float]:
 
     def timed(header: Any, buffers: Any) -> Any:
         t0 = time.perf_counter()
+        if profile is not None:
+            profile.enable()
         try:
             return decode(header, buffers)
         finally:
+            if profile is not None:
+                profile.disable()
             spent.append(time.perf_counter() - t0)
 
     channels.decode = timed  # type: ignore[assignment]
     return spent
 
 
-async def _cross_receiver(run_dir: str, ready: Any) -> None:
+async def _cross_receiver(run_dir: str, ready: Any, profile: bool) -> None:
+    import cProfile
+    import pstats
+
     import torch
 
     torch.cuda.set_device(0)
-    spent = _timed_decode()
+    profiler = cProfile.Profile() if profile else None
+    spent = _timed_decode(profiler)
     endpoint = _endpoint(Path(run_dir), "b", "a")
     done = asyncio.Event()
 
@@ -158,21 +166,31 @@ async def _cross_receiver(run_dir: str, ready: Any) -> None:
     ready.set()
     await done.wait()
     await endpoint.close()
+    if profiler is not None:
+        print("== receiver: decode", flush=True)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
 
 
-def _run_receiver(run_dir: str, ready: Any) -> None:
-    asyncio.run(_cross_receiver(run_dir, ready))
+def _run_receiver(run_dir: str, ready: Any, profile: bool) -> None:
+    asyncio.run(_cross_receiver(run_dir, ready, profile))
 
 
-async def _cross(nbytes: int, requests: int, warmup: int) -> dict[str, list[float]]:
+async def _cross(
+    nbytes: int, requests: int, warmup: int, profile: bool = False
+) -> dict[str, list[float]]:
+    import cProfile
+    import pstats
+
     import torch
+
+    profiler = cProfile.Profile() if profile else None
 
     torch.cuda.set_device(0)
     with tempfile.TemporaryDirectory() as run_dir:
         ctx = mp.get_context("spawn")
         ready = ctx.Event()
         endpoint = _endpoint(Path(run_dir), "a", "b")
-        child = ctx.Process(target=_run_receiver, args=(run_dir, ready), daemon=True)
+        child = ctx.Process(target=_run_receiver, args=(run_dir, ready, profile), daemon=True)
         child.start()
         replies: asyncio.Queue[Any] = asyncio.Queue()
         endpoint.start_receiving(replies.put_nowait, lambda exc: replies.put_nowait(exc))
@@ -184,8 +202,12 @@ async def _cross(nbytes: int, requests: int, warmup: int) -> dict[str, list[floa
                 t = torch.full((nbytes // 4,), float(i), device="cuda")
                 torch.cuda.synchronize()
                 sent = time.perf_counter()
+                if profiler is not None:
+                    profiler.enable()
                 endpoint.send_data("b", {"t": t})
                 encoded = time.perf_counter()
+                if profiler is not None:
+                    profiler.disable()
                 reply = await asyncio.wait_for(replies.get(), 60)
                 if isinstance(reply, BaseException) or not reply["ok"]:
                     raise RuntimeError(f"crossing failed: {reply!r}")
@@ -201,6 +223,9 @@ async def _cross(nbytes: int, requests: int, warmup: int) -> dict[str, list[floa
                 child.kill()
                 child.join()
             await endpoint.close()
+    if profiler is not None:
+        print("== sender: send_data", flush=True)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
     return out
 
 
@@ -213,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--sizes-mib", default="1,64", help="tensor sizes, MiB, comma-separated")
+    ap.add_argument(
+        "--profile", action="store_true", help="only the crossing, under cProfile (where it goes)"
+    )
     args = ap.parse_args(argv)
     import torch
 
@@ -220,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         print("omni-bench gpu-handoff: needs a CUDA GPU", file=sys.stderr)
         return 2
     sizes = [0] + [int(float(s) * (1 << 20)) for s in args.sizes_mib.split(",")]
+    if args.profile:
+        asyncio.run(_cross(sizes[1], args.requests, args.warmup, profile=True))
+        return 0
     crossings = []
     for nbytes in sizes[1:]:
         res = asyncio.run(_cross(nbytes, args.requests, args.warmup))

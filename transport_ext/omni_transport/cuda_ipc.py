@@ -190,7 +190,7 @@ class _Shared:
             )
         if rec.dtype not in _DTYPES or not hasattr(_torch(), rec.dtype):
             raise BadTensorRecord(f"dtype {rec.dtype!r} is not a tensor dtype")
-        itemsize = _torch().empty((), dtype=getattr(_torch(), rec.dtype)).element_size()
+        itemsize = getattr(_torch(), rec.dtype).itemsize
         if math.prod(rec.shape) * itemsize != rec.nbytes:
             raise BadTensorRecord(f"shape {rec.shape} of {rec.dtype} is not {rec.nbytes} bytes")
 
@@ -252,7 +252,7 @@ class CudaPool:
         numel = 1
         for d in shape:
             numel *= int(d)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         offset = self._allocate(max(nbytes, 1), timeout, peer_gone)
         tensor = _tensor_in(
             self._bytes, offset, nbytes, str(dtype).removeprefix("torch."), tuple(shape)
