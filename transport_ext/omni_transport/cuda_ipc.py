@@ -248,7 +248,6 @@ class CudaPool:
         """A tensor in the pool, to fill and then send() without a copy. While the pool is
         full it waits up to timeout (None: as long as the consumer lives); `peer_gone` tells
         of a consumer that never opened the pool (say, the ring's peer_gone)."""
-        torch = _torch()
         numel = 1
         for d in shape:
             numel *= int(d)
