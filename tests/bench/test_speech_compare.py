@@ -62,3 +62,18 @@ def test_main_prints_a_table_per_variant_and_writes_the_plot(tmp_path, capsys):
 def test_a_bad_run_argument_is_a_usage_error(capsys):
     assert main(["--run", "no-label"]) == 2
     assert "LABEL=path/to/speech.json" in capsys.readouterr().err
+
+
+def test_steady_ttfa_leaves_out_the_first_concurrency_requests_sent():
+    """The first c requests of a level start together (a burst); ttfa_steady is the rest."""
+    from omni_bench.metrics import Chunk, RequestTiming, summarize
+
+    def timing(start: float, ttfa: float) -> RequestTiming:
+        return RequestTiming("t", start, start + 1, [Chunk(start + ttfa, 10)], 1.0)
+
+    burst = [timing(0.0, 0.9), timing(0.0, 0.8)]
+    later = [timing(1.0, 0.1), timing(1.5, 0.2), timing(2.0, 0.3)]
+    level = summarize(2, [later[2], burst[0], later[0], burst[1], later[1]], wall=3.0)
+    assert level.ttfa["p50"] == pytest.approx(0.3)  # all five
+    assert level.ttfa_steady["p50"] == pytest.approx(0.2)  # the three sent after the burst
+    assert level.ttfa_steady["mean"] == pytest.approx(0.2)

@@ -122,6 +122,9 @@ class LevelSummary:
     max_gap: dict[str, float]  # per request: its longest inter-chunk gap
     underrun: dict[str, float]
     errors: list[str] = field(default_factory=list)
+    # TTFA of the requests sent after the level's first `concurrency` ones: those all start at
+    # the same instant, a burst that a closed loop in its steady state does not have.
+    ttfa_steady: dict[str, float] = field(default_factory=dict)
     # The server's own view of the level (server_stats.breakdown), when it exposes /metrics.
     server: dict[str, dict[str, float]] = field(default_factory=dict)
     # Cores kept busy during the level (proc_cpu.cores): "bench" (this process and its
@@ -146,4 +149,7 @@ def summarize(concurrency: int, timings: Sequence[RequestTiming], wall: float) -
         max_gap=percentiles([max(inter_chunk_gaps(t), default=0.0) for t in ok]),
         underrun=percentiles([playback_underrun(t) for t in ok]),
         errors=sorted({t.error for t in failed if t.error})[:5],
+        ttfa_steady=percentiles(
+            [ttfa(t) for t in sorted(timings, key=lambda t: t.start)[concurrency:] if t.ok]
+        ),
     )

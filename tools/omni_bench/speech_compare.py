@@ -7,8 +7,9 @@
 Each `--run LABEL=FILE` is one speech.json (a run of our server with the in-process floor
 measured alongside). Runs sharing a label are rounds of one variant: the table gives, per
 concurrency, the median over rounds of each metric (TTFA p50 / p95, audio s/s, throughput
-against the floor of the same run, TTFA p95 against the same run's c=1 p95), and the range
-over rounds. On a shared machine one run is noise; medians of interleaved rounds are the claim.
+against the floor of the same run, TTFA p95 against the same run's c=1 p95; "steady": the
+requests sent after the level's first c, which all start at once), and the range over rounds.
+On a shared machine one run is noise; medians of interleaved rounds are the claim.
 The plot draws the medians' TTFA p50 (solid) and p95 (dashed) against concurrency.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from collections.abc import Callable
@@ -49,6 +51,17 @@ def _ttfa(quantile: str) -> Metric:
     return lambda run, c: _levels(run, OURS)[c]["ttfa"][quantile] * 1000
 
 
+def _steady_p95(run: dict, c: int) -> float:
+    """TTFA p95 of the requests after the level's first c (older runs lack it: nan)."""
+    steady = _levels(run, OURS)[c].get("ttfa_steady") or {}
+    return steady.get("p95", math.nan) * 1000
+
+
+def _steady_cliff(run: dict, c: int) -> float:
+    ours = _levels(run, OURS)
+    return _steady_p95(run, c) / (ours[1]["ttfa"]["p95"] * 1000) if 1 in ours else math.nan
+
+
 def _audio_rate(run: dict, c: int) -> float:
     return _levels(run, OURS)[c]["audio_seconds_per_second"]
 
@@ -69,6 +82,8 @@ METRICS: dict[str, tuple[Metric, str]] = {
     "audio s/s": (_audio_rate, "{:.1f}"),
     "vs floor": (_vs_floor, "{:.2f}x"),
     "p95 / c=1 p95": (_cliff, "{:.1f}x"),
+    "steady p95 ms": (_steady_p95, "{:.0f}"),
+    "steady p95 / c=1 p95": (_steady_cliff, "{:.1f}x"),
 }
 
 
@@ -76,9 +91,14 @@ def medians(runs: list[dict], c: int) -> dict[str, tuple[float, float, float]]:
     """metric -> (median, min, max) over the runs at concurrency c."""
     out = {}
     for name, (metric, _) in METRICS.items():
-        values = [metric(run, c) for run in runs]
-        out[name] = (statistics.median(values), min(values), max(values))
+        values = [v for v in (metric(run, c) for run in runs) if not math.isnan(v)]
+        nan = math.nan
+        out[name] = (statistics.median(values), min(values), max(values)) if values else (nan,) * 3
     return out
+
+
+def _fmt(fmt: str, value: float) -> str:
+    return "-" if math.isnan(value) else fmt.format(value)
 
 
 def table(runs: dict[str, list[dict]]) -> str:
@@ -92,8 +112,8 @@ def table(runs: dict[str, list[dict]]) -> str:
             cells = []
             for name, (med, low, high) in medians(rs, c).items():
                 fmt = METRICS[name][1]
-                span = f" ({fmt.format(low)}-{fmt.format(high)})" if len(rs) > 1 else ""
-                cells.append(fmt.format(med) + span)
+                span = f" ({_fmt(fmt, low)}-{_fmt(fmt, high)})" if len(rs) > 1 else ""
+                cells.append(_fmt(fmt, med) + ("" if math.isnan(med) else span))
             rows.append(f"| {label} | {len(rs)} | {c} | " + " | ".join(cells) + " |")
     loads = [
         f"{label}: {min(r['machine']['loadavg_at_start'][0] for r in rs):.1f}-"
