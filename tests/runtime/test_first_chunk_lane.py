@@ -338,3 +338,16 @@ def test_a_stream_inbox_is_drained_once_its_end_is_all_that_is_left():
     assert next(reader) == {"i": 0}
     assert inbox.drained  # only the end is left: the next read returns
     assert list(reader) == [] and inbox.drained  # the end marker is sticky
+
+
+def test_the_lane_is_refused_on_a_tensor_parallel_stage(tmp_path):
+    """TP ranks mirror the leader's backend calls one at a time, in one order."""
+    stage = 'backend = "S"\nterminal = true\ntp_size = 2\n[scheduler]\nkind = "stream"\n'
+    make_repo(
+        tmp_path,
+        {"s": stage + "first_chunk_lane = true\n"},
+        '[models.m]\nentry = "s"\ntasks = ["speech"]\n',
+    )
+    with pytest.raises(RepositoryError) as err:
+        compile_repository(tmp_path)
+    assert "first_chunk_lane" in str(err.value) and "tp_size = 2" in str(err.value)

@@ -70,6 +70,8 @@ def parse_stage(rs: RawStage) -> StageSpec:
         raise fail("process", "a process name may hold only letters, digits, '_' and '-'")
     gpu, tp_size, fraction = _placement(data, fail)
     scheduler = _scheduler(data.get("scheduler", {}), fail)
+    if scheduler.first_chunk_lane and tp_size > 1:  # TP ranks mirror one call at a time
+        raise fail("scheduler.first_chunk_lane", f"not with tp_size = {tp_size}")
     nxt, route, terminal, stream_to = _routing(data, scheduler, fail)
     wait_for, merge = _fan_in(data, fail)
     process_local = _names(_value(data, "process_local"))
