@@ -65,9 +65,15 @@ def test_an_engine_sized_from_its_fraction_runs_its_largest_steps_within_it(capp
     out = engine.generate(GenerationRequest(f"r{i}", p, params) for i, p in enumerate(prompts))
     assert all(events[-1].completion_tokens == 64 for events in out.values())
     peak = torch.cuda.max_memory_reserved(0)
-    total = torch.cuda.mem_get_info(0)[1]
-    print(f"\n{sizing.describe()}; peak reserved {peak / 2**30:.2f} GiB")
-    assert peak <= capped * total  # held by the cap anyway; an OOM above would have failed
+    live = torch.cuda.max_memory_allocated(0)
+    print(
+        f"\n{sizing.describe()}; peak allocated {live / 2**30:.2f} GiB, "
+        f"peak reserved {peak / 2**30:.2f} GiB"
+    )
+    # The load ran under the cap (an OOM would have failed it). Reserved memory may approach the
+    # cap (the allocator keeps freed blocks cached until it needs them back); what the engine
+    # really held at its peak stayed below its budget.
+    assert live <= sizing.budget and peak <= sizing.budget
 
 
 def test_a_fraction_that_cannot_hold_one_request_is_refused():
