@@ -215,7 +215,7 @@ async def _both(runtime: Runtime, inputs: dict | None = None) -> dict[int, dict]
     return by_replica
 
 
-async def test_two_cpu_replicas_share_one_read_only_copy_started_in_order(tmp_path):
+async def test_two_cpu_replicas_share_one_read_only_copy_started_and_stopped_in_order(tmp_path):
     markers = tmp_path / "markers"
     markers.mkdir()
     plan = _repo(tmp_path / "repo", parameters=f'mib = 16\nload_s = 0.5\nmarker_dir = "{markers}"')
@@ -234,6 +234,10 @@ async def test_two_cpu_replicas_share_one_read_only_copy_started_in_order(tmp_pa
         # order: the follower's initialize began after the leader's had finished
         leader_ready = float((markers / "r0-ready").read_text())
         assert float((markers / "r1-start").read_text()) > leader_ready
+    # stop: the follower was done (and unmapped) before the leader was told to stop
+    assert float((markers / "r1-finalize").read_text()) < float(
+        (markers / "r0-finalize").read_text()
+    )
     assert _weight_segments(run_id) == []
 
 
