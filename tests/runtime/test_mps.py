@@ -42,11 +42,11 @@ pytestmark = pytest.mark.timeout(120)
 FAKE_CONTROL = FIXTURES / "fake_mps_control.py"
 
 
-# Stands in for the runtime's CUDA client probe (no CUDA here): a client as MPS wants it, with
-# no CUDA_VISIBLE_DEVICES of its own, that reaches the daemon of its pipe directory.
+# Stands in for the runtime's CUDA client probe (no CUDA here): a client naming its GPUs by
+# UUID, as its daemon does, that reaches the daemon of its pipe directory.
 FAKE_CLIENT_PROBE = """
 import os, socket
-assert "CUDA_VISIBLE_DEVICES" not in os.environ
+assert os.environ["CUDA_VISIBLE_DEVICES"].startswith("GPU-")
 client = socket.socket(socket.AF_UNIX)
 client.connect(os.environ["CUDA_MPS_PIPE_DIRECTORY"] + "/control")
 client.close()
@@ -164,7 +164,7 @@ async def test_mps_auto_that_cannot_start_warns_once_and_serves(tmp_path, caplog
 async def test_mps_daemon_serves_the_gpu_processes_and_goes_with_the_runtime(
     tmp_path, fake_control, monkeypatch, caplog
 ):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # the server's view: clients must drop it
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # the server's view: clients get UUIDs
     plan = two_processes_on_gpu0(tmp_path, "on")
     with caplog.at_level(logging.INFO, logger="omni_server.runtime.mps"):
         async with running(plan, machine=fake_machine(1, fake_control)) as runtime:
@@ -175,11 +175,11 @@ async def test_mps_daemon_serves_the_gpu_processes_and_goes_with_the_runtime(
             for path in (pipe.parent, pipe, pipe.parent / "log"):
                 assert path.stat().st_mode & 0o777 == 0o700  # private to this user
             out = await runtime.submit(plan.models["m"], {}).result()
-            assert out["mps_pipe"] == str(pipe) and out["visible"] is None
+            assert out["mps_pipe"] == str(pipe) and out["visible"] == "GPU-fake-0"
             for pid in runtime.processes().values():  # both stage processes are clients
                 env = _environ(pid)
                 assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(pipe)
-                assert "CUDA_VISIBLE_DEVICES" not in env
+                assert env["CUDA_VISIBLE_DEVICES"] == "GPU-fake-0"  # the daemon's list
     assert _wait_gone(daemon), "the MPS daemon outlived the runtime"
     # running() checked that the run directory, pipe and log directories included, is gone
     assert any(

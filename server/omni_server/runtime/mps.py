@@ -7,9 +7,9 @@ every GPU that hosts two or more of them; `on` takes every eligible process.
 One control daemon per run, private to it: its pipe and log directories are
 `RUN_DIR/mps/{pipe,log}` (mode 0700), so no other user or server can reach it, and it is started
 with CUDA_VISIBLE_DEVICES = the UUIDs of the server's GPUs 0..k (k: the highest GPU a client
-uses), in the server's order. Why one daemon and not one per GPU: an MPS client sees exactly the
-GPUs of its daemon, renumbered in the daemon's order (and must not set CUDA_VISIBLE_DEVICES
-itself). With per-GPU daemons a client on physical GPU 1 would see it as cuda:0, and every
+uses), in the server's order; its clients get the same UUID list. Why one daemon and not one
+per GPU: an MPS client sees only the GPUs of its daemon, renumbered in the daemon's order.
+With per-GPU daemons a client on physical GPU 1 would see it as cuda:0, and every
 device index in the plan, the CUDA IPC records and the tensors' pickled devices would need
 translating per process. With one daemon over GPUs 0..k in the server's order, `cuda:N` means
 the same GPU in every process, client or not. The MPS server it spawns schedules each GPU
@@ -105,11 +105,18 @@ class MpsDaemon:
             "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir),
         }
 
+    def visible_devices(self) -> str:
+        return ",".join(g.uuid for g in self.gpus)
+
     def client_env(self, base: Mapping[str, str]) -> dict[str, str]:
-        """A stage process's environment under this daemon. CUDA_VISIBLE_DEVICES goes: the
-        daemon applied the server's (MPS requires clients not to set their own)."""
+        """A stage process's environment under this daemon: its directories, and the daemon's
+        own CUDA_VISIBLE_DEVICES (UUIDs). A client's list is read against the daemon's
+        remapped GPUs; UUIDs name the same GPUs there, so CUDA sees what it would see with no
+        list at all. Without a list, tools that count GPUs through NVML (torch does) would
+        count every GPU of the machine while CUDA sees the daemon's: a mismatch torch fails on
+        where the daemon does not cover them all."""
         env = self._env(base)
-        env.pop("CUDA_VISIBLE_DEVICES", None)
+        env["CUDA_VISIBLE_DEVICES"] = self.visible_devices()
         return env
 
     def start(self) -> None:
@@ -119,7 +126,7 @@ class MpsDaemon:
         for path in (self.root, self.pipe_dir, self.log_dir):
             path.mkdir(mode=0o700)
         env = self._env(os.environ)
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(g.uuid for g in self.gpus)
+        env["CUDA_VISIBLE_DEVICES"] = self.visible_devices()
         self._daemonize(env)
         self.pid = self._wait_pid_file()
         probe = self._command([], "get_server_list\n", env)
