@@ -66,6 +66,7 @@ _DTYPES = frozenset(
     }
 )  # fmt: skip
 _MAX_DIMS = 64
+_VIEW_CACHE = 256  # views of an opened pool kept for reuse (the receiver's open())
 
 
 def cuda_available() -> bool:
@@ -144,7 +145,27 @@ def _tensor_in(pool: Any, offset: int, nbytes: int, dtype: str, shape: tuple[int
     return pool[offset : offset + nbytes].view(getattr(_torch(), dtype)).view(shape)
 
 
+_raw_stream: Any = None  # (current device, raw current stream) accessors, found on first use
+
+
 def _stream() -> int:
+    """This thread's current CUDA stream, as the driver's handle.
+
+    `torch.cuda.current_stream()` costs tens of microseconds a call (device-index resolution, a
+    Stream object), a large share of a crossing; torch's C accessors for the raw stream (those
+    its compiled kernels use) cost one call each. Older or other builds: the public API."""
+    global _raw_stream
+    if _raw_stream is None:
+        c = _torch()._C
+        get_raw = getattr(c, "_cuda_getCurrentRawStream", None)
+        get_device = getattr(c, "_cuda_getDevice", None)
+        if get_raw is not None and get_device is not None:
+            _raw_stream = (get_device, get_raw)
+        else:
+            _raw_stream = ()
+    if _raw_stream:
+        get_device, get_raw = _raw_stream
+        return int(get_raw(get_device()))
     return int(_torch().cuda.current_stream().cuda_stream)
 
 
@@ -392,6 +413,18 @@ class _OpenPool:
         self.dptr = int(p[0])
         self.bytes = _pool_bytes(self.dptr, self.shared.nbytes)
         self.events: dict[int, int] = {}
+        # (offset, nbytes, dtype, shape) -> the view of the pool there: blocks and shapes
+        # repeat from message to message, and making a view is three torch calls
+        self._views: dict[tuple[int, int, str, tuple[int, ...]], Any] = {}
+
+    def view(self, rec: TensorRecord) -> Any:
+        key = (rec.offset, rec.nbytes, rec.dtype, rec.shape)
+        tensor = self._views.get(key)
+        if tensor is None:
+            if len(self._views) >= _VIEW_CACHE:
+                self._views.clear()
+            tensor = self._views[key] = _tensor_in(self.bytes, *key)
+        return tensor
 
     def event(self, slot: int) -> int:
         e = self.events.get(slot)
@@ -404,6 +437,7 @@ class _OpenPool:
     def close(self) -> None:
         for e in self.events.values():
             lib.omni_cuda_event_destroy(e)
+        self._views.clear()
         self.bytes = None
         lib.omni_cuda_ipc_close_mem_handle(self.dptr)
         lib.omni_segment_close(self.shared.seg)
@@ -428,7 +462,9 @@ class CudaReceiver:
 
     def open(self, rec: TensorRecord) -> Any:
         """A tensor viewing the producer's block; work queued on the current stream after
-        this call sees the producer's writes. Valid until release(rec)."""
+        this call sees the producer's writes. Valid until release(rec). A later record of the
+        same block, dtype and shape may give the same tensor object: never change its metadata
+        (resize_, set_, as_strided_)."""
         if self._releasing:
             self.reap()
         pool = self._pools.get(rec.pool)
@@ -438,7 +474,7 @@ class CudaReceiver:
         if pool.shared.state(rec.slot) != 1 or (rec.pool, rec.slot) in self._held:
             raise BadTensorRecord(f"pool {rec.pool!r} slot {rec.slot} is not in flight")
         check(lib.omni_cuda_stream_wait_event(_stream(), pool.event(rec.slot)))
-        tensor = _tensor_in(pool.bytes, rec.offset, rec.nbytes, rec.dtype, rec.shape)
+        tensor = pool.view(rec)
         self._held.add((rec.pool, rec.slot))
         return tensor
 
