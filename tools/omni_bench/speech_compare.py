@@ -10,7 +10,8 @@ concurrency, the median over rounds of each metric (TTFA p50 / p95, audio s/s, t
 against the floor of the same run, TTFA p95 against the same run's c=1 p95; "steady": the
 requests sent after the level's first c, which all start at once), and the range over rounds.
 On a shared machine one run is noise; medians of interleaved rounds are the claim.
-The plot draws the medians' TTFA p50 (solid) and p95 (dashed) against concurrency.
+The plot draws the medians' TTFA p50 (solid), p95 (dashed) and steady p95 (dotted) against
+concurrency.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def table(runs: dict[str, list[dict]]) -> str:
     return "\n".join(rows) + "\n"
 
 
-def plot(runs: dict[str, list[dict]], out: Path) -> None:
+def plot(runs: dict[str, list[dict]], out: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -137,15 +138,13 @@ def plot(runs: dict[str, list[dict]], out: Path) -> None:
     for label, rs in runs.items():
         p50 = [medians(rs, c)["TTFA p50 ms"][0] for c in levels]
         p95 = [medians(rs, c)["TTFA p95 ms"][0] for c in levels]
+        steady = [medians(rs, c)["steady p95 ms"][0] for c in levels]
         (line,) = ax.plot(levels, p50, "o-", label=f"{label} p50")
         ax.plot(levels, p95, "s--", color=line.get_color(), label=f"{label} p95")
-    ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="concurrency",
-        ylabel="TTFA (ms)",
-        title="Time to first audio (streamed pcm), median of rounds",
-    )
+        if not all(math.isnan(v) for v in steady):
+            ax.plot(levels, steady, "^:", color=line.get_color(), label=f"{label} steady p95")
+    ax.set(xscale="log", yscale="log", xlabel="concurrency", ylabel="TTFA (ms)", title=title)
+    ax.set_yticks([t for t in (50, 100, 200, 500, 1000, 2000) if t <= 1.5 * ax.get_ylim()[1]])
     ax.set_xticks(levels)
     ax.xaxis.set_major_formatter(ScalarFormatter())
     ax.yaxis.set_major_formatter(ScalarFormatter())
@@ -162,12 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m omni_bench.speech_compare", description=__doc__)
     p.add_argument("--run", action="append", required=True, help="LABEL=path/to/speech.json")
     p.add_argument("--plot", type=Path, help="write the TTFA plot (PNG) here")
+    p.add_argument("--title", default="Time to first audio, median of rounds", help="plot title")
     args = p.parse_args(argv)
     try:
         runs = load_runs(args.run)
         print(table(runs), end="")
         if args.plot:
-            plot(runs, args.plot)
+            plot(runs, args.plot, args.title)
     except (OSError, ValueError, KeyError) as err:
         print(f"speech_compare: {err}", file=sys.stderr)
         return 2
