@@ -232,6 +232,7 @@ class CudaPool:
         torch.cuda.set_device(device)
         torch.cuda.current_stream()  # makes torch's (primary) context current on this thread
         self.name = name
+        self._device = device
         self.nbytes = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         out = ffi.new("omni_segment **")
         check(lib.omni_segment_create(name.encode(), _Shared.size(slots), out))
@@ -350,16 +351,24 @@ class CudaPool:
         if not tensor.is_cuda:
             raise ValueError("export() takes a CUDA tensor; use push_arrays for host memory")
         block = self._blocks.pop(tensor.data_ptr(), None) if tensor.is_contiguous() else None
-        if block is None:
-            src = tensor.contiguous()
-            copy = self.empty(tuple(src.shape), src.dtype, timeout, peer_gone)
-            copy.copy_(src)
-            block = self._blocks.pop(copy.data_ptr())
-            tensor = copy
+        copied = block is None
+        if copied:
+            if tensor.device.index != self._device:
+                raise ValueError(f"a tensor on {tensor.device} for a pool on cuda:{self._device}")
+            tensor = tensor.contiguous()
+            nbytes = tensor.numel() * tensor.element_size()
+            offset = self._allocate(max(nbytes, 1), timeout, peer_gone)
+            block = (offset, (max(nbytes, 1) + _ALIGN - 1) // _ALIGN * _ALIGN)
+            if nbytes:  # the raw copy: no view of the pool to make, no torch dispatch
+                src = tensor.data_ptr()
+                check(lib.omni_cuda_memcpy_dtod_async(self._dptr + offset, src, nbytes, _stream()))
         if not self._free_slots:
             self.reap()
         if not self._free_slots:
-            self._blocks[tensor.data_ptr()] = block
+            if copied:
+                self._give_back(*block)
+            else:
+                self._blocks[tensor.data_ptr()] = block
             raise PoolFull(f"pool {self.name!r}: all {self._shared.slots} slots in flight")
         slot = self._free_slots.pop()
         stream = _stream()
