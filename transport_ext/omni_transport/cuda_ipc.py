@@ -350,9 +350,11 @@ class CudaPool:
         the consumer until it releases it: do not write the tensor again."""
         if not tensor.is_cuda:
             raise ValueError("export() takes a CUDA tensor; use push_arrays for host memory")
-        block = self._blocks.pop(tensor.data_ptr(), None) if tensor.is_contiguous() else None
-        copied = block is None
-        if copied:
+        made = self._blocks.pop(tensor.data_ptr(), None) if tensor.is_contiguous() else None
+        copied = made is None
+        if made is not None:
+            block = made
+        else:
             if tensor.device.index != self._device:
                 raise ValueError(f"a tensor on {tensor.device} for a pool on cuda:{self._device}")
             tensor = tensor.contiguous()
