@@ -11,6 +11,7 @@
     omni-bench gpu-share  replicas' GPU memory and start, sharing off/on (omni_bench.gpu_share)
     omni-bench gpu-tp     the engine's decode at TP=1 and TP=2 over NCCL (omni_bench.gpu_tp)
     omni-bench gpu-handoff  a CUDA tensor between two stage processes (omni_bench.gpu_handoff)
+    omni-bench gpu-memory   the engine's KV cache sized from a GPU fraction (omni_bench.gpu_memory)
 
 Each subcommand module exposes `main(argv) -> int`; modules load only when their subcommand
 runs, so one benchmark's heavy imports never slow another.
@@ -33,6 +34,7 @@ SUBCOMMANDS = {
     "gpu-share": ("omni_bench.gpu_share", "GPU memory and start of replicas, sharing off/on"),
     "gpu-tp": ("omni_bench.gpu_tp", "engine decode tok/s at TP=1 vs TP=2 (NCCL)"),
     "gpu-handoff": ("omni_bench.gpu_handoff", "a CUDA tensor from stage to stage, one GPU"),
+    "gpu-memory": ("omni_bench.gpu_memory", "KV cache sized from a GPU fraction: the terms, peaks"),
 }
 
 
