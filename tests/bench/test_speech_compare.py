@@ -77,3 +77,12 @@ def test_steady_ttfa_leaves_out_the_first_concurrency_requests_sent():
     assert level.ttfa["p50"] == pytest.approx(0.3)  # all five
     assert level.ttfa_steady["p50"] == pytest.approx(0.2)  # the three sent after the burst
     assert level.ttfa_steady["mean"] == pytest.approx(0.2)
+
+
+def test_serve_args_need_serve_and_must_parse(capsys):
+    from omni_bench.speech import main as speech
+
+    assert speech(["--url", "http://127.0.0.1:9", "--serve-args", "--max-in-flight 32"]) == 2
+    assert "--serve-args needs --serve" in capsys.readouterr().err
+    assert speech(["--serve", "--serve-args", "--stages.x 'unclosed"]) == 2
+    assert "No closing quotation" in capsys.readouterr().err
