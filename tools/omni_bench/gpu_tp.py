@@ -181,9 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for shape in args.shapes.split(","):
         for tp in degrees:
+            start = time.perf_counter()
             group_rows = _run_group(shape, tp, args)
             rows += group_rows
-            print(f"  {shape} TP={tp}: {json.dumps(group_rows)}", flush=True)
+            wall = time.perf_counter() - start
+            print(f"  {shape} TP={tp} ({wall:.0f} s): {json.dumps(group_rows)}", flush=True)
     base = {(r["shape"], r["batch"]): r["ms_per_step"] for r in rows if r["tp"] == 1}
     graphs = "off" if args.no_graphs else "on"
     print(
