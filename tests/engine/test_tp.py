@@ -14,27 +14,15 @@ from typing import Any
 import pytest
 import torch
 
-from omni_server.engine import SMOLLM2_135M, Engine, EngineConfig, LlamaShape
+from omni_server.engine import SMOLLM2_135M, Engine, EngineConfig
 from omni_server.engine.parallel import TensorParallel
 from omni_server.engine.sampling import SamplingParams
 from omni_server.engine.sequence import GenerationRequest
+from tests.fixtures.tp_stages import SPLITTABLE
 
 pytestmark = pytest.mark.timeout(180)
 
-# 8 heads / 4 KV heads / MLP 256: splits over 2 ranks (SmolLM2-135M's 9 / 3 does not)
-SPLITTABLE = LlamaShape(
-    vocab_size=256,
-    hidden_size=128,
-    intermediate_size=256,
-    num_layers=2,
-    num_heads=8,
-    num_kv_heads=4,
-    head_dim=16,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-)
+# SPLITTABLE: 8 heads / 4 KV heads / MLP 256 split over 2 ranks (SmolLM2-135M's 9 / 3 does not)
 CONFIG = EngineConfig(max_total_tokens=1024, max_batch_size=8, max_step_tokens=64)
 
 

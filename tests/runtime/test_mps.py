@@ -77,18 +77,7 @@ def _environ(pid: int) -> dict[str, str]:
 
 
 def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        import select
-
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        return bool(poller.poll(timeout * 1000))
-    finally:
-        os.close(fd)
+    return mps._wait_exit(pid, timeout)
 
 
 # ---- on / auto where MPS cannot start -----------------------------------------------------------
