@@ -41,6 +41,23 @@ EXIT_GRACE_S = 10.0  # stage processes may outlive the server by a moment
 LOG_TAIL = 4000
 
 
+def failed_start_line(repo: Path, timeout: float = 120) -> str:
+    """Start `omni-server` on a repository that must fail to start: it exits 1, logs exactly
+    one ERROR line and no traceback; that line is returned."""
+    done = subprocess.run(
+        [sys.executable, "-m", "omni_server", "--repo", str(repo), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    assert done.returncode == 1, done.stderr
+    errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    return errors[0]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
