@@ -3,11 +3,14 @@ behind the order in which other modules happened to be imported first."""
 
 from __future__ import annotations
 
+import ast
+import graphlib
 import importlib.util
 import pkgutil
 import subprocess
 import sys
 from importlib import import_module
+from pathlib import Path
 
 import pytest
 
@@ -35,3 +38,83 @@ def test_module_imports_alone(module: str) -> None:
         [sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120
     )
     assert run.returncode == 0, f"import {module} failed:\n{run.stderr[-3000:]}"
+
+
+# ---- the rooms' import directions (docs/architecture.md) ----------------------------------
+
+SERVER = Path(__file__).resolve().parents[1] / "server"
+
+# room -> rooms it must never import (a room is a package under omni_server, or one module)
+FORBIDDEN = {
+    "wire": {"pipeline", "stage", "inline", "serve", "gpu"},  # both sides import the wire
+    "stage": {"pipeline", "inline", "serve"},  # a stage process never holds the server's side
+    "pipeline": {"stage", "serve"},  # the stage room only through `inline`
+    "gpu": {"pipeline", "stage", "inline", "serve"},
+    "compiler": {"pipeline", "stage", "inline", "serve", "wire", "gpu", "engine"},  # pure
+    "engine": {"pipeline", "stage", "inline", "serve", "wire", "gpu", "compiler"},
+    "serve": {"stage", "wire", "gpu", "inline"},  # HTTP reaches the pipeline through Runtime
+}
+
+
+def _module_files() -> dict[str, Path]:
+    files = {}
+    for path in (SERVER / "omni_server").rglob("*.py"):
+        parts = path.relative_to(SERVER).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return files
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the omni_server modules it imports: every import statement, at module level,
+    in a function or under TYPE_CHECKING alike (a circle hidden in a function is still one)."""
+    files = _module_files()
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parents = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*parents, *([node.module] if node.module else [])])
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    found.add(full if full in files else base)
+        graph[module] = {m for m in found if m in files and m != module}
+    return graph
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_no_import_circle_among_server_modules() -> None:
+    try:
+        tuple(graphlib.TopologicalSorter(_import_graph()).static_order())
+    except graphlib.CycleError as exc:
+        pytest.fail(f"import circle: {' -> '.join(exc.args[1])}")
+
+
+@pytest.mark.parametrize("room", sorted(FORBIDDEN))
+def test_room_imports_run_one_way(room: str) -> None:
+    wrong = sorted(
+        f"{module} imports {target}"
+        for module, targets in _import_graph().items()
+        if _room(module) == room
+        for target in targets
+        if _room(target) in FORBIDDEN[room]
+    )
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_inline_pipeline_is_the_one_module_importing_both_sides() -> None:
+    both = sorted(
+        module
+        for module, targets in _import_graph().items()
+        if {"pipeline", "stage"} <= {_room(t) for t in targets}
+    )
+    assert both == ["omni_server.inline"], both

@@ -19,7 +19,7 @@ from dataclasses import replace
 from aiohttp import web
 
 from omni_server.compiler.plan import Plan
-from omni_server.runtime import Runtime
+from omni_server.pipeline import Runtime
 from omni_server.serve import create_app, log_throttle
 from omni_server.serve.access import LOOPBACK_NAMES, loopback_hosts
 from omni_server.serve.connections import make_runner

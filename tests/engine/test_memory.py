@@ -24,7 +24,7 @@ from omni_server.engine.memory import (
     size_kv_cache,
 )
 from omni_server.engine.workspace import graph_static_bytes, measure_workspace
-from omni_server.runtime.budgets import BudgetError, enforce, process_budgets
+from omni_server.stage.budgets import BudgetError, enforce, process_budgets
 from tests.engine.conftest import TINY
 
 # SmolLM2-135M in bf16 on an H200: 30 layers x 3 KV heads x 64 x 2 (K, V) x 2 bytes a token

@@ -17,7 +17,7 @@ from omni_server.compiler.plan import Plan
 from omni_server.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from omni_server.engine.config import SMOLLM2_135M
 from omni_server.engine.memory import MemoryBudgetError
-from omni_server.runtime import PipelineError, Runtime
+from omni_server.pipeline import PipelineError, Runtime
 from tests.fixtures import FIXTURES
 from tests.helpers.repo import make_repo
 from tests.helpers.runtime import running

@@ -50,7 +50,7 @@ def rank_main(rank: int, size: int, port: int, gpu: int = 0, dtype: str = "float
     cuda:rank, else gloo on the CPU."""
     import torch.distributed as dist
 
-    from omni_server.runtime.tp import init_process_group
+    from omni_server.stage.tp import init_process_group
 
     torch.set_num_threads(1)
     group, control = init_process_group(rank, size, port, rank if gpu else None)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 SHM = Path("/dev/shm")
 SEGMENT_PREFIX = "omni-"  # every segment of ours: `omni-RUN_ID-...` (see runtime/channels.py)
-WORKER_MODULE = "omni_server.runtime.worker"
+WORKER_MODULE = "omni_server.stage.worker"
 
 
 def children(pid: int) -> list[int]:
@@ -53,7 +53,7 @@ def describe(pid: int) -> str:
 
 
 def worker_run_ids(pids: Iterable[int]) -> set[str]:
-    """Run ids of the runtime workers among `pids` (`-m omni_server.runtime.worker DIR RUN_ID
+    """Run ids of the runtime workers among `pids` (`-m omni_server.stage.worker DIR RUN_ID
     ...`): a run names all its segments `omni-RUN_ID-*`."""
     ids = set()
     for pid in pids:

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from omni_server.compiler.plan import Plan
-from omni_server.runtime import Runtime
+from omni_server.pipeline import Runtime
 from tests.helpers.proc import alive, run_segments
 
 
@@ -18,7 +18,7 @@ async def running(plan: Plan, **kwargs: Any) -> AsyncIterator[Runtime]:
     runtime = Runtime(plan, **kwargs)
     await runtime.start()
     pids = list(runtime.processes().values())
-    group = runtime._group
+    group = runtime.stage_processes
     try:
         yield runtime
     finally:

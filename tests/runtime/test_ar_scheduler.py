@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from omni_server.compiler.compiler import compile_repository
-from omni_server.runtime import PipelineError
+from omni_server.pipeline import PipelineError
 from tests.fixtures import FIXTURES
 from tests.helpers.repo import make_repo
 from tests.helpers.runtime import running

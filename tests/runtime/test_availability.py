@@ -9,8 +9,8 @@ import signal
 
 import pytest
 
-from omni_server.runtime import PipelineError
-from omni_server.runtime.supervisor import SupervisionPolicy
+from omni_server.pipeline import PipelineError
+from omni_server.pipeline.supervision import SupervisionPolicy
 from tests.helpers.runtime import running
 from tests.runtime.pipelines import _stage, build
 

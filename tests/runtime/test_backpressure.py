@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from omni_server.compiler.compiler import compile_repository
-from omni_server.runtime.messages import CHUNK_WINDOW
+from omni_server.wire.messages import CHUNK_WINDOW
 from tests.helpers.repo import make_repo
 from tests.helpers.runtime import running
 

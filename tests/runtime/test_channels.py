@@ -14,7 +14,7 @@ import uuid
 import numpy as np
 import pytest
 
-from omni_server.runtime.channels import Endpoint
+from omni_server.wire.channels import Endpoint
 from tests.helpers.proc import run_segments
 
 pytestmark = pytest.mark.timeout(60)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from omni_server.runtime.codec import decode, encode
-from omni_server.runtime.messages import Deliver, Envelope
+from omni_server.wire.codec import decode, encode
+from omni_server.wire.messages import Deliver, Envelope
 
 
 def roundtrip(message):

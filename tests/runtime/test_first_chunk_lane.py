@@ -19,10 +19,10 @@ import pytest
 
 from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.errors import RepositoryError
-from omni_server.runtime import PipelineError
-from omni_server.runtime.deadlines import ComputeExecutor
-from omni_server.runtime.streams import StreamInbox
-from omni_server.scheduling import StreamScheduler, WorkItem
+from omni_server.pipeline import PipelineError
+from omni_server.stage.compute import ComputeExecutor
+from omni_server.stage.scheduling import StreamScheduler, WorkItem
+from omni_server.stage.streams import StreamInbox
 from tests.helpers.repo import make_repo
 from tests.helpers.runtime import running
 
@@ -80,11 +80,11 @@ def _plan(root, lane: bool = True):
 
 
 def _backend(runtime) -> Any:
-    return runtime._hosts[0].stages["gated"].calls.backend
+    return runtime.inline_pipeline.backend("gated")
 
 
 def _scheduler(runtime) -> Any:
-    return runtime._hosts[0].stages["gated"].scheduler
+    return runtime.inline_pipeline.stage("gated").scheduler
 
 
 async def _started(backend, key: str) -> None:

@@ -13,10 +13,10 @@ import pytest
 
 from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.plan import MpsMode, Plan
-from omni_server.runtime import Runtime
-from omni_server.runtime.errors import PipelineError
-from omni_server.runtime.gpus import Gpu, Machine, discover, parse_smi, visible
-from omni_server.runtime.mps import clients
+from omni_server.errors import PipelineError
+from omni_server.gpu.devices import Gpu, Machine, discover, parse_smi, visible
+from omni_server.gpu.mps import clients
+from omni_server.pipeline import Runtime
 from tests.fixtures import FIXTURES
 from tests.helpers.repo import make_repo
 from tests.helpers.runtime import running

@@ -24,14 +24,14 @@ SERVER = textwrap.dedent(
     """
     import asyncio, json, sys
     from omni_server.compiler.compiler import compile_repository
-    from omni_server.runtime import Runtime
+    from omni_server.pipeline import Runtime
 
     async def main():
         runtime = Runtime(compile_repository(sys.argv[1]))
         await runtime.start()
         model = runtime.plan.models["m"]
         await runtime.submit(model, {"values": [0]}).result()  # every ring in use
-        group = runtime._group
+        group = runtime.stage_processes
         print(json.dumps({"pids": list(runtime.processes().values()), "run_id": group.run_id,
                           "run_dir": str(group.run_dir)}), flush=True)
         await asyncio.sleep(600)

@@ -24,12 +24,13 @@ import pytest
 
 from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.plan import Plan
-from omni_server.runtime import Runtime, mps
-from omni_server.runtime.errors import PipelineError
-from omni_server.runtime.gpus import MPS_CONTROL, Machine, discover
-from omni_server.runtime.mps import PID_FILE, _ours
-from omni_server.runtime.processes import OWNER_FILE, RUN_DIR_PREFIX
-from omni_server.runtime.supervisor import SupervisionPolicy
+from omni_server.errors import PipelineError
+from omni_server.gpu import mps
+from omni_server.gpu.devices import MPS_CONTROL, Machine, discover
+from omni_server.gpu.mps import PID_FILE, _ours
+from omni_server.pipeline import Runtime
+from omni_server.pipeline.processes import OWNER_FILE, RUN_DIR_PREFIX
+from omni_server.pipeline.supervision import SupervisionPolicy
 from tests.fixtures import FIXTURES
 from tests.helpers.proc import alive
 from tests.helpers.runtime import running
@@ -136,11 +137,11 @@ async def test_mps_on_whose_cuda_client_cannot_start_fails_and_stops_the_daemon(
 
 async def test_mps_auto_that_cannot_start_warns_once_and_serves(tmp_path, caplog):
     plan = two_processes_on_gpu0(tmp_path, "auto")
-    with caplog.at_level(logging.WARNING, logger="omni_server.runtime.mps"):
+    with caplog.at_level(logging.WARNING, logger="omni_server.gpu.mps"):
         async with running(plan, machine=fake_machine(1, None)) as runtime:
             out = await runtime.submit(plan.models["m"], {}).result()
     assert out["mps_pipe"] is None
-    warnings = [r.getMessage() for r in caplog.records if r.name == "omni_server.runtime.mps"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "omni_server.gpu.mps"]
     assert warnings == [
         "mps = auto: MPS cannot start (nvidia-cuda-mps-control not found); "
         "cuda:0 shared without MPS"
@@ -155,7 +156,7 @@ async def test_mps_daemon_serves_the_gpu_processes_and_goes_with_the_runtime(
 ):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # the server's view: clients get UUIDs
     plan = two_processes_on_gpu0(tmp_path, "on")
-    with caplog.at_level(logging.INFO, logger="omni_server.runtime.mps"):
+    with caplog.at_level(logging.INFO, logger="omni_server.gpu.mps"):
         async with running(plan, machine=fake_machine(1, fake_control)) as runtime:
             assert runtime.run_dir is not None
             pipe = runtime.run_dir / "mps" / "pipe"
@@ -248,9 +249,9 @@ async def test_start_stops_the_daemon_of_a_dead_run_and_spares_a_stranger(tmp_pa
 SERVER = """
 import asyncio, json, sys
 from omni_server.compiler.compiler import compile_repository
-from omni_server.runtime import Runtime
-from omni_server.runtime import mps
-from omni_server.runtime.gpus import Gpu, Machine, discover
+from omni_server.pipeline import Runtime
+from omni_server.gpu import mps
+from omni_server.gpu.devices import Gpu, Machine, discover
 import os
 
 async def main():

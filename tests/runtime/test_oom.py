@@ -15,7 +15,7 @@ import pytest
 
 from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.plan import Plan
-from omni_server.runtime import PipelineError, Runtime
+from omni_server.pipeline import PipelineError, Runtime
 from tests.fixtures import FIXTURES
 from tests.helpers.repo import make_repo
 from tests.helpers.runtime import running

@@ -8,7 +8,7 @@ import collections
 import numpy as np
 import pytest
 
-from omni_server.runtime import PipelineError
+from omni_server.pipeline import PipelineError
 from tests.helpers.runtime import running
 from tests.runtime.pipelines import _stage, build, chain, stream
 
@@ -222,7 +222,7 @@ async def test_config_error_in_initialize_fails_start_and_cleans_up(tmp_path):
         "b": _stage("Add", "terminal = true\n[parameters]\nwrong = 2\n", "b"),
     }
     plan = build(tmp_path, stages, '[models.m]\nentry = "a"\ntasks = ["speech"]\n')
-    from omni_server.runtime import Runtime
+    from omni_server.pipeline import Runtime
 
     runtime = Runtime(plan)
     with pytest.raises(PipelineError) as err:

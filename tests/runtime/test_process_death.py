@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from omni_server.runtime import PipelineError
+from omni_server.pipeline import PipelineError
 from tests.helpers.runtime import running
 from tests.runtime.pipelines import chain
 

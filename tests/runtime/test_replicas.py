@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from omni_server.runtime import PipelineError
+from omni_server.pipeline import PipelineError
 from tests.helpers.runtime import running
 from tests.runtime.pipelines import stream
 

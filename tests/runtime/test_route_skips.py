@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from omni_server.runtime import PipelineError
+from omni_server.pipeline import PipelineError
 from tests.helpers.runtime import running
 from tests.runtime.pipelines import _stage, build
 

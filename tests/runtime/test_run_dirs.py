@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_server.runtime.processes import OWNER_FILE, RUN_DIR_PREFIX, _process_identity
+from omni_server.pipeline.processes import OWNER_FILE, RUN_DIR_PREFIX, _process_identity
 from tests.helpers.runtime import running
 from tests.runtime.pipelines import chain
 

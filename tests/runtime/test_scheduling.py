@@ -71,7 +71,7 @@ async def test_abort_leaves_no_request_state_in_any_stage(tmp_path):
             await anext(aiter(handle))
         done = await runtime.submit(model, {"n": 2}).result()  # the stages still serve
         assert done == {"count": 2, "where": done["where"]}
-        for host in runtime._hosts:
+        for host in runtime.inline_pipeline.hosts:
             for runner in host.stages.values():
                 assert runner._admitted == {} and runner._inboxes == {}
                 assert runner._fan_in == {} and runner._seq == {}
@@ -80,7 +80,7 @@ async def test_abort_leaves_no_request_state_in_any_stage(tmp_path):
 
 
 async def test_broken_backend_contract_fails_the_request_with_a_clear_message(tmp_path):
-    from omni_server.runtime import PipelineError
+    from omni_server.pipeline import PipelineError
 
     stages = {"b": _stage("Broken", "terminal = true\n", "p")}
     plan = build(tmp_path, stages, '[models.m]\nentry = "b"\ntasks = ["speech"]\n')

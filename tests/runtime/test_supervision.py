@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from omni_server.compiler.compiler import compile_repository
-from omni_server.runtime import PipelineError, Runtime
-from omni_server.runtime.supervisor import CrashHistory, InstanceState, SupervisionPolicy
+from omni_server.pipeline import PipelineError, Runtime
+from omni_server.pipeline.supervision import CrashHistory, InstanceState, SupervisionPolicy
 from tests.helpers.proc import alive, mapped_segments, run_segments
 from tests.helpers.runtime import running
 from tests.runtime.pipelines import chain
@@ -98,7 +98,7 @@ async def test_a_killed_replica_restarts_while_the_others_serve(tmp_path):
     async with running(plan, supervision=SupervisionPolicy(backoff_s=1.0)) as runtime:
         events = Events(runtime)
         model = plan.models["m"]
-        run_id = runtime._group.run_id
+        run_id = runtime.stage_processes.run_id
         await _use_every_path(runtime, model)
         segments_before = run_segments(run_id)
         peer = runtime.processes()["a@r0"]  # sends to bc@r1

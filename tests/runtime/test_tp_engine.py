@@ -17,7 +17,7 @@ import torch
 
 from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.plan import Plan
-from omni_server.runtime import PipelineError
+from omni_server.pipeline import PipelineError
 from tests.fixtures import FIXTURES
 from tests.fixtures.tp_stages import build_engine
 from tests.helpers.repo import make_repo
@@ -180,7 +180,7 @@ def test_the_embedded_thinker_refuses_tp2_naming_its_heads() -> None:
     """SmolLM2-135M has 9 heads / 3 KV heads: tp_size = 2 cannot split them."""
     from omni_server.backend import StageConfigError, StageContext
     from omni_server.compiler.compiler import compile_repository as compile_repo
-    from omni_server.runtime.backends import load_backend
+    from omni_server.stage.backends import load_backend
 
     repository = Path(__file__).resolve().parents[2] / "repository"
     spec = compile_repo(repository).stages["thinker"]

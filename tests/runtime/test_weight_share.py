@@ -23,9 +23,7 @@ import torch
 
 from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.plan import Plan
-from omni_server.runtime import PipelineError, Runtime
-from omni_server.runtime.supervisor import SupervisionPolicy
-from omni_server.runtime.weights import (
+from omni_server.gpu.weights import (
     WeightShareError,
     WeightSharing,
     followers_of,
@@ -33,6 +31,8 @@ from omni_server.runtime.weights import (
     sharing_groups,
     start_waves,
 )
+from omni_server.pipeline import PipelineError, Runtime
+from omni_server.pipeline.supervision import SupervisionPolicy
 from tests.fixtures import FIXTURES
 from tests.helpers.proc import run_segments
 from tests.helpers.repo import make_repo
@@ -220,7 +220,7 @@ async def test_two_cpu_replicas_share_one_read_only_copy_started_and_stopped_in_
     markers.mkdir()
     plan = _repo(tmp_path / "repo", parameters=f'mib = 16\nload_s = 0.5\nmarker_dir = "{markers}"')
     async with running(plan) as runtime:
-        run_id = runtime._group.run_id
+        run_id = runtime.stage_processes.run_id
         by_replica = await _both(runtime)
         leader, follower = by_replica[0], by_replica[1]
         assert leader["loaded"] and not follower["loaded"]
@@ -248,7 +248,7 @@ async def test_without_sharing_each_replica_loads_its_own(tmp_path):
         assert by_replica[0]["loaded"] and by_replica[1]["loaded"]
         assert not any(by_replica[1]["in_region"].values())
         assert by_replica[0]["sums"] == by_replica[1]["sums"]
-        assert _weight_segments(runtime._group.run_id) == []
+        assert _weight_segments(runtime.stage_processes.run_id) == []
 
 
 async def test_the_engine_on_shared_weights_gives_the_same_greedy_tokens(tmp_path):
@@ -270,7 +270,7 @@ async def test_a_killed_leader_takes_its_follower_down_and_both_come_back(tmp_pa
         events: asyncio.Queue[tuple[str, str, str]] = asyncio.Queue()
         runtime.supervision_observers.append(lambda *e: events.put_nowait(e))
         model = plan.models["m"]
-        run_id = runtime._group.run_id
+        run_id = runtime.stage_processes.run_id
         first = await _both(runtime)
         # a request in flight on the follower (round robin: the next one goes to r0, then r1)
         await runtime.submit(model, {}).result()
@@ -322,7 +322,7 @@ def test_a_follower_writing_its_weights_faults_instead_of_changing_the_leaders(t
             "import sys, torch\n"
             "from pathlib import Path\n"
             "from omni_server.compiler.compiler import compile_repository\n"
-            "from omni_server.runtime.weights import WeightSharing\n"
+            "from omni_server.gpu.weights import WeightSharing\n"
             f"plan = compile_repository(Path({str(tmp_path / 'repo')!r}))\n"
             f"follower = WeightSharing(plan, 1, Path({str(run_dir)!r}), {run_id!r})\n"
             "w = follower.share('lm', 'w', None)\n"
@@ -402,7 +402,7 @@ async def test_two_thinker_replicas_on_the_cpu_share_the_smollm2_weights(tmp_pat
         "temperature": 0,
     }
     async with running(plan) as runtime:
-        run_id = runtime._group.run_id
+        run_id = runtime.stage_processes.run_id
         model = plan.models["chat"]
         answers = await asyncio.gather(
             *(runtime.submit(model, dict(inputs)).result() for _ in "ab")

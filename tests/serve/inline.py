@@ -15,7 +15,7 @@ from pathlib import Path
 from aiohttp import web
 
 from omni_server.compiler.compiler import compile_repository
-from omni_server.runtime import Runtime
+from omni_server.pipeline import Runtime
 from omni_server.serve.connections import make_runner
 from omni_server.serve.options import ServeOptions
 from tests.fixtures import FIXTURES

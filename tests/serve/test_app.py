@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from omni_server.compiler.compiler import compile_repository
-from omni_server.runtime import Runtime
+from omni_server.pipeline import Runtime
 from omni_server.serve import create_app
 from tests.fixtures import FIXTURES
 from tests.helpers.repo import make_repo

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from omni_server.compiler.compiler import compile_repository
-from omni_server.runtime.runtime import Runtime
+from omni_server.pipeline.runtime import Runtime
 
 pytestmark = pytest.mark.slow  # the real voice through runtime processes
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from omni_server.backend import Request, StageBackend, StageContext
 from omni_server.compiler.compiler import compile_repository
-from omni_server.runtime import Runtime
+from omni_server.pipeline import Runtime
 
 _STAGE_FILE = """
 from omni_bench.gpu_handoff import Make, Take  # noqa: F401
@@ -112,7 +112,7 @@ async def _measure(same_process: bool, nbytes: int, requests: int, warmup: int) 
 
 
 def _endpoint(run_dir: Path, name: str, peer: str) -> Any:
-    from omni_server.runtime.channels import Endpoint
+    from omni_server.wire.channels import Endpoint
 
     endpoint = Endpoint(run_dir, "hb", name, 8 << 20, {peer: frozenset({0})})
     endpoint.create_inbound([peer])
@@ -121,7 +121,7 @@ def _endpoint(run_dir: Path, name: str, peer: str) -> Any:
 
 def _timed_decode(profile: Any = None) -> list[float]:
     """Wraps the receiving side's decode to time it (what it costs on the receiver's loop)."""
-    from omni_server.runtime import channels
+    from omni_server.wire import channels
 
     spent: list[float] = []
     decode = channels.decode

@@ -31,8 +31,8 @@ from typing import Any
 from omni_server.backend import Request, StageBackend, StageContext
 from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.plan import Plan
-from omni_server.runtime import Runtime
-from omni_server.runtime.gpus import discover
+from omni_server.gpu.devices import discover
+from omni_server.pipeline import Runtime
 
 _STAGE_FILE = """
 from omni_bench.gpu_share import ShareProbe  # noqa: F401

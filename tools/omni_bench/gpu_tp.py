@@ -55,7 +55,7 @@ def _child_main(argv: list[str]) -> int:
     tp = TensorParallel()
     control = None
     if size > 1:
-        from omni_server.runtime.tp import init_process_group
+        from omni_server.stage.tp import init_process_group
 
         group, control = init_process_group(rank, size, port, rank)
         tp = TensorParallel(rank, size, group)

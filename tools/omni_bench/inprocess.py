@@ -20,8 +20,8 @@ from typing import Any
 from omni_server.backend import Payload, Request, StageContext
 from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.plan import ModelSpec, Plan
-from omni_server.runtime.backends import load_backend
 from omni_server.serve.speech_request import SpeechRequest
+from omni_server.stage.backends import load_backend
 
 
 def load_stage(

@@ -27,7 +27,7 @@ import numpy as np
 
 from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.plan import Plan
-from omni_server.runtime import Runtime
+from omni_server.pipeline import Runtime
 
 LAYOUTS = {
     "inline": ("p", "p", "p"),

@@ -64,8 +64,8 @@ def _label(pid: int) -> str:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
     except OSError:
         return str(pid)
-    if "omni_server.runtime.worker" in argv:
-        i = argv.index("omni_server.runtime.worker")
+    if "omni_server.stage.worker" in argv:
+        i = argv.index("omni_server.stage.worker")
         return f"worker{argv[i + 3]}" if len(argv) > i + 3 else "worker"
     if "-m" in argv[:-1]:
         return argv[argv.index("-m") + 1]  # e.g. piper.http_server

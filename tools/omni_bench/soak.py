@@ -78,8 +78,8 @@ def _workers(server_pid: int) -> dict[int, int]:
         except OSError:
             continue
         ppid = next((int(x.split()[1]) for x in status.splitlines() if x.startswith("PPid:")), 0)
-        if ppid == server_pid and b"omni_server.runtime.worker" in argv:
-            out[int(entry)] = int(argv[argv.index(b"omni_server.runtime.worker") + 3])
+        if ppid == server_pid and b"omni_server.stage.worker" in argv:
+            out[int(entry)] = int(argv[argv.index(b"omni_server.stage.worker") + 3])
     return out
 
 

@@ -38,7 +38,7 @@ class TensorParallel:
 
     rank: int = 0
     size: int = 1
-    group: Any = None  # torch.distributed ProcessGroup (NCCL on GPUs, gloo on CPU)
+    group: Any = None  # torch.distributed StageProcesses (NCCL on GPUs, gloo on CPU)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:

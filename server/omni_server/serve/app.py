@@ -36,7 +36,7 @@ from omni_server.serve.realtime import realtime
 from omni_server.serve.state import STATE, ServerState
 
 if TYPE_CHECKING:
-    from omni_server.runtime import Runtime
+    from omni_server.pipeline import Runtime
 
 STATIC_DIR = Path(__file__).parent / "static"
 SERVER_NAME = "omni-server"  # the Server header: no versions for a scanner to match

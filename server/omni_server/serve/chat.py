@@ -35,7 +35,7 @@ from typing import Any
 
 from aiohttp import web
 
-from omni_server.runtime import PipelineError, RequestHandle
+from omni_server.pipeline import PipelineError, RequestHandle
 from omni_server.serve.body import ClientGone, read_json
 from omni_server.serve.chat_request import (
     AudioPart,

@@ -25,8 +25,8 @@ from typing import Any
 from aiohttp import web
 
 from omni_server.compiler.plan import ModelSpec
-from omni_server.runtime import PipelineError, RequestHandle
-from omni_server.scheduling.oom import OUT_OF_GPU_MEMORY
+from omni_server.errors import OUT_OF_GPU_MEMORY
+from omni_server.pipeline import PipelineError, RequestHandle
 from omni_server.serve.body import ClientGone, read_json
 from omni_server.serve.errors import STREAM_STARTED, ApiError
 from omni_server.serve.metrics import RequestTrack

@@ -11,7 +11,7 @@ from omni_server.compiler.plan import Plan
 from omni_server.serve.options import ServeOptions
 
 if TYPE_CHECKING:
-    from omni_server.runtime import Runtime
+    from omni_server.pipeline import Runtime
     from omni_server.serve.admission import Admission
     from omni_server.serve.lifecycle import Lifecycle
     from omni_server.serve.metrics import ServerMetrics

@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from omni_server.runtime import PipelineError, RequestHandle
+from omni_server.pipeline import PipelineError, RequestHandle
 from omni_server.serve import transcription_format as fmt
 from omni_server.serve.body import ClientGone
 from omni_server.serve.errors import STREAM_STARTED, ApiError

@@ -34,7 +34,7 @@ from omni_server.audio.vad import (
     UtteranceTracker,
 )
 from omni_server.compiler.plan import ModelSpec, Plan
-from omni_server.runtime import PipelineError
+from omni_server.pipeline import PipelineError
 from omni_server.serve.errors import ApiError
 from omni_server.serve.realtime import audio
 from omni_server.serve.realtime.config import SessionConfig

@@ -16,9 +16,10 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from omni_server.errors import OUT_OF_GPU_MEMORY
+
 T = TypeVar("T")
 
-OUT_OF_GPU_MEMORY = "out_of_gpu_memory"
 _ASKED = re.compile(r"Tried to allocate ([0-9.]+ [KMGT]?i?B)")
 _GPU = re.compile(r"GPU (\d+)")
 

@@ -17,8 +17,7 @@ from __future__ import annotations
 import threading
 
 from omni_server.compiler.plan import BindingPolicy, Plan
-
-from .errors import PipelineError
+from omni_server.errors import PipelineError
 
 
 class ReplicaBinder:

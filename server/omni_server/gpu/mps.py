@@ -36,7 +36,7 @@ from pathlib import Path
 
 from omni_server.compiler.plan import MpsMode, Plan
 
-from .gpus import MPS_CONTROL, Gpu, Machine
+from .devices import MPS_CONTROL, Gpu, Machine
 
 log = logging.getLogger(__name__)
 

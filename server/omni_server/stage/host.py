@@ -19,15 +19,9 @@ from typing import Any
 from omni_server.backend import StageConfigError, StageContext
 from omni_server.compiler.plan import Plan, StageSpec
 from omni_server.envelope import Envelope
-from omni_server.scheduling import StageCalls
-from omni_server.scheduling.oom import is_out_of_memory
-
-from . import budgets
-from .backends import load_backend
-from .codec import Unencodable
-from .deadlines import ComputeExecutor
-from .links import Links
-from .messages import (
+from omni_server.wire.codec import Unencodable
+from omni_server.wire.links import Links
+from omni_server.wire.messages import (
     Abort,
     CoordinatorMessage,
     Credit,
@@ -39,8 +33,14 @@ from .messages import (
     StreamChunk,
     StreamEnd,
 )
-from .stage import StageRunner
-from .topology import Topology
+from omni_server.wire.routes import Routes
+
+from . import budgets
+from .backends import load_backend
+from .compute import ComputeExecutor
+from .node import StageNode
+from .scheduling import StageCalls
+from .scheduling.oom import is_out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class StageHost:
         index: int,
         links: Links,
         *,
-        topology: Topology | None = None,
+        routes: Routes | None = None,
         process_group: Any = None,
         calls_factory: CallsFactory = StageCalls,
         weight_sharing: Any = None,
@@ -72,8 +72,8 @@ class StageHost:
         self.index = index
         self.instance = plan.instances[index]
         self.links = links
-        self.topology = topology or Topology(plan)
-        self.stages: dict[str, StageRunner] = {}
+        self.routes = routes or Routes(plan)
+        self.stages: dict[str, StageNode] = {}
         self.shutdown_requested = asyncio.Event()
         self._process_group = process_group
         self._weight_sharing = weight_sharing
@@ -92,9 +92,17 @@ class StageHost:
             backend = await self.initialize_backend(name)
             spec = self.plan.stages[name]
             calls = self._calls_factory(spec, backend)
-            runner = StageRunner(self, spec, calls, self._executors[name])
-            self.stages[name] = runner
-            self.spawn(runner.scheduler.run())
+            node = StageNode(
+                spec,
+                calls,
+                self._executors[name],
+                outbox=self,
+                routes=self.routes,
+                instance=self.instance.name,
+                timeout_s=self.plan.timeout_of(name),
+            )
+            self.stages[name] = node
+            self.spawn(node.scheduler.run())
 
     async def initialize_backend(self, stage: str) -> Any:
         """Give `stage` its compute thread, load its backend class and call initialize() there.
@@ -156,17 +164,17 @@ class StageHost:
 
     async def stop(self) -> None:
         """Abort what is in flight, stop the schedulers, finalize the backends."""
-        for runner in self.stages.values():
-            runner.abort_all()
-            if runner.deadlines is not None:
-                runner.deadlines.stop_all()
+        for node in self.stages.values():
+            node.abort_all()
+            if node.deadlines is not None:
+                node.deadlines.stop_all()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         loop = asyncio.get_running_loop()
-        for name, runner in self.stages.items():
+        for name, node in self.stages.items():
             try:
-                await loop.run_in_executor(self._executors[name], runner.calls.finalize)
+                await loop.run_in_executor(self._executors[name], node.calls.finalize)
             except Exception:
                 log.exception("stage %s: finalize failed", name)
         self._backends.clear()
@@ -207,8 +215,8 @@ class StageHost:
             case Abort():
                 for key in message.keys:
                     self._remember_abort(key)
-                    for runner in self.stages.values():
-                        runner.abort(key)
+                    for node in self.stages.values():
+                        node.abort(key)
             case Credit():
                 if message.key not in self._aborted and message.stage in self.stages:
                     self.stages[message.stage].on_credit(message.key, message.chunks)
@@ -227,7 +235,7 @@ class StageHost:
 
     def send(self, env: Envelope, stage: str, message: HostMessage) -> None:
         """Send a message to `stage`, wherever this request's binding puts it."""
-        index = self.topology.host_of(stage, env.bindings)
+        index = self.routes.host_of(stage, env.bindings)
         if index == self.index:
             self.handle(message)
             return

@@ -19,8 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from omni_server.compiler.plan import Plan
-
-from .errors import PipelineError
+from omni_server.errors import PipelineError
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
 _SMI_TIMEOUT_S = 10.0

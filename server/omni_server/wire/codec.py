@@ -44,7 +44,7 @@ class _Pickler(pickle.Pickler):
 
 
 def _open_cuda(record: bytes, device: int, requires_grad: bool) -> Any:
-    from .cuda import open_tensor
+    from .cuda_lane import open_tensor
 
     tensor = open_tensor(record, device)
     return tensor.requires_grad_(requires_grad) if requires_grad else tensor

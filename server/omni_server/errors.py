@@ -1,8 +1,12 @@
-"""The one error the runtime raises to its callers (the serving layer)."""
+"""The one error the pipeline raises to its callers (the serving layer): a leaf module."""
 
 from __future__ import annotations
 
 from typing import Literal
+
+# the `error_code` of a request that ran out of GPU memory in a stage (stage/scheduling/oom.py
+# raises it; the HTTP layer names it in its 500); the stage serves on
+OUT_OF_GPU_MEMORY = "out_of_gpu_memory"
 
 ErrorCode = Literal[
     "stage_failed", "invalid_request", "process_died", "aborted", "unavailable", "timeout"

@@ -1,26 +1,21 @@
 """How messages travel between the coordinator and the stage hosts: one `Links` interface, two
 ways to carry it.
 
-- `ChannelLinks`: over a process's `channels.Endpoint` (SHM rings for data, ZMQ for control).
-  The coordinator's side and every stage process use it.
-- `InlineLinks`: every host and the coordinator share one event loop in one process; a message
-  is the object itself, handed over on the next loop turn (never re-entrantly).
+- `ChannelLinks` (here): over a process's `channels.Endpoint` (SHM rings for data, ZMQ for
+  control). The coordinator's side and every stage process use it.
+- `InlineLinks` (`omni_server/inline.py`): every host and the coordinator share one event loop
+  in one process; a message is the object itself, handed over on the next loop turn.
 
 The coordinator and the hosts only ever see `Links`, never the transport behind it.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from .channels import COORDINATOR, Endpoint
 from .messages import CoordinatorMessage, HostMessage
-
-if TYPE_CHECKING:
-    from .coordinator import Coordinator
-    from .host import StageHost
 
 
 class Links(Protocol):
@@ -59,22 +54,3 @@ class ChannelLinks:
 
     def to_coordinator(self, message: CoordinatorMessage) -> None:
         self._endpoint.send_data(COORDINATOR, message)
-
-
-class InlineLinks:
-    """All hosts in this process, on the running loop; `hosts[i]` is None until it is built."""
-
-    def __init__(self, coordinator: Coordinator, hosts: Sequence[StageHost | None]) -> None:
-        self._coordinator = coordinator
-        self._hosts = hosts
-        self._loop = asyncio.get_running_loop()
-
-    def to_instance(self, index: int, message: HostMessage) -> None:
-        host = self._hosts[index]
-        if host is not None:
-            self._loop.call_soon(host.handle, message)
-
-    control = to_instance  # one loop: nothing for control to overtake
-
-    def to_coordinator(self, message: CoordinatorMessage) -> None:
-        self._loop.call_soon(self._coordinator.on_message, message)

@@ -43,7 +43,8 @@ from typing import Any, TypeVar
 
 from omni_server.backend import Request, RequestAborted
 from omni_server.compiler.plan import StageSpec
-from omni_server.scheduling import StageCalls
+
+from .scheduling import StageCalls
 
 log = logging.getLogger(__name__)
 

@@ -22,11 +22,9 @@ from typing import Any
 
 from omni_server.compiler.plan import ModelSpec, Plan, SchedulerKind
 from omni_server.envelope import Envelope, Payload, Timings
-
-from .binding import ReplicaBinder
-from .errors import PipelineError
-from .links import Links
-from .messages import (
+from omni_server.errors import PipelineError
+from omni_server.wire.links import Links
+from omni_server.wire.messages import (
     CHUNK_WINDOW,
     UNLIMITED,
     Abort,
@@ -39,7 +37,9 @@ from .messages import (
     TerminalResult,
     TerminalSkipped,
 )
-from .topology import Topology
+from omni_server.wire.routes import Routes
+
+from .binding import ReplicaBinder
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class Coordinator:
 
     def __init__(self, plan: Plan, observers: list[StageObserver]) -> None:
         self.plan = plan
-        self.topology = Topology(plan)
+        self.routes = Routes(plan)
         self.observers = observers
         self._links: Links | None = None
         self._closed_reason: str | None = "the pipeline is not started"
@@ -199,26 +199,26 @@ class Coordinator:
         Raises PipelineError("unavailable") when the pipeline is not running or unhealthy."""
         if self._closed_reason is not None or self._links is None:
             raise PipelineError(self._closed_reason or "not started", code="unavailable")
-        if model.id not in self.topology.model_processes:
+        if model.id not in self.routes.model_processes:
             raise PipelineError(f"model {model.id!r} is not in this pipeline", code="unavailable")
         if not isinstance(inputs, dict):
             raise TypeError(f"inputs must be a dict, got {type(inputs).__name__}")
         key = next(self._keys)
         request_id = request_id or uuid.uuid4().hex
         handle = RequestHandle(self, key, request_id)
-        terminals = self.topology.terminals(model.id)
-        bindings = self._binder.bind(self.topology.model_processes[model.id])
+        terminals = self.routes.terminals(model.id)
+        bindings = self._binder.bind(self.routes.model_processes[model.id])
         env = Envelope(key, request_id, bindings, model.id)
         try:
             self._flights[key] = _Flight(
                 handle=handle,
                 model=model,
                 env=env,
-                touched=self.topology.touched(model, env.bindings),
+                touched=self.routes.touched(model, env.bindings),
                 expected=terminals,
                 single_terminal=next(iter(terminals)) if len(terminals) == 1 else None,
             )
-            entry = self.topology.host_of(model.entry, env.bindings)
+            entry = self.routes.host_of(model.entry, env.bindings)
             self._links.to_instance(entry, Deliver(env, model.entry, "", inputs, []))
         except BaseException:  # not admitted (e.g. inputs the codec refuses): nothing was sent
             self._flights.pop(key, None)
@@ -304,7 +304,7 @@ class Coordinator:
         """Let terminal `stage` send `chunks` more chunks of request `key` (UNLIMITED: all)."""
         flight = self._flights.get(key)
         if flight is not None and self._links is not None:
-            index = self.topology.host_of(stage, flight.env.bindings)
+            index = self.routes.host_of(stage, flight.env.bindings)
             self._links.control(index, Credit(key, stage, chunks))
 
     def terminals_of(self, key: int) -> tuple[str, ...]:

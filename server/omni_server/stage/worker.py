@@ -1,5 +1,5 @@
 """A stage process:
-`python -m omni_server.runtime.worker RUN_DIR RUN_ID INDEX PARENT_PID [PORT] [NAMES]`.
+`python -m omni_server.stage.worker RUN_DIR RUN_ID INDEX PARENT_PID [PORT] [NAMES]`.
 
 Hosts the stages of plan instance INDEX (the plan is pickled in RUN_DIR/plan.pkl). It dies with
 its parent (PR_SET_PDEATHSIG), beats its heartbeat from a thread of its own, reports Ready or
@@ -22,15 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from omni_server.compiler.plan import Plan
+from omni_server.gpu.weights import WeightSharing
+from omni_server.wire import codec
+from omni_server.wire.channels import COORDINATOR, Endpoint
+from omni_server.wire.heartbeats import SOCKET_NAME, HeartbeatSender
+from omni_server.wire.links import ChannelLinks
+from omni_server.wire.messages import Ready, Rewire, Rewired, Shutdown, StartFailed
+from omni_server.wire.routes import Routes
 
-from . import codec
-from .channels import COORDINATOR, Endpoint
-from .heartbeats import SOCKET_NAME, HeartbeatSender
 from .host import StageHost, StageStartError, bind_thread_to_device
-from .links import ChannelLinks
-from .messages import Ready, Rewire, Rewired, Shutdown, StartFailed
-from .topology import Topology
-from .weights import WeightSharing
 
 log = logging.getLogger("omni_server.worker")
 
@@ -50,7 +50,7 @@ async def serve(
     plan: Plan, run_dir: Path, run_id: str, index: int, port: int | None, names: list[str]
 ) -> int:
     instance = plan.instances[index]
-    topology = Topology(plan)
+    routes = Routes(plan)
     peer_devices = {  # CUDA IPC engages towards peers' first lives only (names change later)
         names[n]: frozenset(d for d in inst.devices.values() if d is not None)
         for n, inst in enumerate(plan.instances)
@@ -58,8 +58,8 @@ async def serve(
     }
     endpoint = Endpoint(run_dir, run_id, names[index], _ring_capacity(), peer_devices)
     codec.set_local_devices(frozenset(d for d in instance.devices.values() if d is not None))
-    senders = [names[i] for i in sorted(topology.senders_to(index))]
-    if topology.takes_entries(index):
+    senders = [names[i] for i in sorted(routes.senders_to(index))]
+    if routes.takes_entries(index):
         senders.append(COORDINATOR)
     endpoint.create_inbound(senders)
 
@@ -83,7 +83,7 @@ async def serve(
         if sharing.active:  # this replica leads or follows a weight-sharing group
             kwargs["weight_sharing"] = sharing
         links = ChannelLinks(endpoint, name=names.__getitem__)
-        host = StageHost(plan, index, links, topology=topology, process_group=group, **kwargs)
+        host = StageHost(plan, index, links, routes=routes, process_group=group, **kwargs)
         try:
             await host.start()
         except StageStartError as exc:
@@ -92,7 +92,7 @@ async def serve(
 
         def on_message(message: Any) -> None:
             if isinstance(message, Rewire):
-                host.spawn(_rewire(message, endpoint, names, topology, index))
+                host.spawn(_rewire(message, endpoint, names, routes, index))
             else:
                 host.handle(message)
 
@@ -110,15 +110,15 @@ async def serve(
 
 
 async def _rewire(
-    message: Rewire, endpoint: Endpoint, names: list[str], topology: Topology, index: int
+    message: Rewire, endpoint: Endpoint, names: list[str], routes: Routes, index: int
 ) -> None:
     """A peer restarts under a new name: forget the old one's rings and socket, receive from
     the new one if it sends to us, then confirm (the successor is spawned after that)."""
     await endpoint.forget_peer(message.old)
     names[message.index] = message.new
-    if message.index in topology.senders_to(index):
+    if message.index in routes.senders_to(index):
         endpoint.add_inbound(message.new)
-    endpoint.send_control(COORDINATOR, Rewired(topology.plan.instances[index].name, message.index))
+    endpoint.send_control(COORDINATOR, Rewired(routes.plan.instances[index].name, message.index))
 
 
 async def _join_tp(plan: Plan, index: int, port: int | None) -> tuple[Any, Any]:
@@ -135,8 +135,7 @@ async def _join_tp(plan: Plan, index: int, port: int | None) -> tuple[Any, Any]:
 async def _serve_tp_peer(
     plan: Plan, index: int, endpoint: Endpoint, stop: asyncio.Event, port: int | None
 ) -> int:
-    from omni_server.scheduling import StageCalls
-
+    from .scheduling import StageCalls
     from .tp import follow
 
     instance = plan.instances[index]

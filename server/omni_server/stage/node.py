@@ -31,20 +31,19 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from omni_server.backend import InvalidRequest, Request, StageConfigError
 from omni_server.compiler.plan import SchedulerKind, StageSpec
 from omni_server.envelope import Envelope, Payload, Timings
-from omni_server.scheduling import BackendContractError, StageCalls, WorkItem, make_scheduler
-from omni_server.scheduling.oom import OutOfGPUMemory
-
-from .deadlines import ComputeExecutor, StageDeadlines
-from .messages import (
+from omni_server.wire.messages import (
     CHUNK_WINDOW,
     UNLIMITED,
+    CoordinatorMessage,
     Deliver,
+    HostMessage,
     Skipped,
     StageFailed,
     StageTimedOut,
@@ -54,10 +53,13 @@ from .messages import (
     TerminalResult,
     TerminalSkipped,
 )
-from .streams import StreamInbox
+from omni_server.wire.routes import Routes
 
-if TYPE_CHECKING:
-    from .host import StageHost
+from .compute import ComputeExecutor
+from .deadlines import StageDeadlines
+from .scheduling import BackendContractError, StageCalls, WorkItem, make_scheduler
+from .scheduling.oom import OutOfGPUMemory
+from .streams import StreamInbox
 
 log = logging.getLogger(__name__)
 
@@ -102,21 +104,47 @@ class _FanIn:
         self.timings: Timings = []
 
 
-class StageRunner:
+class Outbox(Protocol):
+    """What a stage needs of the host it runs in (`host.StageHost` is one): where its messages
+    go, a task for work that outlives a callback, and which requests were aborted."""
+
+    def send(self, env: Envelope, stage: str, message: HostMessage) -> None:
+        """To `stage`, wherever this request's binding puts it (this process or another)."""
+
+    def to_coordinator(self, message: CoordinatorMessage) -> None:
+        """Chunks, results, failures and timeouts for the caller's side."""
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run `coro` as a task of the host (cancelled when the host stops)."""
+
+    def is_aborted(self, key: int) -> bool:
+        """Whether request `key` was aborted in this process (its late messages are dropped)."""
+
+
+class StageNode:
+    """One stage of the pipeline DAG as hosted by one process instance (`instance`)."""
+
     def __init__(
         self,
-        host: StageHost,
         spec: StageSpec,
         calls: StageCalls,
         executor: concurrent.futures.ThreadPoolExecutor,
+        *,
+        outbox: Outbox,
+        routes: Routes,
+        instance: str,
+        timeout_s: float | None,
     ) -> None:
-        self.host = host
+        """`routes`: the plan's edges as requests of each model see them; `instance`: the name
+        of the hosting instance (for timeout reports); `timeout_s`: the stage's timeout_s."""
+        self.outbox = outbox
+        self.instance = instance
         self.spec = spec
         self.name = spec.name
         self.calls = calls
         self.executor = executor
         self.scheduler = make_scheduler(spec.scheduler, calls, self, executor)
-        self._topology = host.topology
+        self._routes = routes
         self._inputs: dict[str, _Inputs] = {}  # per model: this stage's edges
         self._fan_in: dict[int, _FanIn] = {}
         self._skips: dict[int, set[str]] = {}  # not yet admitted: upstreams that sent Skipped
@@ -130,10 +158,9 @@ class StageRunner:
         self._done: collections.OrderedDict[int, str] = collections.OrderedDict()
         # credits that came before the request was admitted here (control overtakes data)
         self._early_credits: collections.OrderedDict[int, int] = collections.OrderedDict()
-        timeout = host.plan.timeout_of(spec.name)
         self.deadlines: StageDeadlines | None = None
-        if timeout is not None and isinstance(executor, ComputeExecutor):
-            self.deadlines = StageDeadlines(timeout, executor, self._timed_out, self._overran)
+        if timeout_s is not None and isinstance(executor, ComputeExecutor):
+            self.deadlines = StageDeadlines(timeout_s, executor, self._timed_out, self._overran)
 
     # ---- inputs (event-loop thread) --------------------------------------------------------
 
@@ -141,10 +168,10 @@ class StageRunner:
         """What this stage waits for from a request of `model` (cached per model)."""
         found = self._inputs.get(model)
         if found is None:
-            topo, name = self._topology, self.name
-            senders = topo.reached(topo.next_preds[name], model)
-            streamers = topo.reached(topo.stream_preds[name], model)
-            visits = topo.visits(model)
+            routes_, name = self._routes, self.name
+            senders = routes_.reached(routes_.next_preds[name], model)
+            streamers = routes_.reached(routes_.stream_preds[name], model)
+            visits = routes_.visits(model)
             stream_to = tuple(s for s in self.spec.stream_to if s in visits)
             found = self._inputs[model] = _Inputs(senders, streamers, stream_to, visits)
         return found
@@ -196,7 +223,7 @@ class StageRunner:
             return
         del self._fan_in[env.key]
         if fan_in.payloads:
-            self.host.spawn(self._merge(env, fan_in))
+            self.outbox.spawn(self._merge(env, fan_in))
         else:
             self._skip(env)
 
@@ -209,9 +236,9 @@ class StageRunner:
         visits = self.inputs(env.model).visits
         for dst in dict.fromkeys((*spec.next, *spec.stream_to)):
             if dst in visits:
-                self.host.send(env, dst, Skipped(env, dst, self.name))
+                self.outbox.send(env, dst, Skipped(env, dst, self.name))
         if spec.terminal:
-            self.host.to_coordinator(TerminalSkipped(key, self.name))
+            self.outbox.to_coordinator(TerminalSkipped(key, self.name))
 
     async def _merge(self, env: Envelope, fan_in: _FanIn) -> None:
         request = Request(id=env.id, inputs={})
@@ -223,7 +250,7 @@ class StageRunner:
         except Exception as exc:  # noqa: BLE001 - the merge method raised: fail this request
             self._report_failure(env.key, exc)
             return
-        if self.host.is_aborted(env.key):
+        if self.outbox.is_aborted(env.key):
             return
         self._admit(env, merged, fan_in.timings, "merge")
 
@@ -330,9 +357,8 @@ class StageRunner:
 
     def _report_timeout(self, keys: tuple[int, ...], overran: bool) -> None:
         assert self.deadlines is not None
-        instance = self.host.instance.name
         timeout = self.deadlines.timeout_s
-        self.host.to_coordinator(StageTimedOut(instance, self.name, keys, timeout, overran))
+        self.outbox.to_coordinator(StageTimedOut(self.instance, self.name, keys, timeout, overran))
 
     # ---- outcomes (StageCallbacks, event-loop thread) --------------------------------------
 
@@ -343,11 +369,11 @@ class StageRunner:
         stream_to = self.inputs(env.model).stream_to
         copies = _isolated(chunk, len(stream_to) + spec.terminal)
         for dst in stream_to:
-            self.host.send(env, dst, StreamChunk(env, dst, self.name, seq, next(copies)))
+            self.outbox.send(env, dst, StreamChunk(env, dst, self.name, seq, next(copies)))
         if spec.terminal:
             if isinstance(item, _TerminalItem) and item.credits > 0:
                 item.credits -= 1
-            self.host.to_coordinator(TerminalChunk(item.key, self.name, seq, next(copies)))
+            self.outbox.to_coordinator(TerminalChunk(item.key, self.name, seq, next(copies)))
 
     def complete(self, item: WorkItem, payload: Payload | None, targets: tuple[str, ...]) -> None:
         key, env, spec = item.key, item.env, self.spec
@@ -356,17 +382,17 @@ class StageRunner:
         timings = [*item.timings, *(inbox.timings if inbox else ()), self._timing(item)]
         edges = self.inputs(env.model)
         for dst in edges.stream_to:
-            self.host.send(env, dst, StreamEnd(env, dst, self.name, timings))
+            self.outbox.send(env, dst, StreamEnd(env, dst, self.name, timings))
         targets = tuple(t for t in targets if t in edges.visits)  # the model's own stages
         copies = _isolated(payload, len(targets) + spec.terminal)
         if spec.terminal:
-            self.host.to_coordinator(TerminalResult(key, self.name, next(copies), timings))
+            self.outbox.to_coordinator(TerminalResult(key, self.name, next(copies), timings))
         for dst in targets:
-            self.host.send(env, dst, Deliver(env, dst, self.name, next(copies), timings))
+            self.outbox.send(env, dst, Deliver(env, dst, self.name, next(copies), timings))
         for dst in spec.next:
             # the route left it out: it must not wait for this payload
             if dst not in targets and dst in edges.visits:
-                self.host.send(env, dst, Skipped(env, dst, self.name))
+                self.outbox.send(env, dst, Skipped(env, dst, self.name))
 
     def _forget(self, key: int) -> None:
         if self.deadlines is not None:
@@ -385,13 +411,13 @@ class StageRunner:
         if isinstance(error, InvalidRequest):  # the caller's input: no stack trace, its words
             log.info("stage %s refused request %d: %s", self.name, key, error.message)
             failed = StageFailed(key, self.name, error.message, True, error.code, error.param)
-            self.host.to_coordinator(failed)
+            self.outbox.to_coordinator(failed)
             return
         message = describe(error)
         log.warning("stage %s failed request %d: %s", self.name, key, message, exc_info=error)
         code = error.code if isinstance(error, OutOfGPUMemory) else None  # the 500 names it
         failed = StageFailed(key, self.name, f"stage {self.name}: {message}", error_code=code)
-        self.host.to_coordinator(failed)
+        self.outbox.to_coordinator(failed)
 
     def _timing(self, item: WorkItem) -> tuple[str, float, float]:
         return (self.name, item.queue_s, item.compute_s)

@@ -30,7 +30,7 @@ import zmq.asyncio
 from omni_transport import RecordTooLarge, Ring, RingClosed, RingFull, TransportError
 
 from .codec import decode, encode
-from .cuda import CudaExporter, _Lane
+from .cuda_lane import CudaExporter, _Lane
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The stage processes of one plan: spawn, wait for ready, watch, stop, clean up.
 
-One OS process per plan instance (replica, TP rank), each `python -m omni_server.runtime.worker`
+One OS process per plan instance (replica, TP rank), each `python -m omni_server.stage.worker`
 in a private run directory that holds the ZMQ sockets and the pickled plan. Every child dies with
 this process (PR_SET_PDEATHSIG). A child's exit is seen at once through its pidfd on the event
 loop; an exit we did not ask for is reported to `on_death` (the runtime fails the requests that
@@ -36,15 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from omni_server.compiler.plan import Plan
-from omni_transport import unlink_leftovers
-
-from . import mps
-from .channels import COORDINATOR, Endpoint, ring_name
-from .errors import PipelineError
-from .gpus import Machine
-from .heartbeats import HeartbeatMonitor
-from .links import ChannelLinks
-from .messages import (
+from omni_server.errors import PipelineError
+from omni_server.gpu import mps
+from omni_server.gpu.devices import Machine
+from omni_server.gpu.weights import followers_of, leaders_of, start_waves
+from omni_server.wire.channels import COORDINATOR, Endpoint, ring_name
+from omni_server.wire.heartbeats import HeartbeatMonitor
+from omni_server.wire.links import ChannelLinks
+from omni_server.wire.messages import (
     CoordinatorMessage,
     Ready,
     Rewire,
@@ -52,8 +51,8 @@ from .messages import (
     Shutdown,
     StartFailed,
 )
-from .topology import Topology
-from .weights import followers_of, leaders_of, start_waves
+from omni_server.wire.routes import Routes
+from omni_transport import unlink_leftovers
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +66,7 @@ def endpoint_name(index: int, generation: int) -> str:
     return str(index) if generation == 0 else f"{index}.{generation}"
 
 
-class ProcessGroup:
+class StageProcesses:
     def __init__(
         self,
         plan: Plan,
@@ -85,7 +84,7 @@ class ProcessGroup:
         """`on_death(index, exit code, why we killed it or None)` for every exit we did not
         ask for with stop(). `machine`: the GPUs (None: the plan uses none), for MPS."""
         self.plan = plan
-        self.topology = Topology(plan)
+        self.routes = Routes(plan)
         self._on_message = on_message
         self._on_death = on_death
         self._on_broken_cb = on_broken
@@ -202,7 +201,7 @@ class ProcessGroup:
         return ports
 
     def _spawn(self, index: int, port: int | None) -> None:
-        args = [sys.executable, "-m", "omni_server.runtime.worker"]
+        args = [sys.executable, "-m", "omni_server.stage.worker"]
         args += [str(self.run_dir), self.run_id, str(index), str(os.getpid()), str(port or "")]
         args.append(",".join(self._names))
         env = {

@@ -22,7 +22,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from omni_server.compiler.plan import ProcessInstance, StageSpec
-from omni_server.scheduling.oom import describe
+
+from .scheduling.oom import describe
 
 log = logging.getLogger(__name__)
 _GiB = 1 << 30

@@ -2,8 +2,9 @@
 
 Two placements, one code path for stages:
 - `inline=True`: every instance's stage host runs on the caller's event loop in this process
-  (backends still run on their own compute threads). For tests and tools; no TP.
-- default: one OS process per plan instance (`processes.ProcessGroup`), with the coordinator
+  (`omni_server.inline.InlinePipeline`; backends still run on their own compute threads). For
+  tests and tools; no TP.
+- default: one OS process per plan instance (`processes.StageProcesses`), with the coordinator
   here on the caller's event loop.
 
 Supervision (process placement): a dead stage process fails the requests that may have reached
@@ -22,19 +23,18 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from omni_server.compiler.plan import ModelSpec, Plan
 from omni_server.envelope import Payload
+from omni_server.errors import PipelineError
+from omni_server.gpu.devices import Machine, check_placement, discover, uses_gpus
+from omni_server.inline import InlinePipeline
+from omni_server.wire.messages import StageTimedOut
 
 from .coordinator import Coordinator, RequestHandle, StageObserver
-from .errors import PipelineError
-from .gpus import Machine, check_placement, discover, uses_gpus
-from .host import StageHost, StageStartError
-from .links import InlineLinks
-from .messages import StageTimedOut
-from .supervisor import CrashHistory, InstanceState, SupervisionPolicy
-from .topology import Topology
+from .processes import StageProcesses
+from .supervision import CrashHistory, InstanceState, SupervisionPolicy
 
 log = logging.getLogger(__name__)
 
@@ -72,19 +72,18 @@ class Runtime:
         self._states = [InstanceState.UP] * n
         self._crashes = [CrashHistory(self.policy.crash_loop_window_s) for _ in range(n)]
         self._restarts: dict[int, asyncio.Task[None]] = {}
-        self._inline = inline
         self._run_dir = run_dir
         self._machine = machine
         self._ring_capacity = ring_capacity
         self._start_timeout = start_timeout
-        self._hosts: list[StageHost | None] = []
-        self._group: Any = None  # processes.ProcessGroup
+        self._inline_pipeline: InlinePipeline | None = None
+        self._group: StageProcesses | None = None
         self._state = "new"  # new -> starting -> running -> stopped
         self._unhealthy: str | None = None
         self.coordinator = Coordinator(plan, self.stage_observers)
         self.coordinator.on_stage_timeout = self._stage_timed_out
-        if inline and any(i.tp_size > 1 for i in plan.instances):
-            raise ValueError("inline placement cannot host tensor-parallel stages")
+        if inline:
+            self._inline_pipeline = InlinePipeline(plan, self.coordinator)
 
     @property
     def ready(self) -> bool:
@@ -122,7 +121,7 @@ class Runtime:
         if self._unhealthy is not None:
             return self._unhealthy
         binder = self.coordinator.binder
-        processes = self.coordinator.topology.model_processes[model.id]
+        processes = self.coordinator.routes.model_processes[model.id]
         dead = [p for p in processes if not any(binder.up(p))]
         if dead:
             return f"no live replica of {', '.join(dead)} (restarting or failed; see /health)"
@@ -131,6 +130,17 @@ class Runtime:
     def instance_states(self) -> dict[str, InstanceState]:
         """Instance name -> up / restarting / failed."""
         return {i.name: s for i, s in zip(self.plan.instances, self._states, strict=True)}
+
+    @property
+    def inline_pipeline(self) -> InlinePipeline | None:
+        """The in-process stage hosts when `inline=True` (a seam for tests and tools: which
+        backend runs where), else None."""
+        return self._inline_pipeline
+
+    @property
+    def stage_processes(self) -> StageProcesses | None:
+        """The stage processes once started (not inline): run id and directory, pids."""
+        return self._group
 
     @property
     def run_dir(self) -> Path | None:
@@ -150,12 +160,10 @@ class Runtime:
                 machine = await asyncio.to_thread(discover, os.environ)
             if machine is not None:
                 check_placement(self.plan, machine)  # one line naming the stage and device
-            if self._inline:
-                await self._start_inline()
+            if self._inline_pipeline is not None:
+                await self._inline_pipeline.start()
             else:
-                from .processes import ProcessGroup
-
-                self._group = ProcessGroup(
+                self._group = StageProcesses(
                     self.plan,
                     on_message=self.coordinator.on_message,
                     on_death=self._instance_died,
@@ -169,7 +177,7 @@ class Runtime:
                 )
                 await asyncio.wait_for(self._group.start(), self._start_timeout)
                 self.coordinator.open(self._group.links)
-        except (StageStartError, PipelineError) as exc:
+        except PipelineError as exc:
             await self._stop_everything()
             raise PipelineError(str(exc), code="unavailable") from exc
         except TimeoutError as exc:
@@ -181,16 +189,6 @@ class Runtime:
             await self._stop_everything()
             raise
         self._state = "running"
-
-    async def _start_inline(self) -> None:
-        topology = Topology(self.plan)
-        self._hosts = [None] * len(self.plan.instances)
-        links = InlineLinks(self.coordinator, self._hosts)
-        for index in range(len(self.plan.instances)):
-            host = StageHost(self.plan, index, links, topology=topology)
-            self._hosts[index] = host
-            await host.start()
-        self.coordinator.open(links)
 
     async def stop(self) -> None:
         """Stop everything; idempotent. Requests still in flight fail as unavailable."""
@@ -206,10 +204,8 @@ class Runtime:
         await asyncio.gather(*self._restarts.values(), return_exceptions=True)
         self._restarts.clear()
         self.coordinator.close("the pipeline is stopped")
-        for host in self._hosts:
-            if host is not None:
-                await host.stop()
-        self._hosts = []
+        if self._inline_pipeline is not None:
+            await self._inline_pipeline.stop()
         if self._group is not None:
             await self._group.stop()
 
@@ -285,6 +281,7 @@ class Runtime:
     async def _restart(self, index: int, delay: float) -> None:
         instance = self.plan.instances[index]
         died_at = time.monotonic()
+        assert self._group is not None  # restarts are of stage processes, never inline
         try:
             await asyncio.sleep(delay)  # the backoff: a timer, not a synchronization
             await self._group.restart(index)

@@ -10,8 +10,7 @@ import queue
 from collections.abc import Iterable, Iterator
 
 from omni_server.backend import RequestAborted
-
-from .messages import Payload, Timings
+from omni_server.wire.messages import Payload, Timings
 
 _END = object()
 _ABORT = object()

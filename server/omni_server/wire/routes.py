@@ -11,7 +11,7 @@ from omni_server.compiler.plan import EdgeKind, ModelSpec, Plan, ProcessInstance
 
 
 @dataclass(frozen=True)
-class Topology:
+class Routes:
     plan: Plan
 
     @cached_property
