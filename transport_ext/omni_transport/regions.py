@@ -2,7 +2,7 @@
 
 What the ring and the CUDA pool move are messages: a block is lent and comes back. A region
 is the other case, long-lived tensors one owner writes once and many readers alias (the
-runtime's shared weights, server/omni_server/runtime/weights.py):
+runtime's shared weights, server/omni_server/gpu/weights.py):
 
 - HostRegion: a named shared-memory segment (omni_transport segment, mode 0600, its owner in
   the segment's user table, so a dead owner's region is a leftover that unlink_leftovers
