@@ -108,7 +108,7 @@ def _decode_ms(engine: Engine, batch: int, steps: int, prompt: int) -> float:
     for i in range(batch):
         ids = [(i * 131 + j * 17) % (vocab - 1) + 1 for j in range(prompt)]
         engine.add(GenerationRequest(f"b{batch}-{i}", ids, params))
-    running = engine.scheduler.running
+    running = engine.batcher.running  # the sequences in the batch, in arrival order
     while len(running) < batch or any(s.num_tokens - s.num_computed != 1 for s in running):
         engine.step()  # prefill (chunked by max_step_tokens)
     for _ in range(3):  # the first replay of a bucket captures its graph

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from omni_server.engine.batcher import Batcher, StepBatch
 from omni_server.engine.config import EngineConfig, LlamaShape
 from omni_server.engine.errors import ContextLengthExceeded
 from omni_server.engine.gguf_weights import (
@@ -33,7 +34,6 @@ from omni_server.engine.llama import Llama
 from omni_server.engine.parallel import SINGLE, TensorParallel
 from omni_server.engine.runner import ModelRunner
 from omni_server.engine.sampling import SamplingParams, sample
-from omni_server.engine.scheduler import ScheduledBatch, Scheduler
 from omni_server.engine.sequence import (
     FinishReason,
     GenerationRequest,
@@ -69,7 +69,7 @@ class Engine:
         self.max_seq_len = min(
             limit, model.shape.max_position_embeddings, self.cache.capacity_tokens
         )
-        self.scheduler = Scheduler(config, self.cache.allocator)
+        self.batcher = Batcher(config, self.cache.allocator)
         self.runner = ModelRunner(model, self.cache, config, self.max_seq_len)
         self._sequences: dict[str, Sequence] = {}
         self._pending: list[TokenEvent] = []  # abort events, handed out by the next step()
@@ -157,34 +157,34 @@ class Engine:
         seq = Sequence(request, max_tokens, self.tokenizer, self._arrivals)
         self._arrivals += 1
         self._sequences[request.request_id] = seq
-        self.scheduler.add(seq)
+        self.batcher.add(seq)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. False if it is unknown or already done."""
         seq = self._sequences.pop(request_id, None)
         if seq is None:
             return False
-        self.scheduler.finish(seq)
+        self.batcher.finish(seq)
         seq.finish_reason = FinishReason.ABORT
         self._pending.append(self._event(seq, [], ""))
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending)
+        return self.batcher.has_work() or bool(self._pending)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.batcher.waiting)
 
     @property
     def num_running(self) -> int:
-        return len(self.scheduler.running)
+        return len(self.batcher.running)
 
     # --- the step -------------------------------------------------------------------------
 
     def step(self) -> list[TokenEvent]:
         events, self._pending = self._pending, []
-        batch = self.scheduler.schedule()
+        batch = self.batcher.next_batch()
         if batch is None:
             return events
         logits, sampled = self.runner.run(batch)
@@ -194,7 +194,7 @@ class Engine:
             events.append(self._append_token(seq, token))
         return events
 
-    def _advance(self, batch: ScheduledBatch) -> None:
+    def _advance(self, batch: StepBatch) -> None:
         for seq in batch.decodes:
             seq.num_computed += 1
         for work in batch.prefills:
@@ -220,7 +220,7 @@ class Engine:
         if seq.finish_reason is not None:
             if seq.detokenizer is not None and seq.finish_reason is not FinishReason.STOP:
                 seq.text += seq.detokenizer.flush()
-            self.scheduler.finish(seq)
+            self.batcher.finish(seq)
             del self._sequences[seq.request_id]
             return self._event(seq, new_ids, self._take_text(seq, final=True))
         return self._event(seq, new_ids, self._take_text(seq, final=False))

@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 
 from omni_server.engine.attention import DecodeGroup, ForwardBatch, PrefillChunk, causal_chunk_mask
+from omni_server.engine.batcher import StepBatch
 from omni_server.engine.config import EngineConfig
 from omni_server.engine.cuda_graphs import DecodeGraphs
 from omni_server.engine.kv_cache import KVCache
 from omni_server.engine.llama import Llama
-from omni_server.engine.scheduler import ScheduledBatch
 from omni_server.engine.sequence import Sequence
 
 
@@ -34,7 +34,7 @@ class ModelRunner:
             self.forward = compiled
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+    def run(self, batch: StepBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Logits [R, V] float32 and the R requests they belong to (those that sample now)."""
         decodes = batch.decodes
         positions = [seq.num_computed for seq in decodes]

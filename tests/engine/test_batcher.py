@@ -1,4 +1,4 @@
-"""Scheduling behaviour on a tiny random Llama (weights do not matter here, speed does):
+"""Continuous batching on a tiny random Llama (weights do not matter here, speed does):
 admission by KV capacity, preemption, abort, chunked prefill beside decodes, clear errors."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from omni_server.engine import (
     SamplingParams,
     TokenEvent,
 )
-from omni_server.engine.scheduler import ScheduledBatch
+from omni_server.engine.batcher import StepBatch
 
 
 def _prompt(n: int, offset: int = 0) -> list[int]:
@@ -92,7 +92,7 @@ def test_preemption_recomputes_and_keeps_outputs(make_tiny_engine: Callable[...,
     engine = make_tiny_engine(max_total_tokens=128, block_size=16)
     requests = [GenerationRequest(f"r{i}", _prompt(20, offset=i), _params(40, i)) for i in range(3)]
     out = engine.generate(requests)
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.batcher.num_preemptions > 0
     for r in requests:
         assert len(_ids(out[r.request_id])) == 40
         assert _ids(out[r.request_id]) == _alone(make_tiny_engine, r), r.request_id
@@ -139,16 +139,16 @@ def test_long_prefill_is_chunked_beside_running_decodes(
     engine = make_tiny_engine(max_total_tokens=512, max_step_tokens=48, max_batch_size=4)
     short = GenerationRequest("short", _prompt(5), _params(30))
     long = GenerationRequest("long", _prompt(300, offset=1), _params(5, seed=1))
-    batches: list[ScheduledBatch] = []
-    schedule = engine.scheduler.schedule
+    batches: list[StepBatch] = []
+    schedule = engine.batcher.next_batch
 
-    def recording_schedule() -> ScheduledBatch | None:  # observe, do not change
+    def recording_schedule() -> StepBatch | None:  # observe, do not change
         batch = schedule()
         if batch is not None:
             batches.append(batch)
         return batch
 
-    engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+    engine.batcher.next_batch = recording_schedule  # type: ignore[method-assign]
     out: dict[str, list[TokenEvent]] = {"short": [], "long": []}
     engine.add(short)
     steps_with_long_prefill = 0

@@ -35,7 +35,7 @@ class PrefillWork:
 
 
 @dataclass
-class ScheduledBatch:
+class StepBatch:
     decodes: list[Sequence]  # one token each, at position seq.num_computed
     prefills: list[PrefillWork]
 
@@ -44,7 +44,7 @@ class ScheduledBatch:
         return len(self.decodes) + sum(p.length for p in self.prefills)
 
 
-class Scheduler:
+class Batcher:
     def __init__(self, config: EngineConfig, allocator: BlockAllocator) -> None:
         self.config = config
         self.allocator = allocator
@@ -58,8 +58,8 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch | None:
-        decodes = self._schedule_decodes()
+    def next_batch(self) -> StepBatch | None:
+        decodes = self._decodes()
         budget = self.config.max_step_tokens - len(decodes)
         prefills: list[PrefillWork] = []
         for seq in self.running:
@@ -82,9 +82,9 @@ class Scheduler:
             budget -= n
         if not decodes and not prefills:
             return None
-        return ScheduledBatch(decodes, prefills)
+        return StepBatch(decodes, prefills)
 
-    def _schedule_decodes(self) -> list[Sequence]:
+    def _decodes(self) -> list[Sequence]:
         decodes: list[Sequence] = []
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or seq.num_tokens - seq.num_computed != 1:
