@@ -89,7 +89,7 @@ class StageContext:
     process_group: Any = None  # torch.distributed group of the TP ranks, None without TP
     engine: Mapping[str, Any] = field(default_factory=dict)  # the stage's [engine] table
     gpu_memory_fraction: float | None = None  # the share of the GPU this stage budgets
-    # the runtime's weight sharing (runtime/weights.py); None: every replica loads its own
+    # the runtime's weight sharing (gpu/weights.py); None: every replica loads its own
     weight_sharing: Any = field(default=None, repr=False, compare=False)
 
     def shared_weights(self, key: str, load: Callable[[], Mapping[str, Any]]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 SHM = Path("/dev/shm")
-SEGMENT_PREFIX = "omni-"  # every segment of ours: `omni-RUN_ID-...` (see runtime/channels.py)
+SEGMENT_PREFIX = "omni-"  # every segment of ours: `omni-RUN_ID-...` (see wire/channels.py)
 WORKER_MODULE = "omni_server.stage.worker"
 
 

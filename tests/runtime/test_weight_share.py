@@ -1,4 +1,4 @@
-"""Weight sharing between replicas (runtime/weights.py) on the CPU: real stage processes, one
+"""Weight sharing between replicas (gpu/weights.py) on the CPU: real stage processes, one
 shared-memory segment per group, followers mapping it read-only.
 
 The groups and the start waves from compiled plans; the protocol in one process (leader and

@@ -1,4 +1,4 @@
-"""Issue 17: a short first chunk (the first sentence cut at a natural boundary), smooth joins,
+"""A short first chunk (the first sentence cut at a natural boundary), smooth joins,
 and idle cores for first chunks."""
 
 from __future__ import annotations

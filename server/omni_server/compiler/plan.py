@@ -56,7 +56,7 @@ class SchedulerKind(StrEnum):
 
 
 class BindingPolicy(StrEnum):
-    """How admission picks a request's replica of a replicated process (runtime/binding.py)."""
+    """How admission picks a request's replica of a replicated process (pipeline/binding.py)."""
 
     ROUND_ROBIN = "round_robin"  # in turn (the reference design's rule); the default
     LEAST_LOADED = "least_loaded"  # the replica with the fewest requests in flight

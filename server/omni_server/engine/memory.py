@@ -1,7 +1,7 @@
 """How big the KV cache may be on a GPU: the budget arithmetic, pure (no torch, no device).
 
 A GPU stage declares `gpu_memory_fraction`; its process's allocator is capped at fraction x
-total (runtime/budgets.py). The engine then gives its KV cache what the budget leaves:
+total (stage/budgets.py). The engine then gives its KV cache what the budget leaves:
 
     KV bytes = total x fraction - resident - workspace - margin - rounding
 

@@ -1,4 +1,4 @@
-"""Weight sharing between replicas (seed 002): one copy of an engine's weights per device.
+"""Weight sharing between replicas: one copy of an engine's weights per device.
 
 Groups. With `[server] weight_share = "on"`, the replicas of a process (tp_size 1) whose engine
 stage (the stage with an `[engine]` table) lands on one device form a sharing group for that
@@ -19,7 +19,7 @@ Protocol (`context.shared_weights(key, load)` in a backend's initialize):
   It returns tensors aliasing the leader's region (host: mapped read-only; GPU: the IPC
   mapping), without calling `load()`.
 
-Order (runtime/processes.py, `start_waves`, `leaders_of`, `followers_of`): a follower is spawned
+Order (pipeline/processes.py, `start_waves`, `leaders_of`, `followers_of`): a follower is spawned
 only after its leaders are Ready (a bounded wait here is the safety net); a dead leader takes its
 followers down with it (they alias memory that is gone) and they come back after it; at stop
 followers exit before their leader, which frees the region when it stops (after its backend's

@@ -253,7 +253,7 @@ class Runtime:
     def _stop_tp_group(self, index: int) -> None:
         """A TP rank died: its group can never be in step again (the others may wait in a
         collective for it), so its other ranks are killed; the leader's death fails its requests
-        (runtime/tp.py)."""
+        (stage/tp.py)."""
         instance = self.plan.instances[index]
         assert self._group is not None  # TP never runs inline
         for i, other in enumerate(self.plan.instances):

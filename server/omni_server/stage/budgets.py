@@ -5,7 +5,7 @@ compiler's rule, compiler/placement.py `gpu_budgets`): stages of one process sha
 context and one allocator, so the process budgets the largest fraction its stages declare on a
 GPU. Here that budget becomes torch's allocator cap on the device
 (`torch.cuda.set_per_process_memory_fraction`): an allocation past it raises
-`torch.OutOfMemoryError` in this process, which fails the request that made it (scheduling/oom.py)
+`torch.OutOfMemoryError` in this process, which fails the request that made it (stage/scheduling/oom.py)
 while the device may still have free memory for the other processes. A GPU where no stage of
 the process declares a fraction (an unshared GPU: the compiler requires one where it is shared)
 is not capped.
@@ -55,7 +55,7 @@ def enforce(
 
     `cuda` is `torch.cuda` (tests pass a stand-in with the same four functions). Without a
     usable CUDA nothing is capped: whether a GPU stage may start there is the GPU start
-    check's decision (runtime/gpus.py), not this one's. Raises BudgetError."""
+    check's decision (gpu/devices.py), not this one's. Raises BudgetError."""
     budgets = process_budgets(instance, stages)
     if not budgets:
         return {}

@@ -82,7 +82,7 @@ class StageHost:
         self._executors: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._aborted: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._budgets_enforced = False  # runtime/budgets.py, before the first backend loads
+        self._budgets_enforced = False  # stage/budgets.py, before the first backend loads
 
     # ---- life cycle ----------------------------------------------------------------------
 

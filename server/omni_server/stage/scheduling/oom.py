@@ -1,7 +1,7 @@
 """Out of GPU memory inside a backend call fails the requests of that call, never the process.
 
 torch raises `torch.OutOfMemoryError` when an allocation would pass the process's memory cap
-(runtime/budgets.py) or the device's memory. `guarded(fn, *args)` runs a backend call and turns
+(stage/budgets.py) or the device's memory. `guarded(fn, *args)` runs a backend call and turns
 that error into `OutOfGPUMemory`, after letting the original go (its traceback holds the failed
 call's frames, and with them its tensors) and handing the allocator's cached blocks back to the
 device (`torch.cuda.empty_cache`), so the next request starts from the stage's steady state.
