@@ -160,9 +160,10 @@ def test_the_profile_steps_run_at_the_largest_shapes(batch: int, step: int, seq:
 def test_after_a_step_out_of_memory_aborting_its_requests_leaves_the_engine_serving(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """What the "ar" scheduler does on an OOM in step() (stage/scheduling/ar.py): abort every request
-    the engine holds. Their blocks come back, and the next request decodes as on a fresh engine.
-    The OOM is SIMULATED (the runner raises torch.OutOfMemoryError): a CPU has no CUDA memory."""
+    """What the "ar" scheduler does on an OOM in step() (stage/scheduling/ar.py): abort every
+    request the engine holds. Their blocks come back, and the next request decodes as on a fresh
+    engine. The OOM is SIMULATED (the runner raises torch.OutOfMemoryError): a CPU has no CUDA
+    memory."""
     config = EngineConfig(max_total_tokens=256, max_batch_size=4, max_step_tokens=64)
     engine = Engine.from_random(TINY, config, seed=5)
     greedy = SamplingParams(temperature=0, max_tokens=6)

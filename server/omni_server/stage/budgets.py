@@ -5,10 +5,10 @@ compiler's rule, compiler/placement.py `gpu_budgets`): stages of one process sha
 context and one allocator, so the process budgets the largest fraction its stages declare on a
 GPU. Here that budget becomes torch's allocator cap on the device
 (`torch.cuda.set_per_process_memory_fraction`): an allocation past it raises
-`torch.OutOfMemoryError` in this process, which fails the request that made it (stage/scheduling/oom.py)
-while the device may still have free memory for the other processes. A GPU where no stage of
-the process declares a fraction (an unshared GPU: the compiler requires one where it is shared)
-is not capped.
+`torch.OutOfMemoryError` in this process, which fails the request that made it
+(stage/scheduling/oom.py) while the device may still have free memory for the other processes.
+A GPU where no stage of the process declares a fraction (an unshared GPU: the compiler requires
+one where it is shared) is not capped.
 
 Checked at start: the device must have the budget free now (another process, or a stale one,
 may hold it); else the stage cannot start, in one line naming the stage, the fraction and both
