@@ -13,8 +13,6 @@ from http import HTTPStatus
 
 from aiohttp import web
 
-from omni_server.serve.state import STATE
-
 log = logging.getLogger(__name__)
 
 INVALID_REQUEST = "invalid_request_error"
@@ -118,7 +116,9 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> web.StreamRespo
         allowed = ", ".join(sorted(getattr(exc, "allowed_methods", ()) or ()))
         message = f"{request.method} is not allowed on {request.path} (allowed: {allowed})"
     elif exc.status == 413:
-        limit = request.app[STATE].max_body_bytes
+        # the limit aiohttp's body reader enforced: the app's `client_max_size` (ServeOptions'
+        # max_body_bytes), read off the request so this module needs nothing of the app's state
+        limit = request.client_max_size
         message = f"request body is larger than the server's limit of {limit} bytes"
     else:
         message = exc.text or HTTPStatus(exc.status).phrase
