@@ -29,7 +29,7 @@ from omni_server.gpu import mps
 from omni_server.gpu.devices import MPS_CONTROL, Machine, discover
 from omni_server.gpu.mps import PID_FILE, _ours
 from omni_server.pipeline import Runtime
-from omni_server.pipeline.processes import OWNER_FILE, RUN_DIR_PREFIX
+from omni_server.pipeline.run_dirs import OWNER_FILE, RUN_DIR_PREFIX
 from omni_server.pipeline.supervision import SupervisionPolicy
 from tests.fixtures import FIXTURES
 from tests.helpers.proc import alive

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from omni_server.pipeline.processes import OWNER_FILE, RUN_DIR_PREFIX, _process_identity
+from omni_server.identity import process_identity
+from omni_server.pipeline.run_dirs import OWNER_FILE, RUN_DIR_PREFIX
 from tests.helpers.runtime import running
 from tests.runtime.pipelines import chain
 
@@ -26,7 +27,7 @@ def _run_dir(owner: str) -> Path:
 async def test_start_removes_run_directories_of_dead_servers_only(tmp_path):
     dead_pid = _run_dir("4194303 1")  # above any pid_max: never a live process
     reused_pid = _run_dir(f"{os.getpid()} 1")  # our pid, another start time: a reused pid
-    live = _run_dir(_process_identity(os.getpid()))
+    live = _run_dir(process_identity(os.getpid()))
     try:
         async with running(chain(tmp_path, "split")):
             assert not dead_pid.exists() and not reused_pid.exists()

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_server.compiler.plan import Plan
+from omni_server.identity import alive, process_identity
 
 log = logging.getLogger(__name__)
 
@@ -127,15 +128,6 @@ def start_waves(plan: Plan) -> list[list[int]]:
     for index in range(len(plan.instances)):
         waves.setdefault(depth(index), []).append(index)
     return [waves[d] for d in sorted(waves)]
-
-
-def process_identity(pid: int) -> str:
-    """pid and start time (/proc/PID/stat field 22): a reused pid has another start time."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    return f"{pid} {text.rsplit(')', 1)[1].split()[19]}"
 
 
 Load = Callable[[], Mapping[str, Any]]
@@ -257,7 +249,7 @@ class WeightSharing:
         deadline = time.monotonic() + self._wait_s
         while True:
             manifest = self._read_manifest(path, group)
-            if manifest is not None and process_identity_alive(manifest["leader"]):
+            if manifest is not None and alive(manifest["leader"]):
                 break
             if time.monotonic() > deadline:
                 why = "no manifest" if manifest is None else "its leader is dead"
@@ -321,11 +313,6 @@ class WeightSharing:
         for region in reversed(self._regions):
             region.close()
         self._regions.clear()
-
-
-def process_identity_alive(identity: str) -> bool:
-    pid = identity.split()[0] if identity else ""
-    return pid.isdigit() and process_identity(int(pid)) == identity
 
 
 def _identity(tensor: Any) -> tuple[int, str, tuple[int, ...]]:

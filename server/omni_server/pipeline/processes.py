@@ -23,7 +23,6 @@ import contextlib
 import logging
 import os
 import pickle
-import re
 import secrets
 import shutil
 import signal
@@ -53,6 +52,8 @@ from omni_server.wire.messages import (
 )
 from omni_server.wire.routes import Routes
 from omni_transport import unlink_leftovers
+
+from . import run_dirs
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +90,11 @@ class StageProcesses:
         self._on_death = on_death
         self._on_broken_cb = on_broken
         self._own_run_dir = run_dir is None
-        self.run_dir = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)) if run_dir is None else run_dir
+        self.run_dir = (
+            Path(tempfile.mkdtemp(prefix=run_dirs.RUN_DIR_PREFIX)) if run_dir is None else run_dir
+        )
         if self._own_run_dir:  # who owns it: a later start removes it if we die unannounced
-            (self.run_dir / OWNER_FILE).write_text(_process_identity(os.getpid()))
+            run_dirs.claim(self.run_dir)
         self.run_id = secrets.token_hex(4)
         self._ring_capacity = ring_capacity
         self._heartbeat_interval_s = heartbeat_interval_s
@@ -137,8 +140,7 @@ class StageProcesses:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        _remove_dead_runs()
-        _remove_dead_run_dirs()
+        run_dirs.remove_dead_runs()
         if self._machine is not None:
             try:
                 started = await asyncio.to_thread(mps.start, self.plan, self._machine, self.run_dir)
@@ -462,51 +464,3 @@ class StageProcesses:
             if proc is not None and self.alive(index):
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(then)
-
-
-RUN_DIR_PREFIX = "omni-run-"
-OWNER_FILE = "owner"
-
-
-def _process_identity(pid: int) -> str:
-    """pid and start time (clock ticks since boot, /proc/PID/stat field 22): a reused pid has
-    another start time, so a dead owner is never mistaken for a live one."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    start = stat.rsplit(")", 1)[1].split()[19]
-    return f"{pid} {start}"
-
-
-def _remove_dead_run_dirs() -> None:
-    """Remove run directories (ZMQ sockets, the pickled plan) of our earlier servers that died
-    without stopping (SIGKILL): those whose owner file names a process that no longer runs."""
-    root = Path(tempfile.gettempdir())
-    for run_dir in root.glob(RUN_DIR_PREFIX + "*"):
-        try:
-            if run_dir.stat().st_uid != os.getuid():
-                continue
-            owner = (run_dir / OWNER_FILE).read_text().strip()
-        except OSError:
-            continue  # no owner file yet: a server being born, or not ours to judge
-        pid = owner.split()[0] if owner else ""
-        if pid.isdigit() and _process_identity(int(pid)) != owner:
-            mps.remove_stale(run_dir)  # its MPS daemon outlived it
-            shutil.rmtree(run_dir, ignore_errors=True)
-            log.warning("removed the run directory %s of a dead server", run_dir)
-
-
-_RUN_SEGMENT = re.compile(r"^omni-[0-9a-f]{8}-")
-
-
-def _remove_dead_runs() -> None:
-    """Remove the ring segments of earlier runs whose processes all died (a killed server)."""
-    try:
-        names = os.listdir("/dev/shm")
-    except OSError:
-        return
-    runs = {m.group(0) for m in map(_RUN_SEGMENT.match, names) if m}
-    removed = [name for run in sorted(runs) for name in unlink_leftovers(run)]
-    if removed:
-        log.warning("removed %d shared-memory segments of dead runs", len(removed))
