@@ -2,11 +2,15 @@
 
 - Ring: a named shared-memory SPSC ring, one per edge direction (omni_transport.ring).
 - push_arrays / record_arrays: numpy arrays through a ring, zero-copy on the read side.
-- omni_transport.cuda_ipc: CUDA tensors across processes through an exported device pool.
+- CudaPool / CudaReceiver / TensorRecord: CUDA tensors across processes through an exported
+  device pool (omni_transport.cuda_ipc).
+
+These exports are the public API; the modules inside may change.
 """
 
 from omni_transport._ffi import ABI_VERSION, lib
 from omni_transport.arrays import push_arrays, record_arrays
+from omni_transport.cuda_ipc import CudaPool, CudaReceiver, TensorRecord
 from omni_transport.errors import (
     CudaError,
     CudaUnavailable,
@@ -24,6 +28,8 @@ from omni_transport.ring import Record, Ring, unique_name, unlink_leftovers
 __all__ = [
     "ABI_VERSION",
     "CudaError",
+    "CudaPool",
+    "CudaReceiver",
     "CudaUnavailable",
     "Record",
     "RecordTooLarge",
@@ -34,6 +40,7 @@ __all__ = [
     "RingFull",
     "RingTimeout",
     "SegmentRefused",
+    "TensorRecord",
     "TransportError",
     "abi_version",
     "push_arrays",
