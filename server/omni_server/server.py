@@ -22,9 +22,9 @@ from omni_server.compiler.plan import Plan
 from omni_server.pipeline import Runtime
 from omni_server.serve import create_app, log_throttle
 from omni_server.serve.access import LOOPBACK_NAMES, loopback_hosts
-from omni_server.serve.connections import make_runner
 from omni_server.serve.options import ServeOptions
 from omni_server.serve.state import STATE
+from omni_server.serve.timeouts import make_runner
 
 log = logging.getLogger("omni_server")
 

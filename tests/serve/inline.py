@@ -16,8 +16,8 @@ from aiohttp import web
 
 from omni_server.compiler.compiler import compile_repository
 from omni_server.pipeline import Runtime
-from omni_server.serve.connections import make_runner
 from omni_server.serve.options import ServeOptions
+from omni_server.serve.timeouts import make_runner
 from tests.fixtures import FIXTURES
 from tests.helpers.repo import make_repo
 

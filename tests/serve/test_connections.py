@@ -1,4 +1,4 @@
-"""Connections on a real socket, served as the server serves them (connections.make_runner):
+"""Connections on a real socket, served as the server serves them (timeouts.make_runner):
 malformed HTTP, declared sizes, encodings, and the header, body and idle timeouts."""
 
 from __future__ import annotations

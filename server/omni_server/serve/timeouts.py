@@ -1,4 +1,4 @@
-"""Connections: how long a client may take, and what malformed HTTP gets back.
+"""Time bounds on an HTTP connection (headers, idle), and what malformed HTTP gets back.
 
 aiohttp's own request handler, with three changes:
 - a request's header block must arrive within `header_timeout_s` of its first byte (a slowloris
