@@ -120,6 +120,12 @@ class Request:
     def aborted(self) -> bool:
         return self._aborted.is_set()
 
+    def abort(self) -> None:
+        """Mark the request aborted: what the runtime does when its caller goes away or another
+        stage fails it. Running work sees it at its next `check_aborted()` or stream read (a
+        test that drives a backend directly plays the runtime with it)."""
+        self._aborted.set()
+
     def check_aborted(self) -> None:
         """Raise RequestAborted if the request was aborted; long loops call this between steps."""
         if self._aborted.is_set():

@@ -82,7 +82,7 @@ class FakeTranscriptionServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        port = self._runner.addresses[0][1]  # the port the kernel chose
         self.url = f"http://127.0.0.1:{port}"
 
     async def _stop(self) -> None:

@@ -48,7 +48,7 @@ async def test_a_slow_reader_pauses_its_stream_and_bounds_what_the_server_holds(
         handle = runtime.submit(plan.models["m"], {"n": n, "size": size})
         waiting, seen = [], []
         async for chunk in handle:
-            waiting.append(handle._chunks.qsize())  # chunks the server holds for this reader
+            waiting.append(handle.buffered_chunks)  # what the server holds for this reader
             seen.append(chunk["i"])
             assert len(chunk["data"]) == size
             # a slow reader: the stage is far faster; the bound below holds at any speed

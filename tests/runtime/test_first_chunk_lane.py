@@ -9,7 +9,6 @@ inline (stage hosts in this process), so the test reaches the backend object its
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import threading
 import time
 from types import SimpleNamespace
@@ -21,7 +20,8 @@ from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.errors import RepositoryError
 from omni_server.pipeline import PipelineError
 from omni_server.stage.compute import ComputeExecutor
-from omni_server.stage.scheduling import StreamScheduler, WorkItem
+from omni_server.stage.scheduling import WorkItem
+from omni_server.stage.scheduling.stream import ActiveRequest, pick, pick_first
 from omni_server.stage.streams import StreamInbox
 from tests.helpers.repo import make_repo
 from tests.helpers.runtime import running
@@ -83,8 +83,8 @@ def _backend(runtime) -> Any:
     return runtime.inline_pipeline.backend("gated")
 
 
-def _scheduler(runtime) -> Any:
-    return runtime.inline_pipeline.stage("gated").scheduler
+def _stage(runtime) -> Any:
+    return runtime.inline_pipeline.stage("gated")
 
 
 async def _started(backend, key: str) -> None:
@@ -108,9 +108,9 @@ async def _busy_with_long_step(runtime, backend):
 
 async def _gone(runtime, key: int) -> None:
     """The stage has processed the abort of request `key` (the broadcast is asynchronous)."""
-    scheduler = _scheduler(runtime)
+    stage = _stage(runtime)
     for _ in range(2000):
-        if key not in scheduler._active:
+        if not stage.holds(key):
             return
         await asyncio.sleep(0.005)
     raise AssertionError(f"request {key} is still at the stage")
@@ -178,7 +178,7 @@ async def test_abort_during_a_lane_step_closes_the_generator_on_the_main_thread(
         b = runtime.submit(runtime.plan.models["m"], {"name": "b", "steps": 3})
         await _started(backend, "b:0")
         await b.abort()
-        await _gone(runtime, b._key)
+        await _gone(runtime, b.key)
         _open(backend, "b:0")  # the step returns a chunk for a request that is gone
         assert "b" not in backend.closed  # closing waits for the main thread (busy with a:1)
         _open(backend, "a:1")
@@ -192,7 +192,7 @@ async def test_abort_during_a_lane_step_closes_the_generator_on_the_main_thread(
         with pytest.raises(PipelineError) as err:
             await b.result()
         assert err.value.code == "aborted"
-        assert _scheduler(runtime)._active == {}
+        assert _stage(runtime).idle
 
 
 async def test_abort_of_the_main_step_leaves_the_lane_serving(tmp_path):
@@ -202,7 +202,7 @@ async def test_abort_of_the_main_step_leaves_the_lane_serving(tmp_path):
         b = runtime.submit(runtime.plan.models["m"], {"name": "b", "steps": 1})
         await _started(backend, "b:0")
         await a.abort()
-        await _gone(runtime, a._key)
+        await _gone(runtime, a.key)
         _open(backend, "b:0")
         assert (await anext(aiter(b)))["thread"].startswith(LANE)
         assert ("end", "a:1") not in backend.order  # b's first chunk came while a:1 ran
@@ -217,7 +217,7 @@ async def test_abort_of_the_main_step_leaves_the_lane_serving(tmp_path):
                 break
             await asyncio.sleep(0.005)
         assert backend.closed["a"].startswith(MAIN)
-        assert _scheduler(runtime)._active == {}
+        assert _stage(runtime).idle
 
 
 @pytest.mark.parametrize("failing", ["lane", "main"])
@@ -290,42 +290,38 @@ class _Stream:
         self.ready, self.drained = ready, drained
 
 
-def _item(key: int, stream: _Stream | None) -> WorkItem:
+def _active(key: int, stream: _Stream | None, chunks: int = 0) -> ActiveRequest:
     env = SimpleNamespace(key=key)  # the scheduler reads only the key of an envelope
-    return WorkItem(env=env, request=None, timings=[], stream=stream)  # type: ignore[arg-type]
+    item = WorkItem(env=env, request=None, timings=[], stream=stream)  # type: ignore[arg-type]
+    return ActiveRequest(item, chunks=chunks)
 
 
 def test_pick_order_first_chunks_then_finishing_requests_then_fewest_chunks():
     """The main thread's order: a request's first chunk; then a request whose stream input is
     all read (its next step ends it, so its caller is freed at once instead of every request
     finishing together); then the fewest chunks; ties to the oldest."""
-    with concurrent.futures.ThreadPoolExecutor(1) as executor:
-        scheduler = StreamScheduler(None, None, executor)  # type: ignore[arg-type]
-        chunks = {1: 3, 2: 1, 3: 2, 4: 0, 5: 0}
-        streams = {
-            1: _Stream(ready=True, drained=False),  # 3 chunks, more input waiting
-            2: _Stream(ready=True, drained=False),  # 1 chunk, more input waiting
-            3: _Stream(ready=True, drained=True),  # 2 chunks, its input all read
-            4: _Stream(ready=False, drained=False),  # no chunk yet, but nothing to read
-            5: None,  # no stream input: always runnable
-        }
-        for key in chunks:
-            scheduler.admit(_item(key, streams[key]))
-            scheduler._active[key].chunks = chunks[key]
-        order = []
-        while (active := scheduler._pick()) is not None:
-            order.append(active.item.key)
-            del scheduler._active[active.item.key]
-        assert order == [5, 3, 2, 1]  # 4 is not runnable
-        # the lane takes only first chunks, and only while the main thread is busy
-        scheduler.admit(_item(6, None))
-        scheduler.admit(_item(7, _Stream(ready=True, drained=False)))
-        scheduler._active[7].chunks = 1
-        assert scheduler._pick_first() is None
-        scheduler._main_busy = True
-        assert scheduler._pick_first().item.key == 6
-        scheduler._active[6].running = True
-        assert scheduler._pick_first() is None and scheduler._pick().item.key == 7
+    admitted = [  # in admission order
+        _active(1, _Stream(ready=True, drained=False), chunks=3),  # more input waiting
+        _active(2, _Stream(ready=True, drained=False), chunks=1),  # more input waiting
+        _active(3, _Stream(ready=True, drained=True), chunks=2),  # its input all read
+        _active(4, _Stream(ready=False, drained=False)),  # no chunk yet, but nothing to read
+        _active(5, None),  # no stream input: always runnable
+    ]
+    order = []
+    while (active := pick(admitted)) is not None:
+        order.append(active.item.key)
+        admitted.remove(active)
+    assert order == [5, 3, 2, 1]  # 4 is not runnable
+
+
+def test_the_lane_picks_only_first_chunks_of_requests_not_running():
+    """The lane's order (asked only while the main thread is busy: an idle main thread takes a
+    first chunk itself, as test_first_chunk_runs_beside_a_step_in_progress sees)."""
+    first, later = _active(6, None), _active(7, _Stream(ready=True, drained=False), chunks=1)
+    admitted = [first, later]
+    assert pick_first(admitted) is first
+    first.running = True  # a step of it is in flight on the other thread
+    assert pick_first(admitted) is None and pick(admitted) is later
 
 
 def test_a_stream_inbox_is_drained_once_its_end_is_all_that_is_left():

@@ -177,7 +177,7 @@ async def test_a_crash_loop_marks_the_instance_failed_and_the_others_keep_servin
         assert reason == "crash loop: 2 deaths within 600 s"
         assert runtime.instance_states()["bc@r1"] is InstanceState.FAILED
         assert runtime.health() == ("degraded", "bc@r1 failed")
-        assert "bc@r1" not in runtime.processes() and not runtime._restarts
+        assert "bc@r1" not in runtime.processes() and not runtime.restarts_pending
         assert (runtime.deaths["bc@r1"], runtime.restarts["bc@r1"]) == (2, 1)
         results = await asyncio.gather(
             *(runtime.submit(model, {"values": [i]}).result() for i in range(9))

@@ -40,7 +40,7 @@ def main() -> int:
                 "sum": float(tensor.double().sum()),
                 "first": tensor.flatten()[:4].double().tolist(),
                 # zero-copy: the tensor lies in the opened pool at the record's offset
-                "offset_seen": tensor.data_ptr() - rx._pools[trec.pool].dptr,
+                "offset_seen": tensor.data_ptr() - rx.mapped_at(trec.pool),
             }
             del tensor
             held.append(trec)

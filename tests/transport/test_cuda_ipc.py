@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from omni_transport import Ring
-from omni_transport._ffi import ffi, lib
+from omni_transport.cabi import ffi, lib
 from omni_transport.cuda_ipc import (
     BadTensorRecord,
     CudaPool,
@@ -19,8 +19,8 @@ from omni_transport.cuda_ipc import (
     CudaUnavailable,
     PoolClosed,
     PoolFull,
+    PoolSegment,
     TensorRecord,
-    _Shared,
     cuda_available,
     send_tensor,
 )
@@ -67,7 +67,7 @@ def test_malformed_tensor_records_are_refused(raw):
 def pool_segment(name: str, nbytes: int, slots: int, room: int | None = None) -> object:
     """A pool's shared segment as CudaPool lays it out (no GPU: no memory handle)."""
     out = ffi.new("omni_segment **")
-    assert lib.omni_segment_create(name.encode(), room or _Shared.size(slots), out) == 0
+    assert lib.omni_segment_create(name.encode(), room or PoolSegment.size(slots), out) == 0
     base = lib.omni_segment_data(out[0])
     ffi.cast("uint64_t *", base + 64)[0] = nbytes
     ffi.cast("uint32_t *", base + 72)[0:2] = [0, slots]
@@ -78,13 +78,13 @@ def test_pool_geometry_is_checked_against_its_segment(ring_name):
     seg = pool_segment(ring_name(), 1 << 20, slots=1 << 20, room=4096)  # slots beyond the segment
     try:
         with pytest.raises(BadTensorRecord, match="cannot hold"):
-            _Shared(seg)
+            PoolSegment(seg)
     finally:
         lib.omni_segment_close(seg)
     seg = pool_segment(ring_name(), 1000, slots=4)  # not a multiple of 512
     try:
         with pytest.raises(BadTensorRecord, match="not a positive multiple"):
-            _Shared(seg)
+            PoolSegment(seg)
     finally:
         lib.omni_segment_close(seg)
 
@@ -105,7 +105,7 @@ def test_a_record_must_describe_a_block_of_its_pool(
 ):
     seg = pool_segment(ring_name(), 1 << 20, slots=4)
     try:
-        shared = _Shared(seg)
+        shared = PoolSegment(seg)
         shared.check(TensorRecord("p", 0, 512, 16, "float32", (2, 2)))  # a good one passes
         with pytest.raises(BadTensorRecord, match=message):
             shared.check(TensorRecord("p", slot, offset, nbytes, dtype, shape))
@@ -115,7 +115,7 @@ def test_a_record_must_describe_a_block_of_its_pool(
 
 OPENER = """
 import sys
-from omni_transport._ffi import ffi, lib
+from omni_transport.cabi import ffi, lib
 out = ffi.new("omni_segment **")
 assert lib.omni_segment_attach(sys.argv[1].encode(), out) == 0
 print("ready", flush=True)
@@ -126,7 +126,7 @@ sys.stdin.read()
 def test_a_consumer_that_died_holding_blocks_is_seen(ring_name):
     name = ring_name()
     seg = pool_segment(name, 1 << 20, slots=4)
-    shared = _Shared(seg)
+    shared = PoolSegment(seg)
     consumers = [
         subprocess.Popen(
             [sys.executable, "-c", OPENER, name],

@@ -415,7 +415,7 @@ def test_unlink_leftovers_removes_only_dead_segments(ring_name):
 
 
 def test_attach_refuses_a_segment_that_is_not_a_ring(ring_name):
-    from omni_transport._ffi import ffi, lib
+    from omni_transport.cabi import ffi, lib
 
     name = ring_name()
     out = ffi.new("omni_segment **")

@@ -175,15 +175,15 @@ def test_release_refuses_an_end_that_was_not_popped(ring_name):
     producer = Ring.create(ring_name(), CAP, role="producer")
     consumer = Ring.attach(producer.name, role="consumer")
     try:
-        from omni_transport._ffi import lib
+        from omni_transport.cabi import lib, record_end, ring_handle
 
         producer.push(b"one")
         rec = consumer.pop(timeout=5)
-        handle = consumer._handle()
-        for end in (0, rec._end + 64, rec._end - 1):
-            assert lib.omni_ring_release(handle, end) == lib.OMNI_EINVAL
+        handle, end = ring_handle(consumer), record_end(rec)
+        for wrong in (0, end + 64, end - 1):
+            assert lib.omni_ring_release(handle, wrong) == lib.OMNI_EINVAL
         rec.release()
-        assert lib.omni_ring_release(handle, rec._end) == lib.OMNI_EINVAL  # not twice
+        assert lib.omni_ring_release(handle, end) == lib.OMNI_EINVAL  # not twice
     finally:
         consumer.close()
         producer.close()

@@ -122,7 +122,7 @@ def test_doorbell_names_are_drawn_per_side(ring_name):
 def test_the_doorbell_rings_whichever_side_claimed_first(ring_name, first):
     import select
 
-    from omni_transport._ffi import lib
+    from omni_transport.cabi import lib, ring_handle
 
     second = "producer" if first == "consumer" else "consumer"
     a = Ring.create(ring_name(), PAGE, role=first)
@@ -132,11 +132,11 @@ def test_the_doorbell_rings_whichever_side_claimed_first(ring_name, first):
         for _ in range(3):
             # the consumer declares itself asleep; the push must ring its doorbell (a wake-up
             # that never comes would leave the fd unreadable: waits then fall back to polls)
-            assert lib.omni_ring_arm(consumer._handle()) == lib.OMNI_OK
+            assert lib.omni_ring_arm(ring_handle(consumer)) == lib.OMNI_OK
             producer.push(b"x")
-            bell = lib.omni_ring_doorbell_fd(consumer._handle())
+            bell = lib.omni_ring_doorbell_fd(ring_handle(consumer))
             assert select.select([bell], [], [], 10)[0] == [bell]
-            lib.omni_ring_disarm(consumer._handle())
+            lib.omni_ring_disarm(ring_handle(consumer))
             consumer.pop(timeout=5).release()
         # and the other way: a producer waiting for room is rung by the release
         while True:
@@ -144,11 +144,11 @@ def test_the_doorbell_rings_whichever_side_claimed_first(ring_name, first):
                 producer.push(b"", [bytes(1000)], timeout=0)
             except RingFull:
                 break
-        assert lib.omni_ring_arm(producer._handle()) == lib.OMNI_OK
+        assert lib.omni_ring_arm(ring_handle(producer)) == lib.OMNI_OK
         consumer.pop(timeout=5).release()
-        bell = lib.omni_ring_doorbell_fd(producer._handle())
+        bell = lib.omni_ring_doorbell_fd(ring_handle(producer))
         assert select.select([bell], [], [], 10)[0] == [bell]
-        lib.omni_ring_disarm(producer._handle())
+        lib.omni_ring_disarm(ring_handle(producer))
     finally:
         b.close()
         a.close()

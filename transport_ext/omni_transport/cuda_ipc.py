@@ -169,9 +169,10 @@ def _stream() -> int:
     return int(_torch().cuda.current_stream().cuda_stream)
 
 
-class _Shared:
+class PoolSegment:
     """The pool's shared segment (see the module docstring). Its geometry is read once and
-    checked against the segment's size; only the copies are used."""
+    checked against the segment's size; only the copies are used. Needs no GPU, so the layout
+    checks are tested on segments of any geometry."""
 
     def __init__(self, seg: Any):
         self.seg = seg
@@ -181,7 +182,7 @@ class _Shared:
         counts = ffi.cast("uint32_t *", self.base + _HANDLE + 8)
         self.device, self.slots = int(counts[0]), int(counts[1])
         size = int(lib.omni_segment_size(seg))
-        if not (self.slots > 0 and _Shared.size(self.slots) <= size):
+        if not (self.slots > 0 and PoolSegment.size(self.slots) <= size):
             raise BadTensorRecord(f"pool segment of {size} bytes cannot hold {self.slots} slots")
         if self.nbytes <= 0 or self.nbytes % _ALIGN:
             raise BadTensorRecord(f"pool of {self.nbytes} bytes: not a positive multiple of 512")
@@ -235,7 +236,7 @@ class CudaPool:
         self._device = device
         self.nbytes = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         out = ffi.new("omni_segment **")
-        check(lib.omni_segment_create(name.encode(), _Shared.size(slots), out))
+        check(lib.omni_segment_create(name.encode(), PoolSegment.size(slots), out))
         self._events: dict[int, int] = {}
         self._dptr = 0
         try:
@@ -246,7 +247,7 @@ class CudaPool:
             check(lib.omni_cuda_ipc_get_mem_handle(self._dptr, base))
             ffi.cast("uint64_t *", base + _HANDLE)[0] = self.nbytes
             ffi.cast("uint32_t *", base + _HANDLE + 8)[0:2] = [device, slots]
-            self._shared = _Shared(out[0])
+            self._shared = PoolSegment(out[0])
         except BaseException:
             if self._dptr:
                 lib.omni_cuda_mem_free(self._dptr)
@@ -412,7 +413,7 @@ class _OpenPool:
         out = ffi.new("omni_segment **")
         check(lib.omni_segment_attach(name.encode(), out))
         try:
-            self.shared = _Shared(out[0])
+            self.shared = PoolSegment(out[0])
         except BaseException:
             lib.omni_segment_close(out[0])
             raise
@@ -488,6 +489,11 @@ class CudaReceiver:
         tensor = pool.view(rec)
         self._held.add((rec.pool, rec.slot))
         return tensor
+
+    def mapped_at(self, pool: str) -> int:
+        """The device address pool `pool` is mapped at in this process (opened at its first
+        record): a tensor from open(rec) starts at mapped_at(rec.pool) + rec.offset."""
+        return self._pools[pool].dptr
 
     def release(self, rec: TensorRecord, *, wait: bool = True) -> None:
         """Hands the block back once the GPU work queued so far on the current stream is

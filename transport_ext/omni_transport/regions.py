@@ -37,10 +37,10 @@ from omni_transport.cuda_ipc import (  # the pool's layout and checks, shared on
     _DTYPES,
     _HANDLE,
     BadTensorRecord,
+    PoolSegment,
     _OpenPool,
     _pool_bytes,
     _require_cuda,
-    _Shared,
     _tensor_in,
     _torch,
 )
@@ -202,7 +202,7 @@ class CudaRegion(_Placer):
         self.device = device
         self.size = _aligned(nbytes)
         out = ffi.new("omni_segment **")
-        check(lib.omni_segment_create(name.encode(), _Shared.size(1), out))
+        check(lib.omni_segment_create(name.encode(), PoolSegment.size(1), out))
         self._seg: Any = out[0]
         self._dptr = 0
         try:

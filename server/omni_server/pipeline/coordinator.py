@@ -70,6 +70,17 @@ class RequestHandle:
     def done(self) -> bool:
         return self._result.done()
 
+    @property
+    def key(self) -> int:
+        """The request's wire key: how the stages name it (`StageNode.holds(key)`)."""
+        return self._key
+
+    @property
+    def buffered_chunks(self) -> int:
+        """Chunks (and the end) that reached this handle and the consumer has not taken yet:
+        what the server holds for a slow reader, at most CHUNK_WINDOW per paced stage."""
+        return self._chunks.qsize()
+
     def __aiter__(self) -> AsyncIterator[Payload]:
         """The terminal stages' chunks, in arrival order, until the request ends (or raises)."""
         return (chunk async for _, chunk in self.stream())

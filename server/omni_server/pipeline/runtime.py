@@ -127,6 +127,11 @@ class Runtime:
             return f"no live replica of {', '.join(dead)} (restarting or failed; see /health)"
         return None
 
+    @property
+    def restarts_pending(self) -> frozenset[str]:
+        """Instances whose restart is scheduled or under way (a failed instance has none)."""
+        return frozenset(self.plan.instances[i].name for i in self._restarts)
+
     def instance_states(self) -> dict[str, InstanceState]:
         """Instance name -> up / restarting / failed."""
         return {i.name: s for i, s in zip(self.plan.instances, self._states, strict=True)}

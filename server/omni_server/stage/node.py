@@ -298,6 +298,29 @@ class StageNode:
             self.deadlines.start(env.key)
         self.scheduler.admit(item)
 
+    # ---- what this stage holds (for leak checks: an ended request must leave nothing) --------
+
+    def holds(self, key: int) -> bool:
+        """Whether request `key` still has state here: admitted, waiting for payloads or stream
+        input, counting chunks, or in the scheduler. False once it ended or was aborted here
+        (what remains then is the bounded memory of finished keys, `_done`)."""
+        return any(key in t for t in self._request_tables()) or key in self.scheduler.active_keys
+
+    @property
+    def idle(self) -> bool:
+        """No request has state here (see holds)."""
+        return not any(self._request_tables()) and not self.scheduler.active_keys
+
+    def _request_tables(self) -> tuple[dict[int, Any], ...]:
+        return (
+            self._admitted,
+            self._inboxes,
+            self._fan_in,
+            self._skips,
+            self._seq,
+            self._started_by,
+        )
+
     def abort_all(self) -> None:
         """Abort every request admitted here (the host is stopping)."""
         for key in list(self._admitted):
@@ -327,7 +350,7 @@ class StageNode:
         self._seq.pop(key, None)
         item = self._admitted.pop(key, None)
         if item is not None:
-            item.request._aborted.set()
+            item.request.abort()
             self.scheduler.abort(key)
         inbox = self._inboxes.pop(key, None)
         if inbox is not None:

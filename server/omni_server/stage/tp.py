@@ -128,7 +128,7 @@ def _control(fn: Callable[..., T], *args: Any) -> T:
 def _mirror(request_id: str, inputs: Any, aborted: bool = False) -> Request:
     mirror = Request(id=request_id, inputs=inputs)
     if aborted:
-        mirror._aborted.set()
+        mirror.abort()
     return mirror
 
 
@@ -197,7 +197,7 @@ class TPLeaderCalls(StageCalls):
         with self._lock:
             _, mirror, key = self._held[id(request)]
             if request.aborted:  # the abort reaches every rank's mirror at this op
-                mirror._aborted.set()
+                mirror.abort()
             self._announce("step", key, mirror.aborted)
             result, error = _attempt(super().step, mirror, generator)
             failed = self._failed_ranks(error)
@@ -218,7 +218,7 @@ class TPLeaderCalls(StageCalls):
             if entry is None:
                 return  # ended already, on every rank
             _, mirror, key = entry
-            mirror._aborted.set()
+            mirror.abort()
             self._announce("close", key)
             super().close(mirror, generator)
 
@@ -250,7 +250,7 @@ class TPLeaderCalls(StageCalls):
             if entry is None:
                 return
             _, mirror, key = entry
-            mirror._aborted.set()
+            mirror.abort()
             self._announce("abort", key)
             self.backend.abort(mirror)
 
@@ -331,7 +331,7 @@ def follow(calls: StageCalls, control_group: Any) -> None:
             mirror, generator = held[key]
             assert generator is not None
             if aborted:
-                mirror._aborted.set()
+                mirror.abort()
             result, error = _attempt(_advance, generator)
             failed = agree(error)
             if error is not None or failed or result:
@@ -341,7 +341,7 @@ def follow(calls: StageCalls, control_group: Any) -> None:
         elif kind == "close":
             entry = held.pop(op[1], None)
             if entry is not None and entry[1] is not None:
-                entry[0]._aborted.set()
+                entry[0].abort()
                 _quietly("close", calls.close, *entry)
         elif kind == "add":
             _, key, request_id, inputs = op
@@ -355,7 +355,7 @@ def follow(calls: StageCalls, control_group: Any) -> None:
         elif kind == "abort":
             entry = held.pop(op[1], None)
             if entry is not None:
-                entry[0]._aborted.set()
+                entry[0].abort()
                 _abort_quietly(backend, entry[0])
         elif kind == "ar_step":
             outputs, error = _attempt(_ar_step, backend)

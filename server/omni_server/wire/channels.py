@@ -244,6 +244,12 @@ class Endpoint:
             self._pushes[receiver] = sock
         return sock
 
+    def backlog(self, receiver: str) -> int:
+        """Messages to `receiver` waiting for room in its ring (0: all in the ring, nothing sent
+        yet, or the receiver is gone and they were dropped)."""
+        outlet = self._outlets.get(receiver)
+        return len(outlet.backlog) if outlet is not None else 0
+
     async def flush(self, timeout: float = 2.0) -> None:
         """Wait (at most `timeout` seconds) until every backlog is in its ring."""
         waits = [o.drained.wait() for o in self._outlets.values() if not o.drained.is_set()]

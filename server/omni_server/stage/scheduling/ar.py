@@ -42,6 +42,10 @@ class ARScheduler(Scheduler):
         self._leaving: list[Request] = []  # aborted after add(): abort() not yet called
         self._held: dict[int, Request] = {}  # id(request) -> request the backend holds
 
+    @property
+    def active_keys(self) -> frozenset[int]:
+        return frozenset(self._items)
+
     def admit(self, item: WorkItem) -> None:
         self._items[item.key] = item
         self._joining.append(item)

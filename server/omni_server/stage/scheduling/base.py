@@ -106,6 +106,12 @@ class Scheduler(abc.ABC):
         self._executor = executor
         self._wakeup = asyncio.Event()
 
+    @property
+    @abc.abstractmethod
+    def active_keys(self) -> frozenset[int]:
+        """The requests admitted here that have not ended or been aborted yet (what
+        `StageNode.holds` asks of its scheduler)."""
+
     @abc.abstractmethod
     def admit(self, item: WorkItem) -> None:
         """Queue a request whose inputs are complete."""

@@ -33,6 +33,10 @@ class BatchScheduler(Scheduler):
         self._queue: collections.OrderedDict[int, WorkItem] = collections.OrderedDict()
         self._running: dict[int, WorkItem] = {}
 
+    @property
+    def active_keys(self) -> frozenset[int]:
+        return frozenset(self._queue.keys() | self._running.keys())
+
     def admit(self, item: WorkItem) -> None:
         self._queue[item.key] = item
         self._wakeup.set()

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +46,10 @@ from .calls import StageCalls
 
 
 @dataclass(eq=False)
-class _Active:
+class ActiveRequest:
+    """A request admitted to a stream stage: its generator (made at its first step), the chunks
+    it has produced so far, and whether a step of it is in flight."""
+
     item: WorkItem
     generator: Iterator[Any] | None = None
     chunks: int = 0
@@ -68,10 +71,38 @@ def first_chunk_lane(
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stream-first-chunk")
 
 
-def _rank(active: _Active) -> tuple[bool, bool, int]:
+def _rank(active: ActiveRequest) -> tuple[bool, bool, int]:
     """Lower runs first: first chunks; then requests whose stream input is all read (the step
     that ends them is short, and ending them at once frees their caller); then fewest chunks."""
     return (active.chunks > 0, not active.item.finishing, active.chunks)
+
+
+# The two picks are the scheduling policy, kept apart from the loops that run it so that the
+# order can be read (and tested) on its own.
+
+
+def pick(active: Iterable[ActiveRequest]) -> ActiveRequest | None:
+    """The main compute thread's next step among `active` (in admission order): the runnable,
+    not running request of lowest `_rank`; ties go to the oldest. None: nothing to run."""
+    best: ActiveRequest | None = None
+    for candidate in active:
+        if (
+            candidate.item.runnable
+            and not candidate.running
+            and (best is None or _rank(candidate) < _rank(best))
+        ):
+            best = candidate
+    return best
+
+
+def pick_first(active: Iterable[ActiveRequest]) -> ActiveRequest | None:
+    """The first-chunk lane's next step among `active` (in admission order): the oldest
+    runnable, not running request with no chunk yet. The scheduler asks only while its main
+    thread is busy (an idle main thread takes a first chunk itself)."""
+    for candidate in active:
+        if candidate.chunks == 0 and candidate.item.runnable and not candidate.running:
+            return candidate
+    return None
 
 
 class StreamScheduler(Scheduler):
@@ -84,12 +115,16 @@ class StreamScheduler(Scheduler):
         first_chunk_lane: concurrent.futures.ThreadPoolExecutor | None = None,
     ) -> None:
         super().__init__(calls, callbacks, executor)
-        self._active: dict[int, _Active] = {}  # insertion order = admission order
+        self._active: dict[int, ActiveRequest] = {}  # insertion order = admission order
         self._lane = first_chunk_lane
         self._main_busy = False  # the main compute thread runs a step
 
+    @property
+    def active_keys(self) -> frozenset[int]:
+        return frozenset(self._active)
+
     def admit(self, item: WorkItem) -> None:
-        self._active[item.key] = _Active(item)
+        self._active[item.key] = ActiveRequest(item)
         self._wakeup.set()
 
     def abort(self, key: int) -> None:
@@ -119,7 +154,7 @@ class StreamScheduler(Scheduler):
         """One lane's loop: pick, step, repeat; sleep when nothing is runnable for this lane."""
         executor = self._lane if first_only else None
         while True:
-            active = self._pick_first() if first_only else self._pick()
+            active = self._pick_first() if first_only else pick(self._active.values())
             if active is None:
                 # no await between the pick and clear(): a wakeup cannot fall in between
                 self._wakeup.clear()
@@ -137,29 +172,13 @@ class StreamScheduler(Scheduler):
                     self._main_busy = False
                 self._wakeup.set()  # the request may be runnable again, for the other lane too
 
-    def _pick(self) -> _Active | None:
-        best: _Active | None = None
-        for active in self._active.values():  # oldest first, so ties go to the oldest
-            if (
-                active.item.runnable
-                and not active.running
-                and (best is None or _rank(active) < _rank(best))
-            ):
-                best = active
-        return best
-
-    def _pick_first(self) -> _Active | None:
-        """The oldest runnable request with no chunk yet, while the main thread is busy (an
-        idle main thread takes it itself: one step at a time whenever that costs no wait)."""
-        if not self._main_busy:
-            return None
-        for active in self._active.values():
-            if active.chunks == 0 and active.item.runnable and not active.running:
-                return active
-        return None
+    def _pick_first(self) -> ActiveRequest | None:
+        """pick_first() while the main thread is busy (an idle main thread takes a first chunk
+        itself: one step at a time whenever that costs no wait)."""
+        return pick_first(self._active.values()) if self._main_busy else None
 
     async def _step(
-        self, active: _Active, executor: concurrent.futures.ThreadPoolExecutor | None
+        self, active: ActiveRequest, executor: concurrent.futures.ThreadPoolExecutor | None
     ) -> None:
         item = active.item
         try:
@@ -188,7 +207,7 @@ class StreamScheduler(Scheduler):
             self._active.pop(item.key)
             self.callbacks.complete(item, outcome[1], outcome[2])
 
-    def _advance(self, active: _Active) -> Any:
+    def _advance(self, active: ActiveRequest) -> Any:
         if active.generator is None:
             active.generator = self.calls.generate(active.item.request)
         return self.calls.step(active.item.request, active.generator)
