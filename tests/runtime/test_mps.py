@@ -27,7 +27,7 @@ from omni_server.compiler.plan import Plan
 from omni_server.errors import PipelineError
 from omni_server.gpu import mps
 from omni_server.gpu.devices import MPS_CONTROL, Machine, discover
-from omni_server.gpu.mps import PID_FILE, _ours
+from omni_server.gpu.mps import PID_FILE, processes_of
 from omni_server.pipeline import Runtime
 from omni_server.pipeline.run_dirs import OWNER_FILE, RUN_DIR_PREFIX
 from omni_server.pipeline.supervision import SupervisionPolicy
@@ -78,7 +78,7 @@ def _environ(pid: int) -> dict[str, str]:
 
 
 def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
-    return mps._wait_exit(pid, timeout)
+    return mps.wait_exit(pid, timeout)
 
 
 # ---- on / auto where MPS cannot start -----------------------------------------------------------
@@ -132,7 +132,7 @@ async def test_mps_on_whose_cuda_client_cannot_start_fails_and_stops_the_daemon(
     assert run_dir is not None
     await runtime.stop()
     assert not run_dir.exists()
-    assert _ours(run_dir / "mps" / "pipe") == []  # the daemon it started is stopped
+    assert processes_of(run_dir / "mps" / "pipe") == []  # the daemon it started is stopped
 
 
 async def test_mps_auto_that_cannot_start_warns_once_and_serves(tmp_path, caplog):
@@ -292,7 +292,7 @@ async def _sigkilled_server_is_cleaned_up(tmp_path: Path, control: str, compute:
     for pid in started["pids"]:  # stage processes die with their server
         assert _wait_gone(pid)
     pipe = run_dir / "mps" / "pipe"
-    left = _ours(pipe)
+    left = processes_of(pipe)
     assert started["daemon"] in left, "the daemon should outlive a SIGKILLed server"
     async with running(chain(tmp_path, "split")):
         assert not run_dir.exists()
@@ -336,7 +336,7 @@ async def test_two_gpu_processes_run_under_the_real_mps_daemon(tmp_path):
         clients = {int(p) for p in _control(pipe, f"get_client_list {servers[0]}").split()}
         stage_pids = set(runtime.processes().values())
         assert stage_pids <= clients, (stage_pids, clients)
-        mps_pids = _ours(pipe)
+        mps_pids = processes_of(pipe)
     assert _wait_gone(daemon)
     for pid in mps_pids:  # the MPS server went with its daemon
         assert _wait_gone(pid)

@@ -205,7 +205,8 @@ class MpsDaemon:
             pid = _read_pid(self.pipe_dir)
             if pid is not None and _pipe_dir_of(pid) == str(self.pipe_dir):
                 return pid
-            found = _ours(self.pipe_dir)  # a daemon that writes no pid file, by its environment
+            # a daemon that writes no pid file, found by its environment
+            found = processes_of(self.pipe_dir)
             if len(found) == 1:
                 return found[0]
             if time.monotonic() > deadline:
@@ -218,8 +219,8 @@ class MpsDaemon:
         if self.pid is not None and _pipe_dir_of(self.pid) == str(self.pipe_dir):
             with contextlib.suppress(MpsUnavailable):
                 self._command([], "quit\n")
-            _wait_exit(self.pid, _EXIT_WAIT_S)
-        _kill(_ours(self.pipe_dir))
+            wait_exit(self.pid, _EXIT_WAIT_S)
+        _kill(processes_of(self.pipe_dir))
         self.pid = None
         shutil.rmtree(self.root, ignore_errors=True)
 
@@ -260,7 +261,7 @@ def remove_stale(run_dir: Path) -> list[int]:
     pipe_dir = run_dir / "mps" / "pipe"
     if not pipe_dir.is_dir():
         return []
-    pids = _ours(pipe_dir)
+    pids = processes_of(pipe_dir)
     if pids:
         control = shutil.which(MPS_CONTROL)
         daemon = _read_pid(pipe_dir)
@@ -268,8 +269,8 @@ def remove_stale(run_dir: Path) -> list[int]:
             stale = MpsDaemon(run_dir, (), control)
             with contextlib.suppress(MpsUnavailable):
                 stale._command([], "quit\n")
-            _wait_exit(daemon, _EXIT_WAIT_S)
-        _kill(_ours(pipe_dir))
+            wait_exit(daemon, _EXIT_WAIT_S)
+        _kill(processes_of(pipe_dir))
         log.warning("stopped the MPS daemon of a dead run in %s (pids %s)", run_dir, pids)
     shutil.rmtree(run_dir / "mps", ignore_errors=True)
     return pids
@@ -278,9 +279,10 @@ def remove_stale(run_dir: Path) -> list[int]:
 # ---- processes of ours ---------------------------------------------------------------------
 
 
-def _ours(pipe_dir: Path) -> list[int]:
+def processes_of(pipe_dir: Path) -> list[int]:
     """Live processes of this user that serve `pipe_dir`: the pid file's process, and any MPS
-    program (control daemon, server) whose environment names that pipe directory."""
+    program (control daemon, server) whose environment names that pipe directory. Public for
+    the leak checks of the tests: after a stop this must be empty."""
     want = str(pipe_dir)
     found = set()
     pid = _read_pid(pipe_dir)
@@ -320,8 +322,9 @@ def _read_pid(pipe_dir: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def _wait_exit(pid: int, timeout: float) -> bool:
-    """Wait (bounded) for process `pid`, not necessarily our child, to exit; True if it did."""
+def wait_exit(pid: int, timeout: float) -> bool:
+    """Wait (bounded) for process `pid`, not necessarily our child, to exit; True if it did
+    (public for the tests, which watch a daemon that is not their child go)."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -343,8 +346,8 @@ def _kill(pids: list[int]) -> None:
                 os.kill(pid, sig)
                 left.append(pid)
         for pid in left:
-            _wait_exit(pid, _EXIT_WAIT_S if sig == signal.SIGTERM else 1.0)
-        pids = [p for p in left if not _wait_exit(p, 0)]
+            wait_exit(pid, _EXIT_WAIT_S if sig == signal.SIGTERM else 1.0)
+        pids = [p for p in left if not wait_exit(p, 0)]
 
 
 def _last_line(out: subprocess.CompletedProcess[str]) -> str:
