@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from omni_bench.child_server import free_port
+from omni_bench.harness.server import free_port
 from omni_bench.cli import main
 
 

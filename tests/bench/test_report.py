@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from omni_bench.metrics import LevelSummary
-from omni_bench.report import markdown, plots, verdicts
+from omni_bench.report import markdown, verdicts, write_plots
 
 
 def level(c: int, audio_sps: float, ttfa_p50: float, ttfa_p95: float) -> dict:
@@ -64,7 +64,7 @@ def test_markdown_has_a_row_per_level_and_the_ratios(tmp_path):
 
 
 def test_plots_are_written_as_png(tmp_path):
-    written = plots(result(39.0, 0.4), tmp_path)
+    written = write_plots(result(39.0, 0.4), tmp_path)
     assert [p.name for p in written] == ["ttfa.png", "throughput.png"]
     for p in written:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

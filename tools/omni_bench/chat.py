@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from omni_server.engine import (
+    SHAPES,
     SMOLLM2_135M,
     Engine,
     EngineConfig,
@@ -40,7 +41,6 @@ from omni_server.engine import (
     SamplingParams,
     smollm2_gguf_path,
 )
-from omni_server.engine.config import SHAPES
 
 QUESTIONS = [
     "What is the capital of France?",

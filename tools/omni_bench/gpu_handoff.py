@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from omni_server.backend import Request, StageBackend, StageContext
-from omni_server.compiler.compiler import compile_repository
+from omni_server.compiler import compile_repository
 from omni_server.pipeline import Runtime
 
 _STAGE_FILE = """

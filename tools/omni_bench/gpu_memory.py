@@ -31,9 +31,14 @@ GiB = float(1 << 30)
 def _child(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from omni_server.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
-    from omni_server.engine.config import SHAPES
-    from omni_server.engine.memory import MemoryBudgetError
+    from omni_server.engine import (
+        SHAPES,
+        Engine,
+        EngineConfig,
+        GenerationRequest,
+        MemoryBudgetError,
+        SamplingParams,
+    )
 
     fraction = float(args.fractions)
     torch.cuda.set_per_process_memory_fraction(fraction, 0)  # as a stage process does

@@ -20,19 +20,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from omni_bench.harness import tables
+from omni_bench.harness.timing import closed_loop, percentile
 from omni_server.backend import Request, StageBackend, StageContext
-from omni_server.compiler.compiler import compile_repository
-from omni_server.compiler.plan import Plan
-from omni_server.errors import PipelineError
-from omni_server.gpu.devices import discover
-from omni_server.pipeline import Runtime
+from omni_server.compiler import Plan, compile_repository
+from omni_server.gpu import discover
+from omni_server.pipeline import PipelineError, Runtime
 
 _STAGE_FILE = """
 from omni_bench.gpu_mps import MatmulLoad  # noqa: F401
@@ -110,16 +110,18 @@ async def _load(
     latencies: list[float] = []
     outputs: list[dict[str, Any]] = []
 
-    async def client(model_id: str, count: int) -> None:
+    def client(model_id: str) -> Callable[[int], Awaitable[None]]:
         model = runtime.plan.models[model_id]
-        for _ in range(count):
+
+        async def one(_: int) -> None:
             start = time.perf_counter()
             outputs.append(await runtime.submit(model, {}).result())
             latencies.append(time.perf_counter() - start)
 
-    share = [requests // concurrency + (i < requests % concurrency) for i in range(concurrency)]
-    start = time.perf_counter()
-    await asyncio.gather(*(client(m, n) for m in models for n in share if n))
+        return one
+
+    start = time.perf_counter()  # the models' loads run at once: one wall clock for both
+    await asyncio.gather(*(closed_loop(range(requests), concurrency, client(m)) for m in models))
     return time.perf_counter() - start, latencies, outputs
 
 
@@ -133,15 +135,14 @@ async def _row(args: argparse.Namespace, mps: str, models: list[str]) -> dict[st
             wall, latencies, outputs = await _load(runtime, models, args.requests, args.concurrency)
         finally:
             await runtime.stop()
-    latencies.sort()
     peaks: dict[int, tuple[int, float, bool]] = {}  # pid -> (peak bytes, budget, under MPS)
     for o in outputs:
         before = peaks[o["pid"]][0] if o["pid"] in peaks else 0
         peaks[o["pid"]] = (max(o["peak"], before), o["budget"], o["mps"])
     return {
         "rps": len(latencies) / wall,
-        "p50": statistics.median(latencies) * 1e3,
-        "p95": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))] * 1e3,
+        "p50": percentile(latencies, 50) * 1e3,
+        "p95": percentile(latencies, 95) * 1e3,
         "peaks": sorted(peaks.values(), key=lambda p: -p[0]),
         "under_mps": all(m for _, _, m in peaks.values()),
     }
@@ -159,20 +160,24 @@ async def run(args: argparse.Namespace) -> None:
         f"{args.size}^2 bf16 weight per request; {args.requests} requests per model, "
         f"{args.concurrency} clients per model; fraction {args.fraction} per process"
     )
-    print(f"| {'setup':<24} | req/s | p50 ms | p95 ms | peak / budget per process (GiB) | MPS |")
-    print(f"|{'-' * 26}|------:|-------:|-------:|{'-' * 33}|-----|")
+    columns = [
+        f"{'setup':<24}",
+        "req/s",
+        "p50 ms",
+        "p95 ms",
+        f"{'peak / budget per process (GiB)':<31}",
+    ]
+    print("\n".join(tables.header([*columns, "MPS"], "lrrrll")))
     for label, mps, models in rows:
         try:
             r = await _row(args, mps, models)
         except PipelineError as exc:  # e.g. mps = on where MPS cannot start
-            print(f"| {label:<24} | failed to start: {exc}", flush=True)
+            print(tables.row([f"{label:<24}", f"failed to start: {exc}"]), flush=True)
             continue
         peaks = ", ".join(f"{p / 2**30:.2f} / {b / 2**30:.1f}" for p, b, _ in r["peaks"])
-        print(
-            f"| {label:<24} | {r['rps']:5.0f} | {r['p50']:6.2f} | {r['p95']:6.2f} | "
-            f"{peaks:<31} | {'yes' if r['under_mps'] else 'no':<3} |",
-            flush=True,
-        )
+        times = [f"{r['rps']:5.0f}", f"{r['p50']:6.2f}", f"{r['p95']:6.2f}"]
+        mps_used = f"{'yes' if r['under_mps'] else 'no':<3}"
+        print(tables.row([f"{label:<24}", *times, f"{peaks:<31}", mps_used]), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

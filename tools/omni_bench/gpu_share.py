@@ -29,9 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from omni_server.backend import Request, StageBackend, StageContext
-from omni_server.compiler.compiler import compile_repository
-from omni_server.compiler.plan import Plan
-from omni_server.gpu.devices import discover
+from omni_server.compiler import Plan, compile_repository
+from omni_server.gpu import discover
 from omni_server.pipeline import Runtime
 
 _STAGE_FILE = """
@@ -48,8 +47,7 @@ class ShareProbe(StageBackend):
     def initialize(self, context: StageContext) -> None:
         import torch
 
-        from omni_server.engine import Engine, EngineConfig
-        from omni_server.engine.config import SHAPES, LlamaShape
+        from omni_server.engine import SHAPES, Engine, EngineConfig, LlamaShape
 
         self.ctx = context
         name = str(context.parameters["shape"])

@@ -24,8 +24,15 @@ from typing import Any
 
 import torch
 
-from omni_server.engine import Engine, EngineConfig, GenerationRequest, LlamaShape, SamplingParams
-from omni_server.engine.config import SHAPES
+from omni_server.engine import (
+    SHAPES,
+    Engine,
+    EngineConfig,
+    GenerationRequest,
+    LlamaShape,
+    SamplingParams,
+    TensorParallel,
+)
 
 # Llama-3.1-8B's shape
 LLAMA_8B = LlamaShape(
@@ -50,16 +57,10 @@ def _child_main(argv: list[str]) -> int:
     rank, size, port = int(argv[0]), int(argv[1]), int(argv[2])
     shape_name, batches, steps, prompt = argv[3], argv[4], int(argv[5]), int(argv[6])
     graphs = argv[7] == "1"
-    from omni_server.engine.parallel import TensorParallel
-
-    tp = TensorParallel()
-    control = None
-    if size > 1:
-        from omni_server.stage.tp import init_process_group
-
-        group, control = init_process_group(rank, size, port, rank)
-        tp = TensorParallel(rank, size, group)
     torch.cuda.set_device(rank)
+    tp, control = TensorParallel(), None
+    if size > 1:
+        tp, control = _join_group(rank, size, port)
     sizes = [int(b) for b in batches.split(",")]
     config = EngineConfig(
         max_total_tokens=max(sizes) * CONTEXT + CONTEXT,
@@ -99,6 +100,22 @@ def _child_main(argv: list[str]) -> int:
         sys.stdout.flush()
         os._exit(0)
     return 0
+
+
+def _join_group(rank: int, size: int, port: int) -> tuple[TensorParallel, Any]:
+    """This rank in an NCCL group over the GPUs (the engine's all-reduces), plus a gloo group
+    for the final barrier, as a tensor-parallel stage process joins its group."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+        device_id=torch.device("cuda", rank),  # NCCL connects now, not inside a graph capture
+    )
+    control = dist.new_group(backend="gloo")
+    return TensorParallel(rank, size, dist.group.WORLD), control
 
 
 def _decode_ms(engine: Engine, batch: int, steps: int, prompt: int) -> float:

@@ -13,9 +13,20 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
+from omni_bench.harness.timing import percentiles
 
-PERCENTILES = (50, 95, 99)
+__all__ = [
+    "Chunk",
+    "LevelSummary",
+    "RequestTiming",
+    "inter_chunk_gaps",
+    "latency",
+    "percentiles",
+    "playback_underrun",
+    "rtf",
+    "summarize",
+    "ttfa",
+]
 
 
 @dataclass
@@ -93,17 +104,6 @@ def playback_underrun(t: RequestTiming) -> float:
         worst = max(worst, (chunk.at - first) - buffered * seconds_per_byte)
         buffered += chunk.nbytes
     return worst
-
-
-def percentiles(values: Sequence[float]) -> dict[str, float]:
-    """p50 / p95 / p99 and the mean; NaN for an empty sample (nothing measured)."""
-    if len(values) == 0:
-        return {"mean": math.nan, **{f"p{p}": math.nan for p in PERCENTILES}}
-    arr = np.asarray(values, dtype=np.float64)
-    out = {"mean": float(arr.mean())}
-    for p in PERCENTILES:
-        out[f"p{p}"] = float(np.percentile(arr, p))
-    return out
 
 
 @dataclass

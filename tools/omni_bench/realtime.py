@@ -27,7 +27,6 @@ import io
 import json
 import re
 import statistics
-import subprocess
 import sys
 import time
 import wave
@@ -36,6 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+
+from omni_bench.harness import tables
+from omni_bench.harness.server import OmniServer
+from omni_bench.harness.timing import percentile
 
 MODEL = "smol-realtime"
 QUESTION = "What is the capital of France?"
@@ -203,11 +206,6 @@ async def _barge_in(http: aiohttp.ClientSession, url: str, pcm: bytes) -> float:
         return done - turn.end_of_speech
 
 
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
-
-
 async def run(url: str, levels: list[int], turns: int) -> str:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as http:
         body = {
@@ -222,11 +220,8 @@ async def run(url: str, levels: list[int], turns: int) -> str:
         silence = bytes(RATE * 2)
         pcm = silence + speech + silence * 2
         speech_end_s = 1.0 + len(speech) / (2 * RATE)
-        lines = [
-            "| sessions | turns | v2v p50 ms | v2v p95 ms | turn ms | ASR ms | thinker ms "
-            "| voice ms |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
+        columns = ["sessions", "turns", "v2v p50 ms", "v2v p95 ms", "turn ms", "ASR ms"]
+        lines = tables.header([*columns, "thinker ms", "voice ms"], "r" * 8)
         answer = ""
         for n in levels:
             sessions = (_session(http, url, pcm, speech_end_s, turns) for _ in range(n))
@@ -235,11 +230,9 @@ async def run(url: str, levels: list[int], turns: int) -> str:
             answer = answer or results[0][0].transcript
             med = {k: statistics.median(h[k] for h in hops) * 1000 for k in hops[0]}
             v2v = [h["v2v"] * 1000 for h in hops]
-            lines.append(
-                f"| {n} | {len(hops)} | {_pct(v2v, 0.5):.0f} | {_pct(v2v, 0.95):.0f} | "
-                + " | ".join(f"{med[k]:.0f}" for k in ("turn", "asr", "thinker", "voice"))
-                + " |"
-            )
+            by_hop = (f"{med[k]:.0f}" for k in ("turn", "asr", "thinker", "voice"))
+            v2v_cells = (f"{percentile(v2v, p):.0f}" for p in (50, 95))
+            lines.append(tables.row([n, len(hops), *v2v_cells, *by_hop]))
         floors = await _floors(http, url, _wav(speech), answer)
         barge = [await _barge_in(http, url, pcm) for _ in range(3)]
     total = SILENCE_MS / 1000 + sum(floors.values())
@@ -254,37 +247,17 @@ async def run(url: str, levels: list[int], turns: int) -> str:
     return "\n".join(lines)
 
 
-@contextlib.contextmanager
-def _server(repo: Path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "omni_server", "--repo", str(repo), "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
+async def _served(repo: Path, levels: list[int], turns: int) -> str:
+    """`run` against omni-server on `repo`, started here and checked to leave nothing behind."""
+    server = OmniServer(repo, ready_timeout_s=600)
     try:
-        import urllib.request
-
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(url + "/health/ready", timeout=2) as r,
-            ):
-                if r.status == 200:
-                    break
-            if proc.poll() is not None:
-                raise SystemExit("omni-bench realtime: the server exited while starting")
-            time.sleep(0.5)
-        yield url
+        await server.start()
+    except RuntimeError as err:
+        raise SystemExit(f"omni-bench realtime: {err}") from None
+    try:
+        return await run(server.url, levels, turns)
     finally:
-        proc.terminate()
-        proc.wait(30)
+        await server.stop(check=True)
 
 
 def _wav(pcm: bytes) -> bytes:
@@ -313,8 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         print(asyncio.run(run(args.url.rstrip("/"), levels, args.turns)))
     else:
-        with _server(args.repo) as url:
-            print(asyncio.run(run(url, levels, args.turns)))
+        print(asyncio.run(_served(args.repo, levels, args.turns)))
     return 0
 
 

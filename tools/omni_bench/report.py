@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from omni_bench.harness import plots, tables
 from omni_bench.metrics import LevelSummary
 
 OURS = "omni-server"
@@ -104,68 +105,81 @@ def markdown(result: dict) -> str:
         "",
         "## Latency and throughput (times in ms)",
         "",
-        "| target | c | req/s | audio s/s | TTFA p50 | TTFA p95 | TTFA p99 | latency p50 | "
-        "latency p95 | latency p99 | RTF p50 | RTF p95 | max gap p95 | underrun p50 | "
-        "underrun p95 | underrun p99 | failed |",
-        "|---" * 17 + "|",
+        *tables.header(LATENCY_COLUMNS),
     ]
     for t in result["targets"]:
         for x in t["levels"]:
-            lines.append(
-                f"| {t['name']} | {x['concurrency']} | {x['requests_per_second']:.2f} | "
-                f"{x['audio_seconds_per_second']:.1f} | {ms(x['ttfa']['p50'])} | "
-                f"{ms(x['ttfa']['p95'])} | {ms(x['ttfa']['p99'])} | {ms(x['latency']['p50'])} | "
-                f"{ms(x['latency']['p95'])} | {ms(x['latency']['p99'])} | {x['rtf']['p50']:.3f} | "
-                f"{x['rtf']['p95']:.3f} | {ms(x['max_gap']['p95'])} | {ms(x['underrun']['p50'])} | "
-                f"{ms(x['underrun']['p95'])} | {ms(x['underrun']['p99'])} | {x['failed']} |"
-            )
-    levels = _by_level(result)
-    peers = [n for n in levels if n != OURS]
-    if OURS in levels and peers:
-        lines += ["", "## Ours vs peers (ratio = ours / peer, same concurrency)", ""]
-        header = "| c |" + "".join(
-            f" throughput vs {p} | TTFA p50 vs {p} | latency p50 vs {p} |" for p in peers
-        )
-        lines += [header, "|---" * (1 + 3 * len(peers)) + "|"]
-        for c, ours in sorted(levels[OURS].items()):
-            row = f"| {c} |"
-            for p in peers:
-                peer = levels[p].get(c)
-                if peer is None:
-                    row += " - | - | - |"
-                    continue
-                throughput = "audio_seconds_per_second"
-                row += (
-                    f" {_ratio(ours[throughput], peer[throughput])} |"
-                    f" {_ratio(ours['ttfa']['p50'], peer['ttfa']['p50'])} |"
-                    f" {_ratio(ours['latency']['p50'], peer['latency']['p50'])} |"
-                )
-            lines.append(row)
+            lines.append(tables.row([t["name"], x["concurrency"], *_latency_cells(x)]))
+    lines += _vs_peers(result)
     lines += _server_breakdown(result)
     lines += _cpu_table(result)
     wers = [t for t in result["targets"] if t["wer"]]
     if wers:
-        lines += [
-            "",
-            "## Round-trip WER (Whisper tiny.en, normalized)",
-            "",
-            "| target | clips | corpus WER | mean clip WER | p95 clip WER | clips > 50% |",
-            "|---|---|---|---|---|---|",
-        ]
+        lines += ["", "## Round-trip WER (Whisper tiny.en, normalized)", ""]
+        lines += tables.header(
+            ["target", "clips", "corpus WER", "mean clip WER", "p95 clip WER", "clips > 50%"]
+        )
         for t in wers:
             w = t["wer"]
-            lines.append(
-                f"| {t['name']} | {w['clips']} | {w['corpus_wer']:.2%} | "
-                f"{w['mean_clip_wer']:.2%} | {w['p95_clip_wer']:.2%} | {w['clips_above_half']} |"
-            )
+            rates = (f"{w[k]:.2%}" for k in ("corpus_wer", "mean_clip_wer", "p95_clip_wer"))
+            lines.append(tables.row([t["name"], w["clips"], *rates, w["clips_above_half"]]))
     checks = verdicts(result)
     if checks:
-        lines += ["", "## Targets", "", "| target | measured | bound | verdict |"]
-        lines.append("|---|---|---|---|")
+        lines += ["", "## Targets", "", *tables.header(["target", "measured", "bound", "verdict"])]
         for v in checks:
             verdict = "met" if v["met"] else "**missed**"
-            lines.append(f"| {v['target']} | {v['value']} | {v['bound']} | {verdict} |")
+            lines.append(tables.row([v["target"], v["value"], v["bound"], verdict]))
     return "\n".join(lines) + "\n"
+
+
+LATENCY_COLUMNS = [
+    "target", "c", "req/s", "audio s/s", "TTFA p50", "TTFA p95", "TTFA p99", "latency p50",
+    "latency p95", "latency p99", "RTF p50", "RTF p95", "max gap p95", "underrun p50",
+    "underrun p95", "underrun p99", "failed",
+]  # fmt: skip
+
+
+def _latency_cells(x: dict) -> list[str]:
+    """One level's cells after target and c, in LATENCY_COLUMNS' order."""
+    return [
+        f"{x['requests_per_second']:.2f}",
+        f"{x['audio_seconds_per_second']:.1f}",
+        *(ms(x["ttfa"][p]) for p in ("p50", "p95", "p99")),
+        *(ms(x["latency"][p]) for p in ("p50", "p95", "p99")),
+        f"{x['rtf']['p50']:.3f}",
+        f"{x['rtf']['p95']:.3f}",
+        ms(x["max_gap"]["p95"]),
+        *(ms(x["underrun"][p]) for p in ("p50", "p95", "p99")),
+        str(x["failed"]),
+    ]
+
+
+def _vs_peers(result: dict) -> list[str]:
+    """Ours / each peer at the same concurrency: throughput, TTFA p50, latency p50."""
+    levels = _by_level(result)
+    peers = [n for n in levels if n != OURS]
+    if OURS not in levels or not peers:
+        return []
+    lines = ["", "## Ours vs peers (ratio = ours / peer, same concurrency)", ""]
+    columns = ["c"]
+    for p in peers:
+        columns += [f"throughput vs {p}", f"TTFA p50 vs {p}", f"latency p50 vs {p}"]
+    lines += tables.header(columns)
+    throughput = "audio_seconds_per_second"
+    for c, ours in sorted(levels[OURS].items()):
+        cells: list[object] = [c]
+        for p in peers:
+            peer = levels[p].get(c)
+            if peer is None:
+                cells += ["-", "-", "-"]
+                continue
+            cells += [
+                _ratio(ours[throughput], peer[throughput]),
+                _ratio(ours["ttfa"]["p50"], peer["ttfa"]["p50"]),
+                _ratio(ours["latency"]["p50"], peer["latency"]["p50"]),
+            ]
+        lines.append(tables.row(cells))
+    return lines
 
 
 def _server_breakdown(result: dict) -> list[str]:
@@ -179,15 +193,15 @@ def _server_breakdown(result: dict) -> list[str]:
         "",
         "## Inside our server (means per request in ms, from its /metrics)",
         "",
-        "| c | client TTFA | server TTFA | " + " | ".join(series) + " |",
-        "|---" * (3 + len(series)) + "|",
+        *tables.header(["c", "client TTFA", "server TTFA", *series]),
     ]
     for x in levels:
         server = x.get("server", {})
         cells = [f"{server[k]['mean_ms']:.1f}" if k in server else "-" for k in series]
         ttfa = f"{server['server_ttfa']['mean_ms']:.0f}" if "server_ttfa" in server else "-"
-        row = [str(x["concurrency"]), f"{x['ttfa']['mean'] * 1000:.0f}", ttfa, *cells]
-        lines.append("| " + " | ".join(row) + " |")
+        lines.append(
+            tables.row([x["concurrency"], f"{x['ttfa']['mean'] * 1000:.0f}", ttfa, *cells])
+        )
     return lines
 
 
@@ -199,29 +213,26 @@ def _cpu_table(result: dict) -> list[str]:
             for side, cpu in x.get("cpu", {}).items():
                 busiest = ", ".join(f"{name} {used:.2f}" for name, used in
                                     list(cpu["threads"].items())[:4])  # fmt: skip
-                cells = [t["name"], str(x["concurrency"]), side, f"{cpu['total']:.2f}", busiest]
-                rows.append("| " + " | ".join(cells) + " |")
+                rows.append(
+                    tables.row([t["name"], x["concurrency"], side, f"{cpu['total']:.2f}", busiest])
+                )
     if not rows:
         return []
     return [
         "",
         "## CPU (cores kept busy during each level; bench = the bench process and its children)",
         "",
-        "| target | c | process tree | cores | busiest threads (process/thread cores) |",
-        "|---|---|---|---|---|",
+        *tables.header(
+            ["target", "c", "process tree", "cores", "busiest threads (process/thread cores)"]
+        ),
         *rows,
     ]
 
 
-def plots(result: dict, out: Path) -> list[Path]:
+def write_plots(result: dict, out: Path) -> list[Path]:
     """ttfa.png (p50 solid, p95 dashed) and throughput.png (audio s/s) against concurrency."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    written = []
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
+    levels = result["settings"]["concurrency"]
+    fig, ax = plots.figure()
     for t in result["targets"]:
         cs = [x["concurrency"] for x in t["levels"]]
         p50 = [x["ttfa"]["p50"] * 1000 for x in t["levels"]]
@@ -235,10 +246,10 @@ def plots(result: dict, out: Path) -> list[Path]:
         ylabel="TTFA (ms)",
         title="Time to first audio byte",
     )
-    _finish(ax, result)
-    written.append(_save(fig, out / "ttfa.png"))
+    plots.finish(ax, levels)
+    written = [plots.save(fig, out / "ttfa.png")]
 
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
+    fig, ax = plots.figure()
     for t in result["targets"]:
         cs = [x["concurrency"] for x in t["levels"]]
         ax.plot(cs, [x["audio_seconds_per_second"] for x in t["levels"]], "o-", label=t["name"])
@@ -246,26 +257,6 @@ def plots(result: dict, out: Path) -> list[Path]:
         xscale="log", xlabel="concurrency", ylabel="audio seconds / wall second", title="Throughput"
     )
     ax.set_ylim(bottom=0)
-    _finish(ax, result)
-    written.append(_save(fig, out / "throughput.png"))
+    plots.finish(ax, levels)
+    written.append(plots.save(fig, out / "throughput.png"))
     return written
-
-
-def _finish(ax, result: dict) -> None:
-    from matplotlib.ticker import ScalarFormatter
-
-    levels = result["settings"]["concurrency"]
-    ax.set_xticks(levels)
-    ax.xaxis.set_major_formatter(ScalarFormatter())
-    ax.minorticks_off()
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return path

@@ -16,17 +16,16 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import shlex
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
 from omni_bench import proc_cpu, report, server_stats
-from omni_bench.child_server import ChildServer
+from omni_bench.harness.server import OmniServer, ServerLeftovers
+from omni_bench.harness.timing import closed_loop, machine
 from omni_bench.metrics import LevelSummary, RequestTiming, summarize
 from omni_bench.peers import PEERS, make_peer
 from omni_bench.targets import OpenAISpeechTarget, SpeechTarget
@@ -67,26 +66,22 @@ async def run_level(
     target: SpeechTarget, texts: list[str], concurrency: int, requests: int, keep: dict[str, Clip]
 ) -> tuple[list[RequestTiming], float]:
     """Closed-loop load at one concurrency; returns the timings and the level's wall time."""
-    queue = [texts[i % len(texts)] for i in range(requests)]
-    queue.reverse()  # pop() from the end takes them in dataset order
     timings: list[RequestTiming] = []
     bar = tqdm(total=requests, desc=f"{target.name} c={concurrency}", unit="req", leave=False)
 
-    async def worker() -> None:
-        while queue:
-            text = queue.pop()
-            timing, clip = await target.synthesize(text)
-            timings.append(timing)
-            if clip is not None and text not in keep:
-                keep[text] = clip
-            bar.update(1)
+    async def one(text: str) -> None:
+        timing, clip = await target.synthesize(text)
+        timings.append(timing)
+        if clip is not None and text not in keep:
+            keep[text] = clip
+        bar.update(1)
 
-    start = time.perf_counter()
     try:
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        jobs = (texts[i % len(texts)] for i in range(requests))  # dataset order, wrapping
+        wall = await closed_loop(jobs, concurrency, one)
     finally:
         bar.close()
-    return timings, time.perf_counter() - start
+    return timings, wall
 
 
 async def measure_level(
@@ -142,24 +137,6 @@ async def bench(
                     pids["server"] = server_pid
                 await measure_level(target, result, texts, concurrency, requests, pids)
     return results
-
-
-def machine() -> dict:
-    cpu = "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "loadavg_at_start": os.getloadavg(),
-    }
 
 
 def parse_levels(text: str) -> list[int]:
@@ -253,20 +230,18 @@ async def run(args: argparse.Namespace) -> dict:
         raise UsageError(f"--serve-args {args.serve_args!r}: {err}") from None
     if not args.serve:
         return await measure(args, texts, levels, requests, args.url, args.server_pid)
-    server = ChildServer(
-        "omni-server",
-        lambda port: [sys.executable, "-m", "omni_server", "--repo", str(args.repo),
-                      "--port", str(port), *serve_args],
-        "/health/ready",
-    )  # fmt: skip
+    server = OmniServer(args.repo, serve_args)
     try:
         await server.start()
     except RuntimeError as err:  # it exited or never became ready: its log says why
         raise WarmupFailed(f"--serve: {err}") from None
     try:
-        return await measure(args, texts, levels, requests, server.url, server.pid)
+        result = await measure(args, texts, levels, requests, server.url, server.pid)
     finally:
-        await server.stop()
+        left = await server.stop()
+    if not left.clean:  # measured, but the server under test leaks: the run fails
+        raise ServerLeftovers(f"--serve: omni-server stopped but {left}")
+    return result
 
 
 async def measure(
@@ -340,14 +315,14 @@ def main(argv: list[str]) -> int:
     except ConnectionError as err:
         print(f"omni-bench speech: {err}", file=sys.stderr)
         return 2
-    except WarmupFailed as err:
+    except (WarmupFailed, ServerLeftovers) as err:
         print(f"omni-bench speech: {err}", file=sys.stderr)
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "speech.json").write_text(json.dumps(result, indent=2) + "\n")
     table = report.markdown(result)
     (args.out / "speech.md").write_text(table)
-    report.plots(result, args.out)
+    report.write_plots(result, args.out)
     print(table)
     print(f"results in {args.out}/ (speech.json, speech.md, ttfa.png, throughput.png)")
     failed = sum(level["failed"] for t in result["targets"] for level in t["levels"])

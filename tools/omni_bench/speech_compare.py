@@ -24,6 +24,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from omni_bench.harness import plots, tables
 from omni_bench.report import FLOOR, OURS
 
 
@@ -104,10 +105,7 @@ def _fmt(fmt: str, value: float) -> str:
 
 def table(runs: dict[str, list[dict]]) -> str:
     levels = sorted({c for rs in runs.values() for r in rs for c in _levels(r, OURS)})
-    rows = [
-        "| variant | rounds | c | " + " | ".join(METRICS) + " |",
-        "|---|---:|---:|" + "---:|" * len(METRICS),
-    ]
+    rows = tables.header(["variant", "rounds", "c", *METRICS], "lrr" + "r" * len(METRICS))
     for label, rs in runs.items():
         for c in levels:
             cells = []
@@ -115,7 +113,7 @@ def table(runs: dict[str, list[dict]]) -> str:
                 fmt = METRICS[name][1]
                 span = f" ({_fmt(fmt, low)}-{_fmt(fmt, high)})" if len(rs) > 1 else ""
                 cells.append(_fmt(fmt, med) + ("" if math.isnan(med) else span))
-            rows.append(f"| {label} | {len(rs)} | {c} | " + " | ".join(cells) + " |")
+            rows.append(tables.row([label, len(rs), c, *cells]))
     loads = [
         f"{label}: {min(r['machine']['loadavg_at_start'][0] for r in rs):.1f}-"
         f"{max(r['machine']['loadavg_at_start'][0] for r in rs):.1f}"
@@ -127,14 +125,8 @@ def table(runs: dict[str, list[dict]]) -> str:
 
 
 def plot(runs: dict[str, list[dict]], out: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import ScalarFormatter
-
     levels = sorted({c for rs in runs.values() for r in rs for c in _levels(r, OURS)})
-    fig, ax = plt.subplots(figsize=(6, 3.8), dpi=100)
+    fig, ax = plots.figure(height=3.8)
     for label, rs in runs.items():
         p50 = [medians(rs, c)["TTFA p50 ms"][0] for c in levels]
         p95 = [medians(rs, c)["TTFA p95 ms"][0] for c in levels]
@@ -145,16 +137,8 @@ def plot(runs: dict[str, list[dict]], out: Path, title: str) -> None:
             ax.plot(levels, steady, "^:", color=line.get_color(), label=f"{label} steady p95")
     ax.set(xscale="log", yscale="log", xlabel="concurrency", ylabel="TTFA (ms)", title=title)
     ax.set_yticks([t for t in (50, 100, 200, 500, 1000, 2000) if t <= 1.5 * ax.get_ylim()[1]])
-    ax.set_xticks(levels)
-    ax.xaxis.set_major_formatter(ScalarFormatter())
-    ax.yaxis.set_major_formatter(ScalarFormatter())
-    ax.minorticks_off()
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
+    plots.finish(ax, levels, plain_y=True)
+    plots.save(fig, out)
 
 
 def main(argv: list[str] | None = None) -> int:

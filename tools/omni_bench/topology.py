@@ -18,8 +18,8 @@ import statistics
 import time
 from pathlib import Path
 
-from omni_server.compiler.compiler import compile_repository
-from omni_server.pipeline.runtime import Runtime
+from omni_server.compiler import compile_repository
+from omni_server.pipeline import Runtime
 
 # the embedded repository, from the working directory (a source checkout) unless the
 # environment names another: an installed omni_bench has no repository beside it

@@ -37,7 +37,9 @@ import aiohttp
 import numpy as np
 
 from omni_bench import asr_audio, proc_cpu
-from omni_bench.child_server import ChildServer
+from omni_bench.harness import tables
+from omni_bench.harness.server import OmniServer
+from omni_bench.harness.timing import closed_loop, percentile
 from omni_bench.wer import word_error_rate
 from omni_server.audio import whisper
 
@@ -250,27 +252,19 @@ async def served(
 ) -> Run:
     """Every clip `rounds` times, `c` requests in flight at once."""
     wavs = [asr_audio.to_wav(clip) for clip in corpus.clips]
-    jobs = [i for _ in range(rounds) for i in range(len(wavs))]
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for j in jobs:
-        queue.put_nowait(j)
     hyps: dict[int, str] = {}
     latencies: list[float] = []
     rtfs: list[float] = []
 
-    async def worker() -> None:
-        while not queue.empty():
-            i = queue.get_nowait()
-            t = time.perf_counter()
-            hyps[i] = await _transcribe(session, url, wavs[i])
-            lat = time.perf_counter() - t
-            latencies.append(lat)
-            rtfs.append(lat / (corpus.clips[i].size / RATE))
+    async def one(i: int) -> None:
+        t = time.perf_counter()
+        hyps[i] = await _transcribe(session, url, wavs[i])
+        lat = time.perf_counter() - t
+        latencies.append(lat)
+        rtfs.append(lat / (corpus.clips[i].size / RATE))
 
     cpu = _tree_cpu(pid)
-    start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(c)))
-    wall = time.perf_counter() - start
+    wall = await closed_loop((i for _ in range(rounds) for i in range(len(wavs))), c, one)
     after = _tree_cpu(pid)
     cpu_s = after - cpu if after is not None and cpu is not None else None
     wer = word_error_rate(corpus.texts, [hyps[i] for i in range(len(wavs))])
@@ -282,19 +276,7 @@ async def served_all(args: argparse.Namespace, corpora: list[Corpus], long: Corp
     server = None
     url = args.url
     if url is None:
-        server = ChildServer(
-            "omni-server",
-            lambda port: [
-                sys.executable,
-                "-m",
-                "omni_server",
-                "--repo",
-                str(args.repo),
-                "--port",
-                str(port),
-            ],
-            "/health/ready",
-        )
+        server = OmniServer(args.repo)
         await server.start()
         url = server.url
     pid = server.pid if server is not None else args.server_pid
@@ -334,7 +316,7 @@ async def served_all(args: argparse.Namespace, corpora: list[Corpus], long: Corp
             runs.append(run)
     finally:
         if server is not None:
-            await server.stop()
+            await server.stop(check=True)
     return runs
 
 
@@ -346,22 +328,22 @@ def _line(r: Run) -> str:
 
 
 def table(runs: list[Run]) -> str:
-    lines = [
-        "| who | audio | c | audio s | wall s | throughput (audio s/s) | audio s per CPU s "
-        "| mean RTF | p90 latency s | first text s | WER % |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    lines = tables.header(TABLE_COLUMNS, "ll" + "r" * 9)
     for r in runs:
-        p90 = float(np.percentile(r.latencies, 90)) if r.latencies else float("nan")
         rtf = statistics.fmean(r.rtfs) if r.rtfs else float("nan")
         first = f"{r.first_text_s:.2f}" if r.first_text_s is not None else ""
         wer = f"{100 * r.wer:.1f}" if r.wer is not None else ""
         per_cpu = f"{r.audio_per_cpu:.1f}" if r.audio_per_cpu is not None else ""
-        lines.append(
-            f"| {r.who} | {r.corpus} | {r.concurrency} | {r.audio_s:.0f} | {r.wall_s:.2f} | "
-            f"{r.throughput:.1f} | {per_cpu} | {rtf:.3f} | {p90:.2f} | {first} | {wer} |"
-        )
+        measured = [f"{r.audio_s:.0f}", f"{r.wall_s:.2f}", f"{r.throughput:.1f}", per_cpu]
+        latency = [f"{rtf:.3f}", f"{percentile(r.latencies, 90):.2f}", first, wer]
+        lines.append(tables.row([r.who, r.corpus, r.concurrency, *measured, *latency]))
     return "\n".join(lines)
+
+
+TABLE_COLUMNS = [
+    "who", "audio", "c", "audio s", "wall s", "throughput (audio s/s)", "audio s per CPU s",
+    "mean RTF", "p90 latency s", "first text s", "WER %",
+]  # fmt: skip
 
 
 def verdicts(runs: list[Run]) -> list[str]:

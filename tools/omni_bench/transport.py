@@ -473,8 +473,7 @@ CUDA_BYTES = 64 << 20
 def _cuda_ours_server(tag: str, n: int, spin_us: float, ctl: Any) -> None:
     import struct
 
-    from omni_transport import Ring
-    from omni_transport.cuda_ipc import CudaReceiver, TensorRecord
+    from omni_transport import CudaReceiver, Ring, TensorRecord
 
     rx = CudaReceiver()
     data = Ring.attach(f"omni-bench-{tag}-cd", role="consumer", spin_us=spin_us)
@@ -508,8 +507,7 @@ def _cuda_ours(n: int, spin_us: float) -> list[float]:
 
     import torch
 
-    from omni_transport import Ring
-    from omni_transport.cuda_ipc import CudaPool
+    from omni_transport import CudaPool, Ring
 
     tag = uuid.uuid4().hex[:8]
     pool = CudaPool(f"omni-bench-{tag}-pool", 2 * CUDA_BYTES)
