@@ -14,14 +14,34 @@ import pytest
 
 from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.errors import RepositoryError
-from tests.helpers.repo import make_repo
+from tests.helpers.repo import make_repo, toml
 
-FRONTEND = 'backend = "Frontend"\nnext = "synth"\n'
-SYNTH = 'backend = "Synth"\nnext = "encoder"\nstream_to = "encoder"\n[scheduler]\nkind = "stream"\n'
-ENCODER = 'backend = "Encoder"\nterminal = true\n'
+FRONTEND = """\
+backend = "Frontend"
+next = "synth"
+"""
+SYNTH = """\
+backend = "Synth"
+next = "encoder"
+stream_to = "encoder"
+[scheduler]
+kind = "stream"
+"""
+ENCODER = """\
+backend = "Encoder"
+terminal = true
+"""
 # for cases where the encoder is tensor-parallel: a TP stage cannot be a stream target
-PLAIN_SYNTH = 'backend = "Synth"\nnext = "encoder"\n'
-MODELS = '[models.tts]\nentry = "frontend"\ntasks = ["speech"]\nvoices = ["joe"]\n'
+PLAIN_SYNTH = """\
+backend = "Synth"
+next = "encoder"
+"""
+MODELS = """\
+[models.tts]
+entry = "frontend"
+tasks = ["speech"]
+voices = ["joe"]
+"""
 
 
 @dataclass
@@ -48,9 +68,13 @@ def gpu_stage(cls: str, extra: str = "", terminal: bool = True) -> str:
     return f'backend = "{cls}"\n' + ("terminal = true\n" if terminal else "") + extra
 
 
-SYNTH_TERMINAL = (
-    'backend = "Synth"\nterminal = true\nstream_to = "encoder"\n[scheduler]\nkind = "stream"\n'
-)
+SYNTH_TERMINAL = """\
+backend = "Synth"
+terminal = true
+stream_to = "encoder"
+[scheduler]
+kind = "stream"
+"""
 ENDS_AT_SYNTH = MODELS + 'stages = ["frontend", "synth"]\n'
 
 ACCEPTED = [
@@ -59,48 +83,100 @@ ACCEPTED = [
     Case(
         "model-stages-end-at-a-shared-terminal",
         stages={"synth": SYNTH_TERMINAL},
-        repository=ENDS_AT_SYNTH + '[models.spoken]\nentry = "frontend"\ntasks = ["speech"]\n',
+        repository=ENDS_AT_SYNTH
+        + toml("""
+            [models.spoken]
+            entry = "frontend"
+            tasks = ["speech"]
+        """),
     ),
     Case("backend-class-only-defaults-to-model-py"),
     Case(
         "backend-file-and-class",
-        stages={"encoder": 'backend = "model.py:Encoder"\nterminal = true'},
+        stages={
+            "encoder": toml("""
+                backend = "model.py:Encoder"
+                terminal = true
+            """)
+        },
     ),
     Case(
         "route-among-next",
         stages={
-            "frontend": 'backend = "F"\nnext = ["synth", "encoder"]\nroute = "choose"',
+            "frontend": toml("""
+                backend = "F"
+                next = ["synth", "encoder"]
+                route = "choose"
+            """),
         },
     ),
     Case(
         "fan-in-with-merge",
         stages={
-            "frontend": 'backend = "F"\nnext = ["synth", "side"]',
-            "side": 'backend = "S"\nnext = "join"',
-            "synth": 'backend = "Y"\nnext = "join"',
-            "join": 'backend = "J"\nwait_for = ["synth", "side"]\nmerge = "merge"\n'
-            'next = "encoder"',
+            "frontend": toml("""
+                backend = "F"
+                next = ["synth", "side"]
+            """),
+            "side": toml("""
+                backend = "S"
+                next = "join"
+            """),
+            "synth": toml("""
+                backend = "Y"
+                next = "join"
+            """),
+            "join": toml("""
+                backend = "J"
+                wait_for = ["synth", "side"]
+                merge = "merge"
+                next = "encoder"
+            """),
         },
     ),
     Case(
         "batch-scheduler",
         stages={
-            "encoder": 'backend = "E"\nterminal = true\n[scheduler]\nkind = "batch"\n'
-            "max_batch_size = 8\nmax_queue_delay_ms = 5",
+            "encoder": toml("""
+                backend = "E"
+                terminal = true
+                [scheduler]
+                kind = "batch"
+                max_batch_size = 8
+                max_queue_delay_ms = 5
+            """),
         },
     ),
-    Case("engine-on-cpu", stages={"encoder": ENCODER + "[engine]\nmax_total_tokens = 4096\n"}),
+    Case(
+        "engine-on-cpu",
+        stages={
+            "encoder": ENCODER
+            + toml("""
+                [engine]
+                max_total_tokens = 4096
+            """)
+        },
+    ),
     Case(
         "parameters-free-form",
         stages={
             "encoder": ENCODER
-            + '[parameters]\nvoice = "joe"\nrate = 22050\n[parameters.nested]\nx = [1, 2]\n'
+            + toml("""
+                [parameters]
+                voice = "joe"
+                rate = 22050
+                [parameters.nested]
+                x = [1, 2]
+            """)
         },
     ),
     Case(
         "grouped-process",
         stages={
-            "frontend": FRONTEND + 'process = "pipeline"\nprocess_local = "synth"\n',
+            "frontend": FRONTEND
+            + toml("""
+                process = "pipeline"
+                process_local = "synth"
+            """),
             "synth": SYNTH.replace("[scheduler]", 'process = "pipeline"\n[scheduler]'),
         },
     ),
@@ -110,123 +186,289 @@ ACCEPTED = [
     ),
     Case(
         "tp-stage-owns-process",
-        stages={"synth": PLAIN_SYNTH, "encoder": gpu_stage("E", "gpu = [0, 1]\ntp_size = 2\n")},
+        stages={
+            "synth": PLAIN_SYNTH,
+            "encoder": gpu_stage(
+                "E",
+                toml("""
+                    gpu = [0, 1]
+                    tp_size = 2
+                """),
+            ),
+        },
     ),
     Case(
-        "cpu-replicas-need-no-devices", repository=MODELS + "[processes.synth]\nnum_replicas = 3\n"
+        "cpu-replicas-need-no-devices",
+        repository=MODELS
+        + toml("""
+            [processes.synth]
+            num_replicas = 3
+        """),
     ),
     Case(
         "least-loaded-binding",
-        repository=MODELS + '[processes.synth]\nnum_replicas = 2\nbinding = "least_loaded"\n',
+        repository=MODELS
+        + toml("""
+            [processes.synth]
+            num_replicas = 2
+            binding = "least_loaded"
+        """),
     ),
     Case(
         "round-robin-binding",
-        repository=MODELS + '[processes.synth]\nnum_replicas = 2\nbinding = "round_robin"\n',
+        repository=MODELS
+        + toml("""
+            [processes.synth]
+            num_replicas = 2
+            binding = "round_robin"
+        """),
     ),
     Case(
         "binding-of-one-replica-is-harmless",
-        repository=MODELS + '[processes.synth]\nbinding = "least_loaded"\n',
+        repository=MODELS
+        + toml("""
+            [processes.synth]
+            binding = "least_loaded"
+        """),
     ),
     Case(
         "binding-by-override",
-        repository=MODELS + "[processes.synth]\nnum_replicas = 2\n",
+        repository=MODELS
+        + toml("""
+            [processes.synth]
+            num_replicas = 2
+        """),
         overrides=["--processes.synth.binding", "least_loaded"],
     ),
     Case(
         "gpu-replicas-on-two-gpus",
         stages={
-            "encoder": gpu_stage("E", "gpu = 0\ngpu_memory_fraction = 0.5\n"),
+            "encoder": gpu_stage(
+                "E",
+                toml("""
+                    gpu = 0
+                    gpu_memory_fraction = 0.5
+                """),
+            ),
         },
-        repository=MODELS + "[processes.encoder]\nnum_replicas = 2\nreplica_devices = [1, 2]\n",
+        repository=MODELS
+        + toml("""
+            [processes.encoder]
+            num_replicas = 2
+            replica_devices = [1, 2]
+        """),
     ),
     Case(
         "two-replicas-one-gpu-with-fractions",
         stages={
-            "encoder": gpu_stage("E", "gpu = 0\ngpu_memory_fraction = 0.5\n"),
+            "encoder": gpu_stage(
+                "E",
+                toml("""
+                    gpu = 0
+                    gpu_memory_fraction = 0.5
+                """),
+            ),
         },
-        repository=MODELS + "[processes.encoder]\nnum_replicas = 2\nreplica_devices = [0, 0]\n",
+        repository=MODELS
+        + toml("""
+            [processes.encoder]
+            num_replicas = 2
+            replica_devices = [0, 0]
+        """),
     ),
     Case(
         "tp-replicas-n-times-t",
         stages={
             "synth": PLAIN_SYNTH,
-            "encoder": gpu_stage("E", "gpu = [0, 1]\ntp_size = 2\ngpu_memory_fraction = 0.4\n"),
+            "encoder": gpu_stage(
+                "E",
+                toml("""
+                    gpu = [0, 1]
+                    tp_size = 2
+                    gpu_memory_fraction = 0.4
+                """),
+            ),
         },
         repository=MODELS
-        + "[processes.encoder]\nnum_replicas = 2\nreplica_devices = [0, 1, 2, 3]\n",
+        + toml("""
+            [processes.encoder]
+            num_replicas = 2
+            replica_devices = [0, 1, 2, 3]
+        """),
     ),
     Case(
         "processes-sharing-a-gpu-with-fractions",
         stages={
-            "synth": 'backend = "Y"\nnext = "encoder"\ngpu = 0\ngpu_memory_fraction = 0.6\n',
-            "encoder": gpu_stage("E", "gpu = 0\ngpu_memory_fraction = 0.4\n"),
+            "synth": toml("""
+                backend = "Y"
+                next = "encoder"
+                gpu = 0
+                gpu_memory_fraction = 0.6
+            """),
+            "encoder": gpu_stage(
+                "E",
+                toml("""
+                    gpu = 0
+                    gpu_memory_fraction = 0.4
+                """),
+            ),
         },
     ),
     Case(
         "one-gpu-one-process-needs-no-fraction",
         stages={
-            "synth": 'backend = "Y"\nnext = "encoder"\ngpu = 0\nprocess = "p"\n',
-            "encoder": gpu_stage("E", 'gpu = 0\nprocess = "p"\n'),
+            "synth": toml("""
+                backend = "Y"
+                next = "encoder"
+                gpu = 0
+                process = "p"
+            """),
+            "encoder": gpu_stage(
+                "E",
+                toml("""
+                    gpu = 0
+                    process = "p"
+                """),
+            ),
         },
     ),
     Case(
         "fractions-fit-a-lowered-limit",
         stages={
-            "encoder": gpu_stage("E", "gpu = 0\ngpu_memory_fraction = 0.4\n"),
+            "encoder": gpu_stage(
+                "E",
+                toml("""
+                    gpu = 0
+                    gpu_memory_fraction = 0.4
+                """),
+            ),
         },
-        repository=MODELS + "[server]\ngpu_memory_limit = 0.9\n[processes.encoder]\n"
-        "num_replicas = 2\nreplica_devices = [0, 0]\n",
+        repository=MODELS
+        + toml("""
+            [server]
+            gpu_memory_limit = 0.9
+            [processes.encoder]
+            num_replicas = 2
+            replica_devices = [0, 0]
+        """),
     ),
     Case(
         "weight-share-one-pinned-engine",
         stages={
             "encoder": gpu_stage(
-                "E", "gpu = 0\ngpu_memory_fraction = 0.4\n[engine]\nmax_total_tokens = 30000\n"
+                "E",
+                toml("""
+                    gpu = 0
+                    gpu_memory_fraction = 0.4
+                    [engine]
+                    max_total_tokens = 30000
+                """),
             ),
         },
-        repository=MODELS + '[server]\nweight_share = "on"\nmps = "on"\n[processes.encoder]\n'
-        "num_replicas = 2\nreplica_devices = [0, 0]\n",
+        repository=MODELS
+        + toml("""
+            [server]
+            weight_share = "on"
+            mps = "on"
+            [processes.encoder]
+            num_replicas = 2
+            replica_devices = [0, 0]
+        """),
     ),
     Case(
-        "weight-share-without-sharing-group", repository=MODELS + '[server]\nweight_share = "on"\n'
+        "weight-share-without-sharing-group",
+        repository=MODELS
+        + toml("""
+            [server]
+            weight_share = "on"
+        """),
     ),
-    Case("mps-auto", repository=MODELS + '[server]\nmps = "auto"\n'),
+    Case(
+        "mps-auto",
+        repository=MODELS
+        + toml("""
+            [server]
+            mps = "auto"
+        """),
+    ),
     Case(
         "model-voices-and-aliases",
-        repository='[models.tts]\nentry = "frontend"\n'
-        'tasks = ["speech", "realtime"]\naliases = ["tts-1"]\nvoices = ["joe", "amy"]\n'
-        'default_voice = "joe"\ndescription = "x"\n[models.tts.voice_aliases]\nalloy = "joe"\n',
+        repository=toml("""
+            [models.tts]
+            entry = "frontend"
+            tasks = ["speech", "realtime"]
+            aliases = ["tts-1"]
+            voices = ["joe", "amy"]
+            default_voice = "joe"
+            description = "x"
+            [models.tts.voice_aliases]
+            alloy = "joe"
+        """),
     ),
     Case(
         "two-models-two-entries",
-        stages={"asr": 'backend = "A"\nterminal = true'},
-        repository=MODELS + '[models.asr]\nentry = "asr"\ntasks = ["transcription"]\n',
+        stages={
+            "asr": toml("""
+                backend = "A"
+                terminal = true
+            """)
+        },
+        repository=MODELS
+        + toml("""
+            [models.asr]
+            entry = "asr"
+            tasks = ["transcription"]
+        """),
     ),
     Case(
         "route-stage-streams",
         stages={
-            "synth": 'backend = "Y"\nnext = ["encoder"]\nroute = "pick"\nstream_to = ["encoder"]\n'
-            '[scheduler]\nkind = "stream"\n',
+            "synth": toml("""
+                backend = "Y"
+                next = ["encoder"]
+                route = "pick"
+                stream_to = ["encoder"]
+                [scheduler]
+                kind = "stream"
+            """),
         },
     ),
     Case(
         "stream-only-target",  # the encoder gets chunks only; frontend's result goes to synth
         stages={
-            "frontend": 'backend = "F"\nnext = "synth"\nstream_to = "encoder"\n'
-            '[scheduler]\nkind = "stream"\n',
-            "synth": 'backend = "Y"\nterminal = true\n',
+            "frontend": toml("""
+                backend = "F"
+                next = "synth"
+                stream_to = "encoder"
+                [scheduler]
+                kind = "stream"
+            """),
+            "synth": toml("""
+                backend = "Y"
+                terminal = true
+            """),
         },
     ),
     Case(
         "terminal-stage-streams",
         stages={
-            "synth": 'backend = "Y"\nterminal = true\nstream_to = "encoder"\n'
-            '[scheduler]\nkind = "stream"\n',
+            "synth": toml("""
+                backend = "Y"
+                terminal = true
+                stream_to = "encoder"
+                [scheduler]
+                kind = "stream"
+            """),
         },
     ),
     Case(
         "hidden-folder-is-no-stage",
-        stages={".backup": 'backend = "B"\nterminal = true\n'},
+        stages={
+            ".backup": toml("""
+                backend = "B"
+                terminal = true
+            """)
+        },
     ),
     Case(
         "override-regroups",
@@ -273,17 +515,35 @@ REJECTED = [
     ),
     Case(
         "unknown-scheduler-field",
-        stages={"encoder": ENCODER + "[scheduler]\nsize = 2\n"},
+        stages={
+            "encoder": ENCODER
+            + toml("""
+                [scheduler]
+                size = 2
+            """)
+        },
         error=("stage.toml", "encoder", "scheduler.size", "valid fields: kind"),
     ),
     Case(
         "bad-scheduler-kind",
-        stages={"encoder": ENCODER + '[scheduler]\nkind = "fast"\n'},
+        stages={
+            "encoder": ENCODER
+            + toml("""
+                [scheduler]
+                kind = "fast"
+            """)
+        },
         error=("stage.toml", "encoder", "scheduler.kind", '"single", "batch", "stream"'),
     ),
     Case(
         "batch-size-without-batch",
-        stages={"encoder": ENCODER + "[scheduler]\nmax_batch_size = 4\n"},
+        stages={
+            "encoder": ENCODER
+            + toml("""
+                [scheduler]
+                max_batch_size = 4
+            """)
+        },
         error=("stage.toml", "encoder", "scheduler.max_batch_size", 'kind = "batch"'),
     ),
     Case(
@@ -298,42 +558,81 @@ REJECTED = [
     ),
     Case(
         "backend-file-missing",
-        stages={"encoder": 'backend = "other.py:E"\nterminal = true\n'},
+        stages={
+            "encoder": toml("""
+                backend = "other.py:E"
+                terminal = true
+            """)
+        },
         error=("stage.toml", "encoder", "backend", "no file 'other.py'"),
     ),
     Case(
         "backend-outside-folder",
-        stages={"encoder": 'backend = "../synth/model.py:E"\nterminal = true\n'},
+        stages={
+            "encoder": toml("""
+                backend = "../synth/model.py:E"
+                terminal = true
+            """)
+        },
         error=("stage.toml", "encoder", "backend", "outside the stage folder"),
     ),
     Case(
         "backend-bad-form",
-        stages={"encoder": 'backend = "model.py:"\nterminal = true\n'},
+        stages={
+            "encoder": toml("""
+                backend = "model.py:"
+                terminal = true
+            """)
+        },
         error=("stage.toml", "encoder", "backend", '"file.py:ClassName"'),
     ),
     Case(
         "unknown-repository-table",
-        repository=MODELS + "[extra]\nx = 1\n",
+        repository=MODELS
+        + toml("""
+            [extra]
+            x = 1
+        """),
         error=("repository.toml", None, "extra", "valid tables: server, models, processes"),
     ),
     Case(
         "unknown-server-field",
-        repository=MODELS + "[server]\nthreads = 2\n",
+        repository=MODELS
+        + toml("""
+            [server]
+            threads = 2
+        """),
         error=("repository.toml", None, "server.threads", "valid fields: mps"),
     ),
     Case(
         "bad-mps",
-        repository=MODELS + '[server]\nmps = "yes"\n',
+        repository=MODELS
+        + toml("""
+            [server]
+            mps = "yes"
+        """),
         error=("repository.toml", None, "server.mps", '"off", "auto", "on"'),
     ),
     Case(
         "limit-out-of-range",
-        repository=MODELS + "[server]\ngpu_memory_limit = 1.5\n",
+        repository=MODELS
+        + toml("""
+            [server]
+            gpu_memory_limit = 1.5
+        """),
         error=("repository.toml", None, "server.gpu_memory_limit", "(0, 1]"),
     ),
     Case(
         "fraction-out-of-range",
-        stages={"encoder": gpu_stage("E", "gpu = 0\ngpu_memory_fraction = 0\n")},
+        stages={
+            "encoder": gpu_stage(
+                "E",
+                toml("""
+                    gpu = 0
+                    gpu_memory_fraction = 0
+                """),
+            )
+        },
         error=("stage.toml", "encoder", "gpu_memory_fraction", "(0, 1]"),
     ),
     Case(
@@ -379,12 +678,22 @@ REJECTED = [
     ),
     Case(
         "next-target-missing",
-        stages={"frontend": 'backend = "F"\nnext = ["synth", "ghost"]\n'},
+        stages={
+            "frontend": toml("""
+                backend = "F"
+                next = ["synth", "ghost"]
+            """)
+        },
         error=("stage.toml", "frontend", "next", "no stage 'ghost'"),
     ),
     Case(
         "next-listed-twice",
-        stages={"frontend": 'backend = "F"\nnext = ["synth", "synth"]\n'},
+        stages={
+            "frontend": toml("""
+                backend = "F"
+                next = ["synth", "synth"]
+            """)
+        },
         error=("stage.toml", "frontend", "next", "listed twice"),
     ),
     Case(
@@ -396,19 +705,36 @@ REJECTED = [
     ),
     Case(
         "stream-from-non-stream-stage",
-        stages={"synth": 'backend = "Y"\nnext = "encoder"\nstream_to = "encoder"\n'},
+        stages={
+            "synth": toml("""
+                backend = "Y"
+                next = "encoder"
+                stream_to = "encoder"
+            """)
+        },
         error=("stage.toml", "synth", "stream_to", 'kind = "stream"'),
     ),
     Case(
         "self-loop",
-        stages={"frontend": 'backend = "F"\nnext = ["synth", "frontend"]\n'},
+        stages={
+            "frontend": toml("""
+                backend = "F"
+                next = ["synth", "frontend"]
+            """)
+        },
         error=("stage.toml", "frontend", "next", "cannot name itself"),
     ),
     Case(
         "cycle",
         stages={
-            "synth": 'backend = "Y"\nnext = ["encoder", "frontend"]\n',
-            "start": 'backend = "S"\nnext = "frontend"\n',
+            "synth": toml("""
+                backend = "Y"
+                next = ["encoder", "frontend"]
+            """),
+            "start": toml("""
+                backend = "S"
+                next = "frontend"
+            """),
         },
         repository=MODELS.replace('"frontend"', '"start"'),
         error=("stage.toml", "frontend", "next", "cycle: frontend -> synth -> frontend"),
@@ -416,8 +742,13 @@ REJECTED = [
     Case(
         "stream-cycle",
         stages={
-            "encoder": 'backend = "E"\nterminal = true\nstream_to = "synth"\n'
-            '[scheduler]\nkind = "stream"\n',
+            "encoder": toml("""
+                backend = "E"
+                terminal = true
+                stream_to = "synth"
+                [scheduler]
+                kind = "stream"
+            """),
         },
         error=("stage.toml", "encoder", "stream_to", "cycle: encoder -> synth -> encoder"),
     ),
@@ -425,8 +756,15 @@ REJECTED = [
     Case(
         "wait-for-without-merge",
         stages={
-            "frontend": 'backend = "F"\nnext = ["synth"]\n',
-            "synth": 'backend = "Y"\nnext = "encoder"\nwait_for = ["frontend"]\n',
+            "frontend": toml("""
+                backend = "F"
+                next = ["synth"]
+            """),
+            "synth": toml("""
+                backend = "Y"
+                next = "encoder"
+                wait_for = ["frontend"]
+            """),
         },
         error=("stage.toml", "synth", "merge", "wait_for needs merge"),
     ),
@@ -438,28 +776,56 @@ REJECTED = [
     Case(
         "wait-for-missing-stage",
         stages={
-            "synth": 'backend = "Y"\nnext = "encoder"\nwait_for = ["frontend", "ghost"]\n'
-            'merge = "m"\n',
+            "synth": toml("""
+                backend = "Y"
+                next = "encoder"
+                wait_for = ["frontend", "ghost"]
+                merge = "m"
+            """),
         },
         error=("stage.toml", "synth", "wait_for", "no stage 'ghost'"),
     ),
     Case(
         "wait-for-stage-not-feeding",
         stages={
-            "frontend": 'backend = "F"\nnext = ["synth", "side"]\n',
-            "side": 'backend = "S"\nterminal = true\n',
-            "synth": 'backend = "Y"\nnext = "encoder"\nwait_for = ["frontend", "side"]\n'
-            'merge = "m"\n',
+            "frontend": toml("""
+                backend = "F"
+                next = ["synth", "side"]
+            """),
+            "side": toml("""
+                backend = "S"
+                terminal = true
+            """),
+            "synth": toml("""
+                backend = "Y"
+                next = "encoder"
+                wait_for = ["frontend", "side"]
+                merge = "m"
+            """),
         },
         error=("stage.toml", "synth", "wait_for", "'side' never hands data to 'synth'"),
     ),
     Case(
         "sender-not-waited-for",
         stages={
-            "frontend": 'backend = "F"\nnext = ["synth", "side", "join"]\n',
-            "side": 'backend = "S"\nnext = "join"\n',
-            "synth": 'backend = "Y"\nnext = "join"\n',
-            "join": 'backend = "J"\nwait_for = ["synth", "side"]\nmerge = "m"\nnext = "encoder"\n',
+            "frontend": toml("""
+                backend = "F"
+                next = ["synth", "side", "join"]
+            """),
+            "side": toml("""
+                backend = "S"
+                next = "join"
+            """),
+            "synth": toml("""
+                backend = "Y"
+                next = "join"
+            """),
+            "join": toml("""
+                backend = "J"
+                wait_for = ["synth", "side"]
+                merge = "m"
+                next = "encoder"
+            """),
         },
         error=("stage.toml", "frontend", "next", "waits for ['synth', 'side'] only"),
     ),
@@ -472,13 +838,21 @@ REJECTED = [
     ),
     Case(
         "entry-required",
-        repository='[models.tts]\ntasks = ["speech"]\n',
+        repository=toml("""
+            [models.tts]
+            tasks = ["speech"]
+        """),
         error=("repository.toml", None, "models.tts.entry", "required"),
     ),
     Case(
         "entry-is-fan-in",
         stages={
-            "frontend": 'backend = "F"\nnext = "synth"\nwait_for = ["encoder"]\nmerge = "m"\n',
+            "frontend": toml("""
+                backend = "F"
+                next = "synth"
+                wait_for = ["encoder"]
+                merge = "m"
+            """),
         },
         error=("stage.toml", "frontend", "wait_for", "never hands data"),
     ),
@@ -499,26 +873,53 @@ REJECTED = [
     ),
     Case(
         "voice-alias-unknown-target",
-        repository=MODELS + '[models.tts.voice_aliases]\nalloy = "amy"\n',
+        repository=MODELS
+        + toml("""
+            [models.tts.voice_aliases]
+            alloy = "amy"
+        """),
         error=("repository.toml", None, "models.tts.voice_aliases.alloy", "not among voices"),
     ),
     Case(
         "alias-taken",
-        stages={"asr": 'backend = "A"\nterminal = true'},
+        stages={
+            "asr": toml("""
+                backend = "A"
+                terminal = true
+            """)
+        },
         repository=MODELS
-        + 'aliases = ["x"]\n[models.asr]\nentry = "asr"\ntasks = ["transcription"]\n'
-        'aliases = ["x"]\n',
+        + toml("""
+            aliases = ["x"]
+            [models.asr]
+            entry = "asr"
+            tasks = ["transcription"]
+            aliases = ["x"]
+        """),
         error=("repository.toml", None, "models.asr.aliases", "already names model 'tts'"),
     ),
     Case(
         "unreachable-stage",
-        stages={"orphan": 'backend = "O"\nterminal = true\n'},
+        stages={
+            "orphan": toml("""
+                backend = "O"
+                terminal = true
+            """)
+        },
         error=("stage.toml", "orphan", None, "no served model reaches"),
     ),
     # -- TP --
     Case(
         "tp-gpu-count",
-        stages={"encoder": gpu_stage("E", "gpu = [0, 1, 2]\ntp_size = 2\n")},
+        stages={
+            "encoder": gpu_stage(
+                "E",
+                toml("""
+                    gpu = [0, 1, 2]
+                    tp_size = 2
+                """),
+            )
+        },
         error=("stage.toml", "encoder", "gpu", "3 GPU ids for tp_size = 2"),
     ),
     Case(
@@ -528,14 +929,32 @@ REJECTED = [
     ),
     Case(
         "tp-ranks-share-gpu",
-        stages={"encoder": gpu_stage("E", "gpu = [1, 1]\ntp_size = 2\n")},
+        stages={
+            "encoder": gpu_stage(
+                "E",
+                toml("""
+                    gpu = [1, 1]
+                    tp_size = 2
+                """),
+            )
+        },
         error=("stage.toml", "encoder", "gpu", "TP ranks may not share a GPU"),
     ),
     Case(
         "tp-stage-shares-process",
         stages={
-            "synth": 'backend = "Y"\nnext = "encoder"\nprocess = "encoder"\n',
-            "encoder": gpu_stage("E", "gpu = [0, 1]\ntp_size = 2\n"),
+            "synth": toml("""
+                backend = "Y"
+                next = "encoder"
+                process = "encoder"
+            """),
+            "encoder": gpu_stage(
+                "E",
+                toml("""
+                    gpu = [0, 1]
+                    tp_size = 2
+                """),
+            ),
         },
         error=("stage.toml", "synth", "process", "owns its process"),
     ),
@@ -543,10 +962,21 @@ REJECTED = [
         "tp-replica-ranks-share-gpu",
         stages={
             "synth": PLAIN_SYNTH,
-            "encoder": gpu_stage("E", "gpu = [0, 1]\ntp_size = 2\ngpu_memory_fraction = 0.4\n"),
+            "encoder": gpu_stage(
+                "E",
+                toml("""
+                    gpu = [0, 1]
+                    tp_size = 2
+                    gpu_memory_fraction = 0.4
+                """),
+            ),
         },
         repository=MODELS
-        + "[processes.encoder]\nnum_replicas = 2\nreplica_devices = [0, 1, 2, 2]\n",
+        + toml("""
+            [processes.encoder]
+            num_replicas = 2
+            replica_devices = [0, 1, 2, 2]
+        """),
         error=("repository.toml", None, "processes.encoder.replica_devices", "distinct GPUs"),
     ),
     # -- process-local edges --
@@ -558,8 +988,18 @@ REJECTED = [
     Case(
         "process-local-across-tp",
         stages={
-            "synth": 'backend = "Y"\nnext = "encoder"\nprocess_local = "encoder"\n',
-            "encoder": gpu_stage("E", "gpu = [0, 1]\ntp_size = 2\n"),
+            "synth": toml("""
+                backend = "Y"
+                next = "encoder"
+                process_local = "encoder"
+            """),
+            "encoder": gpu_stage(
+                "E",
+                toml("""
+                    gpu = [0, 1]
+                    tp_size = 2
+                """),
+            ),
         },
         error=("stage.toml", "synth", "process_local", "'encoder' is a TP stage"),
     ),
@@ -571,8 +1011,16 @@ REJECTED = [
     Case(
         "process-local-split-by-override",
         stages={
-            "frontend": FRONTEND + 'process = "p"\nprocess_local = "synth"\n',
-            "synth": 'backend = "Y"\nnext = "encoder"\nprocess = "p"\n',
+            "frontend": FRONTEND
+            + toml("""
+                process = "p"
+                process_local = "synth"
+            """),
+            "synth": toml("""
+                backend = "Y"
+                next = "encoder"
+                process = "p"
+            """),
         },
         overrides=["--stages.synth.process", "q"],
         error=("stage.toml", "frontend", "process_local", "runs in process 'p'"),
@@ -580,22 +1028,39 @@ REJECTED = [
     # -- replicas and placement --
     Case(
         "unknown-process",
-        repository=MODELS + "[processes.ghost]\nnum_replicas = 2\n",
+        repository=MODELS
+        + toml("""
+            [processes.ghost]
+            num_replicas = 2
+        """),
         error=("repository.toml", None, "processes.ghost", "no stage runs in process 'ghost'"),
     ),
     Case(
         "unknown-process-field",
-        repository=MODELS + "[processes.synth]\ncopies = 2\n",
+        repository=MODELS
+        + toml("""
+            [processes.synth]
+            copies = 2
+        """),
         error=("repository.toml", None, "processes.synth.copies", "num_replicas, replica_devices"),
     ),
     Case(
         "zero-replicas",
-        repository=MODELS + "[processes.synth]\nnum_replicas = 0\n",
+        repository=MODELS
+        + toml("""
+            [processes.synth]
+            num_replicas = 0
+        """),
         error=("repository.toml", None, "processes.synth.num_replicas", ">= 1"),
     ),
     Case(
         "unknown-binding",
-        repository=MODELS + '[processes.synth]\nnum_replicas = 2\nbinding = "random"\n',
+        repository=MODELS
+        + toml("""
+            [processes.synth]
+            num_replicas = 2
+            binding = "random"
+        """),
         error=(
             "repository.toml",
             None,
@@ -605,34 +1070,72 @@ REJECTED = [
     ),
     Case(
         "binding-not-a-string",
-        repository=MODELS + "[processes.synth]\nnum_replicas = 2\nbinding = 1\n",
+        repository=MODELS
+        + toml("""
+            [processes.synth]
+            num_replicas = 2
+            binding = 1
+        """),
         error=("repository.toml", None, "processes.synth.binding", '"least_loaded", got 1'),
     ),
     Case(
         "binding-override-unknown",
-        repository=MODELS + "[processes.synth]\nnum_replicas = 2\n",
+        repository=MODELS
+        + toml("""
+            [processes.synth]
+            num_replicas = 2
+        """),
         overrides=["--processes.synth.binding", "fastest"],
         error=("command line", None, "processes.synth.binding", 'got "fastest"'),
     ),
     Case(
         "gpu-replicas-without-devices",
         stages={"encoder": gpu_stage("E", "gpu = 0\n")},
-        repository=MODELS + "[processes.encoder]\nnum_replicas = 2\n",
+        repository=MODELS
+        + toml("""
+            [processes.encoder]
+            num_replicas = 2
+        """),
         error=("repository.toml", None, "processes.encoder.replica_devices", "must say where"),
     ),
     Case(
         "replica-devices-length",
-        stages={"encoder": gpu_stage("E", "gpu = 0\ngpu_memory_fraction = 0.2\n")},
-        repository=MODELS + "[processes.encoder]\nnum_replicas = 2\nreplica_devices = [1, 2, 3]\n",
+        stages={
+            "encoder": gpu_stage(
+                "E",
+                toml("""
+                    gpu = 0
+                    gpu_memory_fraction = 0.2
+                """),
+            )
+        },
+        repository=MODELS
+        + toml("""
+            [processes.encoder]
+            num_replicas = 2
+            replica_devices = [1, 2, 3]
+        """),
         error=("repository.toml", None, "processes.encoder.replica_devices", "give exactly 2"),
     ),
     Case(
         "replica-devices-n-times-t",
         stages={
             "synth": PLAIN_SYNTH,
-            "encoder": gpu_stage("E", "gpu = [0, 1]\ntp_size = 2\ngpu_memory_fraction = 0.2\n"),
+            "encoder": gpu_stage(
+                "E",
+                toml("""
+                    gpu = [0, 1]
+                    tp_size = 2
+                    gpu_memory_fraction = 0.2
+                """),
+            ),
         },
-        repository=MODELS + "[processes.encoder]\nnum_replicas = 2\nreplica_devices = [1, 2]\n",
+        repository=MODELS
+        + toml("""
+            [processes.encoder]
+            num_replicas = 2
+            replica_devices = [1, 2]
+        """),
         error=(
             "repository.toml",
             None,
@@ -642,26 +1145,44 @@ REJECTED = [
     ),
     Case(
         "replica-devices-on-cpu-process",
-        repository=MODELS + "[processes.synth]\nreplica_devices = [0]\n",
+        repository=MODELS
+        + toml("""
+            [processes.synth]
+            replica_devices = [0]
+        """),
         error=("repository.toml", None, "processes.synth.replica_devices", "only CPU stages"),
     ),
     # -- memory fractions --
     Case(
         "replicas-one-gpu-without-fraction",
         stages={"encoder": gpu_stage("E", "gpu = 0\n")},
-        repository=MODELS + "[processes.encoder]\nnum_replicas = 2\nreplica_devices = [0, 0]\n",
+        repository=MODELS
+        + toml("""
+            [processes.encoder]
+            num_replicas = 2
+            replica_devices = [0, 0]
+        """),
         error=("stage.toml", "encoder", "gpu_memory_fraction", "replica_devices"),
     ),
     Case(
         "replica-devices-one-replica-needs-fraction",
         stages={"encoder": gpu_stage("E", "gpu = 0\n")},
-        repository=MODELS + "[processes.encoder]\nreplica_devices = [3]\n",
+        repository=MODELS
+        + toml("""
+            [processes.encoder]
+            replica_devices = [3]
+        """),
         error=("stage.toml", "encoder", "gpu_memory_fraction", "never inferred"),
     ),
     Case(
         "processes-share-gpu-without-fraction",
         stages={
-            "synth": 'backend = "Y"\nnext = "encoder"\ngpu = 0\ngpu_memory_fraction = 0.5\n',
+            "synth": toml("""
+                backend = "Y"
+                next = "encoder"
+                gpu = 0
+                gpu_memory_fraction = 0.5
+            """),
             "encoder": gpu_stage("E", "gpu = 0\n"),
         },
         error=(
@@ -673,8 +1194,21 @@ REJECTED = [
     ),
     Case(
         "fractions-over-budget",
-        stages={"encoder": gpu_stage("E", "gpu = 0\ngpu_memory_fraction = 0.6\n")},
-        repository=MODELS + "[processes.encoder]\nnum_replicas = 2\nreplica_devices = [0, 0]\n",
+        stages={
+            "encoder": gpu_stage(
+                "E",
+                toml("""
+                    gpu = 0
+                    gpu_memory_fraction = 0.6
+                """),
+            )
+        },
+        repository=MODELS
+        + toml("""
+            [processes.encoder]
+            num_replicas = 2
+            replica_devices = [0, 0]
+        """),
         error=(
             "stage.toml",
             "encoder",
@@ -684,43 +1218,100 @@ REJECTED = [
     ),
     Case(
         "fractions-over-lowered-limit",
-        stages={"encoder": gpu_stage("E", "gpu = 0\ngpu_memory_fraction = 0.5\n")},
+        stages={
+            "encoder": gpu_stage(
+                "E",
+                toml("""
+                    gpu = 0
+                    gpu_memory_fraction = 0.5
+                """),
+            )
+        },
         repository=MODELS
-        + "[server]\ngpu_memory_limit = 0.9\n[processes.encoder]\nnum_replicas = 2\n"
-        "replica_devices = [0, 0]\n",
+        + toml("""
+            [server]
+            gpu_memory_limit = 0.9
+            [processes.encoder]
+            num_replicas = 2
+            replica_devices = [0, 0]
+        """),
         error=("stage.toml", "encoder", "gpu_memory_fraction", "gpu_memory_limit 0.9"),
     ),
     # -- weight sharing --
     Case(
         "weight-share-without-engine",
-        stages={"encoder": gpu_stage("E", "gpu = 0\ngpu_memory_fraction = 0.4\n")},
-        repository=MODELS + '[server]\nweight_share = "on"\n[processes.encoder]\nnum_replicas = 2\n'
-        "replica_devices = [0, 0]\n",
+        stages={
+            "encoder": gpu_stage(
+                "E",
+                toml("""
+                    gpu = 0
+                    gpu_memory_fraction = 0.4
+                """),
+            )
+        },
+        repository=MODELS
+        + toml("""
+            [server]
+            weight_share = "on"
+            [processes.encoder]
+            num_replicas = 2
+            replica_devices = [0, 0]
+        """),
         error=("repository.toml", None, "server.weight_share", "exactly one engine stage"),
     ),
     Case(
         "weight-share-two-engines",
         stages={
-            "synth": 'backend = "Y"\nnext = "encoder"\nprocess = "p"\ngpu = 0\n'
-            "gpu_memory_fraction = 0.1\n"
-            "[engine]\nmax_total_tokens = 1\n",
+            "synth": toml("""
+                backend = "Y"
+                next = "encoder"
+                process = "p"
+                gpu = 0
+                gpu_memory_fraction = 0.1
+                [engine]
+                max_total_tokens = 1
+            """),
             "encoder": gpu_stage(
                 "E",
-                'process = "p"\ngpu = 0\ngpu_memory_fraction = 0.3\n[engine]\n'
-                "max_total_tokens = 1\n",
+                toml("""
+                    process = "p"
+                    gpu = 0
+                    gpu_memory_fraction = 0.3
+                    [engine]
+                    max_total_tokens = 1
+                """),
             ),
         },
-        repository=MODELS + '[server]\nweight_share = "on"\n[processes.p]\nnum_replicas = 2\n'
-        "replica_devices = [0, 0]\n",
+        repository=MODELS
+        + toml("""
+            [server]
+            weight_share = "on"
+            [processes.p]
+            num_replicas = 2
+            replica_devices = [0, 0]
+        """),
         error=("repository.toml", None, "server.weight_share", "it has 2: synth, encoder"),
     ),
     Case(
         "weight-share-unpinned-budget",
         stages={
-            "encoder": gpu_stage("E", "gpu = 0\ngpu_memory_fraction = 0.4\n[engine]\n"),
+            "encoder": gpu_stage(
+                "E",
+                toml("""
+                    gpu = 0
+                    gpu_memory_fraction = 0.4
+                    [engine]
+                """),
+            ),
         },
-        repository=MODELS + '[server]\nweight_share = "on"\n[processes.encoder]\nnum_replicas = 2\n'
-        "replica_devices = [0, 0]\n",
+        repository=MODELS
+        + toml("""
+            [server]
+            weight_share = "on"
+            [processes.encoder]
+            num_replicas = 2
+            replica_devices = [0, 0]
+        """),
         error=("stage.toml", "encoder", "engine.max_total_tokens", "pinned KV budget"),
     ),
     Case(
@@ -729,12 +1320,23 @@ REJECTED = [
             "synth": PLAIN_SYNTH,
             "encoder": gpu_stage(
                 "E",
-                "gpu = [0, 1]\ntp_size = 2\ngpu_memory_fraction = 0.4\n[engine]\n"
-                "max_total_tokens = 9\n",
+                toml("""
+                    gpu = [0, 1]
+                    tp_size = 2
+                    gpu_memory_fraction = 0.4
+                    [engine]
+                    max_total_tokens = 9
+                """),
             ),
         },
-        repository=MODELS + '[server]\nweight_share = "on"\n[processes.encoder]\nnum_replicas = 2\n'
-        "replica_devices = [0, 1, 0, 1]\n",
+        repository=MODELS
+        + toml("""
+            [server]
+            weight_share = "on"
+            [processes.encoder]
+            num_replicas = 2
+            replica_devices = [0, 1, 0, 1]
+        """),
         error=("stage.toml", "encoder", "tp_size", "tp_size = 1"),
     ),
 ]
@@ -777,10 +1379,29 @@ def test_rejected(tmp_path: Path, case: Case) -> None:
 @pytest.mark.parametrize(
     ("repository", "overrides", "expected"),
     [
-        ("[processes.synth]\nnum_replicas = 2\n", [], "round_robin"),  # the default
-        ('[processes.synth]\nnum_replicas = 2\nbinding = "least_loaded"\n', [], "least_loaded"),
         (
-            '[processes.synth]\nnum_replicas = 2\nbinding = "least_loaded"\n',
+            toml("""
+                [processes.synth]
+                num_replicas = 2
+            """),
+            [],
+            "round_robin",
+        ),  # the default
+        (
+            toml("""
+                [processes.synth]
+                num_replicas = 2
+                binding = "least_loaded"
+            """),
+            [],
+            "least_loaded",
+        ),
+        (
+            toml("""
+                [processes.synth]
+                num_replicas = 2
+                binding = "least_loaded"
+            """),
             ["--processes.synth.binding", "round_robin"],
             "round_robin",
         ),

@@ -1,7 +1,19 @@
 """Build model repositories in temporary folders for tests.
 
-    root = make_repo(tmp_path, stages={"tts": 'backend = "Tts"\nterminal = true'},
-                     repository='[models.m]\nentry = "tts"\ntasks = ["speech"]')
+    root = make_repo(
+        tmp_path,
+        stages={
+            "tts": toml('''
+                backend = "Tts"
+                terminal = true
+            '''),
+        },
+        repository=toml('''
+            [models.m]
+            entry = "tts"
+            tasks = ["speech"]
+        '''),
+    )
 
 Each stage folder gets its `stage.toml` and a `model.py`: by default a trivial backend whose
 class name is read from the descriptor's `backend` field, or the file given in `models` (a
@@ -25,6 +37,12 @@ class {name}(StageBackend):
     def execute(self, requests):
         return [dict(r.inputs) for r in requests]
 '''
+
+
+def toml(text: str) -> str:
+    """TOML written indented inside a test, as its file reads: dedented, without the newline
+    after the opening quotes. Parts made this way concatenate into one valid file."""
+    return dedent(text).removeprefix("\n")
 
 
 def make_repo(
