@@ -66,14 +66,29 @@ class Admission:
         return len(self._gates[model].waiters) if model in self._gates else 0
 
     @contextlib.asynccontextmanager
-    async def place(self, model: str) -> AsyncIterator[None]:
-        """Hold one of `model`'s places for the block; raises RateLimited (429) when none comes."""
+    async def place(self, model: str, *, wait: bool = True) -> AsyncIterator[None]:
+        """Hold one of `model`'s places for the block; raises RateLimited (429) when none comes.
+
+        `wait=False`: a place now or RateLimited now, never the queue (a realtime response:
+        a caller mid-conversation is told at once instead of hearing nothing for the queue's
+        timeout). It never takes a place ahead of a waiter."""
         gate = self._gates.setdefault(model, _Gate())
-        await self._acquire(gate, model)
+        if wait:
+            await self._acquire(gate, model)
+        else:
+            self._take_free(gate, model)
         try:
             yield
         finally:
             self._release(gate, model)
+
+    def _take_free(self, gate: _Gate, model: str) -> None:
+        if gate.in_flight >= self.max_in_flight or gate.waiters:
+            raise RateLimited(
+                f"model '{model}' has no free place ({self.max_in_flight} requests in progress, "
+                f"{len(gate.waiters)} waiting); retry after {RETRY_AFTER_S} s"
+            )
+        gate.in_flight += 1
 
     async def _acquire(self, gate: _Gate, model: str) -> None:
         if gate.in_flight < self.max_in_flight and not gate.waiters:

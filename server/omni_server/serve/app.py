@@ -107,13 +107,10 @@ async def _stage_metrics(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     stage, supervision = state.metrics.observe_stage, state.metrics.observe_supervision
     state.runtime.stage_observers.append(stage)
-    observers = getattr(state.runtime, "supervision_observers", None)  # stand-in runtimes
-    if observers is not None:
-        observers.append(supervision)
+    state.runtime.supervision_observers.append(supervision)
     yield
     state.runtime.stage_observers.remove(stage)
-    if observers is not None:
-        observers.remove(supervision)
+    state.runtime.supervision_observers.remove(supervision)
 
 
 async def _metrics(request: web.Request) -> web.Response:

@@ -36,7 +36,7 @@ from typing import Any
 from aiohttp import web
 
 from omni_server.pipeline import PipelineError, RequestHandle
-from omni_server.serve.body import ClientGone, read_json
+from omni_server.serve.body import read_json
 from omni_server.serve.chat_request import (
     AudioPart,
     ChatRequest,
@@ -45,8 +45,17 @@ from omni_server.serve.chat_request import (
 )
 from omni_server.serve.errors import STREAM_STARTED, ApiError
 from omni_server.serve.metrics import RequestTrack
-from omni_server.serve.speech import CLIENT_GONE, pipeline_error, require_ready
-from omni_server.serve.state import STATE
+from omni_server.serve.pipeline_call import (
+    ApiCall,
+    ContractError,
+    admitted,
+    pipeline_error,
+    request_error,
+    require_ready,
+    respond,
+    submitted,
+)
+from omni_server.serve.state import ServerState
 from omni_server.serve.transcription_request import asr_inputs
 
 log = logging.getLogger(__name__)
@@ -54,62 +63,32 @@ log = logging.getLogger(__name__)
 FINISH_REASONS = ("stop", "length")
 
 
-class ChatContractError(PipelineError):
-    """The pipeline's output broke the chat contract: checked here, so the message is ours
-    (not a library's) and the client may read it."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, code="stage_failed")
-
-
-def chat_error(exc: PipelineError, request_id: str | None = None) -> ApiError:
-    """A request the thinker refused (`InvalidRequest`) is the client's fault: 400 with the
-    stage's message, OpenAI `code` and `param`. The rest maps as for speech (500, 503, 504)."""
-    if exc.code == "invalid_request":
-        return ApiError(400, exc.message, param=exc.param, code=exc.error_code or "invalid_value")
-    if isinstance(exc, ChatContractError):
-        return ApiError(500, exc.message, code="pipeline_error")
-    return pipeline_error(exc, request_id)
-
-
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    with state.metrics.track("chat") as track:
-        request_id = "(not yet submitted)"
-        # aiohttp cancels the handler when the client disconnects (handler_cancellation), a
-        # stop cancels what outlives the grace period, and a write racing a disconnect raises;
-        # leaving `async with handle` for any reason aborts the request in every stage.
-        try:
-            body = await read_json(request)
-            model = chat_model(body, state.plan)
-            track.model = model.id
-            chat = parse_chat_request(body, model)
-            require_ready(state.runtime, model)
-            if chat.audio_parts:  # heard first: the thinker reads their transcripts
-                chat = await hear_audio_parts(state, chat)
-            async with state.admission.place(model.id):
-                with state.metrics.in_pipeline(model.id):
-                    # the completion's id is the request's id in the runtime and the logs
-                    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-                    try:
-                        handle = state.runtime.submit(model, chat.pipeline_inputs(), request_id)
-                    except PipelineError as exc:
-                        raise chat_error(exc) from exc
-                    async with handle:
-                        if chat.stream:
-                            return await _stream(request, chat, handle, track)
-                        return await _whole(chat, handle, track)
-        except asyncio.CancelledError:
-            _cancelled(request, track, request_id)
-            raise
-        except (ConnectionResetError, ClientGone):
-            _cancelled(request, track, request_id)
-            return web.Response(status=CLIENT_GONE)  # nobody is left to read it
+    return await respond(request, "chat", _chat)
 
 
-async def hear_audio_parts(state: Any, chat: ChatRequest) -> ChatRequest:
+async def _chat(call: ApiCall) -> web.StreamResponse:
+    body = await read_json(call.request)
+    model = chat_model(body, call.state.plan)
+    call.track.model = model.id
+    chat = parse_chat_request(body, model)
+    require_ready(call.state.runtime, model)  # before any audio part is heard for nothing
+    if chat.audio_parts:  # heard first: the thinker reads their transcripts
+        chat = await hear_audio_parts(call.state, chat)
+    # the completion's id is the request's id in the runtime and the logs
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    async with call.pipeline(
+        model, chat.pipeline_inputs(), request_id=request_id, errors=request_error
+    ) as handle:
+        if chat.stream:
+            return await _stream(call.request, chat, handle, call.track)
+        return await _whole(chat, handle, call.track)
+
+
+async def hear_audio_parts(state: ServerState, chat: ChatRequest) -> ChatRequest:
     """Transcribe every `input_audio` part with the repository's transcription model (in
-    parallel); audio it cannot use is a 400 naming the part."""
+    parallel, under one admission place of that model: the parts are one chat request's); audio
+    it cannot use is a 400 naming the part."""
     asr = next((m for m in state.plan.models.values() if "transcription" in m.tasks), None)
     if asr is None:
         raise ApiError(
@@ -121,8 +100,7 @@ async def hear_audio_parts(state: Any, chat: ChatRequest) -> ChatRequest:
 
     async def hear(part: AudioPart) -> tuple[str, str]:
         try:
-            handle = state.runtime.submit(asr, asr_inputs(part.data))
-            async with handle:
+            async with submitted(state, asr, asr_inputs(part.data)) as handle:
                 result = await handle.result()
         except PipelineError as exc:
             if exc.code == "invalid_request":  # the part is no usable audio: the caller's fault
@@ -131,22 +109,13 @@ async def hear_audio_parts(state: Any, chat: ChatRequest) -> ChatRequest:
                 ) from exc
             raise pipeline_error(exc) from exc
         if not isinstance(result, dict) or not isinstance(result.get("text"), str):
-            raise ChatContractError(f"the transcription model {asr.id} returned no text")
+            error = ContractError(f"the transcription model {asr.id} returned no text")
+            raise pipeline_error(error) from error
         return part.param, result["text"]
 
-    async with state.admission.place(asr.id):
+    async with admitted(state, asr):
         heard = await asyncio.gather(*(hear(part) for part in chat.audio_parts))
     return chat.transcribed(dict(heard))
-
-
-def _cancelled(request: web.Request, track: RequestTrack, request_id: str) -> None:
-    """Account a request that ended early: the server is stopping, or its client left."""
-    if request.app[STATE].lifecycle.stopping:
-        track.fail(503, "server_shutdown")
-        log.info("chat request %s aborted: the server is shutting down", request_id)
-    else:
-        track.fail(CLIENT_GONE, "client_disconnected")
-        log.info("chat request %s aborted: client disconnected", request_id)
 
 
 @dataclass
@@ -174,7 +143,7 @@ async def _whole(chat: ChatRequest, handle: RequestHandle, track: RequestTrack) 
         reply, spoken = _payloads(await handle.result(), chat)
     except PipelineError as exc:
         log.warning("chat request %s failed: %s", handle.id, exc.message)
-        raise chat_error(exc, handle.id) from exc
+        raise request_error(exc, handle.id) from exc
     transcript = "".join(answer.text) if answer.text else reply["text"]
     message: dict[str, Any] = {"role": "assistant", "content": transcript, "refusal": None}
     if chat.audio is not None:
@@ -238,7 +207,7 @@ async def _stream(
         if chat.audio is not None:
             track.audio_seconds = _check_audio(spoken, len(answer.audio))
     except PipelineError as exc:
-        error = chat_error(exc, handle.id)
+        error = request_error(exc, handle.id)
         if response is None:
             log.warning("chat request %s failed: %s", handle.id, exc.message)
             raise error from exc
@@ -341,7 +310,7 @@ def _chunk(chunk: Any) -> tuple[str, bytes]:
         if isinstance(audio, bytes | bytearray):
             return "", bytes(audio)
     keys = sorted(chunk) if isinstance(chunk, dict) else type(chunk).__name__
-    raise ChatContractError(
+    raise ContractError(
         "a chat pipeline's terminal chunks must be {'text': str} or {'audio': bytes}; "
         f"got {keys}"
     )
@@ -362,26 +331,26 @@ def _payloads(result: Any, chat: ChatRequest) -> tuple[dict[str, Any], dict[str,
     audios = [p for p in payloads if "audio_seconds" in p]
     if len(texts) != 1 or len(audios) > 1:
         shape = sorted(result) if isinstance(result, dict) else type(result).__name__
-        raise ChatContractError(
+        raise ContractError(
             "a chat pipeline must end in one text terminal (a payload with 'text', "
             f"'finish_reason', 'usage') and at most one audio terminal; its result had {shape}"
         )
     reply = texts[0]
     if reply["finish_reason"] not in FINISH_REASONS or not isinstance(reply.get("text"), str):
-        raise ChatContractError(
+        raise ContractError(
             "the text terminal's payload must have 'text' (a string) and 'finish_reason' "
             f"({' or '.join(FINISH_REASONS)}); got finish_reason {reply['finish_reason']!r}"
         )
     usage = reply.get("usage")
     counts = ("prompt_tokens", "completion_tokens")
     if not isinstance(usage, dict) or not all(_count(usage.get(k)) for k in counts):
-        raise ChatContractError(
+        raise ContractError(
             "the text terminal's payload must have 'usage' with 'prompt_tokens' and "
             f"'completion_tokens' (integers); got {usage!r}"
         )
     spoken = audios[0] if audios else None
     if chat.audio is not None and spoken is None:
-        raise ChatContractError(
+        raise ContractError(
             f"the model '{chat.model.id}' made no audio for a request that asked for it: its "
             "pipeline has no terminal reporting 'audio_seconds'"
         )
@@ -397,9 +366,9 @@ def _check_audio(spoken: dict[str, Any] | None, sent: int) -> float:
     it lost it (a 500, never an empty file dressed as an answer)."""
     seconds = spoken.get("audio_seconds") if spoken else None
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0:
-        raise ChatContractError(f"the audio terminal's 'audio_seconds' is {seconds!r}")
+        raise ContractError(f"the audio terminal's 'audio_seconds' is {seconds!r}")
     if seconds > 0 and sent == 0:
-        raise ChatContractError(
+        raise ContractError(
             f"the chat pipeline reported {seconds:g} s of audio but sent no bytes of it"
         )
     return float(seconds)

@@ -15,7 +15,6 @@ server shutdown), aborts the request in every stage.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import logging
@@ -24,12 +23,11 @@ from typing import Any
 
 from aiohttp import web
 
-from omni_server.compiler.plan import ModelSpec
-from omni_server.errors import OUT_OF_GPU_MEMORY
 from omni_server.pipeline import PipelineError, RequestHandle
-from omni_server.serve.body import ClientGone, read_json
+from omni_server.serve.body import read_json
 from omni_server.serve.errors import STREAM_STARTED, ApiError
 from omni_server.serve.metrics import RequestTrack
+from omni_server.serve.pipeline_call import ApiCall, ContractError, pipeline_error, respond
 from omni_server.serve.responses import write_within
 from omni_server.serve.speech_request import (
     PCM_SAMPLE_RATE,
@@ -37,94 +35,23 @@ from omni_server.serve.speech_request import (
     parse_speech_request,
     speech_model,
 )
-from omni_server.serve.state import STATE
 
 log = logging.getLogger(__name__)
 
-CLIENT_GONE = 499  # status recorded (never sent) when the client left before the end
 USAGE_FRAME_SECONDS = 0.02  # usage.output_tokens counts 20 ms frames: this voice has no tokens
 
 
 async def create_speech(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    with state.metrics.track("speech") as track:
-        request_id = "(not yet submitted)"
-        # aiohttp cancels the handler when the client disconnects (handler_cancellation), a
-        # stop cancels what outlives the grace period, and a write racing a disconnect raises;
-        # leaving `async with handle` for any reason aborts the request in every stage.
-        try:
-            body = await read_json(request)
-            model = speech_model(body, state.plan)
-            track.model = model.id
-            speech = parse_speech_request(body, model, state.options)
-            require_ready(state.runtime, model)
-            async with state.admission.place(speech.model.id):
-                with state.metrics.in_pipeline(speech.model.id):
-                    try:
-                        handle = state.runtime.submit(speech.model, speech.pipeline_inputs())
-                    except PipelineError as exc:
-                        raise pipeline_error(exc) from exc
-                    request_id = handle.id
-                    async with handle:
-                        return await _answer(request, speech, handle, track)
-        except asyncio.CancelledError:
-            _cancelled(request, track, request_id)
-            raise
-        except (ConnectionResetError, ClientGone):
-            _cancelled(request, track, request_id)
-            return web.Response(status=CLIENT_GONE)  # nobody is left to read it
+    return await respond(request, "speech", _speech)
 
 
-def _cancelled(request: web.Request, track: RequestTrack, request_id: str) -> None:
-    """Account a request that ended early: the server is stopping, or its client left."""
-    if request.app[STATE].lifecycle.stopping:
-        track.fail(503, "server_shutdown")
-        log.info("speech request %s aborted: the server is shutting down", request_id)
-    else:
-        track.fail(CLIENT_GONE, "client_disconnected")
-        log.info("speech request %s aborted: client disconnected", request_id)
-
-
-def require_ready(runtime, model: ModelSpec | None = None) -> None:
-    """503 unless the runtime takes requests of `model`: started, and every process the model's
-    stages use has a live replica (a process of another model being down does not matter)."""
-    if not runtime.ready:
-        raise ApiError(503, "the pipeline is not ready; see /health/ready", code="not_ready")
-    unavailable = getattr(runtime, "unavailable_for", None)  # stand-in runtimes lack it
-    if model is not None and unavailable is not None:
-        reason = unavailable(model)
-        if reason is not None:
-            raise ApiError(503, f"{model.id} is unavailable: {reason}", code="unavailable")
-    elif not runtime.healthy:
-        raise ApiError(503, "the pipeline is unhealthy; see /health", code="unavailable")
-
-
-class SpeechContractError(PipelineError):
-    """The pipeline's output broke the speech contract: checked here, so the message is ours
-    (not a library's) and the client may read it."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, code="stage_failed")
-
-
-def pipeline_error(exc: PipelineError, request_id: str | None = None) -> ApiError:
-    """503 when the pipeline cannot take requests at all, 504 when a stage ran past its time,
-    else 500. The message names the stage but not the exception's text: that comes from
-    libraries inside the stage (paths, shapes, versions) and goes to the server log, which the
-    request id finds."""
-    if exc.code == "unavailable":
-        return ApiError(503, exc.message, code="unavailable")
-    if isinstance(exc, SpeechContractError):
-        return ApiError(500, exc.message, code="pipeline_error")
-    where = f"stage '{exc.stage}'" if exc.stage else "the pipeline"
-    see_log = f"; the server log has the details (request {request_id})" if request_id else ""
-    if exc.code == "timeout":
-        return ApiError(504, f"{where} did not finish in time{see_log}", code="timeout")
-    if exc.code == "process_died":
-        return ApiError(500, f"the process running {where} died{see_log}", code="pipeline_error")
-    if exc.error_code == OUT_OF_GPU_MEMORY:  # the request failed; the stage serves on
-        return ApiError(500, f"{where} ran out of GPU memory{see_log}", code="pipeline_error")
-    return ApiError(500, f"{where} failed{see_log}", code="pipeline_error")
+async def _speech(call: ApiCall) -> web.StreamResponse:
+    body = await read_json(call.request)
+    model = speech_model(body, call.state.plan)
+    call.track.model = model.id
+    speech = parse_speech_request(body, model, call.state.options)
+    async with call.pipeline(speech.model, speech.pipeline_inputs()) as handle:
+        return await _answer(call.request, speech, handle, call.track)
 
 
 async def _answer(
@@ -228,7 +155,7 @@ def _chunk_audio(chunk: Any) -> bytes:
     audio = chunk.get("audio") if isinstance(chunk, dict) else None
     if not isinstance(audio, bytes | bytearray):
         keys = sorted(chunk) if isinstance(chunk, dict) else type(chunk).__name__
-        raise SpeechContractError(
+        raise ContractError(
             f"a speech pipeline's terminal chunks must be {{'audio': bytes}}; got {keys}"
         )
     return bytes(audio)
@@ -245,7 +172,7 @@ def _result_audio(result: Any, *, streamed: bool) -> bytes:
     if streamed or (isinstance(result, dict) and "audio_seconds" in result):
         return b""
     keys = sorted(result) if isinstance(result, dict) else type(result).__name__
-    raise SpeechContractError(
+    raise ContractError(
         "the speech pipeline's terminal stage produced no audio: it must stream "
         f"{{'audio': bytes}} chunks or return {{'audio': bytes}}; its result had {keys}"
     )
@@ -263,7 +190,7 @@ def _nothing_spoken(result: Any) -> None:
             param="input",
             code="invalid_value",
         )
-    raise SpeechContractError(
+    raise ContractError(
         f"the speech pipeline reported {seconds:g} s of audio but sent no bytes of it"
     )
 

@@ -28,7 +28,7 @@ from omni_server.serve import transcription_format as fmt
 from omni_server.serve.body import ClientGone
 from omni_server.serve.errors import STREAM_STARTED, ApiError
 from omni_server.serve.metrics import RequestTrack
-from omni_server.serve.speech import CLIENT_GONE, pipeline_error, require_ready
+from omni_server.serve.pipeline_call import ApiCall, request_error, respond
 from omni_server.serve.state import STATE
 from omni_server.serve.transcription_request import (
     Form,
@@ -42,36 +42,17 @@ log = logging.getLogger(__name__)
 
 
 async def create_transcription(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    with state.metrics.track("transcription") as track:
-        try:
-            form = await _read_upload(request)
-        except asyncio.CancelledError:
-            _cancelled(request, track, "upload")
-            raise
-        except (ConnectionResetError, ClientGone):
-            _cancelled(request, track, "upload")
-            return web.Response(status=CLIENT_GONE)  # nobody is left to read it
-        model = transcription_model(form, state.plan)
-        track.model = model.id
-        asr = parse_transcription(form, model)
-        del form  # the file's bytes live on in `asr` only
-        require_ready(state.runtime, model)
-        async with state.admission.place(model.id):
-            with state.metrics.in_pipeline(model.id):
-                try:
-                    handle = state.runtime.submit(model, asr.pipeline_inputs())
-                except PipelineError as exc:
-                    raise _api_error(exc) from exc
-                async with handle:
-                    try:
-                        return await _answer(request, asr, handle, track)
-                    except asyncio.CancelledError:
-                        _cancelled(request, track, handle.id)
-                        raise
-                    except ConnectionResetError:
-                        _cancelled(request, track, handle.id)
-                        return web.Response(status=CLIENT_GONE)  # nobody is left to read it
+    return await respond(request, "transcription", _transcription)
+
+
+async def _transcription(call: ApiCall) -> web.StreamResponse:
+    form = await _read_upload(call.request)
+    model = transcription_model(form, call.state.plan)
+    call.track.model = model.id
+    asr = parse_transcription(form, model)
+    del form  # the file's bytes live on in `asr` only
+    async with call.pipeline(model, asr.pipeline_inputs(), errors=request_error) as handle:
+        return await _answer(call.request, asr, handle, call.track)
 
 
 async def _read_upload(request: web.Request) -> Form:
@@ -95,16 +76,6 @@ async def _read_upload(request: web.Request) -> Form:
         ) from None
 
 
-def _cancelled(request: web.Request, track: RequestTrack, what: str) -> None:
-    """Account a request that ended early: the server is stopping, or its client left."""
-    if request.app[STATE].lifecycle.stopping:
-        track.fail(503, "server_shutdown")
-        log.info("transcription %s aborted: the server is shutting down", what)
-    else:
-        track.fail(CLIENT_GONE, "client_disconnected")
-        log.info("transcription %s aborted: client disconnected", what)
-
-
 async def _answer(
     request: web.Request, asr: TranscriptionRequest, handle: RequestHandle, track: RequestTrack
 ) -> web.StreamResponse:
@@ -119,7 +90,7 @@ async def _answer(
             await response.write(_sse({"type": "transcript.text.delta", "delta": delta}))
         transcript = _transcript(await handle.result())
     except PipelineError as exc:
-        error = _api_error(exc, handle.id)
+        error = request_error(exc, handle.id)
         if response is None:
             log.warning("transcription %s failed: %s", handle.id, exc.message)
             raise error from exc
@@ -146,14 +117,6 @@ async def _answer(
     await response.write(_sse(done))
     await response.write_eof()
     return response
-
-
-def _api_error(exc: PipelineError, request_id: str | None = None) -> ApiError:
-    """A stage that refused the upload (`InvalidRequest`) answers 400 with its words; the rest
-    maps as for speech (500, 503, 504)."""
-    if exc.code == "invalid_request":
-        return ApiError(400, exc.message, param=exc.param, code=exc.error_code or "invalid_value")
-    return pipeline_error(exc, request_id)
 
 
 def _transcript(result: Any) -> dict[str, Any]:

@@ -5,6 +5,6 @@ committed turn with the repository's transcription model, answers with its realt
 thinker streaming into the voice), and stops answering when the caller speaks over it.
 """
 
-from omni_server.serve.realtime.connection import realtime
+from omni_server.serve.realtime.session import realtime
 
 __all__ = ["realtime"]

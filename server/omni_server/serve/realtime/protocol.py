@@ -24,20 +24,6 @@ BETA_NAMES = {
 # content part types: GA name -> beta name
 BETA_PARTS = {"output_audio": "audio", "output_text": "text"}
 
-CLIENT_EVENTS = (
-    "session.update",
-    "input_audio_buffer.append",
-    "input_audio_buffer.commit",
-    "input_audio_buffer.clear",
-    "conversation.item.create",
-    "conversation.item.delete",
-    "conversation.item.truncate",
-    "conversation.item.retrieve",
-    "response.create",
-    "response.cancel",
-    "output_audio_buffer.clear",
-)
-
 MAX_EVENT_BYTES = 16 << 20  # one client event (an append of ~5 min of PCM16 at 24 kHz)
 
 
