@@ -14,7 +14,8 @@ time, after warm-up; microseconds (same-host monotonic clock).
 The crossing alone is measured too, as the runtime makes it: two processes, each with the
 runtime's `Endpoint` at its defaults (rings, the event-loop receiver sleeping on the doorbell,
 the CUDA lane): from the sender's `send_data` to the receiver's loop holding the decoded,
-usable tensor, with the encode and decode times inside it.
+usable tensor; inside it, the sender's encode (until `send_data` returns) and the receiver's
+side (the rest: the ring, the receiver's wake-up, its decode).
 """
 
 from __future__ import annotations
@@ -22,18 +23,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from omni_bench.harness import tables
+from omni_bench.harness.timing import percentile
 from omni_server.backend import Request, StageBackend, StageContext
 from omni_server.compiler import compile_repository
 from omni_server.pipeline import Runtime
+from omni_server.wire import Endpoint
 
 _STAGE_FILE = """
 from omni_bench.gpu_handoff import Make, Take  # noqa: F401
@@ -111,34 +112,10 @@ async def _measure(same_process: bool, nbytes: int, requests: int, warmup: int) 
     return {"received": received, "ready": ready}
 
 
-def _endpoint(run_dir: Path, name: str, peer: str) -> Any:
-    from omni_server.wire.channels import Endpoint
-
+def _endpoint(run_dir: Path, name: str, peer: str) -> Endpoint:
     endpoint = Endpoint(run_dir, "hb", name, 8 << 20, {peer: frozenset({0})})
     endpoint.create_inbound([peer])
     return endpoint
-
-
-def _timed_decode(profile: Any = None) -> list[float]:
-    """Wraps the receiving side's decode to time it (what it costs on the receiver's loop)."""
-    from omni_server.wire import channels
-
-    spent: list[float] = []
-    decode = channels.decode
-
-    def timed(header: Any, buffers: Any) -> Any:
-        t0 = time.perf_counter()
-        if profile is not None:
-            profile.enable()
-        try:
-            return decode(header, buffers)
-        finally:
-            if profile is not None:
-                profile.disable()
-            spent.append(time.perf_counter() - t0)
-
-    channels.decode = timed  # type: ignore[assignment]
-    return spent
 
 
 async def _cross_receiver(run_dir: str, ready: Any, profile: bool) -> None:
@@ -148,8 +125,8 @@ async def _cross_receiver(run_dir: str, ready: Any, profile: bool) -> None:
     import torch
 
     torch.cuda.set_device(0)
+    # profiled: the receiver's whole loop while crossings arrive (its wake-ups and decodes)
     profiler = cProfile.Profile() if profile else None
-    spent = _timed_decode(profiler)
     endpoint = _endpoint(Path(run_dir), "b", "a")
     done = asyncio.Event()
 
@@ -157,17 +134,18 @@ async def _cross_receiver(run_dir: str, ready: Any, profile: bool) -> None:
         if message.get("stop"):
             done.set()
             return
-        arrived = time.perf_counter()
-        endpoint.send_data(
-            "a", {"arrived": arrived, "decode": spent[-1], "ok": message["t"].is_cuda}
-        )
+        endpoint.send_data("a", {"arrived": time.perf_counter(), "ok": message["t"].is_cuda})
 
     endpoint.start_receiving(handle, lambda _: done.set())
     ready.set()
+    if profiler is not None:
+        profiler.enable()
     await done.wait()
+    if profiler is not None:
+        profiler.disable()
     await endpoint.close()
     if profiler is not None:
-        print("== receiver: decode", flush=True)
+        print("== receiver: its loop (ring wake-ups, decode)", flush=True)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
 
 
@@ -194,7 +172,7 @@ async def _cross(
         child.start()
         replies: asyncio.Queue[Any] = asyncio.Queue()
         endpoint.start_receiving(replies.put_nowait, lambda exc: replies.put_nowait(exc))
-        out: dict[str, list[float]] = {"crossing": [], "encode": [], "decode": []}
+        out: dict[str, list[float]] = {"crossing": [], "encode": [], "receiver": []}
         try:
             if not await asyncio.to_thread(ready.wait, 120):
                 raise RuntimeError("the receiving process did not start")
@@ -214,7 +192,7 @@ async def _cross(
                 if i >= warmup:
                     out["crossing"].append((reply["arrived"] - sent) * 1e6)
                     out["encode"].append((encoded - sent) * 1e6)
-                    out["decode"].append(reply["decode"] * 1e6)
+                    out["receiver"].append((reply["arrived"] - encoded) * 1e6)
                 del t
             endpoint.send_data("b", {"stop": True})
             await asyncio.to_thread(child.join, 30)
@@ -230,7 +208,7 @@ async def _cross(
 
 
 def _cell(values: list[float]) -> str:
-    return f"{statistics.median(values):.0f} / {np.percentile(values, 90):.0f}"
+    return f"{percentile(values, 50):.0f} / {percentile(values, 90):.0f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,10 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     crossings = []
     for nbytes in sizes[1:]:
         res = asyncio.run(_cross(nbytes, args.requests, args.warmup))
-        crossings.append(
-            f"| {nbytes >> 20} MiB | {_cell(res['crossing'])} | {_cell(res['encode'])} | "
-            f"{_cell(res['decode'])} |"
-        )
+        cells = (_cell(res[k]) for k in ("crossing", "encode", "receiver"))
+        crossings.append(tables.row([f"{nbytes >> 20} MiB", *cells]))
         print(crossings[-1], flush=True)
     rows = []
     for same in (False, True):
@@ -265,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             res = asyncio.run(_measure(same, nbytes, args.requests, args.warmup))
             what = f"{nbytes >> 20} MiB CUDA tensor" if nbytes else "tiny CPU payload (no tensor)"
             where = "one process" if same else "two processes"
-            rows.append(f"| {where} | {what} | {_cell(res['received'])} | {_cell(res['ready'])} |")
+            rows.append(tables.row([where, what, _cell(res["received"]), _cell(res["ready"])]))
             print(rows[-1], flush=True)
     print()
     print(
@@ -274,18 +250,17 @@ def main(argv: list[str] | None = None) -> int:
         "(received) and to its stream holding the data (ready), median / p90:"
     )
     print()
-    print("| layout | payload | received | ready |")
-    print("|---|---|---|---|")
+    print("\n".join(tables.header(["layout", "payload", "received", "ready"])))
     print("\n".join(rows))
     print()
     print(
         "The crossing alone, runtime endpoints at their defaults: sender's send_data to "
-        "the receiver's loop holding the usable tensor; "
-        "the sender's encode and the receiver's decode inside it; median / p90, microseconds:"
+        "the receiver's loop holding the usable tensor; inside it the sender's encode and the "
+        "receiver's side (ring, wake-up, decode); median / p90, microseconds:"
     )
     print()
-    print("| tensor | crossing | encode (sender) | decode (receiver) |")
-    print("|---|---|---|---|")
+    columns = ["tensor", "crossing", "encode (sender)", "ring, wake-up, decode (receiver)"]
+    print("\n".join(tables.header(columns)))
     print("\n".join(crossings))
     return 0
 

@@ -25,6 +25,8 @@ import sys
 import time
 from typing import Any
 
+from omni_bench.harness import tables
+
 GiB = float(1 << 30)
 
 
@@ -107,25 +109,26 @@ def _run(args: argparse.Namespace, shape: str, fraction: str) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+COLUMNS = [
+    "shape", "fraction", "budget GiB", "weights GiB", "workspace GiB", "margin GiB", "KV GiB",
+    "KV tokens", "peak allocated GiB", "peak reserved GiB", "allocated / budget", "load",
+    "build s", "warm-up s",
+]  # fmt: skip
+SIZES_GIB = ("budget", "weights", "workspace", "margin", "kv_bytes")
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
-    head = (
-        "| shape | fraction | budget GiB | weights GiB | workspace GiB | margin GiB | KV GiB "
-        "| KV tokens | peak allocated GiB | peak reserved GiB | allocated / budget | load "
-        "| build s | warm-up s |"
-    )
-    lines = [head, "| " + " | ".join(["---"] * (head.count("|") - 1)) + " |"]
+    lines = tables.header(COLUMNS)
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['shape']} | {r['fraction']:g} | {r['error']} |")
+            lines.append(tables.row([r["shape"], f"{r['fraction']:g}", r["error"]]))
             continue
-        lines.append(
-            f"| {r['shape']} | {r['fraction']:g} | {r['budget'] / GiB:.2f} | "
-            f"{r['weights'] / GiB:.2f} | {r['workspace'] / GiB:.2f} | {r['margin'] / GiB:.2f} | "
-            f"{r['kv_bytes'] / GiB:.2f} | {r['kv_tokens']} | {r['peak_allocated'] / GiB:.2f} | "
-            f"{r['peak_reserved'] / GiB:.2f} | {r['peak_allocated'] / r['budget']:.3f} | "
-            f"{r['load']} | {r['build_s']:.1f} | "
-            f"{r['warmup_s']:.1f} |"
-        )
+        sizes = [f"{r[k] / GiB:.2f}" for k in SIZES_GIB]
+        peaks = [f"{r['peak_allocated'] / GiB:.2f}", f"{r['peak_reserved'] / GiB:.2f}"]
+        used = f"{r['peak_allocated'] / r['budget']:.3f}"
+        times = [f"{r['build_s']:.1f}", f"{r['warmup_s']:.1f}"]
+        cells = [r["shape"], f"{r['fraction']:g}", *sizes, r["kv_tokens"], *peaks, used]
+        lines.append(tables.row([*cells, r["load"], *times]))
     return "\n".join(lines)
 
 

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from omni_bench.harness import tables
 from omni_server.backend import Request, StageBackend, StageContext
 from omni_server.compiler import Plan, compile_repository
 from omni_server.gpu import discover
@@ -208,22 +209,18 @@ async def run(args: argparse.Namespace) -> None:
         f"# gpu-share: {shape} on {where}, {args.kv_tokens} KV tokens per replica, "
         f"fraction {args.fraction} per replica"
     )
-    print(
-        "| sharing | replicas | start s | slowest engine build s | memory added MiB | "
-        "per process MiB (nvidia-smi) | weights MiB | KV MiB / replica | same tokens |"
-    )
-    print("|---|---:|---:|---:|---:|---|---:|---:|---|")
+    columns = ["sharing", "replicas", "start s", "slowest engine build s", "memory added MiB"]
+    columns += ["per process MiB (nvidia-smi)", "weights MiB", "KV MiB / replica", "same tokens"]
+    print("\n".join(tables.header(columns, "lrrrrlrrl")))
     used: dict[tuple[str, int], float] = {}
     for n in counts:
         for share in ("off", "on") if n > 1 else ("off",):
             r = await _row(args, n, share)
             used[(share, n)] = r["used"]
             per = ", ".join(f"{m:.0f}" for m in r["per_process"]) or "-"
-            print(
-                f"| {share} | {n} | {r['start_s']:.1f} | {r['engine_s']:.1f} | {r['used']:.0f} | "
-                f"{per} | {r['weights']:.0f} | {r['kv']:.0f} | {'yes' if r['same'] else 'NO'} |",
-                flush=True,
-            )
+            times = [f"{r['start_s']:.1f}", f"{r['engine_s']:.1f}", f"{r['used']:.0f}", per]
+            sizes = [f"{r['weights']:.0f}", f"{r['kv']:.0f}", "yes" if r["same"] else "NO"]
+            print(tables.row([share, n, *times, *sizes]), flush=True)
     for n in counts:
         if ("on", n) in used:
             saved = used[("off", n)] - used[("on", n)]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from omni_bench.harness.server import free_port
 from omni_server.engine import (
     SHAPES,
     Engine,
@@ -141,14 +141,8 @@ def _decode_ms(engine: Engine, batch: int, steps: int, prompt: int) -> float:
     return elapsed * 1000.0 / steps
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_group(shape: str, tp: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    port = _free_port()
+    port = free_port()
     child = [sys.executable, "-m", "omni_bench.gpu_tp", "--child"]
     extra = [shape, args.batches, str(args.steps), str(args.prompt), "0" if args.no_graphs else "1"]
     env = {**os.environ, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}

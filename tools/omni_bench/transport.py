@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import sys
 import time
@@ -31,6 +30,9 @@ from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import numpy as np
+
+from omni_bench.harness import tables
+from omni_bench.harness.timing import machine_line, percentile
 
 SIZES = [64, 4 << 10, 64 << 10, 1 << 20, 16 << 20]
 RTT_MAX = 64 << 10  # round trips are measured up to this size; GB/s from 64 KiB up
@@ -308,23 +310,6 @@ def _memcpy_floor(sizes: list[int], quick: bool) -> dict:
     return out
 
 
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    load = os.getloadavg()[0]
-    return (
-        f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}, Python "
-        f"{platform.python_version()}, load average {load:.1f} at start"
-    )
-
-
 def _burn() -> None:
     while True:
         pass
@@ -413,29 +398,26 @@ def _tables(
     names = list(per_run[0])
     span = f"median of {runs} runs (range)" if runs > 1 else "one run"
     lines = [f"Round trip (payload one way, 8 B back), microseconds, each run's median; {span}:"]
-    lines += ["", "| method | " + " | ".join(_label(s) for s in rtt_sizes) + " |"]
-    lines.append("|---" * (len(rtt_sizes) + 1) + "|")
+    lines += ["", *tables.header(["method", *map(_label, rtt_sizes)])]
     for name in names:
         spins = sorted({k[2] for k in per_run[0][name] if k[0] == "rtt"}, key=lambda v: -(v or 0))
         for spin in spins:
             cells = [_cell(values(per_run, name, ("rtt", s, spin)), 1e6, 1) for s in rtt_sizes]
-            lines.append(f"| {_spin_label(name, spin)} | " + " | ".join(cells) + " |")
+            lines.append(tables.row([_spin_label(name, spin), *cells]))
     lines += ["", f"One-way throughput, GB/s (10^9 bytes/s); {span}:", ""]
-    lines.append("| method | " + " | ".join(_label(s) for s in gb_sizes) + " |")
-    lines.append("|---" * (len(gb_sizes) + 1) + "|")
+    lines += tables.header(["method", *map(_label, gb_sizes)])
     for name in names:
         label = "ring, reader reads in place" if name == "ring" else name
         cells = [_cell(values(per_run, name, ("gbps", s, None)), 1e-9, 2) for s in gb_sizes]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append(tables.row([label, *cells]))
     busy_rtt = ("rtt", 64, None)
     lines += ["", f"64 B round trip with one core kept busy, microseconds; {span}:", ""]
-    lines += ["| method | 64 B |", "|---|---|"]
+    lines += tables.header(["method", "64 B"])
     for spin in RING_SPINS:
         cell = _cell(values(busy_runs, "ring", ("rtt", 64, spin)), 1e6, 1)
-        lines.append(f"| {_spin_label('ring', spin)} | {cell} |")
-    lines.append(
-        f"| pyzmq ipc copy | {_cell(values(busy_runs, 'pyzmq ipc copy', busy_rtt), 1e6, 1)} |"
-    )
+        lines.append(tables.row([_spin_label("ring", spin), cell]))
+    pyzmq = _cell(values(busy_runs, "pyzmq ipc copy", busy_rtt), 1e6, 1)
+    lines.append(tables.row(["pyzmq ipc copy", pyzmq]))
 
     lines += ["", "Targets (medians of the runs; the peer measured in the same runs):"]
     zmq, seg, floor = "pyzmq ipc copy", "shm segment per message", "memcpy floor (in-process)"
@@ -580,10 +562,8 @@ def run_cuda(iterations: int, progress: Callable[[str], None]) -> str:
     ):
         progress(f"measuring {label} ...")
         times = fn(iterations + warm, spin)[warm:]
-        rows.append(
-            f"| {label} | {statistics.median(times) * 1e6:.1f} | "
-            f"{np.percentile(times, 90) * 1e6:.1f} | {min(times) * 1e6:.1f} |"
-        )
+        us = [percentile(times, 50), percentile(times, 90), min(times)]
+        rows.append(tables.row([label, *(f"{t * 1e6:.1f}" for t in us)]))
     return "\n".join(
         [
             f"A {CUDA_BYTES >> 20} MiB float32 CUDA tensor crossing to another process on one "
@@ -591,8 +571,7 @@ def run_cuda(iterations: int, progress: Callable[[str], None]) -> str:
             "producer's send to the consumer holding a usable tensor (same-host monotonic "
             "clock), microseconds:",
             "",
-            "| method | median | p90 | min |",
-            "|---|---|---|---|",
+            *tables.header(["method", "median", "p90", "min"]),
             *rows,
         ]
     )
@@ -620,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"omni-bench transport: --sizes {args.sizes!r}: give integers", file=sys.stderr)
         return 2
-    header = f"Machine: {_machine()}\n\n"
+    header = f"Machine: {machine_line()}\n\n"
     body = (
         run_cuda(args.cuda_iterations, progress)
         if args.cuda
