@@ -1,12 +1,14 @@
-"""Measure process topologies of the embedded repository through the real runtime (a benchmark
-script, not a test): prints a table for docs/voice.md.
+"""The embedded voice under different placements of its stages through the real runtime:
+replicas of its process, onnxruntime threads per acoustic session, the acoustic stage in a
+process of its own (a benchmark script behind a table of docs/voice.md).
 
-    python tests/voice/measure_topology.py [--rounds N]
+    python -m omni_bench.voice_placement [--rounds N] [--only WORD ...]
 
-Each topology is a set of dotted overrides on `repository/`. For each: time to first audio
-(TTFA) of a three-sentence paragraph at concurrency 1, then requests/s and median TTFA at
-concurrency 2 and 4 (streamed pcm, seeded). Topologies run interleaved, `--rounds` times, and
-the table keeps each metric's best round: other work on a shared machine only ever slows one.
+Each placement is a set of dotted overrides on `repository/` (no file edited). For each: time
+to first audio (TTFA) of a three-sentence paragraph at concurrency 1, then requests/s and
+median TTFA at concurrency 2 and 4 (streamed pcm, seeded). Placements run interleaved,
+`--rounds` times, and the table keeps each metric's best round: other work on a shared machine
+only ever slows one.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
+from omni_bench.harness import tables
 from omni_server.compiler import compile_repository
 from omni_server.pipeline import Runtime
 
@@ -31,7 +34,7 @@ PARAGRAPH = (
 ONE = ["--processes.voice.num_replicas", "1"]
 TWO_THREADS = ["--stages.acoustic.parameters.intra_op_threads", "2"]
 OWN_ACOUSTIC = ["--stages.acoustic.process", "acoustic"]
-TOPOLOGIES = {
+PLACEMENTS = {
     "voice x 1, 1 thread": ONE,
     "voice x 1, 2 threads": ONE + TWO_THREADS,
     "voice x 1 + acoustic x 1, 1 thread": ONE + OWN_ACOUSTIC,
@@ -84,11 +87,13 @@ async def measure(overrides: list[str]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--only", nargs="*", default=[], help="topology names containing these")
+    parser.add_argument(
+        "--only", nargs="*", default=[], help="placements whose names contain these"
+    )
     args = parser.parse_args()
     chosen = {
         name: overrides
-        for name, overrides in TOPOLOGIES.items()
+        for name, overrides in PLACEMENTS.items()
         if not args.only or any(word in name for word in args.only)
     }
     best: dict[str, dict[str, float]] = {}
@@ -99,13 +104,12 @@ def main() -> None:
             for key, value in row.items():  # per metric: the least disturbed round
                 old[key] = max(old[key], value) if key.endswith("rps") else min(old[key], value)
     print(f"\nparagraph: 3 sentences, ~7.6 s of audio; best of {args.rounds} rounds\n")
-    print("| topology | TTFA c=1 ms | req/s c=2 | TTFA c=2 ms | req/s c=4 | TTFA c=4 ms |")
-    print("|---|---:|---:|---:|---:|---:|")
+    columns = ["placement", "TTFA c=1 ms", "req/s c=2", "TTFA c=2 ms", "req/s c=4", "TTFA c=4 ms"]
+    print("\n".join(tables.header(columns, "lrrrrr")))
     for name, r in best.items():
-        print(
-            f"| {name} | {r['c1_ttfa'] * 1e3:.0f} | {r['c2_rps']:.2f} | {r['c2_ttfa'] * 1e3:.0f} "
-            f"| {r['c4_rps']:.2f} | {r['c4_ttfa'] * 1e3:.0f} |"
-        )
+        cells = [f"{r['c1_ttfa'] * 1e3:.0f}", f"{r['c2_rps']:.2f}", f"{r['c2_ttfa'] * 1e3:.0f}"]
+        cells += [f"{r['c4_rps']:.2f}", f"{r['c4_ttfa'] * 1e3:.0f}"]
+        print(tables.row([name, *cells]))
 
 
 if __name__ == "__main__":
