@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from omni_bench.cli import SUBCOMMANDS, main
 from omni_bench.harness.server import free_port
-from omni_bench.cli import main
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -48,3 +49,19 @@ def test_help_lists_the_subcommands(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "speech" in out and "transport" in out
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/benchmarks.md"])
+def test_the_docs_name_every_subcommand(doc):
+    text = (ROOT / doc).read_text()
+    missing = [name for name in SUBCOMMANDS if f"omni-bench {name} " not in text.replace("`", " ")]
+    assert not missing, f"{doc} does not list omni-bench {', '.join(missing)}"
+
+
+def test_help_has_one_line_per_subcommand(capsys):
+    assert main(["--help"]) == 0
+    lines = capsys.readouterr().out.splitlines()[2:]
+    assert [line.split()[0] for line in lines] == list(SUBCOMMANDS)

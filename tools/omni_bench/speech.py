@@ -238,9 +238,9 @@ async def run(args: argparse.Namespace) -> dict:
     try:
         result = await measure(args, texts, levels, requests, server.url, server.pid)
     finally:
-        left = await server.stop()
-    if not left.clean:  # measured, but the server under test leaks: the run fails
-        raise ServerLeftovers(f"--serve: omni-server stopped but {left}")
+        await server.stop()
+    if not server.left.clean:  # measured, but the server under test leaks: the run fails
+        raise ServerLeftovers(f"--serve: omni-server stopped but {server.left}")
     return result
 
 

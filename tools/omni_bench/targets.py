@@ -97,7 +97,11 @@ class OpenAISpeechTarget:
         return models[0]["id"]
 
     def request_body(self, text: str) -> dict:
-        body = {"model": self.model, "input": text, "response_format": self.response_format}
+        body: dict[str, object] = {
+            "model": self.model,
+            "input": text,
+            "response_format": self.response_format,
+        }
         if self.voice is not None:
             body["voice"] = self.voice
         # said either way: the server streams by default (as OpenAI does)

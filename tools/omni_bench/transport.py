@@ -160,7 +160,7 @@ class ZmqMethod(Method):
         self._open(False)
 
     def send(self, payload: np.ndarray) -> None:
-        self.sock.send(payload, copy=self.copy)
+        self.sock.send(payload.data, 0, self.copy)  # the array's buffer, as pyzmq takes it
 
     def recv(self) -> None:
         self.sock.recv(copy=self.copy)
@@ -185,6 +185,7 @@ class SegmentPerMessage(ZmqMethod):
 
     def send(self, payload: np.ndarray) -> None:
         shm = shared_memory.SharedMemory(create=True, size=payload.nbytes)
+        assert shm.buf is not None  # None only once closed
         np.frombuffer(shm.buf, np.uint8)[:] = payload
         # the receiver unlinks it: keep this process's resource tracker out of it
         resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
@@ -193,6 +194,7 @@ class SegmentPerMessage(ZmqMethod):
 
     def recv(self) -> None:
         shm = shared_memory.SharedMemory(name=self.sock.recv_string())
+        assert shm.buf is not None  # None only once closed
         view = np.frombuffer(shm.buf, np.uint8)
         np.array(view)  # copy out: the segment goes away
         del view

@@ -210,8 +210,8 @@ class OmniServer(ChildServer):
         self.stages.update((p.pid, p) for p in now)
         return now
 
-    async def stop(self, *, check: bool = False) -> Leftovers:
-        """Stop the server; `self.left` (returned) says what of its run it left. With `check`,
+    async def stop(self, *, check: bool = False) -> None:
+        """Stop the server; then `self.left` says what of its run it left. With `check`,
         anything left raises ServerLeftovers."""
         await super().stop()
         runs = {(p.run_dir, p.run_id) for p in self.stages.values()}
@@ -226,4 +226,3 @@ class OmniServer(ChildServer):
         )
         if check and not self.left.clean:
             raise ServerLeftovers(f"{self.name} stopped but {self.left}")
-        return self.left
