@@ -28,7 +28,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,20 +128,29 @@ def make_corpora(args: argparse.Namespace) -> tuple[list[Corpus], Corpus]:
 # ---- in-process peers ---------------------------------------------------------------------
 
 
-def inprocess_sequential(model: Any, corpus: Corpus) -> Run:
-    """faster-whisper's plain transcribe, one clip after another."""
+def inprocess(who: str, corpus: Corpus, transcribe: Callable[[np.ndarray], str]) -> Run:
+    """`transcribe` over the corpus in this process, one clip after another, each timed."""
     hyps, latencies = [], []
     cpu = _own_cpu()
     start = time.perf_counter()
     for clip in corpus.clips:
         t = time.perf_counter()
+        hyps.append(transcribe(clip))
+        latencies.append(time.perf_counter() - t)
+    wall = time.perf_counter() - start
+    return _run(who, corpus, 1, wall, latencies, hyps, _own_cpu() - cpu)
+
+
+def inprocess_sequential(model: Any, corpus: Corpus) -> Run:
+    """faster-whisper's plain transcribe, one clip after another."""
+
+    def transcribe(clip: np.ndarray) -> str:
         segments, _ = model.transcribe(
             clip, language="en", beam_size=1, temperature=0.0, vad_filter=False
         )
-        hyps.append(" ".join(s.text.strip() for s in segments))
-        latencies.append(time.perf_counter() - t)
-    wall = time.perf_counter() - start
-    return _run("faster-whisper sequential", corpus, 1, wall, latencies, hyps, _own_cpu() - cpu)
+        return " ".join(s.text.strip() for s in segments)
+
+    return inprocess("faster-whisper sequential", corpus, transcribe)
 
 
 def inprocess_batched(model: Any, corpus: Corpus, batch_size: int = 8) -> Run:
@@ -149,33 +158,20 @@ def inprocess_batched(model: Any, corpus: Corpus, batch_size: int = 8) -> Run:
     from faster_whisper import BatchedInferencePipeline
 
     pipeline = BatchedInferencePipeline(model)
-    hyps, latencies = [], []
-    cpu = _own_cpu()
-    start = time.perf_counter()
-    for clip in corpus.clips:
-        t = time.perf_counter()
+
+    def transcribe(clip: np.ndarray) -> str:
         segments, _ = pipeline.transcribe(
             clip, language="en", beam_size=1, temperature=0.0, batch_size=batch_size
         )
-        hyps.append(" ".join(s.text.strip() for s in segments))
-        latencies.append(time.perf_counter() - t)
-    wall = time.perf_counter() - start
-    who = f"faster-whisper batched ({batch_size})"
-    return _run(who, corpus, 1, wall, latencies, hyps, _own_cpu() - cpu)
+        return " ".join(s.text.strip() for s in segments)
+
+    return inprocess(f"faster-whisper batched ({batch_size})", corpus, transcribe)
 
 
 def inprocess_stage_code(recognizer: whisper.Recognizer, corpus: Corpus) -> Run:
     """The served stages' recognizer (segmenter + batched windows), without the server."""
-    hyps, latencies = [], []
-    cpu = _own_cpu()
-    start = time.perf_counter()
-    for clip in corpus.clips:
-        t = time.perf_counter()
-        hyps.append(recognizer.transcribe(clip, RATE))
-        latencies.append(time.perf_counter() - t)
-    wall = time.perf_counter() - start
     who = f"stage code in-process (batch {recognizer.batch_size})"
-    return _run(who, corpus, 1, wall, latencies, hyps, _own_cpu() - cpu)
+    return inprocess(who, corpus, lambda clip: recognizer.transcribe(clip, RATE))
 
 
 def _run(
