@@ -14,7 +14,7 @@ import pytest
 from omni_server.cli import main
 from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.render import config_dict
-from tests.helpers.repo import make_repo
+from tests.helpers.repo import make_repo, toml
 
 
 @pytest.fixture
@@ -22,15 +22,40 @@ def repo(tmp_path: Path) -> Path:
     return make_repo(
         tmp_path / "repo",
         stages={
-            "frontend": 'backend = "F"\nnext = "synth"\n[parameters]\nlang = "en"\n'
-            'weights = { name = "x", sizes = [1, 2] }\n',
-            "synth": 'backend = "S"\nnext = "encoder"\nstream_to = "encoder"\ngpu = 0\n'
-            'gpu_memory_fraction = 0.3\n[scheduler]\nkind = "stream"\n',
-            "encoder": 'backend = "E"\nterminal = true\n[scheduler]\nkind = "batch"\n'
-            "max_batch_size = 4\nmax_queue_delay_ms = 2.5\n",
+            "frontend": toml("""
+                backend = "F"
+                next = "synth"
+                [parameters]
+                lang = "en"
+                weights = { name = "x", sizes = [1, 2] }
+            """),
+            "synth": toml("""
+                backend = "S"
+                next = "encoder"
+                stream_to = "encoder"
+                gpu = 0
+                gpu_memory_fraction = 0.3
+                [scheduler]
+                kind = "stream"
+            """),
+            "encoder": toml("""
+                backend = "E"
+                terminal = true
+                [scheduler]
+                kind = "batch"
+                max_batch_size = 4
+                max_queue_delay_ms = 2.5
+            """),
         },
-        repository='[models.tts]\nentry = "frontend"\ntasks = ["speech"]\nvoices = ["joe"]\n'
-        'default_voice = "joe"\n[models.tts.voice_aliases]\nalloy = "joe"\n',
+        repository=toml("""
+            [models.tts]
+            entry = "frontend"
+            tasks = ["speech"]
+            voices = ["joe"]
+            default_voice = "joe"
+            [models.tts.voice_aliases]
+            alloy = "joe"
+        """),
     )
 
 
@@ -149,8 +174,18 @@ def test_real_command_exit_code_and_no_traceback(tmp_path: Path) -> None:
     """The installed entry point, as a user runs it, on a stage with broken TOML."""
     bad = make_repo(
         tmp_path / "bad",
-        stages={"tts": 'backend = "T"\nterminal = true\nnext = [\n'},
-        repository='[models.m]\nentry = "tts"\ntasks = ["speech"]\n',
+        stages={
+            "tts": toml("""
+                backend = "T"
+                terminal = true
+                next = [
+            """)
+        },
+        repository=toml("""
+            [models.m]
+            entry = "tts"
+            tasks = ["speech"]
+        """),
     )
     result = subprocess.run(
         [sys.executable, "-m", "omni_server", "config", "resolve", "--repo", str(bad)],

@@ -10,7 +10,7 @@ from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.errors import RepositoryError
 from omni_server.compiler.overrides import Override, parse_tokens
 from omni_server.compiler.plan import SchedulerKind
-from tests.helpers.repo import make_repo
+from tests.helpers.repo import make_repo, toml
 
 
 @pytest.fixture
@@ -18,12 +18,28 @@ def repo(tmp_path: Path) -> Path:
     return make_repo(
         tmp_path / "repo",
         stages={
-            "frontend": 'backend = "F"\nnext = "synth"\n[parameters]\nlang = "en"\n',
-            "synth": 'backend = "S"\nnext = "encoder"\ngpu = 0\n',
-            "encoder": 'backend = "E"\nterminal = true\n',
+            "frontend": toml("""
+                backend = "F"
+                next = "synth"
+                [parameters]
+                lang = "en"
+            """),
+            "synth": toml("""
+                backend = "S"
+                next = "encoder"
+                gpu = 0
+            """),
+            "encoder": toml("""
+                backend = "E"
+                terminal = true
+            """),
         },
-        repository='[models.tts]\nentry = "frontend"\ntasks = ["speech"]\n'
-        'voices = ["joe", "amy"]\n',
+        repository=toml("""
+            [models.tts]
+            entry = "frontend"
+            tasks = ["speech"]
+            voices = ["joe", "amy"]
+        """),
     )
 
 

@@ -11,9 +11,13 @@ from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.errors import RepositoryError
 from omni_server.compiler.plan import EdgeKind
 from omni_server.compiler.render import topology_text
-from tests.helpers.repo import make_repo
+from tests.helpers.repo import make_repo, toml
 
-TTS_MODEL = '[models.tts]\nentry = "preprocessing"\ntasks = ["speech"]\n'
+TTS_MODEL = """\
+[models.tts]
+entry = "preprocessing"
+tasks = ["speech"]
+"""
 
 
 def section(text: str, title: str) -> list[str]:
@@ -34,14 +38,35 @@ def higgs(tmp_path: Path) -> Path:
     return make_repo(
         tmp_path / "higgs",
         stages={
-            "preprocessing": 'backend = "Pre"\nnext = "audio_encoder"\n',
-            "audio_encoder": 'backend = "Enc"\nnext = "tts_engine"\ngpu = 0\n'
-            "gpu_memory_fraction = 0.1\n",
-            "tts_engine": 'backend = "Eng"\nprocess = "pipeline"\nnext = "vocoder"\n'
-            'stream_to = "vocoder"\ngpu = 0\ngpu_memory_fraction = 0.7\n'
-            '[scheduler]\nkind = "stream"\n[engine]\nmax_total_tokens = 16384\n',
-            "vocoder": 'backend = "Voc"\nprocess = "vocoder"\nterminal = true\ngpu = 0\n'
-            "gpu_memory_fraction = 0.1\n",
+            "preprocessing": toml("""
+                backend = "Pre"
+                next = "audio_encoder"
+            """),
+            "audio_encoder": toml("""
+                backend = "Enc"
+                next = "tts_engine"
+                gpu = 0
+                gpu_memory_fraction = 0.1
+            """),
+            "tts_engine": toml("""
+                backend = "Eng"
+                process = "pipeline"
+                next = "vocoder"
+                stream_to = "vocoder"
+                gpu = 0
+                gpu_memory_fraction = 0.7
+                [scheduler]
+                kind = "stream"
+                [engine]
+                max_total_tokens = 16384
+            """),
+            "vocoder": toml("""
+                backend = "Voc"
+                process = "vocoder"
+                terminal = true
+                gpu = 0
+                gpu_memory_fraction = 0.1
+            """),
         },
         repository=TTS_MODEL,
     )
@@ -90,20 +115,58 @@ def test_vocoder_isolation_and_sharing(higgs: Path) -> None:
 
 
 QWEN3_OMNI = {
-    "preprocessing": 'backend = "Pre"\nnext = ["image_encoder", "audio_encoder", "mm_aggregate"]\n',
-    "image_encoder": 'backend = "Img"\nnext = "mm_aggregate"\ngpu = 0\n'
-    "gpu_memory_fraction = 0.05\n",
-    "audio_encoder": 'backend = "Aud"\nnext = "mm_aggregate"\ngpu = 0\n'
-    "gpu_memory_fraction = 0.05\n",
-    "mm_aggregate": 'backend = "Agg"\n'
-    'wait_for = ["preprocessing", "image_encoder", "audio_encoder"]\n'
-    'merge = "merge"\nnext = "thinker"\n',
-    "thinker": 'backend = "Thinker"\nnext = ["decode", "talker_ar"]\nstream_to = "talker_ar"\n'
-    'gpu = 0\ngpu_memory_fraction = 0.8\n[scheduler]\nkind = "stream"\n[engine]\n',
-    "decode": 'backend = "Decode"\nterminal = true\n',
-    "talker_ar": 'backend = "Talker"\nnext = "code2wav"\nstream_to = "code2wav"\ngpu = 1\n'
-    'gpu_memory_fraction = 0.123\n[scheduler]\nkind = "stream"\n[engine]\n',
-    "code2wav": 'backend = "Code2Wav"\nterminal = true\ngpu = 1\ngpu_memory_fraction = 0.014\n',
+    "preprocessing": toml("""
+        backend = "Pre"
+        next = ["image_encoder", "audio_encoder", "mm_aggregate"]
+    """),
+    "image_encoder": toml("""
+        backend = "Img"
+        next = "mm_aggregate"
+        gpu = 0
+        gpu_memory_fraction = 0.05
+    """),
+    "audio_encoder": toml("""
+        backend = "Aud"
+        next = "mm_aggregate"
+        gpu = 0
+        gpu_memory_fraction = 0.05
+    """),
+    "mm_aggregate": toml("""
+        backend = "Agg"
+        wait_for = ["preprocessing", "image_encoder", "audio_encoder"]
+        merge = "merge"
+        next = "thinker"
+    """),
+    "thinker": toml("""
+        backend = "Thinker"
+        next = ["decode", "talker_ar"]
+        stream_to = "talker_ar"
+        gpu = 0
+        gpu_memory_fraction = 0.8
+        [scheduler]
+        kind = "stream"
+        [engine]
+    """),
+    "decode": toml("""
+        backend = "Decode"
+        terminal = true
+    """),
+    "talker_ar": toml("""
+        backend = "Talker"
+        next = "code2wav"
+        stream_to = "code2wav"
+        gpu = 1
+        gpu_memory_fraction = 0.123
+        [scheduler]
+        kind = "stream"
+        [engine]
+    """),
+    "code2wav": toml("""
+        backend = "Code2Wav"
+        terminal = true
+        gpu = 1
+        gpu_memory_fraction = 0.014
+    """),
 }
 
 QWEN3_REPLICAS = """
@@ -163,13 +226,34 @@ def test_qwen3_omni_replica_devices_override_stage_gpu(tmp_path: Path) -> None:
 
 
 MOSS_STAGES = {
-    "preprocessing": 'backend = "Pre"\nprocess = "pipeline"\ngpu = 0\ngpu_memory_fraction = 0.05\n'
-    'next = "tts_engine"\nprocess_local = "tts_engine"\n',
-    "tts_engine": 'backend = "Eng"\nprocess = "pipeline"\ngpu = 0\ngpu_memory_fraction = 0.35\n'
-    'next = "vocoder"\nstream_to = "vocoder"\nprocess_local = "vocoder"\n'
-    '[scheduler]\nkind = "stream"\n[engine]\nmax_total_tokens = 30000\n',
-    "vocoder": 'backend = "Voc"\nprocess = "pipeline"\ngpu = 0\ngpu_memory_fraction = 0.15\n'
-    "terminal = true\n",
+    "preprocessing": toml("""
+        backend = "Pre"
+        process = "pipeline"
+        gpu = 0
+        gpu_memory_fraction = 0.05
+        next = "tts_engine"
+        process_local = "tts_engine"
+    """),
+    "tts_engine": toml("""
+        backend = "Eng"
+        process = "pipeline"
+        gpu = 0
+        gpu_memory_fraction = 0.35
+        next = "vocoder"
+        stream_to = "vocoder"
+        process_local = "vocoder"
+        [scheduler]
+        kind = "stream"
+        [engine]
+        max_total_tokens = 30000
+    """),
+    "vocoder": toml("""
+        backend = "Voc"
+        process = "pipeline"
+        gpu = 0
+        gpu_memory_fraction = 0.15
+        terminal = true
+    """),
 }
 MOSS_REPO = """
 [server]
@@ -254,8 +338,16 @@ def test_tp_stage_materializes_one_process_per_rank(tmp_path: Path) -> None:
     repo = make_repo(
         tmp_path / "tp",
         stages={
-            "preprocessing": 'backend = "Pre"\nnext = "thinker"\n',
-            "thinker": 'backend = "T"\nterminal = true\ngpu = [2, 3]\ntp_size = 2\n',
+            "preprocessing": toml("""
+                backend = "Pre"
+                next = "thinker"
+            """),
+            "thinker": toml("""
+                backend = "T"
+                terminal = true
+                gpu = [2, 3]
+                tp_size = 2
+            """),
         },
         repository=TTS_MODEL,
     )

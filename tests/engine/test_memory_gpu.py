@@ -19,7 +19,7 @@ from omni_server.engine.config import SMOLLM2_135M
 from omni_server.engine.memory import MemoryBudgetError
 from omni_server.pipeline import PipelineError, Runtime
 from tests.fixtures import FIXTURES
-from tests.helpers.repo import make_repo
+from tests.helpers.repo import make_repo, toml
 from tests.helpers.runtime import running
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
@@ -109,7 +109,11 @@ def _engine_repo(root: Path, fraction: float) -> Plan:
         [parameters]
         shape = "smollm2-135m"
     """
-    models = '[models.m]\nentry = "e"\ntasks = ["speech"]\n'
+    models = toml("""
+        [models.m]
+        entry = "e"
+        tasks = ["speech"]
+    """)
     make_repo(root, {"e": stage}, models, {"e": FIXTURES / "random_engine.py"})
     return compile_repository(root)
 

@@ -8,17 +8,16 @@ from pathlib import Path
 from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.plan import Plan
 from tests.fixtures import FIXTURES
-from tests.helpers.repo import make_repo
+from tests.helpers.repo import make_repo, toml
 
 # One file for every test stage: each stage.toml picks its class.
 BACKENDS = FIXTURES / "runtime_stages.py"
 
 
-def _stage(cls: str, extra: str = "", process: str | None = None) -> str:
-    lines = [f'backend = "model.py:{cls}"']
-    if process:
-        lines.append(f'process = "{process}"')
-    return "\n".join(lines) + "\n" + extra
+def stage_toml(cls: str, extra: str = "", process: str | None = None) -> str:
+    """A stage.toml running class `cls` of BACKENDS (in `process` when given), then `extra`."""
+    placed = f'process = "{process}"\n' if process else ""
+    return f'backend = "model.py:{cls}"\n{placed}{extra}'
 
 
 def build(root: Path, stages: dict[str, str], models: str, processes: str = "") -> Plan:
@@ -31,14 +30,52 @@ def chain(root: Path, layout: str) -> Plan:
     proc = {"one": ("p", "p", "p"), "split": ("a", "b", "c"), "replicated": ("a", "bc", "bc")}
     pa, pb, pc = proc[layout]
     stages = {
-        "a": _stage("Add", 'next = "b"\n[parameters]\nk = 1\n', pa),
-        "b": _stage("Add", 'next = "c"\n[parameters]\nk = 2\n', pb),
-        "c": _stage("Add", "terminal = true\n[parameters]\nk = 3\n", pc),
+        "a": stage_toml(
+            "Add",
+            toml("""
+                next = "b"
+                [parameters]
+                k = 1
+            """),
+            pa,
+        ),
+        "b": stage_toml(
+            "Add",
+            toml("""
+                next = "c"
+                [parameters]
+                k = 2
+            """),
+            pb,
+        ),
+        "c": stage_toml(
+            "Add",
+            toml("""
+                terminal = true
+                [parameters]
+                k = 3
+            """),
+            pc,
+        ),
     }
     processes = ""
     if layout == "replicated":
-        processes = "[processes.a]\nnum_replicas = 2\n[processes.bc]\nnum_replicas = 3\n"
-    return build(root, stages, '[models.m]\nentry = "a"\ntasks = ["speech"]\n', processes)
+        processes = toml("""
+            [processes.a]
+            num_replicas = 2
+            [processes.bc]
+            num_replicas = 3
+        """)
+    return build(
+        root,
+        stages,
+        toml("""
+            [models.m]
+            entry = "a"
+            tasks = ["speech"]
+        """),
+        processes,
+    )
 
 
 def stream(
@@ -52,22 +89,53 @@ def stream(
     """[a ->] speak --stream_to--> voice (terminal); layout 'one', 'split' or 'replicated'
     (a in process front, speak + voice in process back, with `front` / `back` replicas, bound
     by `binding` when given)."""
-    params = f'[parameters]\nmarker_dir = "{marker_dir}"\nk = 0\n' if marker_dir else ""
+    params = (
+        toml(f"""
+            [parameters]
+            marker_dir = "{marker_dir}"
+            k = 0
+        """)
+        if marker_dir
+        else ""
+    )
     procs = {"one": ("p", "p"), "split": ("speak", "voice"), "replicated": ("back", "back")}
     speak_proc, voice_proc = procs[layout]
-    stream = '[scheduler]\nkind = "stream"\n'
+    stream = toml("""
+        [scheduler]
+        kind = "stream"
+    """)
     stages = {
-        "speak": _stage("Speak", 'stream_to = "voice"\n' + stream + params, speak_proc),
-        "voice": _stage("Voice", "terminal = true\n" + stream + params, voice_proc),
+        "speak": stage_toml("Speak", 'stream_to = "voice"\n' + stream + params, speak_proc),
+        "voice": stage_toml("Voice", "terminal = true\n" + stream + params, voice_proc),
     }
     entry = "speak"
     processes = ""
     if layout == "replicated":
-        stages["a"] = _stage("Add", 'next = "speak"\n[parameters]\nk = 1\n', "front")
-        entry = "a"
-        processes = (
-            f"[processes.front]\nnum_replicas = {front}\n[processes.back]\nnum_replicas = {back}\n"
+        stages["a"] = stage_toml(
+            "Add",
+            toml("""
+                next = "speak"
+                [parameters]
+                k = 1
+            """),
+            "front",
         )
+        entry = "a"
+        processes = toml(f"""
+            [processes.front]
+            num_replicas = {front}
+            [processes.back]
+            num_replicas = {back}
+        """)
         if binding is not None:
             processes += f'binding = "{binding}"\n'  # [processes.back] is the last table
-    return build(root, stages, f'[models.m]\nentry = "{entry}"\ntasks = ["speech"]\n', processes)
+    return build(
+        root,
+        stages,
+        toml(f"""
+            [models.m]
+            entry = "{entry}"
+            tasks = ["speech"]
+        """),
+        processes,
+    )

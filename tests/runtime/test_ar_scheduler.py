@@ -11,19 +11,28 @@ import pytest
 from omni_server.compiler.compiler import compile_repository
 from omni_server.pipeline import PipelineError
 from tests.fixtures import FIXTURES
-from tests.helpers.repo import make_repo
+from tests.helpers.repo import make_repo, toml
 from tests.helpers.runtime import running
 
 pytestmark = pytest.mark.timeout(120)
 
-AR = 'backend = "model.py:Counter"\nterminal = true\n[scheduler]\nkind = "ar"\n'
+AR = """\
+backend = "model.py:Counter"
+terminal = true
+[scheduler]
+kind = "ar"
+"""
 
 
 def _plan(root):
     make_repo(
         root,
         {"counter": AR},
-        '[models.m]\nentry = "counter"\ntasks = ["chat"]\n',
+        toml("""
+            [models.m]
+            entry = "counter"
+            tasks = ["chat"]
+        """),
         {"counter": FIXTURES / "ar_stages.py"},
     )
     return compile_repository(root)

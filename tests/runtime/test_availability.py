@@ -11,21 +11,42 @@ import pytest
 
 from omni_server.pipeline import PipelineError
 from omni_server.pipeline.supervision import SupervisionPolicy
+from tests.helpers.repo import toml
 from tests.helpers.runtime import running
-from tests.runtime.pipelines import _stage, build
+from tests.runtime.pipelines import build, stage_toml
 
 pytestmark = pytest.mark.timeout(120)
 
 
 async def test_a_dead_process_stops_only_the_models_that_use_it(tmp_path):
     stages = {
-        "a": _stage("Add", "terminal = true\n[parameters]\nk = 1\n", "pa"),
-        "b": _stage("Add", "terminal = true\n[parameters]\nk = 2\n", "pb"),
+        "a": stage_toml(
+            "Add",
+            toml("""
+                terminal = true
+                [parameters]
+                k = 1
+            """),
+            "pa",
+        ),
+        "b": stage_toml(
+            "Add",
+            toml("""
+                terminal = true
+                [parameters]
+                k = 2
+            """),
+            "pb",
+        ),
     }
-    models = (
-        '[models.one]\nentry = "a"\ntasks = ["speech"]\n'
-        '[models.two]\nentry = "b"\ntasks = ["chat"]\n'
-    )
+    models = toml("""
+        [models.one]
+        entry = "a"
+        tasks = ["speech"]
+        [models.two]
+        entry = "b"
+        tasks = ["chat"]
+    """)
     plan = build(tmp_path, stages, models)
     async with running(plan, supervision=SupervisionPolicy(restart=False)) as runtime:
         one, two = runtime.plan.models["one"], runtime.plan.models["two"]

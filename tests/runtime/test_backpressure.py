@@ -10,7 +10,7 @@ import pytest
 
 from omni_server.compiler.compiler import compile_repository
 from omni_server.wire.messages import CHUNK_WINDOW
-from tests.helpers.repo import make_repo
+from tests.helpers.repo import make_repo, toml
 from tests.helpers.runtime import running
 
 pytestmark = pytest.mark.timeout(120)
@@ -30,11 +30,20 @@ class Gush(StageBackend):
 
 
 def _plan(root):
-    stage = 'backend = "Gush"\nterminal = true\n[scheduler]\nkind = "stream"\n'
+    stage = toml("""
+        backend = "Gush"
+        terminal = true
+        [scheduler]
+        kind = "stream"
+    """)
     make_repo(
         root,
         {"gush": stage},
-        '[models.m]\nentry = "gush"\ntasks = ["speech"]\n',
+        toml("""
+            [models.m]
+            entry = "gush"
+            tasks = ["speech"]
+        """),
         {"gush": GUSH},
     )
     return compile_repository(root)

@@ -10,9 +10,9 @@ import pytest
 from omni_server.compiler.compiler import compile_repository
 from omni_server.pipeline import PipelineError
 from tests.fixtures import FIXTURES
-from tests.helpers.repo import make_repo
+from tests.helpers.repo import make_repo, toml
 from tests.helpers.runtime import running
-from tests.runtime.pipelines import _stage, build
+from tests.runtime.pipelines import build, stage_toml
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -21,10 +21,22 @@ async def test_a_payload_that_cannot_cross_processes_fails_its_request_only(tmp_
     make_repo(
         tmp_path,
         {
-            "make": 'backend = "model.py:Unpicklable"\nprocess = "a"\nnext = "sink"\n',
-            "sink": 'backend = "Sink"\nprocess = "b"\nterminal = true\n',
+            "make": toml("""
+                backend = "model.py:Unpicklable"
+                process = "a"
+                next = "sink"
+            """),
+            "sink": toml("""
+                backend = "Sink"
+                process = "b"
+                terminal = true
+            """),
         },
-        '[models.m]\nentry = "make"\ntasks = ["speech"]\n',
+        toml("""
+            [models.m]
+            entry = "make"
+            tasks = ["speech"]
+        """),
         {"make": FIXTURES / "faulty_stages.py"},
     )
     async with running(compile_repository(tmp_path)) as runtime:
@@ -44,11 +56,42 @@ async def test_a_route_returning_no_stage_names_fails_with_what_a_route_must_ret
     tmp_path, chosen
 ):
     stages = {
-        "pre": _stage("Split", 'next = ["left", "right"]\nroute = "route"\n', "p"),
-        "left": _stage("Add", "terminal = true\n[parameters]\nk = 1\n", "p"),
-        "right": _stage("Add", "terminal = true\n[parameters]\nk = 2\n", "p"),
+        "pre": stage_toml(
+            "Split",
+            toml("""
+                next = ["left", "right"]
+                route = "route"
+            """),
+            "p",
+        ),
+        "left": stage_toml(
+            "Add",
+            toml("""
+                terminal = true
+                [parameters]
+                k = 1
+            """),
+            "p",
+        ),
+        "right": stage_toml(
+            "Add",
+            toml("""
+                terminal = true
+                [parameters]
+                k = 2
+            """),
+            "p",
+        ),
     }
-    plan = build(tmp_path, stages, '[models.m]\nentry = "pre"\ntasks = ["speech"]\n')
+    plan = build(
+        tmp_path,
+        stages,
+        toml("""
+            [models.m]
+            entry = "pre"
+            tasks = ["speech"]
+        """),
+    )
     async with running(plan) as runtime:
         model = runtime.plan.models["m"]
         with pytest.raises(PipelineError) as err:

@@ -7,8 +7,9 @@ import asyncio
 
 import pytest
 
+from tests.helpers.repo import toml
 from tests.helpers.runtime import running
-from tests.runtime.pipelines import _stage, build
+from tests.runtime.pipelines import build, stage_toml
 
 torch = pytest.importorskip("torch")
 
@@ -17,14 +18,34 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
 def _pipeline(tmp_path, make_process: str, check_process: str):
     stages = {
-        "make": _stage(
-            "CudaMake", 'next = "check"\ngpu = 0\ngpu_memory_fraction = 0.2\n', make_process
+        "make": stage_toml(
+            "CudaMake",
+            toml("""
+                next = "check"
+                gpu = 0
+                gpu_memory_fraction = 0.2
+            """),
+            make_process,
         ),
-        "check": _stage(
-            "CudaCheck", "terminal = true\ngpu = 0\ngpu_memory_fraction = 0.2\n", check_process
+        "check": stage_toml(
+            "CudaCheck",
+            toml("""
+                terminal = true
+                gpu = 0
+                gpu_memory_fraction = 0.2
+            """),
+            check_process,
         ),
     }
-    return build(tmp_path, stages, '[models.m]\nentry = "make"\ntasks = ["speech"]\n')
+    return build(
+        tmp_path,
+        stages,
+        toml("""
+            [models.m]
+            entry = "make"
+            tasks = ["speech"]
+        """),
+    )
 
 
 async def test_cuda_tensors_cross_processes_on_one_gpu_by_ipc(tmp_path):

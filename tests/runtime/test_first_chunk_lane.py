@@ -23,7 +23,7 @@ from omni_server.stage.compute import ComputeExecutor
 from omni_server.stage.scheduling import WorkItem
 from omni_server.stage.scheduling.stream import ActiveRequest, pick, pick_first
 from omni_server.stage.streams import StreamInbox
-from tests.helpers.repo import make_repo
+from tests.helpers.repo import make_repo, toml
 from tests.helpers.runtime import running
 
 pytestmark = pytest.mark.timeout(60)
@@ -69,11 +69,25 @@ MAIN, LANE = "stage-gated_", "stage-gated-first_"  # thread name prefixes (Threa
 
 
 def _plan(root, lane: bool = True):
-    scheduler = f'[scheduler]\nkind = "stream"\nfirst_chunk_lane = {str(lane).lower()}\n'
+    scheduler = toml(f"""
+        [scheduler]
+        kind = "stream"
+        first_chunk_lane = {str(lane).lower()}
+    """)
     make_repo(
         root,
-        {"gated": 'backend = "model.py:Gated"\nterminal = true\n' + scheduler},
-        '[models.m]\nentry = "gated"\ntasks = ["speech"]\n',
+        {
+            "gated": toml("""
+                backend = "model.py:Gated"
+                terminal = true
+            """)
+            + scheduler
+        },
+        toml("""
+            [models.m]
+            entry = "gated"
+            tasks = ["speech"]
+        """),
         {"gated": GATED},
     )
     return compile_repository(root)
@@ -250,8 +264,19 @@ async def test_an_exception_in_either_lane_fails_only_its_request(tmp_path, fail
 def test_the_lane_needs_a_stream_scheduler(tmp_path):
     make_repo(
         tmp_path,
-        {"s": 'backend = "S"\nterminal = true\n[scheduler]\nfirst_chunk_lane = true\n'},
-        '[models.m]\nentry = "s"\ntasks = ["speech"]\n',
+        {
+            "s": toml("""
+                backend = "S"
+                terminal = true
+                [scheduler]
+                first_chunk_lane = true
+            """)
+        },
+        toml("""
+            [models.m]
+            entry = "s"
+            tasks = ["speech"]
+        """),
     )
     with pytest.raises(RepositoryError) as err:
         compile_repository(tmp_path)
@@ -338,11 +363,21 @@ def test_a_stream_inbox_is_drained_once_its_end_is_all_that_is_left():
 
 def test_the_lane_is_refused_on_a_tensor_parallel_stage(tmp_path):
     """TP ranks mirror the leader's backend calls one at a time, in one order."""
-    stage = 'backend = "S"\nterminal = true\ntp_size = 2\n[scheduler]\nkind = "stream"\n'
+    stage = toml("""
+        backend = "S"
+        terminal = true
+        tp_size = 2
+        [scheduler]
+        kind = "stream"
+    """)
     make_repo(
         tmp_path,
         {"s": stage + "first_chunk_lane = true\n"},
-        '[models.m]\nentry = "s"\ntasks = ["speech"]\n',
+        toml("""
+            [models.m]
+            entry = "s"
+            tasks = ["speech"]
+        """),
     )
     with pytest.raises(RepositoryError) as err:
         compile_repository(tmp_path)

@@ -18,14 +18,18 @@ from omni_server.gpu.devices import Gpu, Machine, discover, parse_smi, visible
 from omni_server.gpu.mps import clients
 from omni_server.pipeline import Runtime
 from tests.fixtures import FIXTURES
-from tests.helpers.repo import make_repo
+from tests.helpers.repo import make_repo, toml
 from tests.helpers.runtime import running
 from tests.helpers.server import failed_start_line
 
 pytestmark = pytest.mark.timeout(120)
 
 PROBE = FIXTURES / "gpu_stages.py"
-MODELS = '[models.m]\nentry = "a"\ntasks = ["speech"]\n'
+MODELS = """\
+[models.m]
+entry = "a"
+tasks = ["speech"]
+"""
 
 
 def gpu_repo(root: Path, stages: dict[str, str], processes: str = "", server: str = "") -> Path:
@@ -40,7 +44,14 @@ def fake_machine(n: int, mps_control: str | None = None) -> Machine:
     return Machine(tuple(Gpu(i, f"GPU-fake-{i}") for i in range(n)), mps_control=mps_control)
 
 
-ONE_GPU_STAGE = {"a": "terminal = true\ngpu = 0\n[parameters]\ncompute = false\n"}
+ONE_GPU_STAGE = {
+    "a": toml("""
+        terminal = true
+        gpu = 0
+        [parameters]
+        compute = false
+    """)
+}
 
 
 # ---- the command line: exit 1 and one line --------------------------------------------------
@@ -69,15 +80,31 @@ async def _start_fails(plan: Plan, machine: Machine) -> str:
 
 
 async def test_a_replica_device_past_the_last_gpu_is_named(tmp_path):
-    stages = {"a": "terminal = true\ngpu = 0\ngpu_memory_fraction = 0.3\n"}
-    processes = "[processes.a]\nnum_replicas = 2\nreplica_devices = [0, 3]\n"
+    stages = {
+        "a": toml("""
+            terminal = true
+            gpu = 0
+            gpu_memory_fraction = 0.3
+        """)
+    }
+    processes = toml("""
+        [processes.a]
+        num_replicas = 2
+        replica_devices = [0, 3]
+    """)
     plan = compile_repository(gpu_repo(tmp_path, stages, processes))
     message = await _start_fails(plan, fake_machine(2))
     assert message == "stage a (a@r1) wants cuda:3, but this machine has 2 GPUs (0-1)"
 
 
 async def test_a_stage_device_past_the_only_gpu_is_named(tmp_path):
-    stages = {"a": 'next = "b"\n', "b": "terminal = true\ngpu = 1\n"}
+    stages = {
+        "a": 'next = "b"\n',
+        "b": toml("""
+            terminal = true
+            gpu = 1
+        """),
+    }
     plan = compile_repository(gpu_repo(tmp_path, stages))
     message = await _start_fails(plan, fake_machine(1))
     assert message == "stage b (b@r0) wants cuda:1, but this machine has 1 GPU (0)"
@@ -86,9 +113,19 @@ async def test_a_stage_device_past_the_only_gpu_is_named(tmp_path):
 async def test_gpu_stages_on_gpus_that_exist_start(tmp_path):
     stages = {
         "a": 'next = "b"\n',
-        "b": "terminal = true\ngpu = 0\ngpu_memory_fraction = 0.3\n[parameters]\ncompute = false\n",
+        "b": toml("""
+            terminal = true
+            gpu = 0
+            gpu_memory_fraction = 0.3
+            [parameters]
+            compute = false
+        """),
     }
-    processes = "[processes.b]\nnum_replicas = 2\nreplica_devices = [1, 0]\n"
+    processes = toml("""
+        [processes.b]
+        num_replicas = 2
+        replica_devices = [1, 0]
+    """)
     plan = compile_repository(gpu_repo(tmp_path, stages, processes))
     async with running(plan, machine=fake_machine(2)) as runtime:
         out = await runtime.submit(plan.models["m"], {}).result()
@@ -148,12 +185,30 @@ def test_discovery_reads_nvidia_smi_and_finds_the_mps_control(tmp_path):
 
 
 def test_mps_clients_auto_takes_shared_gpus_on_takes_every_single_gpu_process(tmp_path):
-    fraction = "gpu_memory_fraction = 0.2\n"
+    fraction = "gpu_memory_fraction = 0.2"
     stages = {
-        "a": f'next = "b"\nprocess = "front"\ngpu = 0\n{fraction}',
-        "b": f'next = "c"\nprocess = "back"\ngpu = 0\n{fraction}',
-        "c": f'next = "d"\nprocess = "alone"\ngpu = 1\n{fraction}',
-        "d": 'terminal = true\nprocess = "cpu"\n',
+        "a": toml(f"""
+            next = "b"
+            process = "front"
+            gpu = 0
+            {fraction}
+        """),
+        "b": toml(f"""
+            next = "c"
+            process = "back"
+            gpu = 0
+            {fraction}
+        """),
+        "c": toml(f"""
+            next = "d"
+            process = "alone"
+            gpu = 1
+            {fraction}
+        """),
+        "d": toml("""
+            terminal = true
+            process = "cpu"
+        """),
     }
     plan = compile_repository(gpu_repo(tmp_path, stages))
     index = {inst.process: i for i, inst in enumerate(plan.instances)}
@@ -164,8 +219,18 @@ def test_mps_clients_auto_takes_shared_gpus_on_takes_every_single_gpu_process(tm
 
 
 def test_mps_clients_count_replicas_on_one_gpu(tmp_path):
-    stages = {"a": "terminal = true\ngpu = 0\ngpu_memory_fraction = 0.4\n"}
-    processes = "[processes.a]\nnum_replicas = 3\nreplica_devices = [1, 1, 0]\n"
+    stages = {
+        "a": toml("""
+            terminal = true
+            gpu = 0
+            gpu_memory_fraction = 0.4
+        """)
+    }
+    processes = toml("""
+        [processes.a]
+        num_replicas = 3
+        replica_devices = [1, 1, 0]
+    """)
     plan = compile_repository(gpu_repo(tmp_path, stages, processes))
     assert clients(plan, MpsMode.AUTO) == {0: 1, 1: 1}  # replicas 0 and 1 share GPU 1
 
@@ -176,8 +241,18 @@ def test_mps_clients_count_replicas_on_one_gpu(tmp_path):
 @pytest.mark.gpu2
 @pytest.mark.parametrize("mps", ["off", "on"])
 async def test_replicas_over_two_gpus_each_run_on_their_own(tmp_path, mps):
-    stages = {"a": "terminal = true\ngpu = 0\ngpu_memory_fraction = 0.2\n"}
-    processes = "[processes.a]\nnum_replicas = 2\nreplica_devices = [0, 1]\n"
+    stages = {
+        "a": toml("""
+            terminal = true
+            gpu = 0
+            gpu_memory_fraction = 0.2
+        """)
+    }
+    processes = toml("""
+        [processes.a]
+        num_replicas = 2
+        replica_devices = [0, 1]
+    """)
     plan = compile_repository(gpu_repo(tmp_path, stages, processes, server=f'mps = "{mps}"'))
     machine = discover(os.environ)
     async with running(plan) as runtime:

@@ -33,6 +33,7 @@ from omni_server.pipeline.run_dirs import OWNER_FILE, RUN_DIR_PREFIX
 from omni_server.pipeline.supervision import SupervisionPolicy
 from tests.fixtures import FIXTURES
 from tests.helpers.proc import alive
+from tests.helpers.repo import toml
 from tests.helpers.runtime import running
 from tests.helpers.server import ROOT
 from tests.runtime.pipelines import chain
@@ -67,7 +68,12 @@ def fake_control(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 
 def two_processes_on_gpu0(root: Path, mps: str, compute: bool = False) -> Plan:
     """a -> b, each in a process of its own on cuda:0."""
-    gpu = f"gpu = 0\ngpu_memory_fraction = 0.2\n[parameters]\ncompute = {str(compute).lower()}\n"
+    gpu = toml(f"""
+        gpu = 0
+        gpu_memory_fraction = 0.2
+        [parameters]
+        compute = {str(compute).lower()}
+    """)
     stages = {"a": 'next = "b"\n' + gpu, "b": "terminal = true\n" + gpu}
     return compile_repository(gpu_repo(root, stages, server=f'mps = "{mps}"'))
 

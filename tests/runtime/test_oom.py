@@ -17,19 +17,26 @@ from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.plan import Plan
 from omni_server.pipeline import PipelineError, Runtime
 from tests.fixtures import FIXTURES
-from tests.helpers.repo import make_repo
+from tests.helpers.repo import make_repo, toml
 from tests.helpers.runtime import running
 from tests.helpers.server import ServerProcess, failed_start_line
 
 pytestmark = pytest.mark.timeout(180)
 
-SPEECH_MODEL = '[models.m]\nentry = "s"\ntasks = ["speech"]\n'
+SPEECH_MODEL = """\
+[models.m]
+entry = "s"
+tasks = ["speech"]
+"""
 
 
 def _plan(root: Path, backend: str, kind: str | None = None, placement: str = "") -> Plan:
     stage = f'backend = "model.py:{backend}"\nterminal = true\n{placement}'
     if kind:
-        stage += f'[scheduler]\nkind = "{kind}"\n'
+        stage += toml(f"""
+            [scheduler]
+            kind = "{kind}"
+        """)
     make_repo(root, {"s": stage}, SPEECH_MODEL, {"s": FIXTURES / "oom_stages.py"})
     return compile_repository(root)
 
@@ -78,7 +85,15 @@ async def test_an_ar_step_out_of_memory_fails_its_requests_and_frees_them(tmp_pa
 async def test_a_stage_that_runs_out_of_memory_while_it_initializes_is_a_one_line_start_error(
     tmp_path,
 ):
-    plan = _plan(tmp_path, "OomAtStart", None, "[parameters]\nalloc_gib = 2.0\n")
+    plan = _plan(
+        tmp_path,
+        "OomAtStart",
+        None,
+        toml("""
+            [parameters]
+            alloc_gib = 2.0
+        """),
+    )
     runtime = Runtime(plan)
     with pytest.raises(PipelineError) as caught:
         await runtime.start()
@@ -88,7 +103,15 @@ async def test_a_stage_that_runs_out_of_memory_while_it_initializes_is_a_one_lin
 
 
 def test_the_server_exits_1_with_that_line(tmp_path):
-    _plan(tmp_path / "repo", "OomAtStart", None, "[parameters]\nalloc_gib = 2.0\n")
+    _plan(
+        tmp_path / "repo",
+        "OomAtStart",
+        None,
+        toml("""
+            [parameters]
+            alloc_gib = 2.0
+        """),
+    )
     assert failed_start_line(tmp_path / "repo").endswith(
         "stage s: initialize() ran out of GPU memory: tried to allocate 2.00 GiB on GPU 0"
     )
@@ -96,9 +119,20 @@ def test_the_server_exits_1_with_that_line(tmp_path):
 
 @pytest.mark.slow  # a real server process
 def test_chat_out_of_memory_is_a_500_naming_the_stage_and_the_next_succeeds(tmp_path):
-    stage = 'backend = "model.py:OomChat"\nprocess = "thinker"\nterminal = true\n'
-    stage += '[scheduler]\nkind = "ar"\n'
-    models = '[models.chat]\nentry = "thinker"\ntasks = ["chat"]\n'
+    stage = toml("""
+        backend = "model.py:OomChat"
+        process = "thinker"
+        terminal = true
+    """)
+    stage += toml("""
+        [scheduler]
+        kind = "ar"
+    """)
+    models = toml("""
+        [models.chat]
+        entry = "thinker"
+        tasks = ["chat"]
+    """)
     repo = make_repo(
         tmp_path / "repo", {"thinker": stage}, models, {"thinker": FIXTURES / "oom_stages.py"}
     )
@@ -133,7 +167,15 @@ def test_chat_out_of_memory_is_a_500_naming_the_stage_and_the_next_succeeds(tmp_
 async def test_the_fraction_caps_the_stage_and_a_real_oom_fails_only_its_request(
     tmp_path, backend, kind
 ):
-    plan = _plan(tmp_path, backend, kind, "gpu = 0\ngpu_memory_fraction = 0.05\n")
+    plan = _plan(
+        tmp_path,
+        backend,
+        kind,
+        toml("""
+            gpu = 0
+            gpu_memory_fraction = 0.05
+        """),
+    )
     async with running(plan) as runtime:
         model = runtime.plan.models["m"]
         (pid,) = runtime.processes().values()
@@ -155,7 +197,15 @@ async def test_a_budget_the_device_cannot_give_is_a_one_line_start_error(tmp_pat
     free = torch.cuda.mem_get_info(0)[0]
     hog = torch.empty(int(free * 0.6), dtype=torch.uint8, device="cuda:0")  # another process's
     try:
-        plan = _plan(tmp_path, "OomSingle", None, "gpu = 0\ngpu_memory_fraction = 0.5\n")
+        plan = _plan(
+            tmp_path,
+            "OomSingle",
+            None,
+            toml("""
+                gpu = 0
+                gpu_memory_fraction = 0.5
+            """),
+        )
         runtime = Runtime(plan)
         with pytest.raises(PipelineError) as caught:
             await runtime.start()

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from omni_server.pipeline import PipelineError
+from tests.helpers.repo import toml
 from tests.helpers.runtime import running
-from tests.runtime.pipelines import _stage, build, chain, stream
+from tests.runtime.pipelines import build, chain, stage_toml, stream
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -52,14 +53,44 @@ async def test_same_outputs_in_one_process_split_and_replicated(tmp_path):
 def _fan_in(root, processes: bool):
     p = (lambda name: name) if processes else (lambda name: "p")
     stages = {
-        "split": _stage("Split", 'next = ["left", "right"]\n', p("split")),
-        "left": _stage("Add", 'next = "join"\n[parameters]\nk = 10\n', p("left")),
-        "right": _stage("Add", 'next = "join"\n[parameters]\nk = 20\n', p("right")),
-        "join": _stage(
-            "Merge", 'wait_for = ["left", "right"]\nmerge = "merge"\nterminal = true\n', p("join")
+        "split": stage_toml("Split", 'next = ["left", "right"]\n', p("split")),
+        "left": stage_toml(
+            "Add",
+            toml("""
+                next = "join"
+                [parameters]
+                k = 10
+            """),
+            p("left"),
+        ),
+        "right": stage_toml(
+            "Add",
+            toml("""
+                next = "join"
+                [parameters]
+                k = 20
+            """),
+            p("right"),
+        ),
+        "join": stage_toml(
+            "Merge",
+            toml("""
+                wait_for = ["left", "right"]
+                merge = "merge"
+                terminal = true
+            """),
+            p("join"),
         ),
     }
-    return build(root, stages, '[models.m]\nentry = "split"\ntasks = ["speech"]\n')
+    return build(
+        root,
+        stages,
+        toml("""
+            [models.m]
+            entry = "split"
+            tasks = ["speech"]
+        """),
+    )
 
 
 @pytest.mark.parametrize("processes", [True, False], ids=["split", "one-process"])
@@ -77,11 +108,42 @@ async def test_fan_in_merges_every_upstream_payload(tmp_path, processes):
 
 def _routes(root):
     stages = {
-        "split": _stage("Split", 'next = ["left", "right"]\nroute = "route"\n', "front"),
-        "left": _stage("Add", "terminal = true\n[parameters]\nk = 10\n", "left"),
-        "right": _stage("Add", "terminal = true\n[parameters]\nk = 20\n", "front"),
+        "split": stage_toml(
+            "Split",
+            toml("""
+                next = ["left", "right"]
+                route = "route"
+            """),
+            "front",
+        ),
+        "left": stage_toml(
+            "Add",
+            toml("""
+                terminal = true
+                [parameters]
+                k = 10
+            """),
+            "left",
+        ),
+        "right": stage_toml(
+            "Add",
+            toml("""
+                terminal = true
+                [parameters]
+                k = 20
+            """),
+            "front",
+        ),
     }
-    return build(root, stages, '[models.m]\nentry = "split"\ntasks = ["speech"]\n')
+    return build(
+        root,
+        stages,
+        toml("""
+            [models.m]
+            entry = "split"
+            tasks = ["speech"]
+        """),
+    )
 
 
 async def test_route_and_multi_terminal_merge(tmp_path):
@@ -176,10 +238,18 @@ async def test_stream_failure_fails_its_stream_only(tmp_path):
 
 async def test_raising_execute_fails_only_its_request_under_single_scheduling(tmp_path):
     stages = {
-        "a": _stage("Raise", 'next = "b"\n', "a"),
-        "b": _stage("Raise", "terminal = true\n", "b"),
+        "a": stage_toml("Raise", 'next = "b"\n', "a"),
+        "b": stage_toml("Raise", "terminal = true\n", "b"),
     }
-    plan = build(tmp_path, stages, '[models.m]\nentry = "a"\ntasks = ["speech"]\n')
+    plan = build(
+        tmp_path,
+        stages,
+        toml("""
+            [models.m]
+            entry = "a"
+            tasks = ["speech"]
+        """),
+    )
     async with running(plan) as runtime:
         model = runtime.plan.models["m"]
         hs = [runtime.submit(model, {"raise_at": "b" if i % 2 else None}) for i in range(6)]
@@ -196,10 +266,18 @@ async def test_arrays_tensors_and_large_payloads_cross_processes(tmp_path):
     import torch
 
     stages = {
-        "a": _stage("Tensor", 'next = "b"\n', "a"),
-        "b": _stage("Tensor", "terminal = true\n", "b"),
+        "a": stage_toml("Tensor", 'next = "b"\n', "a"),
+        "b": stage_toml("Tensor", "terminal = true\n", "b"),
     }
-    plan = build(tmp_path, stages, '[models.m]\nentry = "a"\ntasks = ["speech"]\n')
+    plan = build(
+        tmp_path,
+        stages,
+        toml("""
+            [models.m]
+            entry = "a"
+            tasks = ["speech"]
+        """),
+    )
     # a ring smaller than the big payload: those messages spill over ZMQ, in order
     async with running(plan, ring_capacity=1 << 16) as runtime:
         model = runtime.plan.models["m"]
@@ -218,10 +296,34 @@ async def test_arrays_tensors_and_large_payloads_cross_processes(tmp_path):
 
 async def test_config_error_in_initialize_fails_start_and_cleans_up(tmp_path):
     stages = {
-        "a": _stage("Add", 'next = "b"\n[parameters]\nk = 1\n', "a"),
-        "b": _stage("Add", "terminal = true\n[parameters]\nwrong = 2\n", "b"),
+        "a": stage_toml(
+            "Add",
+            toml("""
+                next = "b"
+                [parameters]
+                k = 1
+            """),
+            "a",
+        ),
+        "b": stage_toml(
+            "Add",
+            toml("""
+                terminal = true
+                [parameters]
+                wrong = 2
+            """),
+            "b",
+        ),
     }
-    plan = build(tmp_path, stages, '[models.m]\nentry = "a"\ntasks = ["speech"]\n')
+    plan = build(
+        tmp_path,
+        stages,
+        toml("""
+            [models.m]
+            entry = "a"
+            tasks = ["speech"]
+        """),
+    )
     from omni_server.pipeline import Runtime
 
     runtime = Runtime(plan)

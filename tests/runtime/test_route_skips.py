@@ -8,12 +8,17 @@ import asyncio
 import pytest
 
 from omni_server.pipeline import PipelineError
+from tests.helpers.repo import toml
 from tests.helpers.runtime import running
-from tests.runtime.pipelines import _stage, build
+from tests.runtime.pipelines import build, stage_toml
 
 pytestmark = pytest.mark.timeout(120)
 
-MODEL = '[models.m]\nentry = "pre"\ntasks = ["speech"]\n'
+MODEL = """\
+[models.m]
+entry = "pre"
+tasks = ["speech"]
+"""
 
 
 def _omni(root, layout: str):
@@ -25,16 +30,50 @@ def _omni(root, layout: str):
         "replicated": {"pre": "pre", "image": "enc", "audio": "enc", "mm": "mm"},
     }[layout]
     stages = {
-        "pre": _stage("Split", 'next = ["image", "audio", "mm"]\nroute = "route"\n', proc["pre"]),
-        "image": _stage("Add", 'next = "mm"\n[parameters]\nk = 10\n', proc["image"]),
-        "audio": _stage("Add", 'next = "mm"\n[parameters]\nk = 20\n', proc["audio"]),
-        "mm": _stage(
+        "pre": stage_toml(
+            "Split",
+            toml("""
+                next = ["image", "audio", "mm"]
+                route = "route"
+            """),
+            proc["pre"],
+        ),
+        "image": stage_toml(
+            "Add",
+            toml("""
+                next = "mm"
+                [parameters]
+                k = 10
+            """),
+            proc["image"],
+        ),
+        "audio": stage_toml(
+            "Add",
+            toml("""
+                next = "mm"
+                [parameters]
+                k = 20
+            """),
+            proc["audio"],
+        ),
+        "mm": stage_toml(
             "Merge",
-            'wait_for = ["pre", "image", "audio"]\nmerge = "merge"\nterminal = true\n',
+            toml("""
+                wait_for = ["pre", "image", "audio"]
+                merge = "merge"
+                terminal = true
+            """),
             proc["mm"],
         ),
     }
-    processes = "[processes.enc]\nnum_replicas = 2\n" if layout == "replicated" else ""
+    processes = (
+        toml("""
+            [processes.enc]
+            num_replicas = 2
+        """)
+        if layout == "replicated"
+        else ""
+    )
     return build(root, stages, MODEL, processes)
 
 
@@ -70,13 +109,39 @@ def _two_terminals(root, processes: bool):
     """pre routes to [left, speak]: left -> tail (terminal); speak --stream_to--> voice
     (terminal, started by the stream). Leaving out one branch skips one terminal."""
     p = (lambda name: name) if processes else (lambda name: "p")
-    stream = '[scheduler]\nkind = "stream"\n'
+    stream = toml("""
+        [scheduler]
+        kind = "stream"
+    """)
     stages = {
-        "pre": _stage("Split", 'next = ["left", "speak"]\nroute = "route"\n', p("pre")),
-        "left": _stage("Add", 'next = "tail"\n[parameters]\nk = 1\n', p("left")),
-        "tail": _stage("Add", "terminal = true\n[parameters]\nk = 2\n", p("tail")),
-        "speak": _stage("Speak", 'stream_to = "voice"\n' + stream, p("speak")),
-        "voice": _stage("Voice", "terminal = true\n" + stream, p("voice")),
+        "pre": stage_toml(
+            "Split",
+            toml("""
+                next = ["left", "speak"]
+                route = "route"
+            """),
+            p("pre"),
+        ),
+        "left": stage_toml(
+            "Add",
+            toml("""
+                next = "tail"
+                [parameters]
+                k = 1
+            """),
+            p("left"),
+        ),
+        "tail": stage_toml(
+            "Add",
+            toml("""
+                terminal = true
+                [parameters]
+                k = 2
+            """),
+            p("tail"),
+        ),
+        "speak": stage_toml("Speak", 'stream_to = "voice"\n' + stream, p("speak")),
+        "voice": stage_toml("Voice", "terminal = true\n" + stream, p("voice")),
     }
     return build(root, stages, MODEL)
 

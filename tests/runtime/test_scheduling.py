@@ -10,20 +10,35 @@ import asyncio
 
 import pytest
 
+from tests.helpers.repo import toml
 from tests.helpers.runtime import running
-from tests.runtime.pipelines import _stage, build, stream
+from tests.runtime.pipelines import build, stage_toml, stream
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def _batching(root, scheduler: str):
-    stages = {"b": _stage("Batch", "terminal = true\n" + scheduler, "p")}
-    return build(root, stages, '[models.m]\nentry = "b"\ntasks = ["speech"]\n')
+    stages = {"b": stage_toml("Batch", "terminal = true\n" + scheduler, "p")}
+    return build(
+        root,
+        stages,
+        toml("""
+            [models.m]
+            entry = "b"
+            tasks = ["speech"]
+        """),
+    )
 
 
 async def test_batch_scheduler_fills_batches_up_to_the_limit(tmp_path):
     plan = _batching(
-        tmp_path, '[scheduler]\nkind = "batch"\nmax_batch_size = 4\nmax_queue_delay_ms = 50\n'
+        tmp_path,
+        toml("""
+            [scheduler]
+            kind = "batch"
+            max_batch_size = 4
+            max_queue_delay_ms = 50
+        """),
     )
     async with running(plan, inline=True) as runtime:
         model = runtime.plan.models["m"]
@@ -80,8 +95,16 @@ async def test_abort_leaves_no_request_state_in_any_stage(tmp_path):
 async def test_broken_backend_contract_fails_the_request_with_a_clear_message(tmp_path):
     from omni_server.pipeline import PipelineError
 
-    stages = {"b": _stage("Broken", "terminal = true\n", "p")}
-    plan = build(tmp_path, stages, '[models.m]\nentry = "b"\ntasks = ["speech"]\n')
+    stages = {"b": stage_toml("Broken", "terminal = true\n", "p")}
+    plan = build(
+        tmp_path,
+        stages,
+        toml("""
+            [models.m]
+            entry = "b"
+            tasks = ["speech"]
+        """),
+    )
     async with running(plan, inline=True) as runtime:
         model = runtime.plan.models["m"]
         messages = {}

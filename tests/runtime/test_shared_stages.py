@@ -8,16 +8,24 @@ import asyncio
 import pytest
 
 from omni_server.pipeline import PipelineError
+from tests.helpers.repo import toml
 from tests.helpers.runtime import running
-from tests.runtime.pipelines import _stage, build
+from tests.runtime.pipelines import build, stage_toml
 
 pytestmark = pytest.mark.timeout(120)
 
-STREAM = '[scheduler]\nkind = "stream"\n'
-TWO_MODELS = (
-    '[models.first]\nentry = "speak_a"\ntasks = ["speech"]\n'
-    '[models.second]\nentry = "speak_b"\ntasks = ["speech"]\n'
-)
+STREAM = """\
+[scheduler]
+kind = "stream"
+"""
+TWO_MODELS = """\
+[models.first]
+entry = "speak_a"
+tasks = ["speech"]
+[models.second]
+entry = "speak_b"
+tasks = ["speech"]
+"""
 
 
 @pytest.mark.parametrize("processes", [True, False], ids=["split", "one-process"])
@@ -28,9 +36,9 @@ async def test_a_stream_target_shared_by_two_models_waits_only_for_its_models_st
     model never reaches the other streamer, so its stream must end without it."""
     p = (lambda name: name) if processes else (lambda name: "p")
     stages = {
-        "speak_a": _stage("Speak", 'stream_to = "voice"\n' + STREAM, p("speak_a")),
-        "speak_b": _stage("Speak", 'stream_to = "voice"\n' + STREAM, p("speak_b")),
-        "voice": _stage("Voice", "terminal = true\n" + STREAM, p("voice")),
+        "speak_a": stage_toml("Speak", 'stream_to = "voice"\n' + STREAM, p("speak_a")),
+        "speak_b": stage_toml("Speak", 'stream_to = "voice"\n' + STREAM, p("speak_b")),
+        "voice": stage_toml("Voice", "terminal = true\n" + STREAM, p("voice")),
     }
     async with running(build(tmp_path, stages, TWO_MODELS)) as runtime:
 
@@ -52,13 +60,41 @@ async def test_a_stage_fed_by_two_upstreams_without_wait_for_fails_the_second_pa
     """pre hands its payload to left and right, both feed tail (no wait_for): tail must not run
     twice for one request; the second payload fails the request naming what to declare."""
     stages = {
-        "pre": _stage("Add", 'next = ["left", "right"]\n[parameters]\nk = 0\n', "p"),
-        "left": _stage("Add", 'next = "tail"\n[parameters]\nk = 1\n', "p"),
-        "right": _stage("Add", 'next = "tail"\n[parameters]\nk = 2\n', "p"),
+        "pre": stage_toml(
+            "Add",
+            toml("""
+                next = ["left", "right"]
+                [parameters]
+                k = 0
+            """),
+            "p",
+        ),
+        "left": stage_toml(
+            "Add",
+            toml("""
+                next = "tail"
+                [parameters]
+                k = 1
+            """),
+            "p",
+        ),
+        "right": stage_toml(
+            "Add",
+            toml("""
+                next = "tail"
+                [parameters]
+                k = 2
+            """),
+            "p",
+        ),
         # a slow terminal: the second payload arrives while the first still runs
-        "tail": _stage("Speak", "terminal = true\n" + STREAM, "p"),
+        "tail": stage_toml("Speak", "terminal = true\n" + STREAM, "p"),
     }
-    model = '[models.m]\nentry = "pre"\ntasks = ["speech"]\n'
+    model = toml("""
+        [models.m]
+        entry = "pre"
+        tasks = ["speech"]
+    """)
     async with running(build(tmp_path, stages, model)) as runtime:
         handle = runtime.submit(runtime.plan.models["m"], {"values": [], "n": 2, "delay": 0.5})
         with pytest.raises(PipelineError) as err:
@@ -75,13 +111,26 @@ async def test_models_sharing_a_stage_follow_only_their_own_stages(tmp_path, pro
     handle tells the two terminals' chunks apart."""
     p = (lambda name: name) if processes else (lambda name: "p")
     stages = {
-        "speak": _stage("Speak", 'terminal = true\nstream_to = "voice"\n' + STREAM, p("speak")),
-        "voice": _stage("Voice", "terminal = true\n" + STREAM, p("voice")),
+        "speak": stage_toml(
+            "Speak",
+            toml("""
+                terminal = true
+                stream_to = "voice"
+            """)
+            + STREAM,
+            p("speak"),
+        ),
+        "voice": stage_toml("Voice", "terminal = true\n" + STREAM, p("voice")),
     }
-    models = (
-        '[models.text]\nentry = "speak"\nstages = ["speak"]\ntasks = ["chat"]\n'
-        '[models.spoken]\nentry = "speak"\ntasks = ["chat"]\n'
-    )
+    models = toml("""
+        [models.text]
+        entry = "speak"
+        stages = ["speak"]
+        tasks = ["chat"]
+        [models.spoken]
+        entry = "speak"
+        tasks = ["chat"]
+    """)
     async with running(build(tmp_path, stages, models)) as runtime:
 
         async def one(model: str):

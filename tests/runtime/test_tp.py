@@ -10,9 +10,9 @@ import torch
 from omni_server.compiler.compiler import compile_repository
 from omni_server.pipeline import PipelineError
 from tests.fixtures import FIXTURES
-from tests.helpers.repo import make_repo
+from tests.helpers.repo import make_repo, toml
 from tests.helpers.runtime import running
-from tests.runtime.pipelines import _stage, build
+from tests.runtime.pipelines import build, stage_toml
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -26,16 +26,36 @@ def _expected(x: list[list[float]]) -> torch.Tensor:
 async def test_tp2_over_gloo_matches_the_unsharded_computation(tmp_path):
     # tp_size without `gpu`: the compiler places both ranks on the CPU (gloo)
     stages = {
-        "mm": _stage(
+        "mm": stage_toml(
             "ShardedLinear",
-            'next = "rows"\ntp_size = 2\n[scheduler]\nkind = "batch"\n'
-            "max_batch_size = 4\nmax_queue_delay_ms = 20\n",
+            toml("""
+                next = "rows"
+                tp_size = 2
+                [scheduler]
+                kind = "batch"
+                max_batch_size = 4
+                max_queue_delay_ms = 20
+            """),
         ),
-        "rows": _stage(
-            "ShardedStream", 'terminal = true\ntp_size = 2\n[scheduler]\nkind = "stream"\n'
+        "rows": stage_toml(
+            "ShardedStream",
+            toml("""
+                terminal = true
+                tp_size = 2
+                [scheduler]
+                kind = "stream"
+            """),
         ),
     }
-    plan = build(tmp_path, stages, '[models.m]\nentry = "mm"\ntasks = ["speech"]\n')
+    plan = build(
+        tmp_path,
+        stages,
+        toml("""
+            [models.m]
+            entry = "mm"
+            tasks = ["speech"]
+        """),
+    )
     assert {(i.name, i.tp_size, i.devices[i.stages[0]]) for i in plan.instances} == {
         (f"{s}@r0/tp{rank}", 2, None) for s in ("mm", "rows") for rank in (0, 1)
     }
@@ -61,14 +81,21 @@ async def test_tp2_over_gloo_matches_the_unsharded_computation(tmp_path):
 
 
 def _collective_stream(root):
-    stage = (
-        'backend = "model.py:CollectiveStream"\nterminal = true\ntp_size = 2\n'
-        '[scheduler]\nkind = "stream"\n'
-    )
+    stage = toml("""
+        backend = "model.py:CollectiveStream"
+        terminal = true
+        tp_size = 2
+        [scheduler]
+        kind = "stream"
+    """)
     make_repo(
         root,
         {"s": stage},
-        '[models.m]\nentry = "s"\ntasks = ["speech"]\n',
+        toml("""
+            [models.m]
+            entry = "s"
+            tasks = ["speech"]
+        """),
         {"s": FIXTURES / "tp_stages.py"},
     )
     return compile_repository(root)

@@ -20,7 +20,7 @@ from omni_server.compiler.plan import Plan
 from omni_server.pipeline import PipelineError
 from tests.fixtures import FIXTURES
 from tests.fixtures.tp_stages import build_engine
-from tests.helpers.repo import make_repo
+from tests.helpers.repo import make_repo, toml
 from tests.helpers.runtime import running
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # torch processes
@@ -42,7 +42,11 @@ def _plan(
     make_repo(
         root,
         {"thinker": stage},
-        '[models.m]\nentry = "thinker"\ntasks = ["chat"]\n',
+        toml("""
+            [models.m]
+            entry = "thinker"
+            tasks = ["chat"]
+        """),
         {"thinker": FIXTURES / "tp_stages.py"},
     )
     return compile_repository(root)

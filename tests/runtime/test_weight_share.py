@@ -35,7 +35,7 @@ from omni_server.pipeline import PipelineError, Runtime
 from omni_server.pipeline.supervision import SupervisionPolicy
 from tests.fixtures import FIXTURES
 from tests.helpers.proc import run_segments
-from tests.helpers.repo import make_repo
+from tests.helpers.repo import make_repo, toml
 from tests.helpers.runtime import running
 
 pytestmark = pytest.mark.timeout(120)
@@ -97,7 +97,10 @@ def test_groups_follow_the_engine_stage_and_its_device(tmp_path):
     gpu = _repo(
         tmp_path / "gpu",
         replicas=4,
-        extra_stage="gpu = [0]\ngpu_memory_fraction = 0.2",
+        extra_stage=toml("""
+            gpu = [0]
+            gpu_memory_fraction = 0.2
+        """),
         processes="replica_devices = [0, 1, 0, 0]",
     )
     (group,) = sharing_groups(gpu)
@@ -109,9 +112,21 @@ def test_groups_follow_the_engine_stage_and_its_device(tmp_path):
     # a stage without an [engine] table is never a sharing group
     make_repo(
         tmp_path / "plain",
-        {"s": 'backend = "Echo"\nterminal = true'},
-        '[server]\nweight_share = "on"\n[models.m]\nentry = "s"\ntasks = ["chat"]\n'
-        "[processes.s]\nnum_replicas = 2\n",
+        {
+            "s": toml("""
+                backend = "Echo"
+                terminal = true
+            """)
+        },
+        toml("""
+            [server]
+            weight_share = "on"
+            [models.m]
+            entry = "s"
+            tasks = ["chat"]
+            [processes.s]
+            num_replicas = 2
+        """),
     )
     plain = compile_repository(tmp_path / "plain")
     assert sharing_groups(plain) == [] and start_waves(plain) == [[0, 1]]
@@ -218,7 +233,14 @@ async def _both(runtime: Runtime, inputs: dict | None = None) -> dict[int, dict]
 async def test_two_cpu_replicas_share_one_read_only_copy_started_and_stopped_in_order(tmp_path):
     markers = tmp_path / "markers"
     markers.mkdir()
-    plan = _repo(tmp_path / "repo", parameters=f'mib = 16\nload_s = 0.5\nmarker_dir = "{markers}"')
+    plan = _repo(
+        tmp_path / "repo",
+        parameters=toml(f"""
+            mib = 16
+            load_s = 0.5
+            marker_dir = "{markers}"
+        """),
+    )
     async with running(plan) as runtime:
         run_id = runtime.stage_processes.run_id
         by_replica = await _both(runtime)
@@ -391,8 +413,15 @@ async def test_two_thinker_replicas_on_the_cpu_share_the_smollm2_weights(tmp_pat
     make_repo(
         tmp_path / "repo",
         {"thinker": stage},
-        '[server]\nweight_share = "on"\n[models.chat]\nentry = "thinker"\ntasks = ["chat"]\n'
-        "[processes.thinker]\nnum_replicas = 2\n",
+        toml("""
+            [server]
+            weight_share = "on"
+            [models.chat]
+            entry = "thinker"
+            tasks = ["chat"]
+            [processes.thinker]
+            num_replicas = 2
+        """),
         {"thinker": THINKER / "model.py"},
     )
     plan = compile_repository(tmp_path / "repo")

@@ -10,7 +10,7 @@ import pytest
 
 from omni_server.compiler.compiler import compile_repository
 from omni_server.pipeline import PipelineError
-from tests.helpers.repo import make_repo
+from tests.helpers.repo import make_repo, toml
 from tests.helpers.runtime import running
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -32,7 +32,11 @@ def plan(tmp_path_factory):
     make_repo(
         root,
         {"thinker": stage},
-        '[models.chat]\nentry = "thinker"\ntasks = ["chat"]\n',
+        toml("""
+            [models.chat]
+            entry = "thinker"
+            tasks = ["chat"]
+        """),
         {"thinker": THINKER / "model.py"},
     )
     return compile_repository(root)

@@ -15,7 +15,7 @@ from omni_bench.speech import DEFAULT_DATASET, load_dataset
 from omni_server.backend import Request
 from omni_server.compiler.compiler import compile_repository
 from tests.fixtures import FIXTURES
-from tests.helpers.repo import make_repo
+from tests.helpers.repo import make_repo, toml
 from tests.helpers.runtime import running
 
 pytestmark = pytest.mark.timeout(300)
@@ -174,8 +174,13 @@ async def test_a_thinker_streaming_into_the_voice_gives_the_speech_models_audio(
     (text over the ring); the audio is the speech model's for the same text and seed."""
     text = TEXTS[1]
     stages = {
-        "thinker": 'backend = "model.py:TextStreamer"\nprocess = "thinker"\n'
-        'stream_to = ["text_frontend"]\n[scheduler]\nkind = "stream"\n',
+        "thinker": toml("""
+            backend = "model.py:TextStreamer"
+            process = "thinker"
+            stream_to = ["text_frontend"]
+            [scheduler]
+            kind = "stream"
+        """),
         **{
             name: stage_toml(repository, name)
             for name in ("text_frontend", "acoustic", "audio_encoder")
@@ -191,9 +196,18 @@ async def test_a_thinker_streaming_into_the_voice_gives_the_speech_models_audio(
     root = make_repo(
         tmp_path,
         stages,
-        f"[processes.voice]\nnum_replicas = {voice_replicas}\n"
-        '[models.speech]\nentry = "text_frontend"\ntasks = ["speech"]\nvoices = ["joe"]\n'
-        '[models.omni]\nentry = "thinker"\ntasks = ["chat"]\nvoices = ["joe"]\n',
+        toml(f"""
+            [processes.voice]
+            num_replicas = {voice_replicas}
+            [models.speech]
+            entry = "text_frontend"
+            tasks = ["speech"]
+            voices = ["joe"]
+            [models.omni]
+            entry = "thinker"
+            tasks = ["chat"]
+            voices = ["joe"]
+        """),
         models,
     )
     plan = compile_repository(root)
