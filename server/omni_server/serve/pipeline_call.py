@@ -9,7 +9,8 @@
         submitted(state, model, inputs)      `Runtime.submit`; leaving the block, for any
                                              reason, aborts the request in every stage
 
-`ApiCall.pipeline(model, inputs)` is the three nested, for the HTTP endpoints; chat's audio
+`ApiCall.pipeline(model, inputs)` is `admitted` + `submitted` for an HTTP endpoint (inside
+`respond`, which hands the endpoint its `ApiCall`); chat's audio
 parts (several transcriptions under one place) and the realtime session (its responses and its
 turns' transcriptions) use `admitted` and `submitted` themselves. `pipeline_error` and
 `request_error` turn a `PipelineError` into the client's `ApiError`.
