@@ -37,7 +37,7 @@ class _Model:  # the parser only reads voices and aliases for audio out
 
 def test_input_audio_parts_are_kept_in_order_for_the_transcriber():
     data = base64.b64encode(b"RIFF....WAVE").decode()
-    chat = parse_chat_request({"messages": _audio_message(data)}, _Model())  # type: ignore[arg-type]
+    chat = parse_chat_request({"model": "m", "messages": _audio_message(data)}, _Model())  # type: ignore[arg-type]
     (part,) = chat.audio_parts
     assert isinstance(part, AudioPart) and part.data == b"RIFF....WAVE" and part.format == "wav"
     assert part.param == "messages[0].content[1]"
@@ -55,7 +55,7 @@ def test_input_audio_parts_are_kept_in_order_for_the_transcriber():
 )
 def test_bad_input_audio_is_a_400_naming_the_part(data, fmt, param):
     with pytest.raises(ApiError) as err:
-        parse_chat_request({"messages": _audio_message(data, fmt)}, _Model())  # type: ignore[arg-type]
+        parse_chat_request({"model": "m", "messages": _audio_message(data, fmt)}, _Model())  # type: ignore[arg-type]
     assert err.value.status == 400 and err.value.param == param
 
 

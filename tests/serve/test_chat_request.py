@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from omni_server.compiler.plan import ModelSpec
-from omni_server.serve.chat_request import MAX_MESSAGES, parse_chat_request
+from omni_server.serve.chat_body import MAX_MESSAGES
+from omni_server.serve.chat_request import parse_chat_request
 from omni_server.serve.errors import ApiError
 
 TEXT = ModelSpec(id="text", entry="thinker", tasks=("chat",))
@@ -24,12 +25,12 @@ AUDIO = {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": 
 
 
 def parse(model: ModelSpec = TEXT, **body: Any):
-    return parse_chat_request({"messages": USER, **body}, model)
+    return parse_chat_request({"model": model.id, "messages": USER, **body}, model)
 
 
 def refused(model: ModelSpec = TEXT, **body: Any) -> ApiError:
     with pytest.raises(ApiError) as err:
-        parse_chat_request({"messages": USER, **body}, model)
+        parse_chat_request({"model": model.id, "messages": USER, **body}, model)
     assert err.value.status == 400
     return err.value
 
@@ -113,7 +114,7 @@ def test_roles_and_parts():
 )
 def test_bad_messages(messages, param, code):
     with pytest.raises(ApiError) as err:
-        parse_chat_request({"messages": messages}, TEXT)
+        parse_chat_request({"model": "text", "messages": messages}, TEXT)
     assert err.value.status == 400 and err.value.param == param
     if code is not None:
         assert err.value.code == code

@@ -20,8 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from omni_server.serve import create_app
+from omni_server.serve.chat_body import ChatBody
 from omni_server.serve.openapi import document
+from omni_server.serve.speech_request import SpeechBody
 from omni_server.serve.state import STATE
+from omni_server.serve.transcription_request import TranscriptionForm
 from tests.fixtures import FIXTURES
 from tests.helpers.repo import make_repo
 from tests.helpers.server import ServerProcess
@@ -59,12 +62,43 @@ async def test_the_document_lists_exactly_the_app_routes(stand_in_runtime, aioht
     properties = speech["application/json"]["schema"]["properties"]
     assert properties["model"]["enum"] == ["quiet"]
     assert properties["stream_format"]["default"] == "audio"
+    assert properties["seed"]["x-extension"] is True and "x-extension" not in properties["speed"]
+    assert properties["input"]["maxLength"] == app[STATE].options.max_input_chars
+
+
+@pytest.mark.parametrize(
+    ("path", "media", "body"),
+    [
+        ("/v1/audio/speech", "application/json", SpeechBody),
+        ("/v1/chat/completions", "application/json", ChatBody),
+        ("/v1/audio/transcriptions", "multipart/form-data", TranscriptionForm),
+    ],
+)
+async def test_request_schemas_are_the_models_that_validate_them(
+    stand_in_runtime, aiohttp_client, path, media, body
+):
+    """The document's request bodies come from the models: every field (by its wire name,
+    e.g. `include[]`), the required ones, unknown fields refused, the nested objects defined."""
+    client = await aiohttp_client(create_app(stand_in_runtime))
+    doc = await (await client.get("/openapi.json")).json()
+    served = doc["paths"][path]["post"]["requestBody"]["content"][media]["schema"]
+    fields = {f.alias or name: f for name, f in body.model_fields.items()}
+    assert set(served["properties"]) == set(fields)
+    # the plan may require more (a voice, when no served model has a default one), never less
+    assert set(served["required"]) >= {name for name, f in fields.items() if f.is_required()}
+    assert served["additionalProperties"] is False
+    refs = {ref for ref in json.dumps(served).split('"') if ref.startswith("#/components/")}
+    for ref in refs:
+        assert ref.removeprefix("#/components/schemas/") in doc["components"]["schemas"], ref
 
 
 def strategy(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
-    """Values a JSON schema (the subset the document uses) describes."""
-    if "oneOf" in schema:
-        return st.one_of([strategy(s) for s in schema["oneOf"]])
+    """Values a JSON schema (the subset the document uses, its $refs resolved) describes."""
+    for union in ("oneOf", "anyOf"):
+        if union in schema:
+            # a null is a field left out, which leaving optional keys out already covers
+            branches = [s for s in schema[union] if s.get("type") != "null"] or schema[union]
+            return st.one_of([strategy(s) for s in branches])
     if "enum" in schema:
         return st.sampled_from(schema["enum"])
     if "const" in schema:
@@ -81,6 +115,8 @@ def strategy(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
         return st.floats(schema.get("minimum"), schema.get("maximum"), allow_nan=False)
     if kind == "boolean":
         return st.booleans()
+    if kind == "null":
+        return st.none()
     if kind == "array":
         items = strategy(schema.get("items", {}))
         return st.lists(items, min_size=schema.get("minItems", 0), max_size=4)
@@ -127,7 +163,17 @@ def fuzzed(tmp_path_factory):
 
 
 def request_schema(doc: dict, path: str, media: str) -> dict[str, Any]:
-    return doc["paths"][path]["post"]["requestBody"]["content"][media]["schema"]
+    """A request body's schema with its `#/components/schemas/...` references inlined."""
+    schemas = doc["components"]["schemas"]
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(schemas[node["$ref"].removeprefix("#/components/schemas/")])
+            return {key: inline(value) for key, value in node.items()}
+        return [inline(item) for item in node] if isinstance(node, list) else node
+
+    return inline(doc["paths"][path]["post"]["requestBody"]["content"][media]["schema"])
 
 
 def assert_no_server_error(response: httpx.Response) -> None:

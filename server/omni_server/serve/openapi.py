@@ -1,23 +1,29 @@
 """`GET /openapi.json`: an OpenAPI 3.1 document of this server's routes, for this plan.
 
-Built per app from the plan, so enumerations are the served ones (speech models and their
-voices, transcription models, chat models) and the bounds are the options' (input characters,
-body bytes). The document lists exactly the routes `create_app` registers (a test compares the
-two), with every status a route can answer and OpenAI's error object for the failures. Fields
-beyond OpenAI's are marked `x-extension: true`.
+The request bodies' schemas are those of the models that validate them (`SpeechBody`,
+`ChatBody`, `TranscriptionForm`: `model_json_schema()`, their nested objects under
+`components/schemas`), with the plan's and the options' parts laid over them per app: the
+served models and voices as enumerations, the input characters' bound. The document lists
+exactly the routes `create_app` registers (a test compares the two), with every status a route
+can answer and OpenAI's error object for the failures. Fields beyond OpenAI's are marked
+`x-extension: true`.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 from typing import Any
 
 from aiohttp import web
+from pydantic import BaseModel
 
-from omni_server.audio import FORMATS
 from omni_server.compiler.plan import Plan
 from omni_server.serve.access import OPEN_PATHS
-from omni_server.serve.speech_request import MAX_SEED, MAX_SPEED, MIN_SPEED, STREAM_FORMATS
+from omni_server.serve.chat_body import ChatBody
+from omni_server.serve.speech_request import SpeechBody
 from omni_server.serve.state import STATE, ServerState
+from omni_server.serve.transcription_request import TranscriptionForm
 
 Schema = dict[str, Any]
 
@@ -75,7 +81,7 @@ def document(state: ServerState) -> Schema:
         },
         "paths": paths,
         "components": {
-            "schemas": {"Error": _ERROR},
+            "schemas": {"Error": _ERROR, **copy.deepcopy(_NESTED)},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }
@@ -96,6 +102,38 @@ def _names_or_string(names: list[str]) -> Schema:
     return {"type": "string", "enum": names} if names else {"type": "string"}
 
 
+_BODIES: tuple[type[BaseModel], ...] = (SpeechBody, ChatBody, TranscriptionForm)
+_REF = "#/components/schemas/{model}"
+
+
+@functools.cache
+def _schema(body: type[BaseModel]) -> Schema:
+    """A body's schema without its nested objects' (in `_NESTED`); made once per process, as
+    the models do not change (each document lays its plan's parts over a copy)."""
+    schema = body.model_json_schema(ref_template=_REF)
+    schema.pop("$defs", None)
+    return schema
+
+
+def _nested() -> Schema:
+    nested: Schema = {}
+    for body in _BODIES:
+        for name, schema in body.model_json_schema(ref_template=_REF).get("$defs", {}).items():
+            assert nested.setdefault(name, schema) == schema, f"two request objects named {name}"
+    return nested
+
+
+_NESTED = _nested()
+
+
+def _body(body: type[BaseModel], **properties: Schema) -> Schema:
+    """A copy of `body`'s schema with the given properties' parts laid over it."""
+    schema = copy.deepcopy(_schema(body))
+    for name, extra in properties.items():
+        schema["properties"][name].update(extra)
+    return schema
+
+
 def _speech(plan: Plan, max_chars: int) -> Schema:
     voices = sorted(
         {
@@ -105,67 +143,40 @@ def _speech(plan: Plan, max_chars: int) -> Schema:
             for name in (*model.voices, *model.voice_aliases)
         }
     )
-    voice = _names_or_string(voices)
-    body = {
-        "type": "object",
-        "required": ["model", "input"],
-        "properties": {
-            "model": _names_or_string(_model_names(plan, "speech")),
-            "input": {
-                "type": "string",
-                "minLength": 1,
-                "maxLength": max_chars,
-                "description": "counted after NFKC normalization; must contain a letter, "
-                "digit or symbol",
-            },
-            "voice": {
-                "oneOf": [
-                    voice,
-                    {"type": "object", "required": ["id"], "properties": {"id": voice}},
-                ]
-            },
-            "instructions": {"type": "string"},
-            "response_format": {"type": "string", "enum": list(FORMATS), "default": "mp3"},
-            "speed": {"type": "number", "minimum": MIN_SPEED, "maximum": MAX_SPEED, "default": 1},
-            "stream_format": {"type": "string", "enum": list(STREAM_FORMATS), "default": "audio"},
-            "stream": {
-                "type": "boolean",
-                "x-extension": True,
-                "description": "true: the default stream; false: one whole response with "
-                "Content-Length (not with stream_format)",
-            },
-            "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED, "x-extension": True},
-            "sample_rate": {"type": "integer", "minimum": 1, "x-extension": True},
-        },
-    }
+    body = _body(
+        SpeechBody,
+        model=_names_or_string(_model_names(plan, "speech")),
+        input={"maxLength": max_chars},
+    )
+    if voices:  # the name and the object form's id
+        _enumerate_strings(body["properties"]["voice"], voices)
+    speakers = [model for model in plan.models.values() if "speech" in model.tasks]
+    if speakers and all(model.default_voice is None for model in speakers):
+        body["required"].append("voice")  # no served model would choose one
     audio = {"schema": {"type": "string", "contentEncoding": "binary"}}
     content = {t: audio for t in ("audio/mpeg", "audio/ogg", "audio/aac", "audio/flac")}
     content |= {"audio/wav": audio, "audio/pcm": audio, "text/event-stream": {"schema": _TEXT}}
     return _post("text to speech", "application/json", body, content)
 
 
+def _enumerate_strings(schema: Any, names: list[str]) -> None:
+    """Every string schema inside `schema` becomes one of `names`; a referenced object is
+    copied in first (the shared one keeps its plain strings)."""
+    if isinstance(schema, dict):
+        if "$ref" in schema:
+            name = schema.pop("$ref").removeprefix("#/components/schemas/")
+            schema.update(copy.deepcopy(_NESTED[name]))
+        if schema.get("type") == "string":
+            schema["enum"] = names
+        for value in schema.values():
+            _enumerate_strings(value, names)
+    elif isinstance(schema, list):
+        for item in schema:
+            _enumerate_strings(item, names)
+
+
 def _transcription(plan: Plan) -> Schema:
-    body = {
-        "type": "object",
-        "required": ["file", "model"],
-        "properties": {
-            "file": {"type": "string", "contentEncoding": "binary"},
-            "model": _names_or_string(_model_names(plan, "transcription")),
-            "language": {"type": "string"},
-            "prompt": {"type": "string"},
-            "response_format": {
-                "type": "string",
-                "enum": ["json", "text", "srt", "verbose_json", "vtt"],
-            },
-            "temperature": {"type": "number", "minimum": 0, "maximum": 1},
-            "timestamp_granularities[]": {
-                "type": "array",
-                "items": {"type": "string", "enum": ["segment", "word"]},
-            },
-            "include[]": {"type": "array", "items": {"type": "string", "enum": ["logprobs"]}},
-            "stream": {"type": "boolean"},
-        },
-    }
+    body = _body(TranscriptionForm, model=_names_or_string(_model_names(plan, "transcription")))
     content = {
         "application/json": {"schema": {"type": "object"}},
         "text/plain": {"schema": _TEXT},
@@ -175,59 +186,7 @@ def _transcription(plan: Plan) -> Schema:
 
 
 def _chat(plan: Plan) -> Schema:
-    part = {
-        "type": "object",
-        "required": ["type"],
-        "properties": {
-            "type": {"type": "string", "enum": ["text", "input_audio"]},
-            "text": {"type": "string"},
-            "input_audio": {
-                "type": "object",
-                "properties": {
-                    "data": {"type": "string", "contentEncoding": "base64"},
-                    "format": {"type": "string", "enum": ["wav", "mp3"]},
-                },
-            },
-        },
-    }
-    message = {
-        "type": "object",
-        "required": ["role", "content"],
-        "properties": {
-            "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
-            "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": part}]},
-        },
-    }
-    body = {
-        "type": "object",
-        "required": ["model", "messages"],
-        "properties": {
-            "model": _names_or_string(_model_names(plan, "chat")),
-            "messages": {"type": "array", "minItems": 1, "items": message},
-            "modalities": {"type": "array", "items": {"type": "string", "enum": ["text", "audio"]}},
-            "audio": {
-                "type": "object",
-                "properties": {
-                    "voice": {"type": "string"},
-                    "format": {"type": "string", "enum": ["wav", "mp3", "flac", "opus", "pcm16"]},
-                },
-            },
-            "max_tokens": {"type": "integer", "minimum": 1},
-            "max_completion_tokens": {"type": "integer", "minimum": 1},
-            "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-            "top_p": {"type": "number", "minimum": 0, "maximum": 1},
-            "top_k": {"type": "integer", "minimum": 0},
-            "min_p": {"type": "number", "minimum": 0, "maximum": 1},
-            "seed": {"type": "integer", "minimum": 0},
-            "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
-            "stream": {"type": "boolean"},
-            "stream_options": {
-                "type": "object",
-                "properties": {"include_usage": {"type": "boolean"}},
-            },
-            "n": {"type": "integer", "minimum": 1, "maximum": 1},
-        },
-    }
+    body = _body(ChatBody, model=_names_or_string(_model_names(plan, "chat")))
     content = {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {}}
     return _post(
         "chat completion (text, and audio from a speech stage)", "application/json", body, content

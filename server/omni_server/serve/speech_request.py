@@ -1,29 +1,36 @@
-"""Validation of `POST /v1/audio/speech` bodies: the OpenAI fields plus our extensions.
+"""`POST /v1/audio/speech`: the body declared (`SpeechBody`: OpenAI's fields plus our extensions),
+then what depends on the model and the options; and the voice's options, for every endpoint
+that speaks.
 
 Every rejection is a 400 naming the field (`param`) and what would be valid; an unknown model is
-a 404 listing the served ones. Fields this server does not know are ignored, as OpenAI clients
-send `extra_body` fields meant for other servers.
+a 404 listing the served ones; a field no one declares is refused as OpenAI refuses it
+(serve/validation.py).
 """
 
 from __future__ import annotations
 
 import unicodedata
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import Discriminator, Field
 
 from omni_server.audio import CONTENT_TYPES, DEFAULT_SAMPLE_RATES, FORMATS, check_sample_rate
 from omni_server.compiler.plan import ModelSpec, Plan
 from omni_server.serve.errors import ApiError, invalid_field
-from omni_server.serve.json_fields import (
-    choice,
-    integer,
-    number,
-    optional_str,
-    required_str,
-    valid_unicode,
-)
 from omni_server.serve.models import resolve_model
 from omni_server.serve.options import ESTIMATE_CHARS_PER_SECOND, ServeOptions
+from omni_server.serve.validation import (
+    Between,
+    Integer,
+    RequestModel,
+    Text,
+    extension,
+    model_name,
+    names,
+    parse,
+    tag,
+)
 
 # Letters, numbers and symbols ("$", "%", emoji) are what a voice can say; an input of only
 # punctuation, spaces, marks or invisible characters ("....", U+200B) has nothing to speak.
@@ -31,9 +38,60 @@ SPEAKABLE_CATEGORIES = frozenset("LNS")
 MIN_SPEED, MAX_SPEED = 0.25, 4.0
 MAX_SEED = 2**63 - 1
 PCM_SAMPLE_RATE = DEFAULT_SAMPLE_RATES["pcm"]  # OpenAI's pcm: 24 kHz, s16le, mono
-STREAM_FORMATS = ("audio", "sse")
+ResponseFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
+assert get_args(ResponseFormat) == FORMATS, "the encoder's formats are the ones declared"
+StreamFormat = Literal["audio", "sse"]
+STREAM_FORMATS: tuple[str, ...] = get_args(StreamFormat)
 # OpenAI streams speech unless told otherwise: a request without `stream_format` gets "audio".
-DEFAULT_STREAM_FORMAT = "audio"
+DEFAULT_STREAM_FORMAT: StreamFormat = "audio"
+
+
+class VoiceId(RequestModel):
+    """OpenAI's object form of `voice` (its custom voices)."""
+
+    id: str
+
+
+def _voice_kind(value: Any) -> str | None:
+    # an object without "id" is no voice object: refused as a whole, not as a missing "id"
+    if isinstance(value, str):
+        return "<string>"
+    return "<object>" if isinstance(value, dict) and "id" in value else None
+
+
+Voice = Annotated[
+    Annotated[str, tag("string")] | Annotated[VoiceId, tag("object")],
+    Discriminator(
+        _voice_kind,
+        custom_error_type="invalid_type",
+        custom_error_message='must be a voice name or an object {"id": name}',
+    ),
+]
+
+
+class SpeechBody(RequestModel):
+    """The JSON body of `POST /v1/audio/speech`: OpenAI's fields, then our extensions."""
+
+    model: str = Field(description="a model id or alias that serves speech")
+    input: Text = Field(
+        description="counted after NFKC normalization; must contain a letter, digit or symbol",
+        json_schema_extra={"minLength": 1},
+    )
+    voice: Voice | None = Field(None, description="the model's default_voice when left out")
+    instructions: Text | None = Field(None, description="accepted; no voice here acts on it")
+    response_format: ResponseFormat = "mp3"
+    speed: Annotated[float, Between(MIN_SPEED, MAX_SPEED)] = 1.0
+    stream_format: StreamFormat = DEFAULT_STREAM_FORMAT
+    stream: bool | None = extension(
+        "true: the default stream; false: one whole response with Content-Length (not with "
+        "stream_format)"
+    )
+    seed: Annotated[Integer, Between(0, MAX_SEED)] | None = extension(
+        "the same seed gives bit-identical audio"
+    )
+    sample_rate: Annotated[Integer, Between(1, 2**31 - 1)] | None = extension(
+        "the output sample rate; the format must support it"
+    )
 
 
 @dataclass(frozen=True)
@@ -55,20 +113,42 @@ class SpeechRequest:
         """The entry stage's inputs (the speech contract with the pipeline)."""
         return {
             "text": self.text,
-            "voice": self.voice,
-            "speed": self.speed,
-            "seed": self.seed,
-            "response_format": self.response_format,
-            "stream": self.stream_format is not None,
-            "sample_rate": self.sample_rate,
+            **speech_options(
+                self.voice,
+                response_format=self.response_format,
+                stream=self.stream_format is not None,
+                speed=self.speed,
+                seed=self.seed,
+                sample_rate=self.sample_rate,
+            ),
         }
+
+
+def speech_options(
+    voice: str,
+    *,
+    response_format: str,
+    stream: bool,
+    speed: float = 1.0,
+    seed: int | None = None,
+    sample_rate: int | None = None,
+) -> dict[str, Any]:
+    """The voice's options in the speech contract (docs/serving.md), for every endpoint that
+    speaks: speech (beside its text), chat with audio out and realtime (as `speech`). `stream`
+    says whether the audio may be encoded progressively or must be one whole file."""
+    return {
+        "voice": voice,
+        "speed": speed,
+        "seed": seed,
+        "response_format": response_format,
+        "stream": stream,
+        "sample_rate": sample_rate,
+    }
 
 
 def speech_model(body: Any, plan: Plan) -> ModelSpec:
     """The served model a speech request names: checked first, so errors can be counted by it."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
-    return resolve_model(plan, required_str(body, "model"), task="speech")
+    return resolve_model(plan, model_name(body), task="speech")
 
 
 def parse_speech_request(
@@ -76,33 +156,27 @@ def parse_speech_request(
 ) -> SpeechRequest:
     """The rest of the request, for the model `speech_model` found, within `options`' bounds."""
     options = options or ServeOptions()
-    response_format = choice(body, "response_format", FORMATS, default="mp3")
-    stream_format = _stream_format(body)
-    # accepted and type-checked for OpenAI compatibility; the speech contract with the pipeline
-    # has no instructions field yet, so no voice can act on them
-    instructions = optional_str(body, "instructions")
-    if instructions is not None:
-        valid_unicode("instructions", instructions)
-    speed = number(body, "speed", MIN_SPEED, MAX_SPEED, default=1.0)
-    text = _input_text(body, options.max_input_chars)
-    _check_audio_estimate(text, speed, options.max_audio_seconds)
+    fields = parse(SpeechBody, body)
+    # `instructions` is accepted and type-checked for OpenAI compatibility; the speech contract
+    # with the pipeline has no instructions field yet, so no voice can act on them
+    text = _input_text(fields.input, options.max_input_chars)
+    _check_audio_estimate(text, fields.speed, options.max_audio_seconds)
     return SpeechRequest(
         model=model,
         text=text,
-        voice=_voice(body, model),
-        response_format=response_format,
-        speed=speed,
-        stream_format=stream_format,
-        seed=integer(body, "seed", 0, MAX_SEED),
-        sample_rate=_sample_rate(body, response_format),
+        voice=_voice(fields.voice, model),
+        response_format=fields.response_format,
+        speed=fields.speed,
+        stream_format=_stream_format(fields),
+        seed=fields.seed,
+        sample_rate=_sample_rate(fields.sample_rate, fields.response_format),
     )
 
 
-def _input_text(body: dict[str, Any], max_chars: int) -> str:
+def _input_text(sent: str, max_chars: int) -> str:
     """`input` in NFKC form, which is what the pipeline gets and what the bounds count: one
     character can expand to many (U+FDFA is 18 after NFKC), so counting before would let a
     short input buy far more work than its length says."""
-    sent = valid_unicode("input", required_str(body, "input"))
     if len(sent) > max_chars:  # bounds the normalization's own work too
         raise _too_long(len(sent), max_chars)
     text = unicodedata.normalize("NFKC", sent)
@@ -142,31 +216,26 @@ def _check_audio_estimate(text: str, speed: float, max_seconds: float) -> None:
         )
 
 
-def _stream_format(body: dict[str, Any]) -> str | None:
+def _stream_format(fields: SpeechBody) -> str | None:
     """How the body travels: "audio" (OpenAI's default), "sse", or None for one whole response.
 
     `stream` is an extension: `true` is SGLang-Omni's way to ask for a stream (a synonym of the
     default), `false` asks for the whole body with a Content-Length. It cannot contradict an
     explicit `stream_format`.
     """
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise invalid_field("stream", "'stream' must be true or false", code="invalid_type")
-    stream_format = choice(body, "stream_format", STREAM_FORMATS, default=None)
-    if stream is False:
-        if stream_format is not None:
+    if fields.stream is False:
+        if "stream_format" in fields.model_fields_set:
             raise invalid_field(
                 "stream",
                 f"'stream': false asks for one whole response, but 'stream_format' is "
-                f"{stream_format!r}; send one of them",
+                f"{fields.stream_format!r}; send one of them",
             )
         return None
-    return stream_format or DEFAULT_STREAM_FORMAT
+    return fields.stream_format
 
 
-def _voice(body: dict[str, Any], model: ModelSpec) -> str:
-    raw = body.get("voice")
-    if raw is None:
+def _voice(sent: str | VoiceId | None, model: ModelSpec) -> str:
+    if sent is None:
         if model.default_voice is None:
             raise invalid_field(
                 "voice",
@@ -174,14 +243,7 @@ def _voice(body: dict[str, Any], model: ModelSpec) -> str:
                 code="missing_required_parameter",
             )
         return model.default_voice
-    if isinstance(raw, dict):
-        raw = raw.get("id")
-    if not isinstance(raw, str):
-        raise invalid_field(
-            "voice",
-            "'voice' must be a voice name or an object {\"id\": name}",
-            code="invalid_type",
-        )
+    raw = sent.id if isinstance(sent, VoiceId) else sent
     if raw in model.voices:
         return raw
     if raw in model.voice_aliases:
@@ -193,11 +255,10 @@ def _voice(body: dict[str, Any], model: ModelSpec) -> str:
 
 
 def _voice_names(model: ModelSpec) -> str:
-    return ", ".join([*model.voices, *model.voice_aliases]) or "none"
+    return names([*model.voices, *model.voice_aliases])
 
 
-def _sample_rate(body: dict[str, Any], response_format: str) -> int | None:
-    rate = integer(body, "sample_rate", 1, 2**31 - 1)
+def _sample_rate(rate: int | None, response_format: str) -> int | None:
     if rate is not None:
         try:
             check_sample_rate(response_format, rate)

@@ -3,8 +3,9 @@
 The body is read part by part as it arrives, never whole: a Content-Length over the limit is
 refused before a byte is read, and the file part's bytes are counted while they stream in, so an
 upload without a length (chunked) is cut off at the limit too. Every other part is a small text
-field with its own bound. Fields this server does not know are read (bounded) and ignored, as
-OpenAI clients send fields meant for other servers.
+field with its own bound. The fields are then parsed as declared (`TranscriptionForm`, which
+also gives the OpenAPI document its schema); a field no one declares is refused as OpenAI
+refuses one (serve/validation.py).
 
 Every rejection is a 400 naming the field (`param`); 413 for an upload over the limit; an unknown
 model is a 404 listing the served ones.
@@ -13,13 +14,16 @@ model is a 404 listing the served ones.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from aiohttp import BodyPartReader, web
+from pydantic import BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 from omni_server.compiler.plan import ModelSpec, Plan
 from omni_server.serve.errors import ApiError, invalid_field
 from omni_server.serve.models import resolve_model
+from omni_server.serve.validation import Between, RequestModel, parse
 
 MAX_FILE_BYTES = 25 * 1024 * 1024  # OpenAI's upload limit: 25 MB
 MAX_FIELD_BYTES = 64 * 1024  # a text field (the prompt is the longest: Whisper reads 224 tokens)
@@ -27,11 +31,48 @@ MAX_PARTS = 64
 FORM_OVERHEAD_BYTES = 1024 * 1024  # boundaries, part headers and the text fields around the file
 READ_CHUNK = 64 * 1024
 
-RESPONSE_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
-GRANULARITIES = ("segment", "word")
-INCLUDE = ("logprobs",)  # accepted; Whisper here reports no per-token log probabilities
+ResponseFormat = Literal["json", "text", "srt", "verbose_json", "vtt"]
+RESPONSE_FORMATS: tuple[str, ...] = get_args(ResponseFormat)
 LANGUAGES = ("en", "english")  # tiny.en hears English only
-MIN_TEMPERATURE, MAX_TEMPERATURE = 0.0, 1.0
+
+
+def _form_boolean(value: Any) -> Any:
+    """A form's boolean is the text true or false (pydantic's own would take "yes", "1", ...)."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise PydanticCustomError(
+        "invalid_type", "must be true or false; got {got}", {"got": repr(value)}
+    )
+
+
+class TranscriptionForm(RequestModel):
+    """The multipart form of `POST /v1/audio/transcriptions`. Its values arrive as text, so
+    numbers are read from text (not strict); an array is its repeated `name[]` parts."""
+
+    model_config = ConfigDict(strict=False, validate_by_name=True, loc_by_alias=False)
+
+    file: bytes = Field(description="the audio, any container PyAV decodes; at most 25 MB")
+    model: str = Field(description="a model id or alias that serves transcription")
+    language: str | None = Field(None, description="en, or left out: this model hears English")
+    prompt: str | None = Field(None, description="Whisper's initial prompt")
+    response_format: ResponseFormat = "json"
+    temperature: Annotated[float, Between(0.0, 1.0)] = 0.0
+    timestamp_granularities: list[Literal["segment", "word"]] = Field(
+        [], alias="timestamp_granularities[]", description="with verbose_json only"
+    )
+    # logprobs is accepted; Whisper here reports no per-token log probabilities
+    include: list[Literal["logprobs"]] = Field([], alias="include[]")
+    stream: Annotated[bool, BeforeValidator(_form_boolean)] = False
+    # accepted and not used: the pipeline segments by its own voice activity detector and
+    # tells no speakers apart
+    chunking_strategy: Any = None
+    known_speaker_names: list[str] = Field([], alias="known_speaker_names[]")
+    known_speaker_references: list[str] = Field([], alias="known_speaker_references[]")
+
+
+_ARRAYS = frozenset(
+    name for name, f in TranscriptionForm.model_fields.items() if get_origin(f.annotation) is list
+)
 
 
 @dataclass(frozen=True)
@@ -77,8 +118,19 @@ class Form:
         values = self.fields.get(name)
         return values[-1] if values else None
 
-    def many(self, name: str) -> list[str]:
-        return self.fields.get(name + "[]", []) + self.fields.get(name, [])
+    def values(self) -> dict[str, Any]:
+        """The form as TranscriptionForm reads it: `include[]` parts (or `include` parts) are
+        one array, `chunking_strategy[type]` is part of `chunking_strategy`, the last of
+        repeated parts wins, and an empty part is a field left out."""
+        values: dict[str, Any] = {} if self.file is None else {"file": self.file}
+        for name, parts in self.fields.items():
+            base = name.split("[", 1)[0]
+            sent = [part for part in parts if part]
+            if base in _ARRAYS:
+                values.setdefault(base, []).extend(sent)
+            elif sent:
+                values[base if base in TranscriptionForm.model_fields else name] = sent[-1]
+        return values
 
 
 async def read_form(request: web.Request) -> Form:
@@ -168,52 +220,30 @@ def transcription_model(form: Form, plan: Plan) -> ModelSpec:
 
 
 def parse_transcription(form: Form, model: ModelSpec) -> TranscriptionRequest:
-    if form.file is None:
-        raise invalid_field(
-            "file", "'file' is required: the audio to transcribe", "missing_required_parameter"
-        )
-    _language(form, model)
-    response_format = form.one("response_format") or "json"
-    if response_format not in RESPONSE_FORMATS:
-        raise invalid_field(
-            "response_format",
-            f"'response_format' must be one of {', '.join(RESPONSE_FORMATS)}; "
-            f"got {response_format!r}",
-        )
-    granularities = tuple(dict.fromkeys(form.many("timestamp_granularities")))
-    for g in granularities:
-        if g not in GRANULARITIES:
-            raise invalid_field(
-                "timestamp_granularities",
-                f"'timestamp_granularities[]' values must be segment or word; got {g!r}",
-            )
-    if granularities and response_format != "verbose_json":
+    fields = parse(TranscriptionForm, form.values(), form=True)
+    _language(fields.language, model)
+    granularities = tuple(dict.fromkeys(fields.timestamp_granularities))
+    if granularities and fields.response_format != "verbose_json":
         raise invalid_field(
             "timestamp_granularities",
             "'timestamp_granularities[]' needs response_format verbose_json",
         )
-    include = tuple(form.many("include"))
-    for item in include:
-        if item not in INCLUDE:
-            raise invalid_field(
-                "include", f"'include[]' accepts {', '.join(INCLUDE)}; got {item!r}"
-            )
     return TranscriptionRequest(
         model=model,
-        file=form.file,
+        file=fields.file,
         filename=form.filename,
-        prompt=form.one("prompt") or None,
-        temperature=_temperature(form),
-        response_format=response_format,
+        prompt=fields.prompt,
+        temperature=fields.temperature,
+        response_format=fields.response_format,
         # verbose_json lists segments unless only words were asked for
-        granularities=granularities or (("segment",) if response_format == "verbose_json" else ()),
-        stream=_boolean(form, "stream"),
-        include=include,
+        granularities=granularities
+        or (("segment",) if fields.response_format == "verbose_json" else ()),
+        stream=fields.stream,
+        include=tuple(fields.include),
     )
 
 
-def _language(form: Form, model: ModelSpec) -> None:
-    language = form.one("language")
+def _language(language: str | None, model: ModelSpec) -> None:
     if language and language.strip().lower() not in LANGUAGES:
         raise invalid_field(
             "language",
@@ -221,31 +251,3 @@ def _language(form: Form, model: ModelSpec) -> None:
             f"(or left out), got {language!r}",
             code="unsupported_language",
         )
-
-
-def _temperature(form: Form) -> float:
-    raw = form.one("temperature")
-    if raw is None or raw == "":
-        return 0.0
-    try:
-        value = float(raw)
-    except ValueError:
-        raise invalid_field(
-            "temperature", "'temperature' must be a number", "invalid_type"
-        ) from None
-    if not MIN_TEMPERATURE <= value <= MAX_TEMPERATURE:
-        raise invalid_field(
-            "temperature",
-            f"'temperature' must be between {MIN_TEMPERATURE} and {MAX_TEMPERATURE}; got {raw}",
-        )
-    return value
-
-
-def _boolean(form: Form, name: str) -> bool:
-    raw = form.one(name)
-    if raw is None or raw == "":
-        return False
-    value = raw.strip().lower()
-    if value not in ("true", "false"):
-        raise invalid_field(name, f"'{name}' must be true or false; got {raw!r}", "invalid_type")
-    return value == "true"

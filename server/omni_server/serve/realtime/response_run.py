@@ -18,12 +18,14 @@ from typing import Any
 
 from omni_server.compiler.plan import ModelSpec
 from omni_server.pipeline import PipelineError, RequestHandle
+from omni_server.serve.chat_request import thinker_inputs
 from omni_server.serve.errors import ApiError
 from omni_server.serve.pipeline_call import admitted, submitted
 from omni_server.serve.realtime import audio
 from omni_server.serve.realtime.config import SessionConfig
 from omni_server.serve.realtime.conversation import Conversation, Item
 from omni_server.serve.realtime.events import ServerEvents
+from omni_server.serve.speech_request import speech_options
 from omni_server.serve.state import ServerState
 
 Outcome = tuple[str, dict[str, Any] | None]  # the response's status and its status_details
@@ -163,26 +165,17 @@ class ResponseRun:
     async def _stream(self, part: dict[str, Any]) -> None:
         config, where = self.config, self._where
         messages = self.conversation.messages(config.instructions)
-        inputs: dict[str, Any] = {
-            "messages": messages[:-1]
-            if messages and messages[-1]["role"] == "assistant"
-            else messages,
-            "max_tokens": config.max_output_tokens,
-            "temperature": config.temperature,
-            "top_p": 1.0,
-            "seed": None,
-            "stop": [],
-            "speech": None,
-        }
+        speech = None
         if self.audio:
-            inputs["speech"] = {
-                "voice": config.voice,
-                "speed": config.speed,
-                "seed": None,
-                "response_format": "pcm",
-                "stream": True,
-                "sample_rate": None,
-            }
+            speech = speech_options(
+                config.voice, response_format="pcm", stream=True, speed=config.speed
+            )
+        inputs = thinker_inputs(
+            messages[:-1] if messages and messages[-1]["role"] == "assistant" else messages,
+            max_tokens=config.max_output_tokens,
+            temperature=config.temperature,
+            speech=speech,
+        )
         encoder = audio.Encoder(config.output_format)
         if self._cancelled is not None:
             return
