@@ -368,6 +368,49 @@ def test_bad_requests_are_400_with_openai_json(server, body, param, code):
     assert param.split("[")[0].split(".")[0] in error["message"]
 
 
+def test_unknown_arguments_are_refused_as_openai_refuses_them(client):
+    """OpenAI: 400 "Unrecognized request argument supplied: NAME", param and code null; an
+    unknown key of a message is its schema's "Additional properties are not allowed"."""
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="fake-chat",
+            messages=HELLO,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+        )
+    error = err.value.body  # the error object (`message` adds the status)
+    assert error["message"] == "Unrecognized request argument supplied: chat_template_kwargs"
+    assert (err.value.param, err.value.code) == (None, None)
+    assert err.value.type == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="fake-chat", messages=[{"role": "user", "content": "hi", "id": "m1"}]
+        )
+    assert err.value.body["message"] == (
+        "Additional properties are not allowed ('id' was unexpected) - 'messages.0'"
+    )
+    assert (err.value.param, err.value.code) == (None, None)
+
+
+def test_openais_bookkeeping_and_our_extensions_are_accepted(client):
+    """What the official client sends for OpenAI's own parameters, and the sampling
+    extensions docs/serving.md lists, are served."""
+    completion = client.chat.completions.create(
+        model="fake-chat",
+        messages=[{"role": "user", "content": "INPUTS", "name": "ann"}],
+        user="someone",
+        metadata={"run": "1"},
+        store=False,
+        service_tier="auto",
+        parallel_tool_calls=False,
+        safety_identifier="abc",
+        prompt_cache_key="k",
+        stream_options=None,
+        extra_body={"top_k": 5, "min_p": 0.25},
+    )
+    inputs = json.loads(completion.choices[0].message.content)
+    assert (inputs["top_k"], inputs["min_p"]) == (5, 0.25)
+
+
 def test_unknown_model_is_a_404_listing_the_served_ones(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="gpt-5", messages=HELLO)

@@ -233,3 +233,36 @@ def test_a_model_with_a_default_voice_needs_none_named():
     model = ModelSpec(id="m", entry="t", tasks=("chat",), voices=("joe",), default_voice="joe")
     chat = parse(model, modalities=["text", "audio"], audio={"format": "mp3"})
     assert chat.audio is not None and chat.audio.voice == "joe"
+
+
+def test_unknown_fields_are_refused_with_openais_words():
+    error = refused(chat_template_kwargs={}, top_a=1)
+    assert error.message == "Unrecognized request argument supplied: chat_template_kwargs, top_a"
+    assert (error.param, error.code) == (None, None)
+    # an unknown field is refused even as null, and before any other problem of the body
+    assert refused(temperature=9, foo=None).message.endswith("supplied: foo")
+    nested = refused(
+        messages=[{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}]
+    )
+    assert nested.message == (
+        "Additional properties are not allowed ('x' was unexpected) - 'messages.0.content.0'"
+    )
+
+
+def test_a_null_is_the_field_left_out():
+    chat = parse(temperature=None, stop=None, seed=None, modalities=None, n=None)
+    assert (chat.temperature, chat.stop, chat.seed, chat.audio) == (1.0, (), None, None)
+
+
+def test_messages_and_their_parts_are_read_by_role():
+    """A role's own fields are accepted and refused where OpenAI has them: `refusal` on an
+    assistant message, `input_audio` only in a user message, no content only with tools."""
+    assert parse(messages=[{"role": "assistant", "content": "a", "refusal": None}]).messages
+    error = refused(messages=[{"role": "system", "content": [{"type": "input_audio"}]}])
+    assert (error.param, error.code) == ("messages[0].content[0].type", "unsupported_value")
+    error = refused(messages=[{"role": "assistant", "content": None}])
+    assert (error.param, error.code) == ("messages[0].content", "missing_required_parameter")
+    error = refused(messages=[{"content": "who?"}])
+    assert (error.param, error.code) == ("messages[0].role", "missing_required_parameter")
+    error = refused(messages=[{"role": "user", "content": "hi"}] * 2 + [{"role": "user"}])
+    assert error.param == "messages[2].content"

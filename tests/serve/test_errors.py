@@ -45,6 +45,26 @@ def test_invalid_field_is_400_naming_it(client: OpenAI, change: dict, param: str
     assert says in error.body["message"]
 
 
+def test_unknown_fields_are_refused_as_openai_refuses_them(client: OpenAI):
+    """A field no one declares (another server's `extra_body`) is OpenAI's 400, param and code
+    null; the extensions docs/serving.md lists are not unknown."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.audio.speech.create(**GOOD, extra_body={"some_other_servers_field": {"x": 1}})
+    assert caught.value.body == {
+        "message": "Unrecognized request argument supplied: some_other_servers_field",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
+    audio = client.audio.speech.create(
+        **GOOD,
+        response_format="pcm",
+        extra_body={"seed": 3, "sample_rate": 16000, "stream": False},
+    )
+    assert audio.response.headers["X-Sample-Rate"] == "16000"
+    assert "Content-Length" in audio.response.headers  # "stream": false, one whole body
+
+
 def test_unknown_model_is_404_listing_served_models(client: OpenAI):
     with pytest.raises(openai.NotFoundError) as caught:
         client.audio.speech.create(**{**GOOD, "model": "no-such-model"})

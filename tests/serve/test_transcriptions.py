@@ -185,8 +185,19 @@ def test_prompt_and_temperature_are_accepted(client, spoken):
         temperature=0.0,
         language="en",
         include=["logprobs"],
+        chunking_strategy="auto",  # OpenAI's, accepted: the pipeline segments by its own VAD
     )
     assert word_error_rate([ONE_SENTENCE], [result.text]) <= MAX_WER
+
+
+def test_unknown_fields_are_refused_as_openai_refuses_them(client, spoken):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.audio.transcriptions.create(
+            model="whisper-1", file=("one.wav", spoken["one.wav"]), extra_body={"diarize": True}
+        )
+    error = info.value.body
+    assert error["message"] == "Unrecognized request argument supplied: diarize"
+    assert (error["param"], error["code"]) == (None, None)
 
 
 def test_another_language_is_refused_naming_english(client, spoken):
