@@ -9,16 +9,23 @@ One compute thread drives it:
     while engine.has_work():
         for event in engine.step(): ...   # TokenEvent(request_id, token_ids, text, finished, ...)
 
+A Hugging Face checkpoint folder loads by its config.json's `model_type` (engine/families: llama,
+higgs_audio_v2): `Engine.from_checkpoint(folder, config)`; a folder it cannot load raises
+`CheckpointError` (a ValueError naming the folder). An audio-frame model (`engine.model.audio`,
+an `AudioSpec`) emits one frame of codes a step in `TokenEvent.audio_frames`.
+
 This package's exports are its public API (the modules inside may change): besides the above,
 `SHAPES` (the named Llama shapes for random-weight runs), `TensorParallel` (a rank's place in
 its tensor-parallel group, handed to `Engine.from_random(..., tp=)`) and `MemoryBudgetError`
 (a GPU memory fraction the engine cannot honour).
 """
 
+from omni_server.engine.audio_frames import AudioSpec
 from omni_server.engine.config import LLAMA_1B, SHAPES, SMOLLM2_135M, EngineConfig, LlamaShape
 from omni_server.engine.engine import Engine
-from omni_server.engine.errors import ContextLengthExceeded
+from omni_server.engine.errors import CheckpointError, ContextLengthExceeded
 from omni_server.engine.gguf_weights import load_gguf, smollm2_gguf_path
+from omni_server.engine.hf_tokenizer import HFTokenizer
 from omni_server.engine.memory import MemoryBudgetError
 from omni_server.engine.parallel import TensorParallel
 from omni_server.engine.sampling import SamplingParams
@@ -29,13 +36,16 @@ __all__ = [
     "LLAMA_1B",
     "SHAPES",
     "SMOLLM2_135M",
+    "AudioSpec",
     "ChatTemplateError",
+    "CheckpointError",
     "ContextLengthExceeded",
     "Engine",
     "EngineConfig",
     "FinishReason",
     "GGUFTokenizer",
     "GenerationRequest",
+    "HFTokenizer",
     "IncrementalDetokenizer",
     "LlamaShape",
     "MemoryBudgetError",

@@ -2,7 +2,8 @@
 
 `EngineConfig` is what a stage's `[engine]` table in stage.toml maps onto (`from_table` checks
 names and types and says which field is wrong). `LlamaShape` is the model's hyperparameters, read
-from a GGUF or written by hand for random-weight benchmarks.
+from a GGUF or a checkpoint's config.json (engine/families) or written by hand for random-weight
+benchmarks.
 """
 
 from __future__ import annotations
@@ -21,6 +22,18 @@ DTYPES: dict[str, torch.dtype] = {
 
 
 @dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3's RoPE frequency scaling (config.json `rope_type: "llama3"`): wavelengths past
+    `original_max_position_embeddings / low_freq_factor` are stretched by `factor`, those under
+    `... / high_freq_factor` kept, the band between interpolated (transformers' formula)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
 class LlamaShape:
     """Hyperparameters of a Llama-architecture decoder."""
 
@@ -35,6 +48,7 @@ class LlamaShape:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool = True
+    rope_scaling: Llama3RopeScaling | None = None  # None: plain RoPE at rope_theta
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -40,7 +40,7 @@ from omni_server.engine.sequence import (
     Sequence,
     TokenEvent,
 )
-from omni_server.engine.tokenizer import GGUFTokenizer
+from omni_server.engine.tokenizer import GGUFTokenizer, TextTokenizer
 from omni_server.engine.workspace import plan_kv_cache
 
 # a stage's `context.shared_weights(key, load)`: load() on a leader, the leader's tensors else
@@ -48,7 +48,7 @@ WeightSource = Callable[[str, Callable[[], Mapping[str, torch.Tensor]]], Mapping
 
 
 class Engine:
-    def __init__(self, model: Llama, config: EngineConfig, tokenizer: GGUFTokenizer | None) -> None:
+    def __init__(self, model: Llama, config: EngineConfig, tokenizer: TextTokenizer | None) -> None:
         self.config = config
         self.model = model
         self.shape = model.shape
@@ -106,6 +106,34 @@ class Engine:
         model.load_weights(gguf.weights)
         model.place(config.device, config.torch_dtype)
         return cls(model, config, GGUFTokenizer(gguf.metadata))
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        folder: Path | str,
+        config: EngineConfig | None = None,
+        tp: TensorParallel = SINGLE,
+    ) -> Engine:
+        """A Hugging Face checkpoint folder as published: config.json's `model_type` picks the
+        family (engine/families: llama, higgs_audio_v2), the safetensors its weights, its
+        tokenizer.json and chat template the tokenizer (none without tokenizer.json).
+
+        CheckpointError (a ValueError naming the folder) when config.json is missing, the
+        model_type unknown, or a weight's name or shape disagrees with the config; nothing is
+        placed on the device before those checks pass."""
+        from omni_server.engine.checkpoint import open_checkpoint
+
+        config = config or EngineConfig()
+        checkpoint = open_checkpoint(folder)
+        shape = checkpoint.spec.shape
+        limit = min(
+            config.max_seq_len or shape.max_position_embeddings, shape.max_position_embeddings
+        )
+        with torch.device("meta"):  # place() allocates on the device; load() fills
+            model = checkpoint.family.build(checkpoint.spec, limit, tp)
+        model.place(config.device, config.torch_dtype)
+        checkpoint.family.load(model, checkpoint.tensor, checkpoint.spec)
+        return cls(model, config, checkpoint.tokenizer())
 
     @classmethod
     def from_random(

@@ -1,4 +1,5 @@
-"""Errors the engine raises for a request it cannot take; the server maps them to HTTP 400."""
+"""Errors the engine raises for a request or a checkpoint it cannot take (ValueError subclasses:
+the server maps a request's to HTTP 400, a stage reports a checkpoint's as its start error)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,14 @@ class ContextLengthExceeded(ValueError):
             f"{asked} tokens ({prompt_tokens} in the messages, {completion}). Please reduce the "
             "length of the messages or completion."
         )
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder the engine cannot load: no config.json, an unknown `model_type`, weights
+    whose names or shapes disagree with the config, a missing tokenizer. One line that names the
+    folder and what is wrong (raised before any weight is placed)."""
+
+    def __init__(self, folder: object, problem: str) -> None:
+        self.folder = str(folder)
+        self.problem = problem
+        super().__init__(f"checkpoint {self.folder}: {problem}")

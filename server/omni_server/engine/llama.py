@@ -9,12 +9,15 @@ one all-reduce closes each half of a block.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from omni_server.engine.attention import ForwardBatch, paged_attention
-from omni_server.engine.config import LlamaShape
+from omni_server.engine.audio_frames import AudioSpec
+from omni_server.engine.config import Llama3RopeScaling, LlamaShape
 from omni_server.engine.parallel import SINGLE, TensorParallel
 
 
@@ -32,11 +35,29 @@ class RMSNorm(nn.Module):
 
 
 def rope_table(shape: LlamaShape, max_positions: int) -> torch.Tensor:
-    """[max_positions, D/2] complex64: e^(i * position * theta^(-2j/D))."""
+    """[max_positions, D/2] complex64: e^(i * position * theta^(-2j/D)) (Llama 3 scaled, if set)."""
     d = shape.head_dim
     inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if shape.rope_scaling is not None:
+        inv_freq = _llama3_inv_freq(inv_freq, shape.rope_scaling)
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
     return torch.polar(torch.ones_like(angles), angles)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:
+    """[D/2] frequencies scaled as transformers' `_compute_llama3_parameters` (same float32 ops,
+    so the table equals theirs bit for bit before the cos / sin)."""
+    old_context = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_context / scaling.low_freq_factor
+    high_freq_wavelen = old_context / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_context / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -118,6 +139,11 @@ class DecoderLayer(nn.Module):
 
 
 class Llama(nn.Module):
+    # A family's variant (higgs_audio.py) swaps the layer, drops the text head, adds an audio head.
+    layer_class: type[DecoderLayer] = DecoderLayer
+    text_head = True
+    audio: AudioSpec | None = None  # set: forward returns frame logits [R, K * C] (audio_frames)
+
     def __init__(self, shape: LlamaShape, max_positions: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.shape = shape  # the whole model's
@@ -125,11 +151,11 @@ class Llama(nn.Module):
         self.local_shape = tp.local_shape(shape)  # this rank's share: what its KV cache holds
         self.embed = nn.Embedding(shape.vocab_size, shape.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(self.local_shape, tp) for _ in range(shape.num_layers)
+            self.layer_class(self.local_shape, tp) for _ in range(shape.num_layers)
         )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.lm_head: nn.Linear | None = None
-        if not shape.tie_word_embeddings:
+        if self.text_head and not shape.tie_word_embeddings:
             self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         # [P, D/2] complex64; a plain attribute, not a buffer, so a dtype cast never touches it.
         # Built on the CPU even when the weights are built on the meta device (from_random).
@@ -211,7 +237,7 @@ class Llama(nn.Module):
                     p.fill_(1.0)
                     continue
                 full = self.full_shape(name, p)
-                std = 1.0 if name == "embed.weight" else full[1] ** -0.5
+                std = 1.0 if name.startswith("embed") else full[1] ** -0.5  # embed, embed_audio
                 value = torch.randn(full, generator=gen, device=p.device, dtype=torch.float32)
                 p.copy_(self.shard(name, value.mul_(std)))
 

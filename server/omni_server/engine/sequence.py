@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from omni_server.engine.sampling import SamplingParams, make_generator
-from omni_server.engine.tokenizer import GGUFTokenizer, IncrementalDetokenizer
+from omni_server.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 
 class FinishReason(enum.StrEnum):
@@ -50,7 +50,7 @@ class Sequence:
         self,
         request: GenerationRequest,
         max_tokens: int,
-        tokenizer: GGUFTokenizer | None,
+        tokenizer: TextTokenizer | None,
         arrival: int,
     ) -> None:
         self.request_id = request.request_id

@@ -15,7 +15,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
-from typing import Any
+from typing import Any, Protocol
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -42,6 +42,26 @@ def _byte_decoder() -> dict[str, int]:
 
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered by the model's chat template (message says why)."""
+
+
+class TextTokenizer(Protocol):
+    """What the engine needs of a tokenizer: GGUFTokenizer (a GGUF's) or HFTokenizer (a
+    checkpoint folder's tokenizer.json, engine/hf_tokenizer.py)."""
+
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str: ...
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]: ...
 
 
 class GGUFTokenizer:
@@ -151,7 +171,7 @@ def _raise_template_error(message: str) -> None:
 class IncrementalDetokenizer:
     """Token ids in, text deltas out; a delta never ends inside a UTF-8 character."""
 
-    def __init__(self, tokenizer: GGUFTokenizer) -> None:
+    def __init__(self, tokenizer: TextTokenizer) -> None:
         self._tokenizer = tokenizer
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 

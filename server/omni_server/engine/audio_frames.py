@@ -1,0 +1,114 @@
+"""Audio frames: one step of an audio-head model (Higgs Audio v2) emits K codes at once, one per
+codebook, under a delay pattern; the text track beside them says what each position is.
+
+The reference is transformers' `HiggsAudioV2GenerationMixin._sample` and its
+`HiggsAudioV2DelayPatternLogitsProcessor`; this module reproduces them per request:
+
+- **delay at the start.** Codebook k (0-based) is forced to the stream BOS code for the first
+  k + 1 frames after `<|audio_out_bos|>` (counted from where that token sits in the prompt's last
+  K tokens; no such token: only the first frame is forced).
+- **delay at the end.** Once any codebook emits the stream EOS code, the next text-track token is
+  the delay token; from then on, at each frame one more codebook is forced to EOS (codebook 0 at
+  the first delayed frame, all K after K of them). The frame whose K codes are all EOS ends the
+  request: its text-track token is `eos_token_id`.
+- **the text track.** Each frame's position in the sequence holds `<|AUDIO_OUT|>` (or the delay
+  token during the closing delay). Both are "frame tokens": the model embeds such a position as
+  the sum of its K code embeddings and runs it through the audio FFN (a prompt's reference audio
+  uses the same placeholders, with the frames given in the request).
+- **sampling.** Per codebook, K rows of C codes: greedy, or temperature / top-k / top-p / min-p
+  with the request's own generator drawing K uniforms a frame in codebook order (sampling.py), so
+  a seeded request's frames do not depend on the batch it ran in.
+
+Not reproduced: transformers' repetition-aware sampling (`ras_win_len`, which the published
+generation_config.json turns on): it resamples with the global torch RNG, so no engine could match
+its draws; requests here never resample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from omni_server.engine.sampling import SamplingParams, sample
+
+
+@dataclass(frozen=True)
+class AudioSpec:
+    """The audio head of a checkpoint (config.json fields of higgs_audio_v2)."""
+
+    num_codebooks: int  # K
+    codebook_size: int  # C codes a codebook, its stream BOS / EOS codes included (1026 = 1024 + 2)
+    stream_bos_id: int  # the code before a codebook's first real code (1024)
+    stream_eos_id: int  # the code after its last (1025)
+    audio_token_id: int  # <|AUDIO_OUT|>: a text-track position that carries a frame
+    audio_bos_token_id: int  # <|audio_out_bos|>: ends a prompt that asks for audio
+    audio_delay_token_id: int  # a frame's text-track token during the closing delay
+    eos_token_id: int | None  # the text-track token after the all-EOS frame
+
+    def is_frame_token(self, token_id: int) -> bool:
+        return token_id == self.audio_token_id or token_id == self.audio_delay_token_id
+
+    def next_text_token(self, frame: list[int], last_token: int) -> int:
+        """The text-track token of a frame sampled after `last_token` (the reference's rule)."""
+        eos = [code == self.stream_eos_id for code in frame]
+        if all(eos) and self.eos_token_id is not None:
+            return self.eos_token_id
+        if any(eos) or last_token == self.audio_delay_token_id:
+            return self.audio_delay_token_id
+        return self.audio_token_id
+
+
+class DelayState:
+    """One request's delay counters (the reference keeps one row of these per batch row).
+
+    bos[k] >= 0: codebook k is forced to BOS at the next frame (then decremented);
+    eos[k] <= 0: codebook k is forced to EOS (each frame after a delay token decrements all).
+    Lives as long as the request, through preemption: a recomputed prompt never re-derives it.
+    """
+
+    def __init__(self, spec: AudioSpec, prompt: list[int]) -> None:
+        self.spec = spec
+        k = spec.num_codebooks
+        delay = list(range(1, k + 1))
+        window = prompt[-k:]
+        self.bos = [0] * k
+        if spec.audio_bos_token_id in window:
+            after = k - window.index(spec.audio_bos_token_id)
+            self.bos = [d - after for d in delay]
+        self.eos = list(delay)
+        if spec.audio_delay_token_id in window:
+            after = k - window.index(spec.audio_delay_token_id)
+            self.eos = [d - after for d in delay]
+
+    def next_masks(self, last_token: int) -> tuple[list[bool], list[bool]]:
+        """(force BOS, force EOS) per codebook for the frame about to be sampled; advances the
+        counters as the reference does once per generation step."""
+        force_bos = [b >= 0 for b in self.bos]
+        self.bos = [b - 1 if f else b for b, f in zip(self.bos, force_bos, strict=True)]
+        if last_token == self.spec.audio_delay_token_id:
+            self.eos = [e - 1 for e in self.eos]
+        return force_bos, [e <= 0 for e in self.eos]
+
+
+def sample_frames(
+    logits: torch.Tensor,  # [R, K * C] float32, the audio head's
+    spec: AudioSpec,
+    masks: list[tuple[list[bool], list[bool]]],  # per row: DelayState.next_masks
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+) -> list[list[int]]:  # [R][K] codes
+    rows, k, c = logits.shape[0], spec.num_codebooks, spec.codebook_size
+    device = logits.device
+    force_bos = torch.tensor([m[0] for m in masks], dtype=torch.bool, device=device)  # [R, K]
+    force_eos = torch.tensor([m[1] for m in masks], dtype=torch.bool, device=device)
+    codes = torch.arange(c, device=device)  # [C]
+    scores = logits.view(rows, k, c)  # out of place below: graph outputs are static buffers
+    scores = scores.masked_fill(force_bos[..., None] & (codes != spec.stream_bos_id), -torch.inf)
+    scores = scores.masked_fill(force_eos[..., None] & (codes != spec.stream_eos_id), -torch.inf)
+    flat = sample(
+        scores.view(rows * k, c),
+        [p for p in params for _ in range(k)],
+        [g for g in generators for _ in range(k)],  # a request draws its K uniforms in order
+    )
+    return [flat[i * k : (i + 1) * k] for i in range(rows)]

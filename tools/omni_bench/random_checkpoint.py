@@ -1,0 +1,460 @@
+"""`omni-bench random-checkpoint`: write a checkpoint folder of random weights in the layout a
+published one has, so the engine and transformers can both load it (no weights can be
+downloaded here: every check and speed run starts from one of these).
+
+    omni-bench random-checkpoint higgs-audio-v2 --size tiny --out DIR   # CPU tests, ~3 MB
+    omni-bench random-checkpoint higgs-audio-v2 --size full --out DIR   # the real shapes (GPU)
+    omni-bench random-checkpoint llama --size tiny --out DIR
+
+higgs-audio-v2 writes what `HiggsAudioV2ForConditionalGeneration.from_pretrained(DIR)` and
+`HiggsAudioV2Processor.from_pretrained(DIR)` load: config.json, generation_config.json,
+model.safetensors (or shards + model.safetensors.index.json), tokenizer.json /
+tokenizer_config.json, chat_template.jinja, processor_config.json; and the audio tokenizer
+(`HiggsAudioV2TokenizerModel`: config.json + model.safetensors) in DIR/audio_tokenizer, which
+processor_config.json names by its absolute path (the published model names the separate
+`bosonai/higgs-audio-v2-tokenizer` repository there; move the two folders together and re-run, or
+edit that one path).
+
+Weights: tensor names and shapes are transformers' own (read off the model built on the meta
+device), values random: unit-variance embeddings, 1/sqrt(fan_in) matrices, norms at 1 (so every
+layer moves the residual stream and greedy outputs depend on the context). The tokenizer is a
+byte-level BPE trained on a few sentences (its merges matter to no test), padded with unreachable
+entries to the base vocabulary size, followed by the 256 special tokens of Llama 3 at their
+usual offsets, Higgs' audio tokens among them: <|audio_bos|> +11, <|audio_eos|> +12,
+<|audio_out_bos|> +13, <|reserved_special_token_6|> (the delay token) +14, <|AUDIO|> +15,
+<|AUDIO_OUT|> +16, which is where config.json's token ids point (128013 / 128014 / 128016 in
+the full size). <|scene_desc_start|> / <|scene_desc_end|> at +17 / +18 are this writer's choice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+FAMILIES = ("higgs-audio-v2", "llama")
+SIZES = ("tiny", "full")
+SHARD_BYTES = 4 << 30
+
+CORPUS = (
+    "The sun rises in the east and sets in the west. This simple fact has been observed by "
+    "humans for thousands of years. It was the night before my birthday. Hooray! It's almost "
+    "here! It may not be a holiday, but it's the best day of the year. Generate audio following "
+    "instruction. Audio is recorded from a quiet room. Hello, how are you today? 0123456789"
+)
+
+# Llama 3's special tokens by offset from the base vocabulary, with Higgs Audio v2's renames.
+SPECIAL_NAMES = {
+    0: "<|begin_of_text|>",
+    1: "<|end_of_text|>",
+    4: "<|finetune_right_pad_id|>",
+    6: "<|start_header_id|>",
+    7: "<|end_header_id|>",
+    8: "<|eom_id|>",
+    9: "<|eot_id|>",
+    10: "<|python_tag|>",
+    11: "<|audio_bos|>",
+    12: "<|audio_eos|>",
+    13: "<|audio_out_bos|>",
+    15: "<|AUDIO|>",
+    16: "<|AUDIO_OUT|>",
+    17: "<|scene_desc_start|>",
+    18: "<|scene_desc_end|>",
+}
+BOS, EOS_TEXT, EOT, AUDIO_BOS, DELAY, AUDIO_OUT = 0, 1, 9, 13, 14, 16
+
+# Higgs Audio v2's prompt format, as the reference processor's template renders it (system
+# message required; a "scene" message right after it goes inside the system turn; assistant
+# turns are audio; the generation prompt opens an audio stream).
+HIGGS_CHAT_TEMPLATE = """{{- bos_token -}}
+{%- macro text_of(content) -%}
+  {%- if content is string -%}{{- content | trim -}}
+  {%- else -%}
+    {%- for item in content if item['type'] == 'text' -%}{{- item['text'] | trim -}}{%- endfor -%}
+  {%- endif -%}
+{%- endmacro -%}
+{%- if not messages or messages[0]['role'] != 'system' -%}
+  {{- raise_exception("A system message is required but not provided!") -}}
+{%- endif -%}
+{%- set first = messages[0]['content'] -%}
+{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' -}}
+{{- (first | trim) if first is string else (first[0]['text'] | trim) -}}
+{%- set rest = messages[1:] -%}
+{%- if rest and rest[0]['role'] == 'scene' -%}
+  {{- '\\n\\n<|scene_desc_start|>\\n' -}}
+  {%- set scene = rest[0]['content'] -%}
+  {%- if scene is string -%}{{- scene | trim -}}
+  {%- else -%}
+    {%- for item in scene -%}
+      {%- if item['type'] == 'text' -%}
+        {{- item['text'] | trim -}}
+        {%- if loop.first and not loop.last -%}{{- '\\n\\n' -}}
+        {%- elif not loop.first and not loop.last and scene[loop.index]['type'] != 'audio' -%}
+          {{- '\\n' -}}
+        {%- endif -%}
+      {%- elif item['type'] == 'audio' -%}
+        {{- ' <|audio_out_bos|><|AUDIO_OUT|><|audio_eos|>' -}}{{- '' if loop.last else '\\n' -}}
+      {%- endif -%}
+    {%- endfor -%}
+  {%- endif -%}
+  {{- '\\n<|scene_desc_end|>' -}}
+  {%- set rest = rest[1:] -%}
+{%- endif -%}
+{{- '<|eot_id|>' -}}
+{%- for message in rest -%}
+  {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' -}}
+  {%- if message['role'] == 'assistant' -%}
+    {%- if message['content'] is string or message['content'][0]['type'] != 'audio' -%}
+      {{- raise_exception("Assistant messages must contain audio content only!") -}}
+    {%- endif -%}
+    {{- '<|audio_out_bos|><|AUDIO_OUT|><|audio_eos|>' -}}
+  {%- else -%}{{- text_of(message['content']) -}}
+  {%- endif -%}
+  {{- '<|eot_id|>' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n<|audio_out_bos|>' -}}
+{%- endif -%}"""
+
+# A Llama 3 style chat template for the plain llama checkpoint.
+LLAMA_CHAT_TEMPLATE = """{{- bos_token -}}
+{%- for message in messages -%}
+  {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' -}}
+  {%- if message['content'] is string -%}{{- message['content'] | trim -}}
+  {%- else -%}
+    {%- for item in message['content'] if item['type'] == 'text' -%}
+      {{- item['text'] | trim -}}
+    {%- endfor -%}
+  {%- endif -%}
+  {{- '<|eot_id|>' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+{%- endif -%}"""
+
+
+def _backbone(size: str) -> dict[str, Any]:
+    """Llama-3.2-3B's decoder (Higgs Audio v2's backbone) or a tiny one of the same kind."""
+    if size == "full":
+        return {
+            "vocab_size": 128256,
+            "hidden_size": 3072,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 24,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+        }
+    return {
+        "vocab_size": 384 + 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 1024,
+        # llama3 scaling that bites at this head_dim (the full size keeps the class defaults)
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    }
+
+
+def _special_ids(vocab_size: int) -> dict[str, Any]:
+    base = vocab_size - 256
+    return {
+        "bos_token_id": base + BOS,
+        "pad_token_id": base + EOS_TEXT,
+        "eos_token_id": base + EOT,
+        "audio_bos_token_id": base + AUDIO_BOS,
+        "audio_delay_token_id": base + DELAY,
+        "audio_token_id": base + AUDIO_OUT,
+    }
+
+
+def write_tokenizer(out: Path, vocab_size: int, chat_template: str) -> Any:
+    """A byte-level BPE of `vocab_size - 256` entries + Llama 3's 256 special tokens; saved with
+    transformers (tokenizer.json, tokenizer_config.json, chat_template.jinja). Returns it."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers.trainers import BpeTrainer
+    from transformers import PreTrainedTokenizerFast
+
+    base = vocab_size - 256
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = BpeTrainer(
+        vocab_size=base,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator([CORPUS] * 4, trainer=trainer)
+    state = json.loads(bpe.to_str())
+    vocab: dict[str, int] = state["model"]["vocab"]
+    for i in range(len(vocab), base):  # unreachable entries: no merge produces them
+        vocab[f"<unused_{i}>"] = i
+    state["model"]["vocab"] = vocab
+    tok = Tokenizer.from_str(json.dumps(state))
+    names = [SPECIAL_NAMES.get(j, f"<|reserved_special_token_{_reserved(j)}|>") for j in range(256)]
+    tok.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in names])
+    assert tok.get_vocab_size(with_added_tokens=True) == vocab_size
+    bos = SPECIAL_NAMES[BOS]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, base + BOS)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=bos,
+        eos_token=SPECIAL_NAMES[EOT],
+        pad_token=SPECIAL_NAMES[EOS_TEXT],
+    )
+    fast.chat_template = chat_template
+    fast.save_pretrained(out)
+    return fast
+
+
+def _reserved(offset: int) -> int:
+    """Llama 3.1's numbering of the reserved special tokens at an offset."""
+    return {2: 0, 3: 1, 5: 2}.get(offset, offset - 8)
+
+
+def write_random_weights(model_class: Any, config: Any, out: Path, dtype: str, seed: int) -> int:
+    """Random tensors of the model's names and shapes into safetensors (sharded past 4 GiB)."""
+    import torch
+    from safetensors.torch import save_file
+
+    with torch.device("meta"):
+        model = model_class(config)
+    torch_dtype = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(seed)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = total = 0
+    for name, meta in model.state_dict().items():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            value = torch.ones(meta.shape, dtype=torch_dtype)
+        elif meta.dim() == 2:
+            std = 1.0 if "embed" in name else meta.shape[1] ** -0.5
+            value = torch.randn(meta.shape, generator=gen).mul_(std).to(torch_dtype)
+        else:
+            value = torch.zeros(
+                meta.shape, dtype=meta.dtype if not meta.is_floating_point() else torch_dtype
+            )
+        nbytes = value.numel() * value.element_size()
+        if size and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value.contiguous()
+        size += nbytes
+        total += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return total
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return total
+
+
+def write_llama(out: Path, size: str, dtype: str = "float32", seed: int = 0) -> Path:
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    shape = _backbone(size)
+    if size == "full":  # Llama-3.2-1B's shape
+        shape.update(
+            hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, head_dim=64,
+            max_position_embeddings=131072,
+            rope_parameters={
+                "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        )  # fmt: skip
+    ids = _special_ids(shape["vocab_size"])
+    config = LlamaConfig(
+        **shape, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"],
+        pad_token_id=ids["pad_token_id"],
+    )  # fmt: skip
+    config.save_pretrained(out)
+    GenerationConfig(
+        bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"],
+        pad_token_id=ids["pad_token_id"],
+    ).save_pretrained(out)  # fmt: skip
+    write_random_weights(LlamaForCausalLM, config, out, dtype, seed)
+    write_tokenizer(out, shape["vocab_size"], LLAMA_CHAT_TEMPLATE)
+    return out
+
+
+def write_audio_tokenizer(out: Path, size: str, codebook_size: int, seed: int) -> Any:
+    """HiggsAudioV2TokenizerModel with transformers' own random init: 8 quantizers at 25 frames a
+    second of 24 kHz (hop 960), the published sub-models' sizes in `full`, small ones in `tiny`."""
+    import torch
+    from transformers import HiggsAudioV2TokenizerConfig, HiggsAudioV2TokenizerModel
+
+    bits = (codebook_size - 1).bit_length()
+    bandwidth = 8 * 25 * bits / 1000  # num_quantizers = 1000 * bandwidth // (25 * bits) = 8
+    acoustic: dict[str, Any] = {
+        "downsampling_ratios": [8, 5, 4, 2, 3],
+        "upsampling_ratios": [8, 5, 4, 2, 3],
+    }
+    semantic: dict[str, Any] = {}
+    if size == "tiny":
+        acoustic.update(
+            encoder_hidden_size=4, decoder_hidden_size=64, hidden_size=16
+        )  # 64 >> 5 stages
+        semantic.update(
+            hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+            conv_dim=[8] * 7, num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2,
+        )  # fmt: skip
+    config = HiggsAudioV2TokenizerConfig(
+        target_bandwidths=[bandwidth / 4, bandwidth / 2, bandwidth],
+        codebook_size=codebook_size,
+        codebook_dim=64 if size == "full" else 8,
+        acoustic_model_config=acoustic,
+        semantic_model_config=semantic,
+    )
+    assert config.num_quantizers == 8 and config.frame_rate == 25, (
+        config.num_quantizers,
+        config.frame_rate,
+    )
+    torch.manual_seed(seed)
+    model = HiggsAudioV2TokenizerModel(config)
+    model.save_pretrained(out)
+    return model
+
+
+def torchaudio_stand_in(folder: Path) -> Path:
+    """A stand-in `torchaudio` package under `folder` (returned: put it on PYTHONPATH), for a
+    machine without a working torchaudio (this one: no wheel for torch 2.13).
+
+    transformers refuses to build `HiggsAudioV2TokenizerModel` without torchaudio, which it uses
+    only to resample audio it *encodes* (reference voices). Writing random weights and decoding
+    codes never call it; the stand-in's resample raises, so nothing can silently use it."""
+    package = folder / "torchaudio"
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text(
+        '"""Stand-in (omni_bench.random_checkpoint): no audio I/O, no resampling."""\n'
+        "from . import functional\n__version__ = '2.11.0'\n"
+    )
+    (package / "functional.py").write_text(
+        "def resample(*args, **kwargs):\n"
+        "    raise NotImplementedError('torchaudio stand-in: install torchaudio to encode audio')\n"
+    )
+    meta = folder / "torchaudio-2.11.0.dist-info"
+    meta.mkdir(exist_ok=True)
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: torchaudio\nVersion: 2.11.0\n")
+    return folder
+
+
+def has_torchaudio() -> bool:
+    try:
+        import torchaudio  # noqa: F401
+    except (ImportError, OSError):  # OSError: a wheel built against another torch
+        return False
+    return True
+
+
+def write_higgs_audio_v2(out: Path, size: str, dtype: str = "float32", seed: int = 0) -> Path:
+    """The model folder at `out`, its audio tokenizer at out/audio_tokenizer. Without a working
+    torchaudio the audio tokenizer and processor are written by a child process that sees the
+    stand-in (torchaudio_stand_in)."""
+    out = out.resolve()
+    if not has_torchaudio():
+        import os
+        import subprocess
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+                [str(torchaudio_stand_in(Path(tmp))), *sys.path]
+            )}  # fmt: skip
+            args = [sys.executable, "-m", "omni_bench.random_checkpoint", "higgs-audio-v2",
+                    "--size", size, "--out", str(out), "--dtype", dtype,
+                    "--seed", str(seed)]  # fmt: skip
+            subprocess.run(args, env=env, check=True, stdout=subprocess.DEVNULL)
+        return out
+    return _write_higgs_audio_v2(out, size, dtype, seed)
+
+
+def _write_higgs_audio_v2(out: Path, size: str, dtype: str, seed: int) -> Path:
+    from transformers import (
+        DacFeatureExtractor,
+        GenerationConfig,
+        HiggsAudioV2Config,
+        HiggsAudioV2ForConditionalGeneration,
+        HiggsAudioV2Processor,
+        HiggsAudioV2TokenizerModel,
+    )
+
+    out.mkdir(parents=True, exist_ok=True)
+    shape = _backbone(size)
+    codes = 1024 if size == "full" else 128  # real codes a codebook; +2 for the stream BOS / EOS
+    ids = _special_ids(shape["vocab_size"])
+    config = HiggsAudioV2Config(
+        **shape, num_codebooks=8, codebook_size=codes + 2,
+        audio_stream_bos_id=codes, audio_stream_eos_id=codes + 1, **ids,
+    )  # fmt: skip
+    config.save_pretrained(out)
+    GenerationConfig(  # the published checkpoint's (its conversion sets these)
+        bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"],
+        pad_token_id=ids["pad_token_id"], ras_win_len=7, ras_win_max_num_repeat=2,
+        use_text_head=True,
+    ).save_pretrained(out)  # fmt: skip
+    write_random_weights(HiggsAudioV2ForConditionalGeneration, config, out, dtype, seed)
+    tokenizer = write_tokenizer(out, shape["vocab_size"], HIGGS_CHAT_TEMPLATE)
+    audio_dir = out / "audio_tokenizer"
+    write_audio_tokenizer(audio_dir, size, codes, seed)
+    processor = HiggsAudioV2Processor(
+        feature_extractor=DacFeatureExtractor(
+            feature_size=1, hop_length=1, padding_side="right", padding_value=0.0,
+            sampling_rate=24000, return_attention_mask=True,
+        ),
+        tokenizer=tokenizer,
+        audio_tokenizer=HiggsAudioV2TokenizerModel.from_pretrained(audio_dir),
+        chat_template=HIGGS_CHAT_TEMPLATE,
+        audio_stream_bos_id=codes,
+        audio_stream_eos_id=codes + 1,
+    )  # fmt: skip
+    processor.save_pretrained(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="omni-bench random-checkpoint",
+        description="write a random-weight checkpoint folder that transformers and the engine load",
+    )
+    parser.add_argument("family", choices=FAMILIES)
+    parser.add_argument("--size", choices=SIZES, default="tiny")
+    parser.add_argument("--out", type=Path, required=True, help="folder to write (created)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="weights' dtype (default: float32 tiny, bfloat16 full)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    dtype = args.dtype or ("float32" if args.size == "tiny" else "bfloat16")
+    write = write_higgs_audio_v2 if args.family == "higgs-audio-v2" else write_llama
+    out = write(args.out, args.size, dtype, args.seed)
+    files = sorted(p for p in out.rglob("*") if p.is_file())
+    total = sum(p.stat().st_size for p in files)
+    print(
+        f"wrote {args.family} ({args.size}, {dtype}) to {out}: "
+        f"{len(files)} files, {total / 1e6:.1f} MB"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
