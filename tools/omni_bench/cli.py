@@ -35,6 +35,7 @@ SUBCOMMANDS = {
     "gpu-tp": ("omni_bench.gpu_tp", "engine decode tok/s at TP=1 vs TP=2 (NCCL)"),
     "gpu-handoff": ("omni_bench.gpu_handoff", "a CUDA tensor from stage to stage, one GPU"),
     "gpu-memory": ("omni_bench.gpu_memory", "KV cache sized from a GPU fraction: the terms, peaks"),
+    "random-checkpoint": ("omni_bench.random_checkpoint", "random-weight HF checkpoint folders"),
 }
 
 
