@@ -99,6 +99,8 @@ def sample_frames(
     generators: list[torch.Generator],
 ) -> list[list[int]]:  # [R][K] codes
     rows, k, c = logits.shape[0], spec.num_codebooks, spec.codebook_size
+    if rows == 0:  # a step of prefill chunks that complete no prompt
+        return []
     device = logits.device
     force_bos = torch.tensor([m[0] for m in masks], dtype=torch.bool, device=device)  # [R, K]
     force_eos = torch.tensor([m[1] for m in masks], dtype=torch.bool, device=device)

@@ -85,7 +85,8 @@ class DecodeGraphs:
         slot_mapping: list[int],
         kv_slots: torch.Tensor,  # [B, L] CPU
         context: list[int],  # [B] context length of each request (L = max)
-    ) -> torch.Tensor:  # [B, V] float32
+        audio_codes: list[list[int]] | None = None,  # [B][K]: an audio model's decode frames
+    ) -> torch.Tensor:  # [B, V] float32 ([B, K * C] frame logits for an audio model)
         n, length = kv_slots.shape
         g = self._graph(bucket_for(n, self.batch_buckets), bucket_for(length, self.context_buckets))
         s = g.batch
@@ -102,6 +103,10 @@ class DecodeGraphs:
         s.decode.kv_slots[:n, :length].copy_(kv_slots, non_blocking=True)
         mask = torch.arange(length).unsqueeze(0) < torch.tensor(context).unsqueeze(1)  # [B, L]
         s.decode.kv_mask[:n, 0, 0, :length].copy_(mask, non_blocking=True)
+        if s.audio_codes is not None:  # padded rows embed frame 0 (their output is unused)
+            assert audio_codes is not None, "an audio model's decode step carries its frames"
+            s.audio_codes.zero_()
+            s.audio_codes[:n].copy_(torch.tensor(audio_codes), non_blocking=True)
         g.graph.replay()
         return g.logits[:n]
 
@@ -120,6 +125,9 @@ class DecodeGraphs:
             decode=DecodeGroup(b, torch.zeros(b, length, dtype=torch.int64, device=dev), mask),
             prefills=[],
         )
+        audio = self.model.audio
+        if audio is not None:  # every row a frame (audio_rows None): the audio path alone
+            static.audio_codes = torch.zeros(b, audio.num_codebooks, dtype=torch.int64, device=dev)
         # One side stream for every warm-up and capture: each stream a matmul runs on keeps a
         # cuBLAS workspace for good, so a fresh stream per graph would hold up to 32 of them.
         if self._stream is None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from omni_server.engine.audio_frames import AudioSpec, DelayState, sample_frames
 from omni_server.engine.batcher import Batcher, StepBatch
 from omni_server.engine.config import EngineConfig, LlamaShape
 from omni_server.engine.errors import ContextLengthExceeded
@@ -71,6 +72,8 @@ class Engine:
         )
         self.batcher = Batcher(config, self.cache.allocator)
         self.runner = ModelRunner(model, self.cache, config, self.max_seq_len)
+        # set: every step emits one frame of K codes a request (audio_frames.py), not a token
+        self.audio: AudioSpec | None = model.audio
         self._sequences: dict[str, Sequence] = {}
         self._pending: list[TokenEvent] = []  # abort events, handed out by the next step()
         self._arrivals = 0
@@ -178,14 +181,34 @@ class Engine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if request.params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
+        self._check_audio(request)
         asked = request.params.max_tokens
         if len(prompt) + (asked or 1) > self.max_seq_len:
             raise ContextLengthExceeded(len(prompt), asked, self.max_seq_len)
         max_tokens = asked if asked is not None else self.max_seq_len - len(prompt)
-        seq = Sequence(request, max_tokens, self.tokenizer, self._arrivals)
+        seq = Sequence(request, max_tokens, self.tokenizer, self._arrivals, self.audio)
         self._arrivals += 1
         self._sequences[request.request_id] = seq
         self.batcher.add(seq)
+
+    def _check_audio(self, request: GenerationRequest) -> None:
+        audio, frames = self.audio, request.audio_codes or []
+        if audio is None:
+            if frames:
+                raise ValueError("audio_codes given, but this model has no audio head")
+            return
+        if request.params.stop:
+            raise ValueError("stop strings do not apply to an audio-frame model")
+        placeholders = sum(audio.is_frame_token(t) for t in request.prompt_token_ids)
+        if placeholders != len(frames):
+            raise ValueError(
+                f"the prompt has {placeholders} audio frame token(s) but {len(frames)} frame(s) "
+                "of audio_codes were given"
+            )
+        k, c = audio.num_codebooks, audio.codebook_size
+        for frame in frames:
+            if len(frame) != k or any(not isinstance(x, int) or not 0 <= x < c for x in frame):
+                raise ValueError(f"each audio frame must be {k} integer codes in [0, {c})")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. False if it is unknown or already done."""
@@ -216,11 +239,39 @@ class Engine:
         if batch is None:
             return events
         logits, sampled = self.runner.run(batch)
-        tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
+        params, generators = [s.params for s in sampled], [s.generator for s in sampled]
+        if self.audio is not None:
+            masks = [_delay(s).next_masks(s.token_ids[-1]) for s in sampled]
+            frames = sample_frames(logits, self.audio, masks, params, generators)
+            self._advance(batch)
+            for seq, frame in zip(sampled, frames, strict=True):
+                events.append(self._append_frame(seq, frame, self.audio))
+            return events
+        tokens = sample(logits, params, generators)
         self._advance(batch)
         for seq, token in zip(sampled, tokens, strict=True):
             events.append(self._append_token(seq, token))
         return events
+
+    def _append_frame(self, seq: Sequence, frame: list[int], audio: AudioSpec) -> TokenEvent:
+        """The reference's bookkeeping after a frame: its text-track token, the end of audio."""
+        token = audio.next_text_token(frame, seq.token_ids[-1])
+        ends = token == audio.eos_token_id
+        if ends and seq.params.ignore_eos:  # benchmarks: keep decoding frames past the end
+            token, ends = audio.audio_delay_token_id, False
+        seq.token_ids.append(token)
+        if audio.is_frame_token(token):  # the next step embeds this frame at this position
+            seq.frames[seq.num_tokens - 1] = frame
+        if ends:
+            seq.finish_reason = FinishReason.STOP
+        elif seq.num_output_tokens >= seq.max_tokens:
+            seq.finish_reason = FinishReason.LENGTH
+        if seq.finish_reason is not None:
+            self.batcher.finish(seq)
+            del self._sequences[seq.request_id]
+        event = self._event(seq, [] if ends else [token], "")
+        event.audio_frames = [frame]
+        return event
 
     def _advance(self, batch: StepBatch) -> None:
         for seq in batch.decodes:
@@ -308,6 +359,11 @@ class Engine:
         self.generate([GenerationRequest("__warmup__", [0, 1, 2], _warmup_params())])
         if capture_all_graphs and self.runner.graphs is not None:
             self.runner.graphs.capture_all()
+
+
+def _delay(seq: Sequence) -> DelayState:
+    assert seq.delay is not None, "an audio model's requests carry delay state"
+    return seq.delay
 
 
 def _warmup_params() -> SamplingParams:

@@ -44,8 +44,13 @@ class ModelRunner:
         kv_slots = self.cache.slot_matrix([seq.block_table for seq in decodes], length)
         rows = torch.arange(len(decodes))
         slot_mapping = kv_slots[rows, torch.tensor(positions, dtype=torch.int64)].tolist()
+        audio = self.model.audio is not None
         if not batch.prefills and self.graphs is not None and decodes:
-            logits = self.graphs.run(ids, positions, slot_mapping, kv_slots, context)
+            # every generated position of an audio model is a frame: a decode is audio only
+            frames = None
+            if audio:
+                frames = [seq.frames[pos] for seq, pos in zip(decodes, positions, strict=True)]
+            logits = self.graphs.run(ids, positions, slot_mapping, kv_slots, context, frames)
             return logits, list(decodes)
 
         sampled: list[Sequence] = list(decodes)
@@ -77,4 +82,36 @@ class ModelRunner:
             decode=decode,
             prefills=chunks,
         )
+        if audio:
+            self._audio_rows(fwd, batch)
         return self.forward(fwd, self.cache.k, self.cache.v), sampled
+
+    def _audio_rows(self, fwd: ForwardBatch, batch: StepBatch) -> None:
+        """Mark the batch's frame positions (decodes first, then each chunk: the flat order)."""
+        rows: list[int] = []
+        codes: list[list[int]] = []
+        row = 0
+        for seq in batch.decodes:
+            frame = seq.frames.get(seq.num_computed)
+            if frame is not None:
+                rows.append(row)
+                codes.append(frame)
+            row += 1
+        for work in batch.prefills:
+            frames = work.seq.frames
+            for pos in range(work.start, work.start + work.length):
+                frame = frames.get(pos)
+                if frame is not None:
+                    rows.append(row)
+                    codes.append(frame)
+                row += 1
+        if not rows:
+            return  # text only
+        dev = self.device
+        fwd.audio_codes = torch.tensor(codes, dtype=torch.int64, device=dev)  # [A, K]
+        if len(rows) == row:
+            return  # audio only: audio_rows None
+        audio = set(rows)
+        text = [r for r in range(row) if r not in audio]
+        fwd.audio_rows = torch.tensor(rows, dtype=torch.int64, device=dev)
+        fwd.text_rows = torch.tensor(text, dtype=torch.int64, device=dev)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from omni_server.engine.audio_frames import AudioSpec, DelayState
 from omni_server.engine.sampling import SamplingParams, make_generator
 from omni_server.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
 
@@ -28,6 +29,9 @@ class GenerationRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    # Audio-frame models: the frames (K codes each) of the prompt's frame tokens, in order (a
+    # reference voice, delay pattern applied as the reference processor builds it).
+    audio_codes: list[list[int]] | None = None
 
 
 @dataclass
@@ -41,6 +45,10 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0  # so far
+    # Audio-frame models: the frame this step produced ([K] codes, the delay pattern's BOS / EOS
+    # codes included, as the reference's generate() returns them); token_ids then holds its
+    # text-track token (audio or delay token; none on the final, all-EOS frame).
+    audio_frames: list[list[int]] = field(default_factory=list)
 
 
 class Sequence:
@@ -52,6 +60,7 @@ class Sequence:
         max_tokens: int,
         tokenizer: TextTokenizer | None,
         arrival: int,
+        audio: AudioSpec | None = None,
     ) -> None:
         self.request_id = request.request_id
         self.params = request.params
@@ -67,6 +76,13 @@ class Sequence:
         self.text = ""  # output text so far (after stop-string truncation)
         self.emitted_chars = 0  # how much of `text` has left in events
         self.finish_reason: FinishReason | None = None
+        # Audio-frame models: position -> its frame, for every frame token (prompt and output)
+        self.frames: dict[int, list[int]] = {}
+        self.delay: DelayState | None = None
+        if audio is not None:
+            positions = [i for i, t in enumerate(self.token_ids) if audio.is_frame_token(t)]
+            self.frames = dict(zip(positions, request.audio_codes or [], strict=True))
+            self.delay = DelayState(audio, self.token_ids)
 
     @property
     def num_tokens(self) -> int:

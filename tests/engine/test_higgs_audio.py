@@ -1,0 +1,279 @@
+"""Higgs Audio v2 on the engine against transformers' `HiggsAudioV2ForConditionalGeneration`, on a
+tiny random checkpoint written by `omni-bench random-checkpoint higgs-audio-v2 --size tiny` (8
+codebooks of 128 codes + the stream BOS / EOS).
+
+Compared: greedy frames IDENTICAL to `generate(do_sample=False)` (the delay pattern at both
+ends, the end of audio, the text-track switch), for TTS prompts built as the reference processor
+builds them (its chat template: system message, scene, text) and for a prompt carrying a
+reference voice (frame placeholders + audio codes); the first frame's logits within 1e-3. The
+reference's repetition-aware resampling is turned off on its side (`ras_win_len=None`): it draws
+from the global RNG, which no engine can match. Then the engine's own guarantees for frames:
+seeded sampling reproducible and independent of the batch, preemption and chunked prefill
+changing nothing, abort freeing the request's KV blocks.
+"""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from omni_server.engine import (
+    Engine,
+    EngineConfig,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    TokenEvent,
+)
+from tests.engine.test_llama import LOGIT_TOLERANCE
+
+transformers = pytest.importorskip("transformers")
+
+MAX_FRAMES = 48
+
+
+def turn(role: str, text: str) -> dict[str, Any]:
+    return {"role": role, "content": [{"type": "text", "text": text}]}
+
+
+def tts(text: str) -> list[dict[str, Any]]:
+    """A TTS request as the reference documents it: system message, scene, the text to speak."""
+    return [
+        turn("system", "Generate audio following instruction."),
+        turn("scene", "Audio is recorded from a quiet room."),
+        turn("user", text),
+    ]
+
+
+TEXTS = [
+    "The sun rises in the east.",
+    "Hello there, how are you doing on this fine day? It may not be a holiday.",
+    "Hi",
+    "It was the night before my birthday. Hooray! It's almost here!",
+    "0123456789",
+    "This simple fact has been observed by humans for thousands of years.",
+]
+
+
+@pytest.fixture(scope="module")
+def higgs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from omni_bench.random_checkpoint import write_higgs_audio_v2
+
+    return write_higgs_audio_v2(tmp_path_factory.mktemp("ckpt") / "higgs", "tiny", seed=5)
+
+
+@pytest.fixture(scope="module")
+def base(higgs_dir: Path) -> Engine:
+    return Engine.from_checkpoint(higgs_dir, EngineConfig(max_total_tokens=4096))
+
+
+def make(base: Engine, **settings: object) -> Engine:
+    """A fresh engine (own cache, queues) around the one loaded model."""
+    table: dict[str, object] = {"max_total_tokens": 4096, "max_batch_size": 8}
+    table.update(settings)
+    return Engine(base.model, EngineConfig.from_table(table), base.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def hf_higgs(higgs_dir: Path):  # type: ignore[no-untyped-def]
+    model = transformers.HiggsAudioV2ForConditionalGeneration.from_pretrained(higgs_dir)
+    return model.eval()
+
+
+def prompt(base: Engine, text: str) -> list[int]:
+    assert base.tokenizer is not None
+    return base.tokenizer.encode_chat(tts(text))
+
+
+def frames(events: list[TokenEvent]) -> list[list[int]]:
+    return [f for e in events for f in e.audio_frames]
+
+
+def reference(hf_higgs, ids: list[int], **audio: torch.Tensor) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    with torch.inference_mode():
+        out = hf_higgs.generate(
+            input_ids=torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=MAX_FRAMES,
+            do_sample=False,
+            ras_win_len=None,
+            **audio,
+        )
+    result: list[list[int]] = out[0].tolist()
+    return result
+
+
+def greedy(max_tokens: int = MAX_FRAMES) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens)
+
+
+def test_greedy_frames_equal_transformers_generate(base: Engine, hf_higgs) -> None:
+    audio = base.audio
+    assert audio is not None
+    k, bos, eos = audio.num_codebooks, audio.stream_bos_id, audio.stream_eos_id
+    ended = 0
+    for i, text in enumerate(TEXTS[:3]):
+        ids = prompt(base, text)
+        expected = reference(hf_higgs, ids)
+        events = make(base).generate([GenerationRequest("r", ids, greedy())])["r"]
+        assert frames(events) == expected, f"text {i}"
+        # the delay pattern, visible in the frames: codebook j is BOS for the first j + 1
+        assert [sum(c == bos for c in f) for f in expected[:k]] == list(range(k, 0, -1))
+        assert all(len(e.audio_frames) == 1 for e in events)
+        if events[-1].finish_reason is FinishReason.STOP:
+            ended += 1
+            assert expected[-1] == [eos] * k and len(expected) < MAX_FRAMES
+            assert events[-1].token_ids == []
+            # the closing delay: from the first EOS on, codebook j is EOS within j + 1 frames
+            first = next(n for n, f in enumerate(expected) if eos in f)
+            for j in range(k):
+                assert all(f[j] == eos for f in expected[first + j + 1 :])
+        else:
+            assert len(expected) == MAX_FRAMES
+    assert ended >= 1, "no prompt reached the end of audio: the EOS path went untested"
+
+
+def test_first_frame_logits_equal_transformers(base: Engine, hf_higgs) -> None:
+    from tests.engine.test_llama import _prefill_logits
+
+    ids = prompt(base, TEXTS[1])
+    ours = _prefill_logits(base.model, ids, [len(ids)])
+    with torch.inference_mode():
+        theirs = hf_higgs(input_ids=torch.tensor([ids])).logits[0].float()
+    assert ours.shape == theirs.shape  # [T, K * C]: the audio head's
+    diff = (ours - theirs).abs().max().item()
+    assert diff <= LOGIT_TOLERANCE, f"max |logit diff| {diff}"
+
+
+def test_reference_voice_prompt_equals_transformers(base: Engine, hf_higgs) -> None:
+    """Frame placeholders in the prompt embed the given codes through the audio FFN (a prefill
+    of text and audio rows together), as the reference's `audio_input_ids` do."""
+    from transformers import HiggsAudioV2Processor
+
+    audio = base.audio
+    assert audio is not None and base.tokenizer is not None
+    codes = torch.randint(
+        0,
+        audio.stream_bos_id,
+        (1, audio.num_codebooks, 12),
+        generator=torch.Generator().manual_seed(0),
+    )
+    bos = torch.full((1, audio.num_codebooks, 1), audio.stream_bos_id)
+    eos = torch.full((1, audio.num_codebooks, 1), audio.stream_eos_id)
+    ids_layout = types.SimpleNamespace(
+        audio_stream_bos_id=audio.stream_bos_id, audio_stream_eos_id=audio.stream_eos_id
+    )
+    # the reference processor's own delay-pattern builder: [1, K, n] -> n + K - 1 frames
+    delayed = HiggsAudioV2Processor.build_delay_pattern(ids_layout, torch.cat([bos, codes, eos], 2))
+    voice = delayed[0].transpose(0, 1)  # [n, K]
+    n = voice.shape[0]
+    conversation = [
+        turn("system", "Generate audio following instruction."),
+        turn("user", "It was the night before my birthday."),
+        {"role": "assistant", "content": [{"type": "audio", "url": "voice.wav"}]},
+        turn("user", "The sun rises in the east."),
+    ]
+    text = base.tokenizer.apply_chat_template(conversation)
+    k = audio.num_codebooks
+    text = text.replace(
+        "<|AUDIO_OUT|>", "<|AUDIO_OUT|>" * (n - (k - 1)) + "<|reserved_special_token_6|>" * (k - 1)
+    )  # the processor's expansion: one position a frame, the last K - 1 delayed
+    ids = base.tokenizer.encode(text)
+    expected = reference(
+        hf_higgs,
+        ids,
+        audio_input_ids=voice.unsqueeze(0),
+        audio_input_ids_mask=torch.ones(1, n, dtype=torch.bool),
+    )
+    request = GenerationRequest("r", ids, greedy(), audio_codes=voice.tolist())
+    events = make(base, max_step_tokens=40).generate([request])["r"]  # chunks cut the voice
+    assert expected[:n] == voice.tolist()  # the reference returns the prompt's frames too
+    assert frames(events) == expected[n:]
+    assert len(expected) > n + 8
+
+
+def _sampled(seed: int, max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=1.0, top_k=40, top_p=0.9, seed=seed, max_tokens=max_tokens)
+
+
+def test_seeded_frames_reproducible_and_batch_independent(base: Engine) -> None:
+    requests = [
+        GenerationRequest(f"r{i}", prompt(base, text), _sampled(100 + i, 20 + 4 * i))
+        for i, text in enumerate(TEXTS)
+    ]
+    alone = {r.request_id: frames(make(base).generate([r])[r.request_id]) for r in requests}
+    again = frames(make(base).generate([requests[0]])["r0"])
+    assert again == alone["r0"]
+    other_seed = GenerationRequest("x", requests[0].prompt_token_ids, _sampled(7, 20))
+    assert frames(make(base).generate([other_seed])["x"]) != alone["r0"]
+    # all six together, joining one a step, prompts chunked under a small step budget
+    engine = make(base, max_step_tokens=48)
+    out: dict[str, list[TokenEvent]] = {r.request_id: [] for r in requests}
+    pending = list(requests)
+    while pending or engine.has_work():
+        if pending:
+            engine.add(pending.pop(0))
+        for event in engine.step():
+            out[event.request_id].append(event)
+    for r in requests:
+        assert frames(out[r.request_id]) == alone[r.request_id], r.request_id
+
+
+def test_preemption_and_recompute_change_nothing(base: Engine) -> None:
+    """A KV budget too small for all four: the newest is preempted and recomputes prompt and
+    frames so far (a prefill of text and audio rows); greedy frames equal each run alone."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)  # all 40 frames
+    requests = [
+        GenerationRequest(f"r{i}", prompt(base, t), params) for i, t in enumerate(TEXTS[:4])
+    ]
+    alone = {r.request_id: frames(make(base).generate([r])[r.request_id]) for r in requests}
+    engine = make(base, max_total_tokens=384, max_step_tokens=64)
+    out = engine.generate(requests)
+    assert engine.batcher.num_preemptions > 0
+    for r in requests:
+        assert frames(out[r.request_id]) == alone[r.request_id], r.request_id
+
+
+def test_abort_mid_generation_frees_its_blocks(base: Engine) -> None:
+    engine = make(base)
+    allocator = engine.cache.allocator
+    free_before = allocator.num_free
+    keep = GenerationRequest("keep", prompt(base, TEXTS[0]), greedy(30))
+    drop = GenerationRequest(
+        "drop", prompt(base, TEXTS[1]), SamplingParams(max_tokens=200, ignore_eos=True, seed=1)
+    )
+    engine.add(keep)
+    engine.add(drop)
+    events: dict[str, list[TokenEvent]] = {"keep": [], "drop": []}
+    for _ in range(6):
+        for event in engine.step():
+            events[event.request_id].append(event)
+    assert len(frames(events["drop"])) >= 4 and not events["drop"][-1].finished
+    held = allocator.num_free
+    assert engine.abort("drop")
+    assert allocator.num_free > held  # at once, before the next step
+    while engine.has_work():
+        for event in engine.step():
+            events[event.request_id].append(event)
+    assert events["drop"][-1].finish_reason is FinishReason.ABORT
+    assert allocator.num_free == free_before
+    assert frames(events["keep"]) == frames(make(base).generate([keep])["keep"])
+
+
+def test_bad_audio_requests_are_refused(base: Engine) -> None:
+    engine = make(base)
+    ids = prompt(base, TEXTS[0])
+    audio = base.audio
+    assert audio is not None
+    with pytest.raises(ValueError, match="0 audio frame token"):
+        engine.add(GenerationRequest("a", ids, greedy(), audio_codes=[[0] * 8]))
+    with pytest.raises(ValueError, match="8 integer codes"):
+        with_frame = [*ids[:-1], audio.audio_token_id, ids[-1]]
+        engine.add(GenerationRequest("b", with_frame, greedy(), audio_codes=[[0] * 7]))
+    with pytest.raises(ValueError, match="stop strings"):
+        engine.add(GenerationRequest("c", ids, SamplingParams(stop=("x",))))
+    assert not engine.has_work()
