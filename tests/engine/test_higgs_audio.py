@@ -277,3 +277,28 @@ def test_bad_audio_requests_are_refused(base: Engine) -> None:
     with pytest.raises(ValueError, match="stop strings"):
         engine.add(GenerationRequest("c", ids, SamplingParams(stop=("x",))))
     assert not engine.has_work()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_frames_through_cuda_graphs_equal_eager_on_gpu(higgs_dir: Path, base: Engine) -> None:
+    """Decode steps replay captured graphs (the audio path with a static frame buffer): seeded
+    frames equal the eager GPU run, and greedy float32 frames equal the CPU engine's."""
+    requests = [
+        GenerationRequest(f"r{i}", prompt(base, t), _sampled(i, 24)) for i, t in enumerate(TEXTS)
+    ]
+    greedy_request = GenerationRequest("g", prompt(base, TEXTS[0]), greedy())
+
+    def run(cuda_graphs: bool) -> dict[str, list[list[int]]]:
+        config = EngineConfig(
+            max_total_tokens=4096, max_batch_size=8, device="cuda", cuda_graphs=cuda_graphs
+        )
+        engine = Engine.from_checkpoint(higgs_dir, config)
+        out = engine.generate([*requests, greedy_request])
+        if cuda_graphs:
+            assert engine.runner.graphs is not None and engine.runner.graphs.graphs
+        return {rid: frames(events) for rid, events in out.items()}
+
+    graphed = run(cuda_graphs=True)
+    assert graphed == run(cuda_graphs=False)
+    assert graphed["g"] == frames(make(base).generate([greedy_request])["g"])
