@@ -58,7 +58,7 @@ def hf_llama(llama_dir: Path):  # type: ignore[no-untyped-def]
 def test_logits_equal_transformers(engine: Engine, hf_llama) -> None:
     assert engine.tokenizer is not None
     ids = engine.tokenizer.encode_chat(MESSAGES[0])
-    ids = ids * 6  # ~160 positions: past the config's original_max_position_embeddings (64)
+    ids = ids * 6  # 276 positions: past the config's original_max_position_embeddings (64)
     ours = _prefill_logits(engine.model, ids, [len(ids)])
     with torch.inference_mode():
         theirs = hf_llama(torch.tensor([ids])).logits[0].float()

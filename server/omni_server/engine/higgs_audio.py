@@ -15,6 +15,8 @@ prefill chunk with reference audio, or a recompute after preemption).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -96,7 +98,7 @@ class HiggsAudioV2(Llama):
         h = self.norm(h[batch.logits_indices])  # [R, C]
         return F.linear(h, self.audio_head.weight).float()
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Llama's engine names (without lm_head) plus embed_audio, audio_head and per layer
         audio_attn_norm / audio_ffn_norm / audio_w_gate / audio_w_up / audio_w_down."""
         super().load_weights(weights)

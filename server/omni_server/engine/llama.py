@@ -10,6 +10,7 @@ one all-reduce closes each half of a block.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -191,7 +192,7 @@ class Llama(nn.Module):
         self.rope = self.rope.to(device)
         return self
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy engine-named float32 weights in (gguf_weights names), fusing QKV and gate/up."""
         params = dict(self.named_parameters())
 

@@ -16,7 +16,7 @@ asks them in this order):
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,9 +38,29 @@ class ModelSpec:
     audio: AudioSpec | None = None  # an audio-frame head (higgs_audio_v2), else text logits
 
 
-# A lazily read checkpoint tensor, by name: the loader pulls one at a time (a 3B model in float32
-# never sits whole in host memory).
+# A checkpoint tensor by name, read when called.
 TensorSource = Callable[[str], torch.Tensor]
+
+
+class LazyWeights(Mapping[str, torch.Tensor]):
+    """Engine-named weights, each read (and converted) from the checkpoint only when the model's
+    load_weights asks for it and dropped after its copy: a 5B model's float32 copy never sits
+    whole in host memory."""
+
+    def __init__(self) -> None:
+        self._read: dict[str, Callable[[], torch.Tensor]] = {}
+
+    def add(self, name: str, read: Callable[[], torch.Tensor]) -> None:
+        self._read[name] = read
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._read[name]()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._read)
+
+    def __len__(self) -> int:
+        return len(self._read)
 
 
 class Family(abc.ABC):

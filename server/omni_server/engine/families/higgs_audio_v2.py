@@ -7,9 +7,11 @@ reference does not load it for generation either).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from omni_server.engine.audio_frames import AudioSpec
 from omni_server.engine.errors import CheckpointError
@@ -106,9 +108,13 @@ class HiggsAudioV2Family(Family):
 
     def load(self, model: Llama, tensors: TensorSource, spec: ModelSpec) -> None:
         weights = llama_engine_weights(tensors, spec.shape)
-        weights["embed_audio"] = tensors(EMBED_AUDIO).float()
-        weights["audio_head"] = tensors(AUDIO_HEAD).float()
+
+        def read(name: str) -> Callable[[], torch.Tensor]:
+            return lambda: tensors(name).float()
+
+        weights.add("embed_audio", read(EMBED_AUDIO))
+        weights.add("audio_head", read(AUDIO_HEAD))
         for i in range(spec.shape.num_layers):
             for hf, ours in AUDIO_LAYER_TENSORS.items():
-                weights[f"layers.{i}.{ours}"] = tensors(f"model.layers.{i}.{hf}").float()
+                weights.add(f"layers.{i}.{ours}", read(f"model.layers.{i}.{hf}"))
         model.load_weights(weights)

@@ -9,7 +9,7 @@ which is exact: the same permutation of Q and K leaves every `q . k` unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ import torch
 
 from omni_server.engine.config import Llama3RopeScaling, LlamaShape
 from omni_server.engine.errors import CheckpointError
-from omni_server.engine.families import Family, ModelSpec, TensorSource
+from omni_server.engine.families import Family, LazyWeights, ModelSpec, TensorSource
 from omni_server.engine.llama import Llama
 from omni_server.engine.parallel import TensorParallel
 
@@ -133,20 +133,24 @@ def pairs_from_halves(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def llama_engine_weights(
     tensors: TensorSource, shape: LlamaShape, prefix: str = "model."
-) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors -> Llama.load_weights names (float32; Q/K rows in pair order)."""
-    out = {
-        "embed": tensors(f"{prefix}embed_tokens.weight").float(),
-        "norm": tensors(f"{prefix}norm.weight").float(),
-    }
+) -> LazyWeights:
+    """Checkpoint tensors -> Llama.load_weights names (float32; Q/K rows in pair order), read
+    as the model asks for them."""
+    out = LazyWeights()
+
+    def read(name: str, heads: int = 0) -> Callable[[], torch.Tensor]:
+        def value() -> torch.Tensor:
+            w = tensors(name).float()
+            return pairs_from_halves(w, heads) if heads else w
+
+        return value
+
+    out.add("embed", read(f"{prefix}embed_tokens.weight"))
+    out.add("norm", read(f"{prefix}norm.weight"))
     for i in range(shape.num_layers):
         for hf, ours in LAYER_TENSORS.items():
-            value = tensors(f"{prefix}layers.{i}.{hf}").float()
-            if ours == "wq":
-                value = pairs_from_halves(value, shape.num_heads)
-            elif ours == "wk":
-                value = pairs_from_halves(value, shape.num_kv_heads)
-            out[f"layers.{i}.{ours}"] = value
+            heads = {"wq": shape.num_heads, "wk": shape.num_kv_heads}.get(ours, 0)
+            out.add(f"layers.{i}.{ours}", read(f"{prefix}layers.{i}.{hf}", heads))
     return out
 
 
@@ -173,5 +177,5 @@ class LlamaFamily(Family):
     def load(self, model: Llama, tensors: TensorSource, spec: ModelSpec) -> None:
         weights = llama_engine_weights(tensors, spec.shape)
         if not spec.shape.tie_word_embeddings:
-            weights["lm_head"] = tensors("lm_head.weight").float()
+            weights.add("lm_head", lambda: tensors("lm_head.weight").float())
         model.load_weights(weights)
