@@ -276,6 +276,8 @@ def test_bad_audio_requests_are_refused(base: Engine) -> None:
         engine.add(GenerationRequest("b", with_frame, greedy(), audio_codes=[[0] * 7]))
     with pytest.raises(ValueError, match="stop strings"):
         engine.add(GenerationRequest("c", ids, SamplingParams(stop=("x",))))
+    with pytest.raises(ValueError, match="set together"):
+        SamplingParams(ras_window=7)
     assert not engine.has_work()
 
 
@@ -302,3 +304,46 @@ def test_frames_through_cuda_graphs_equal_eager_on_gpu(higgs_dir: Path, base: En
     graphed = run(cuda_graphs=True)
     assert graphed == run(cuda_graphs=False)
     assert graphed["g"] == frames(make(base).generate([greedy_request])["g"])
+
+
+def _first_repeat(history: list[list[int]], window: int, most: int, special: set[int]) -> int:
+    """The first frame index whose code in some codebook already appears `most` times in that
+    codebook over the `window` frames before it (BOS / EOS codes aside), or len(history)."""
+    for t, frame in enumerate(history):
+        recent = history[max(0, t - window) : t]
+        for j, code in enumerate(frame):
+            if code not in special and sum(f[j] == code for f in recent) >= most:
+                return t
+    return len(history)
+
+
+def test_repetition_aware_sampling_redraws_only_repeats(base: Engine) -> None:
+    """The reference's rule (ras_win_len 7, ras_win_max_num_repeat 2, as the published
+    generation_config.json): greedy frames are untouched until the first frame that repeats a
+    code twice in the last 7 frames; from there the code is redrawn, seeded and reproducibly."""
+    audio = base.audio
+    assert audio is not None
+    special = {audio.stream_bos_id, audio.stream_eos_id}
+    for text in TEXTS:  # the first prompt whose greedy frames repeat a code
+        ids = prompt(base, text)
+        plain = frames(make(base).generate([GenerationRequest("p", ids, greedy())])["p"])
+        t = _first_repeat(plain, 7, 2, special)
+        if t < len(plain):
+            break
+    assert t < len(plain), "greedy never repeated: the rule went untested"
+    ras = SamplingParams(
+        temperature=0, max_tokens=MAX_FRAMES, seed=9, ras_window=7, ras_max_repeat=2
+    )
+    redrawn = frames(make(base).generate([GenerationRequest("r", ids, ras)])["r"])
+    assert redrawn[:t] == plain[:t]
+    assert redrawn != plain
+    again = frames(make(base).generate([GenerationRequest("r", ids, ras)])["r"])
+    assert again == redrawn
+    # in a batch beside other requests, joining late
+    engine = make(base, max_step_tokens=48)
+    others = [
+        GenerationRequest(f"o{i}", prompt(base, x), _sampled(i, 30))
+        for i, x in enumerate(TEXTS[:3])
+    ]
+    out = engine.generate([*others, GenerationRequest("r", ids, ras)])
+    assert frames(out["r"]) == redrawn

@@ -19,9 +19,14 @@ The reference is transformers' `HiggsAudioV2GenerationMixin._sample` and its
   with the request's own generator drawing K uniforms a frame in codebook order (sampling.py), so
   a seeded request's frames do not depend on the batch it ran in.
 
-Not reproduced: transformers' repetition-aware sampling (`ras_win_len`, which the published
-generation_config.json turns on): it resamples with the global torch RNG, so no engine could match
-its draws; requests here never resample.
+- **repetition-aware sampling** (`SamplingParams.ras_window` / `ras_max_repeat`, transformers'
+  `ras_win_len` / `ras_win_max_num_repeat`, which the published generation_config.json sets to
+  7 / 2): after a frame is drawn, a codebook whose code (not BOS / EOS) already appears
+  `ras_max_repeat` times in that codebook over the request's last `ras_window` frames (the
+  prompt's included) is redrawn from the softmax of its raw logits, greedy requests too. The
+  rule is the reference's; the draw is not: transformers uses the global torch RNG, the engine
+  the request's own generator (one more uniform a redrawn codebook), so seeded output stays
+  reproducible and batch-independent but cannot equal the reference's sampled codes.
 """
 
 from __future__ import annotations
@@ -114,3 +119,26 @@ def sample_frames(
         [g for g in generators for _ in range(k)],  # a request draws its K uniforms in order
     )
     return [flat[i * k : (i + 1) * k] for i in range(rows)]
+
+
+def redraw_repeats(
+    logits: torch.Tensor,  # [R, K * C] float32 raw (no delay masks, no temperature)
+    spec: AudioSpec,
+    frames: list[list[int]],  # [R][K] just drawn; codes are replaced in place
+    histories: list[list[list[int]]],  # per row: the request's frames so far, oldest first
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+) -> None:
+    """Repetition-aware sampling, the reference's rule with the request's own generator."""
+    k, c = spec.num_codebooks, spec.codebook_size
+    special = (spec.stream_bos_id, spec.stream_eos_id)
+    for i, p in enumerate(params):
+        window = histories[i][-p.ras_window :] if p.ras_window else []
+        for j in range(k if window else 0):
+            code = frames[i][j]
+            if code in special or sum(f[j] == code for f in window) < p.ras_max_repeat:
+                continue
+            cdf = logits[i].view(k, c)[j].softmax(dim=-1).cumsum(dim=-1)  # [C]
+            u = torch.rand((), generator=generators[i]).to(cdf.device)
+            picked = int(torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True).item())
+            frames[i][j] = min(picked, c - 1)

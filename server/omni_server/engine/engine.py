@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from omni_server.engine.audio_frames import AudioSpec, DelayState, sample_frames
+from omni_server.engine.audio_frames import AudioSpec, DelayState, redraw_repeats, sample_frames
 from omni_server.engine.batcher import Batcher, StepBatch
 from omni_server.engine.config import EngineConfig, LlamaShape
 from omni_server.engine.errors import ContextLengthExceeded
@@ -243,6 +243,9 @@ class Engine:
         if self.audio is not None:
             masks = [_delay(s).next_masks(s.token_ids[-1]) for s in sampled]
             frames = sample_frames(logits, self.audio, masks, params, generators)
+            if any(p.ras_window for p in params):
+                histories = [s.frame_history for s in sampled]
+                redraw_repeats(logits, self.audio, frames, histories, params, generators)
             self._advance(batch)
             for seq, frame in zip(sampled, frames, strict=True):
                 events.append(self._append_frame(seq, frame, self.audio))
@@ -262,6 +265,7 @@ class Engine:
         seq.token_ids.append(token)
         if audio.is_frame_token(token):  # the next step embeds this frame at this position
             seq.frames[seq.num_tokens - 1] = frame
+            seq.frame_history.append(frame)
         if ends:
             seq.finish_reason = FinishReason.STOP
         elif seq.num_output_tokens >= seq.max_tokens:

@@ -33,6 +33,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks: decode exactly max_tokens tokens
     stop_token_ids: tuple[int, ...] = field(default=())
+    # Audio-frame models: repetition-aware sampling (transformers' ras_win_len /
+    # ras_win_max_num_repeat): a code already seen ras_max_repeat times in its codebook over
+    # the last ras_window frames is redrawn from the unfiltered distribution. 0: off.
+    ras_window: int = 0
+    ras_max_repeat: int = 0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, int | float) and 0 <= self.temperature <= 100):
@@ -51,6 +56,12 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("ras_window", "ras_max_repeat"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if (self.ras_window == 0) != (self.ras_max_repeat == 0):
+            raise ValueError("ras_window and ras_max_repeat are set together (both 0: off)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
 

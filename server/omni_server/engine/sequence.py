@@ -83,6 +83,8 @@ class Sequence:
             positions = [i for i, t in enumerate(self.token_ids) if audio.is_frame_token(t)]
             self.frames = dict(zip(positions, request.audio_codes or [], strict=True))
             self.delay = DelayState(audio, self.token_ids)
+        # the frames in order (prompt's, then generated): repetition-aware sampling's window
+        self.frame_history: list[list[int]] = list(self.frames.values())
 
     @property
     def num_tokens(self) -> int:
