@@ -20,8 +20,6 @@ import torch
 from omni_server.engine.errors import CheckpointError
 from omni_server.engine.families import Family, ModelSpec, family_for
 from omni_server.engine.hf_tokenizer import HFTokenizer
-from omni_server.engine.llama import Llama
-from omni_server.engine.parallel import SINGLE, TensorParallel
 
 
 @dataclass
@@ -37,12 +35,6 @@ class Checkpoint:
 
         with safe_open(str(self.files[name]), framework="pt", device="cpu") as f:
             return f.get_tensor(name)
-
-    def build(self, max_positions: int, tp: TensorParallel = SINGLE) -> Llama:
-        """The module with this checkpoint's weights, float32 on the CPU (callers place it)."""
-        model = self.family.build(self.spec, max_positions, tp)
-        self.family.load(model, self.tensor, self.spec)
-        return model
 
     def tokenizer(self) -> HFTokenizer | None:
         """The folder's tokenizer (None without tokenizer.json: token ids only). A completion

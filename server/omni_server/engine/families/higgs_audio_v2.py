@@ -15,7 +15,7 @@ import torch
 
 from omni_server.engine.audio_frames import AudioSpec
 from omni_server.engine.errors import CheckpointError
-from omni_server.engine.families import Family, ModelSpec, TensorSource
+from omni_server.engine.families.base import Family, ModelSpec, TensorSource
 from omni_server.engine.families.llama import (
     llama_engine_weights,
     llama_weight_shapes,

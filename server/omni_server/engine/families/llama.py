@@ -17,7 +17,7 @@ import torch
 
 from omni_server.engine.config import Llama3RopeScaling, LlamaShape
 from omni_server.engine.errors import CheckpointError
-from omni_server.engine.families import Family, LazyWeights, ModelSpec, TensorSource
+from omni_server.engine.families.base import Family, LazyWeights, ModelSpec, TensorSource
 from omni_server.engine.llama import Llama
 from omni_server.engine.parallel import TensorParallel
 
