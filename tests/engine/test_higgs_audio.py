@@ -347,3 +347,27 @@ def test_repetition_aware_sampling_redraws_only_repeats(base: Engine) -> None:
     ]
     out = engine.generate([*others, GenerationRequest("r", ids, ras)])
     assert frames(out["r"]) == redrawn
+
+
+def test_workspace_profile_runs_the_audio_path(base: Engine) -> None:
+    """The KV budget's profile forwards (workspace.py) drive an audio model through its mixed
+    audio + text path and frame sampling (on the CPU they run, measuring 0 bytes)."""
+    from omni_server.engine.workspace import measure_workspace
+
+    config = EngineConfig(max_total_tokens=1024, max_batch_size=4, max_step_tokens=64)
+    workspace = measure_workspace(base.model, config, max_seq_len=256)
+    assert (workspace.mixed, workspace.prefill, workspace.decode) == (0, 0, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kv_cache_sized_from_a_fraction_on_gpu(higgs_dir: Path, base: Engine) -> None:
+    """The cache sized from a GPU fraction, the profile running the audio path with its graphs;
+    greedy frames still equal the CPU engine's."""
+    config = EngineConfig(
+        device="cuda", gpu_memory_fraction=0.02, max_batch_size=8, max_seq_len=512
+    )
+    engine = Engine.from_checkpoint(higgs_dir, config)
+    assert engine.memory is not None and engine.cache.capacity_tokens > 512
+    request = GenerationRequest("g", prompt(base, TEXTS[1]), greedy())
+    assert frames(engine.generate([request])["g"]) == frames(make(base).generate([request])["g"])

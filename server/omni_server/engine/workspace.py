@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from omni_server.engine.attention import DecodeGroup, ForwardBatch, PrefillChunk
+from omni_server.engine.audio_frames import sample_frames
 from omni_server.engine.config import DEFAULT_MAX_TOTAL_TOKENS, EngineConfig
 from omni_server.engine.cuda_graphs import batch_buckets, context_buckets
 from omni_server.engine.kv_cache import KVCache
@@ -185,6 +186,17 @@ def _step(
         decode=decode,
         prefills=prefills,
     )
+    audio = model.audio
+    if audio is not None and decodes:  # an audio model decodes frames: its audio path, mixed
+        fwd.audio_codes = torch.zeros(decodes, audio.num_codebooks, dtype=torch.int64, device=dev)
+        if chunk:
+            fwd.audio_rows = torch.arange(decodes, device=dev)
+            fwd.text_rows = torch.arange(decodes, tokens, device=dev)
     logits = model.forward(fwd, scratch.k, scratch.v)
     params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * len(rows)
-    sample(logits, params, [torch.Generator().manual_seed(0) for _ in rows])
+    generators = [torch.Generator().manual_seed(0) for _ in rows]
+    if audio is not None:
+        masks = [([False] * audio.num_codebooks, [False] * audio.num_codebooks)] * len(rows)
+        sample_frames(logits, audio, masks, params, generators)
+    else:
+        sample(logits, params, generators)
