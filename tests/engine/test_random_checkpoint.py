@@ -127,12 +127,12 @@ def test_full_size_names_and_shapes_match_transformers() -> None:
     """The full size's config (Llama-3.2-3B backbone, 8 x 1026 codes) as transformers builds it
     on the meta device (nothing allocated): every tensor it would save is one the family
     expects, with the same shape, and the other way round."""
-    from omni_bench.random_checkpoint import _backbone, _special_ids
+    from omni_bench.random_checkpoint import backbone_shape, special_token_ids
     from omni_server.engine.families import FAMILIES
 
-    shape = _backbone("full")
+    shape = backbone_shape("full")
     config = transformers.HiggsAudioV2Config(
-        **shape, codebook_size=1026, **_special_ids(shape["vocab_size"])
+        **shape, codebook_size=1026, **special_token_ids(shape["vocab_size"])
     )
     with torch.device("meta"):
         model = transformers.HiggsAudioV2ForConditionalGeneration(config)

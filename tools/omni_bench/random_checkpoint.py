@@ -135,7 +135,7 @@ LLAMA_CHAT_TEMPLATE = """{{- bos_token -}}
 {%- endif -%}"""
 
 
-def _backbone(size: str) -> dict[str, Any]:
+def backbone_shape(size: str) -> dict[str, Any]:
     """Llama-3.2-3B's decoder (Higgs Audio v2's backbone) or a tiny one of the same kind."""
     if size == "full":
         return {
@@ -168,7 +168,9 @@ def _backbone(size: str) -> dict[str, Any]:
     }
 
 
-def _special_ids(vocab_size: int) -> dict[str, Any]:
+def special_token_ids(vocab_size: int) -> dict[str, Any]:
+    """The config's special token ids: the last 256 ids of the vocabulary are the special
+    tokens, at the offsets above."""
     base = vocab_size - 256
     return {
         "bos_token_id": base + BOS,
@@ -271,7 +273,7 @@ def write_llama(out: Path, size: str, dtype: str = "float32", seed: int = 0) -> 
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
-    shape = _backbone(size)
+    shape = backbone_shape(size)
     if size == "full":  # Llama-3.2-1B's shape
         shape.update(
             hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, head_dim=64,
@@ -282,7 +284,7 @@ def write_llama(out: Path, size: str, dtype: str = "float32", seed: int = 0) -> 
                 "original_max_position_embeddings": 8192,
             },
         )  # fmt: skip
-    ids = _special_ids(shape["vocab_size"])
+    ids = special_token_ids(shape["vocab_size"])
     config = LlamaConfig(
         **shape, tie_word_embeddings=False, rms_norm_eps=1e-5,
         bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"],
@@ -400,9 +402,9 @@ def _write_higgs_audio_v2(out: Path, size: str, dtype: str, seed: int) -> Path:
     )
 
     out.mkdir(parents=True, exist_ok=True)
-    shape = _backbone(size)
+    shape = backbone_shape(size)
     codes = 1024 if size == "full" else 128  # real codes a codebook; +2 for the stream BOS / EOS
-    ids = _special_ids(shape["vocab_size"])
+    ids = special_token_ids(shape["vocab_size"])
     config = HiggsAudioV2Config(
         **shape, num_codebooks=8, codebook_size=codes + 2,
         audio_stream_bos_id=codes, audio_stream_eos_id=codes + 1, **ids,
