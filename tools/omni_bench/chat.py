@@ -191,7 +191,7 @@ def graph_floor(engine: Engine, batch_sizes: list[int], context: int) -> list[di
     kv_per_token *= torch.finfo(engine.config.torch_dtype).bits // 8
     rows = []
     for b in batch_sizes:
-        g = graphs._graph(b, min(context, graphs.context_buckets[-1]))
+        g = graphs.graph_for(b, min(context, graphs.context_buckets[-1]))
         for _ in range(3):
             g.graph.replay()
         torch.cuda.synchronize()

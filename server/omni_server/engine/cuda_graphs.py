@@ -48,7 +48,10 @@ def bucket_for(value: int, buckets: list[int]) -> int:
 
 
 @dataclass
-class _Graph:
+class CapturedGraph:
+    """One decode step captured for a (batch, context) bucket, with the buffers it reads and
+    writes: replaying it runs the step on whatever those buffers hold."""
+
     graph: torch.cuda.CUDAGraph
     batch: ForwardBatch  # static input buffers the graph reads
     logits: torch.Tensor  # [b, V] static output
@@ -69,14 +72,14 @@ class DecodeGraphs:
         self.device = next(model.parameters()).device
         self.batch_buckets = batch_buckets(max_batch_size)
         self.context_buckets = context_buckets(max_seq_len)
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.graphs: dict[tuple[int, int], CapturedGraph] = {}
         self.pool: Any = None  # one memory pool shared by all graphs
         self._stream: Any = None  # the side stream graphs warm up and are captured on
 
     def capture_all(self) -> None:
         for b in self.batch_buckets:
             for length in self.context_buckets:
-                self._graph(b, length)
+                self.graph_for(b, length)
 
     def run(
         self,
@@ -88,7 +91,8 @@ class DecodeGraphs:
         audio_codes: list[list[int]] | None = None,  # [B][K]: an audio model's decode frames
     ) -> torch.Tensor:  # [B, V] float32 ([B, K * C] frame logits for an audio model)
         n, length = kv_slots.shape
-        g = self._graph(bucket_for(n, self.batch_buckets), bucket_for(length, self.context_buckets))
+        b, bucket = bucket_for(n, self.batch_buckets), bucket_for(length, self.context_buckets)
+        g = self.graph_for(b, bucket)
         s = g.batch
         assert s.decode is not None
         s.input_ids.zero_()
@@ -110,7 +114,9 @@ class DecodeGraphs:
         g.graph.replay()
         return g.logits[:n]
 
-    def _graph(self, b: int, length: int) -> _Graph:
+    def graph_for(self, b: int, length: int) -> CapturedGraph:
+        """The graph of batch bucket `b` and context bucket `length`, captured on first use
+        (`run` replays it; `omni-bench chat` times a bare replay of it as the floor)."""
         key = (b, length)
         if key in self.graphs:
             return self.graphs[key]
@@ -143,6 +149,6 @@ class DecodeGraphs:
             logits = self.forward(static, self.cache.k, self.cache.v)
         if self.pool is None:
             self.pool = graph.pool()
-        captured = _Graph(graph, static, logits)
+        captured = CapturedGraph(graph, static, logits)
         self.graphs[key] = captured
         return captured
