@@ -102,14 +102,7 @@ class HiggsAudioV2(Llama):
         """Llama's engine names (without lm_head) plus embed_audio, audio_head and per layer
         audio_attn_norm / audio_ffn_norm / audio_w_gate / audio_w_up / audio_w_down."""
         super().load_weights(weights)
-        params = dict(self.named_parameters())
-
-        def put(name: str, value: torch.Tensor) -> None:
-            target = params[name]
-            value = self.shard(name, value)
-            if target.shape != value.shape:
-                raise ValueError(f"weight {name}: shape {tuple(value.shape)} != {target.shape}")
-            target.copy_(value)
+        put = self.weight_copier()
 
         with torch.no_grad():
             put("embed_audio.weight", weights["embed_audio"])

@@ -10,7 +10,7 @@ one all-reduce closes each half of a block.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -194,14 +194,7 @@ class Llama(nn.Module):
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy engine-named float32 weights in (gguf_weights names), fusing QKV and gate/up."""
-        params = dict(self.named_parameters())
-
-        def put(name: str, value: torch.Tensor) -> None:
-            target = params[name]
-            value = self.shard(name, value)
-            if target.shape != value.shape:
-                raise ValueError(f"weight {name}: shape {tuple(value.shape)} != {target.shape}")
-            target.copy_(value)
+        put = self.weight_copier()
 
         with torch.no_grad():
             put("embed.weight", weights["embed"])
@@ -220,6 +213,20 @@ class Llama(nn.Module):
                     torch.cat([weights[w + "w_gate"], weights[w + "w_up"]]),
                 )
                 put(w + "mlp.w_down.weight", weights[w + "w_down"])
+
+    def weight_copier(self) -> Callable[[str, torch.Tensor], None]:
+        """`put(name, full)`: copy a whole (unsharded) weight into parameter `name` as this
+        rank's shard, refusing a shape that disagrees (a checkpoint of another shape)."""
+        params = dict(self.named_parameters())
+
+        def put(name: str, value: torch.Tensor) -> None:
+            target = params[name]
+            value = self.shard(name, value)
+            if target.shape != value.shape:
+                raise ValueError(f"weight {name}: shape {tuple(value.shape)} != {target.shape}")
+            target.copy_(value)
+
+        return put
 
     def init_random(self, seed: int = 0) -> None:
         """Random weights (benchmarks: speed does not depend on values; tests of scheduling).
