@@ -1,8 +1,10 @@
 """The in-process pipeline: every instance's stage host on the caller's event loop, beside the
 coordinator, for tests and tools (backends still run on their own compute threads; no TP).
 
-This is the one module that imports both the pipeline room (the coordinator) and the stage room
-(the stage host): everywhere else the two meet only through the wire's messages and `Links`.
+This is the one module of the pipeline room (the server process's side) that imports the stage
+room (the stage host): everywhere else the two meet only through the wire's messages and
+`Links`. It lives inside the pipeline package, so importing it never re-enters the package's
+`__init__` (which imports `runtime`, which imports this module) half-way.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from typing import Any
 
 from omni_server.compiler.plan import Plan
 from omni_server.errors import PipelineError
-from omni_server.pipeline.coordinator import Coordinator
 from omni_server.stage.host import StageHost, StageStartError
 from omni_server.stage.node import StageNode
 from omni_server.wire.messages import CoordinatorMessage, HostMessage
 from omni_server.wire.routes import Routes
+
+from .coordinator import Coordinator
 
 
 class InlineLinks:

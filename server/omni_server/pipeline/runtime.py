@@ -2,13 +2,13 @@
 
 Two placements, one code path for stages:
 - `inline=True`: every instance's stage host runs on the caller's event loop in this process
-  (`omni_server.inline.InlinePipeline`; backends still run on their own compute threads). For
-  tests and tools; no TP.
+  (`inline.InlinePipeline`; backends still run on their own compute threads). For tests and
+  tools; no TP.
 - default: one OS process per plan instance (`processes.StageProcesses`), with the coordinator
   here on the caller's event loop.
 
 Supervision (process placement): a dead stage process fails the requests that may have reached
-it, its replica takes no new requests, and it is restarted (`supervisor.SupervisionPolicy`:
+it, its replica takes no new requests, and it is restarted (`supervision.SupervisionPolicy`:
 backoff, crash-loop limit). `health()` says "ok", "degraded" (an instance is down but every
 process has a live replica: requests are still served) or "unavailable". Counters of restarts
 and timeouts, and `supervision_observers`, are the metrics hooks.
@@ -29,10 +29,10 @@ from omni_server.compiler.plan import ModelSpec, Plan
 from omni_server.envelope import Payload
 from omni_server.errors import PipelineError
 from omni_server.gpu.devices import Machine, check_placement, discover, uses_gpus
-from omni_server.inline import InlinePipeline
 from omni_server.wire.messages import StageTimedOut
 
 from .coordinator import Coordinator, RequestHandle, StageObserver
+from .inline import InlinePipeline
 from .processes import StageProcesses
 from .supervision import CrashHistory, InstanceState, SupervisionPolicy
 

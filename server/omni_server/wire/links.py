@@ -3,8 +3,8 @@ ways to carry it.
 
 - `ChannelLinks` (here): over a process's `channels.Endpoint` (SHM rings for data, ZMQ for
   control). The coordinator's side and every stage process use it.
-- `InlineLinks` (`omni_server/inline.py`): every host and the coordinator share one event loop
-  in one process; a message is the object itself, handed over on the next loop turn.
+- `InlineLinks` (`omni_server/pipeline/inline.py`): every host and the coordinator share one
+  event loop in one process; a message is the object itself, handed over on the next loop turn.
 
 The coordinator and the hosts only ever see `Links`, never the transport behind it.
 """
