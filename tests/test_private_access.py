@@ -19,12 +19,7 @@ OURS = ("omni_server", "omni_transport", "omni_client", "omni_bench")
 PUBLIC_UNDERSCORED = {"_replace", "_asdict", "_fields", "_make", "_getframe", "_exit"}
 
 # (file under tests/, name) -> why it may stay. Keep it short: each entry is a seam still owed.
-ALLOWED = {
-    # serve/realtime/audio.py is another engineer's room; the G.711 codecs are checked against
-    # audioop there until they get a public name.
-    ("serve/test_realtime_units.py", "_ulaw"): "serve/realtime is owned elsewhere",
-    ("serve/test_realtime_units.py", "_alaw"): "serve/realtime is owned elsewhere",
-}
+ALLOWED: dict[tuple[str, str], str] = {}  # (test file, name) -> why it may stay
 
 
 def _private(name: str) -> bool:

@@ -98,14 +98,14 @@ class Encoder:
 
 def _g711(samples: np.ndarray, fmt: AudioFormat) -> bytes:
     linear = np.clip(np.round(samples * 32768.0), -32768, 32767).astype(np.int32)
-    return (_ulaw(linear) if fmt.type == "audio/pcmu" else _alaw(linear)).tobytes()
+    return (ulaw_encode(linear) if fmt.type == "audio/pcmu" else alaw_encode(linear)).tobytes()
 
 
 _ULAW_SEGMENT_ENDS = np.array([0x3F, 0x7F, 0xFF, 0x1FF, 0x3FF, 0x7FF, 0xFFF, 0x1FFF])
 _ALAW_SEGMENT_ENDS = np.array([0x1F, 0x3F, 0x7F, 0xFF, 0x1FF, 0x3FF, 0x7FF, 0xFFF])
 
 
-def _ulaw(x: np.ndarray) -> np.ndarray:
+def ulaw_encode(x: np.ndarray) -> np.ndarray:
     """16-bit linear -> mu-law codes, on the 14-bit magnitude as G.711 defines it."""
     v = x >> 2
     negative = v < 0
@@ -116,7 +116,7 @@ def _ulaw(x: np.ndarray) -> np.ndarray:
     return (np.where(segment >= 8, 0x7F, code) ^ mask).astype(np.uint8)
 
 
-def _alaw(x: np.ndarray) -> np.ndarray:
+def alaw_encode(x: np.ndarray) -> np.ndarray:
     """16-bit linear -> A-law codes, on the 13-bit magnitude as G.711 defines it."""
     v = x >> 3
     negative = v < 0
