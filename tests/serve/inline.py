@@ -19,7 +19,7 @@ from omni_server.pipeline import Runtime
 from omni_server.serve.options import ServeOptions
 from omni_server.serve.timeouts import make_runner
 from tests.fixtures import FIXTURES
-from tests.helpers.repo import make_repo
+from tests.helpers.repo import make_repo, toml
 
 MODEL = "quiet"
 SPEECH = {"model": MODEL, "input": "hello there", "response_format": "pcm"}
@@ -28,9 +28,21 @@ SPEECH = {"model": MODEL, "input": "hello there", "response_format": "pcm"}
 def stand_in_repo(root: Path) -> Path:
     return make_repo(
         root,
-        stages={"speaker": 'backend = "StandIn"\nterminal = true\n[scheduler]\nkind = "stream"'},
-        repository=f'[models.{MODEL}]\nentry = "speaker"\ntasks = ["speech"]\n'
-        'voices = ["hush"]\ndefault_voice = "hush"',
+        stages={
+            "speaker": toml("""
+                backend = "StandIn"
+                terminal = true
+                [scheduler]
+                kind = "stream"
+                """)
+        },
+        repository=toml(f"""
+            [models.{MODEL}]
+            entry = "speaker"
+            tasks = ["speech"]
+            voices = ["hush"]
+            default_voice = "hush"
+            """),
         models={"speaker": FIXTURES / "serve_stand_in.py"},
     )
 

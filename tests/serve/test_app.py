@@ -14,7 +14,7 @@ from omni_server.compiler.compiler import compile_repository
 from omni_server.pipeline import Runtime
 from omni_server.serve import create_app
 from tests.fixtures import FIXTURES
-from tests.helpers.repo import make_repo
+from tests.helpers.repo import make_repo, toml
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -24,8 +24,13 @@ async def started_inline(tmp_path, stage_toml: str, model_py: Path) -> Runtime:
     repo = make_repo(
         tmp_path,
         stages={"speaker": stage_toml},
-        repository='[models.quiet]\nentry = "speaker"\ntasks = ["speech"]\nvoices = ["hush"]\n'
-        'default_voice = "hush"',
+        repository=toml("""
+            [models.quiet]
+            entry = "speaker"
+            tasks = ["speech"]
+            voices = ["hush"]
+            default_voice = "hush"
+            """),
         models={"speaker": model_py},
     )
     runtime = Runtime(compile_repository(repo), inline=True)
@@ -35,7 +40,12 @@ async def started_inline(tmp_path, stage_toml: str, model_py: Path) -> Runtime:
 
 @pytest.fixture
 async def runtime(tmp_path):
-    stage = 'backend = "Silence"\nterminal = true\n[scheduler]\nkind = "stream"'
+    stage = toml("""
+        backend = "Silence"
+        terminal = true
+        [scheduler]
+        kind = "stream"
+        """)
     runtime = await started_inline(tmp_path, stage, FIXTURES / "silence.py")
     yield runtime
     await runtime.stop()

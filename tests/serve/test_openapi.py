@@ -26,7 +26,7 @@ from omni_server.serve.speech_request import SpeechBody
 from omni_server.serve.state import STATE
 from omni_server.serve.transcription_request import TranscriptionForm
 from tests.fixtures import FIXTURES
-from tests.helpers.repo import make_repo
+from tests.helpers.repo import make_repo, toml
 from tests.helpers.server import ServerProcess
 
 pytestmark = pytest.mark.timeout(300)
@@ -151,8 +151,20 @@ def fuzzed(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
     repo = make_repo(
         root / "repo",
-        stages={"speaker": 'backend = "Silence"\nterminal = true\n[scheduler]\nkind = "stream"'},
-        repository='[models.quiet]\nentry = "speaker"\ntasks = ["speech"]\nvoices = ["hush"]',
+        stages={
+            "speaker": toml("""
+                backend = "Silence"
+                terminal = true
+                [scheduler]
+                kind = "stream"
+                """)
+        },
+        repository=toml("""
+            [models.quiet]
+            entry = "speaker"
+            tasks = ["speech"]
+            voices = ["hush"]
+            """),
         models={"speaker": FIXTURES / "silence.py"},
     )
     with (

@@ -24,15 +24,25 @@ from omni_server.serve import create_app
 from omni_server.serve.options import ServeOptions
 from tests.fixtures import FIXTURES
 from tests.helpers.metrics import samples, value
-from tests.helpers.repo import make_repo
+from tests.helpers.repo import make_repo, toml
 
 pytestmark = pytest.mark.timeout(120)
 
 MODEL = "fake-realtime"
-STREAM = '[scheduler]\nkind = "stream"\n'
 STAGES = {
-    "thinker": 'backend = "model.py:FakeThinker"\nterminal = true\nstream_to = "voice"\n' + STREAM,
-    "voice": 'backend = "model.py:FakeVoice"\nterminal = true\n' + STREAM,
+    "thinker": toml("""
+        backend = "model.py:FakeThinker"
+        terminal = true
+        stream_to = "voice"
+        [scheduler]
+        kind = "stream"
+        """),
+    "voice": toml("""
+        backend = "model.py:FakeVoice"
+        terminal = true
+        [scheduler]
+        kind = "stream"
+        """),
 }
 # one model both HTTP chat and the realtime session use: they share its admission places
 MODELS = f"""
