@@ -13,6 +13,7 @@ from omni_server.compiler.schema import (
     ENGINE_FIELDS,
     MODEL_FIELDS,
     PROCESS_FIELDS,
+    SAMPLING_FIELDS,
     SCHEDULER_FIELDS,
     SERVER_FIELDS,
     STAGE_FIELDS,
@@ -77,7 +78,15 @@ def test_python_snippet(example: Path) -> None:
 
 @pytest.mark.parametrize(
     "fields",
-    [STAGE_FIELDS, SCHEDULER_FIELDS, ENGINE_FIELDS, SERVER_FIELDS, MODEL_FIELDS, PROCESS_FIELDS],
+    [
+        STAGE_FIELDS,
+        SCHEDULER_FIELDS,
+        ENGINE_FIELDS,
+        SAMPLING_FIELDS,
+        SERVER_FIELDS,
+        MODEL_FIELDS,
+        PROCESS_FIELDS,
+    ],
 )
 def test_every_field_documented(fields) -> None:
     text = DOC.read_text()
@@ -91,6 +100,7 @@ def test_no_undocumented_field_in_tables() -> None:
         *STAGE_FIELDS,
         *SCHEDULER_FIELDS,
         *ENGINE_FIELDS,
+        *SAMPLING_FIELDS,
         *SERVER_FIELDS,
         *MODEL_FIELDS,
         *PROCESS_FIELDS,

@@ -86,6 +86,18 @@ def test_parse_tokens_rejects(tokens: list[str], fragment: str) -> None:
             ),
         ),
         (
+            [
+                "--stages.frontend.sampling.temperature",
+                "0",
+                "--stages.frontend.sampling.top_k",
+                "9",
+            ],
+            lambda p: (
+                p.stages["frontend"].sampling.temperature == 0.0
+                and p.models["tts"].sampling.top_k == 9  # the entry's defaults are the model's
+            ),
+        ),
+        (
             ["--stages.encoder.max_total_tokens", "4096"],
             lambda p: p.stages["encoder"].engine.max_total_tokens == 4096,
         ),
@@ -187,6 +199,11 @@ def test_accepted_overrides(repo: Path, tokens: list[str], check) -> None:
             "unknown field 'size'",
         ),
         (["--server.gpu_memory_limit", "nan"], "server.gpu_memory_limit", "(0, 1]"),
+        (
+            ["--stages.frontend.sampling.min_p", "2"],
+            "stages.frontend.sampling.min_p",
+            "expected a number in [0, 1], got 2.0",
+        ),
         (["--stages.synth.max_queue_delay_ms", "inf"], "stages.synth.max_queue_delay_ms", ">= 0"),
         (["--server.threads", "2"], "server.threads", "unknown field 'threads'; valid: mps"),
         (["--server.weight_share", "true"], "server.weight_share", 'one of "off", "on"'),

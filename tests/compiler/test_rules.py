@@ -14,6 +14,8 @@ import pytest
 
 from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.errors import RepositoryError
+from omni_server.compiler.plan import NO_SAMPLING, SamplingSpec
+from omni_server.compiler.render import config_dict
 from tests.helpers.repo import make_repo, toml
 
 FRONTEND = """\
@@ -153,6 +155,20 @@ ACCEPTED = [
             + toml("""
                 [engine]
                 max_total_tokens = 4096
+            """)
+        },
+    ),
+    Case(
+        "sampling-defaults",
+        stages={
+            "frontend": FRONTEND
+            + toml("""
+                [sampling]
+                temperature = 0
+                top_p = 1
+                top_k = 40
+                min_p = 0.05
+                max_tokens = 64
             """)
         },
     ),
@@ -1339,6 +1355,31 @@ REJECTED = [
         """),
         error=("stage.toml", "encoder", "tp_size", "tp_size = 1"),
     ),
+    Case(
+        "sampling-temperature-above-2",
+        stages={"frontend": FRONTEND + "[sampling]\ntemperature = 2.5\n"},
+        error=("stage.toml", "frontend", "sampling.temperature", "a number in [0, 2], got 2.5"),
+    ),
+    Case(
+        "sampling-top-p-zero",
+        stages={"frontend": FRONTEND + "[sampling]\ntop_p = 0\n"},
+        error=("stage.toml", "frontend", "sampling.top_p", "a number in (0, 1]"),
+    ),
+    Case(
+        "sampling-max-tokens-zero",
+        stages={"frontend": FRONTEND + "[sampling]\nmax_tokens = 0\n"},
+        error=("stage.toml", "frontend", "sampling.max_tokens", "an integer >= 1, got 0"),
+    ),
+    Case(
+        "sampling-min-p-text",
+        stages={"frontend": FRONTEND + '[sampling]\nmin_p = "low"\n'},
+        error=("stage.toml", "frontend", "sampling.min_p", "a number in [0, 1]"),
+    ),
+    Case(
+        "sampling-repetition-penalty-unknown",
+        stages={"frontend": FRONTEND + "[sampling]\nrepetition_penalty = 1.1\n"},
+        error=("stage.toml", "frontend", "sampling.repetition_penalty", "valid fields: temp"),
+    ),
 ]
 
 
@@ -1414,6 +1455,19 @@ def test_binding_reaches_the_plan(
     plan = compile_repository(build(tmp_path, Case("x", repository=MODELS + repository)), overrides)
     assert plan.processes["synth"].binding == expected
     assert {p.binding for n, p in plan.processes.items() if n != "synth"} == {"round_robin"}
+
+
+def test_sampling_reaches_the_plan_and_the_model_of_its_entry(tmp_path: Path) -> None:
+    (case,) = [c for c in ACCEPTED if c.id == "sampling-defaults"]
+    plan = compile_repository(build(tmp_path, case))
+    expected = SamplingSpec(temperature=0.0, top_p=1.0, top_k=40, min_p=0.05, max_tokens=64)
+    assert plan.stages["frontend"].sampling == expected
+    assert isinstance(plan.stages["frontend"].sampling.temperature, float)  # TOML's 0 is an int
+    assert plan.models["tts"].sampling == expected  # frontend is the model's entry
+    assert plan.stages["encoder"].sampling == NO_SAMPLING
+    stages = config_dict(plan)["stages"]
+    assert stages["frontend"]["sampling"] == expected.declared()
+    assert "sampling" not in stages["encoder"]  # nothing declared, nothing printed
 
 
 def test_missing_repository_file(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import openai
 import pytest
 from openai import OpenAI
 
+from omni_server.compiler.plan import ModelSpec
 from omni_server.serve.chat_request import AudioPart, parse_chat_request
 from omni_server.serve.errors import ApiError
 
@@ -29,15 +30,12 @@ def _audio_message(data: str, fmt: str = "wav") -> list[dict]:
     ]
 
 
-class _Model:  # the parser only reads voices and aliases for audio out
-    id = "m"
-    voices = ()
-    voice_aliases: dict = {}
+MODEL = ModelSpec(id="m", entry="thinker", tasks=("chat",))  # text out, no [sampling]
 
 
 def test_input_audio_parts_are_kept_in_order_for_the_transcriber():
     data = base64.b64encode(b"RIFF....WAVE").decode()
-    chat = parse_chat_request({"model": "m", "messages": _audio_message(data)}, _Model())  # type: ignore[arg-type]
+    chat = parse_chat_request({"model": "m", "messages": _audio_message(data)}, MODEL)
     (part,) = chat.audio_parts
     assert isinstance(part, AudioPart) and part.data == b"RIFF....WAVE" and part.format == "wav"
     assert part.param == "messages[0].content[1]"
@@ -55,7 +53,7 @@ def test_input_audio_parts_are_kept_in_order_for_the_transcriber():
 )
 def test_bad_input_audio_is_a_400_naming_the_part(data, fmt, param):
     with pytest.raises(ApiError) as err:
-        parse_chat_request({"model": "m", "messages": _audio_message(data, fmt)}, _Model())  # type: ignore[arg-type]
+        parse_chat_request({"model": "m", "messages": _audio_message(data, fmt)}, MODEL)
     assert err.value.status == 400 and err.value.param == param
 
 

@@ -46,6 +46,20 @@ def test_a_greedy_answer_is_english(client: OpenAI):
     assert completion.choices[0].finish_reason in ("stop", "length")
 
 
+def test_the_default_answer_names_paris(client: OpenAI):
+    """No sampling field, as OpenAI's quickstart asks: the thinker's [sampling] (temperature 0.2,
+    top_p 0.9, max_tokens 512) applies. Sampled, so seeded: about 1 seed in 4 begins "L'Étoile"
+    and rambles in French (docs/serving.md#sampling-defaults); seeds 0 to 2 answer Paris, while
+    at OpenAI's temperature 1 seeds 1 and 2 ramble without it."""
+    (listed,) = [m for m in client.models.list().data if m.id == MODEL]
+    assert listed.sampling == {"temperature": 0.2, "top_p": 0.9, "max_tokens": 512}
+    for seed in range(3):
+        completion = client.chat.completions.create(model=MODEL, messages=QUESTION, seed=seed)
+        answer = completion.choices[0].message.content
+        assert "Paris" in answer, (seed, answer)
+        assert completion.choices[0].finish_reason == "stop", (seed, answer)
+
+
 def test_streamed_equals_whole_at_temperature_0(client: OpenAI):
     whole = client.chat.completions.create(model=MODEL, messages=QUESTION, **GREEDY)
     chunks = list(

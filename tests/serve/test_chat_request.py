@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from omni_server.compiler.plan import ModelSpec
+from omni_server.compiler.plan import ModelSpec, SamplingSpec
 from omni_server.serve.chat_body import MAX_MESSAGES
 from omni_server.serve.chat_request import parse_chat_request
 from omni_server.serve.errors import ApiError
@@ -19,6 +19,13 @@ OMNI = ModelSpec(
     tasks=("chat",),
     voices=("joe",),
     voice_aliases={"alloy": "joe"},
+)
+# a model whose entry stage declares [sampling] (top_k left out: OpenAI's default stays)
+TUNED = ModelSpec(
+    id="tuned",
+    entry="thinker",
+    tasks=("chat",),
+    sampling=SamplingSpec(temperature=0.2, top_p=0.9, min_p=0.05, max_tokens=512),
 )
 USER = [{"role": "user", "content": "hi"}]
 AUDIO = {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}
@@ -48,6 +55,28 @@ def test_defaults_are_openais():
         "stop": [],
         "speech": None,
     }
+
+
+def test_a_field_left_out_is_the_models_default():
+    inputs = parse(TUNED).pipeline_inputs()
+    sampling = {k: inputs[k] for k in ("temperature", "top_p", "top_k", "min_p", "max_tokens")}
+    assert sampling == {
+        "temperature": 0.2,
+        "top_p": 0.9,
+        "top_k": 0,
+        "min_p": 0.05,
+        "max_tokens": 512,
+    }
+    # a null is the field left out
+    assert parse(TUNED, temperature=None, max_tokens=None).pipeline_inputs() == inputs
+
+
+def test_a_field_the_request_sets_wins_over_the_models_default():
+    chat = parse(TUNED, temperature=0, top_p=1, top_k=5, min_p=0, max_completion_tokens=3)
+    inputs = chat.pipeline_inputs()
+    sampling = {k: inputs[k] for k in ("temperature", "top_p", "top_k", "min_p", "max_tokens")}
+    assert sampling == {"temperature": 0.0, "top_p": 1.0, "top_k": 5, "min_p": 0.0, "max_tokens": 3}
+    assert parse(TUNED, max_tokens=2000).max_tokens == 2000  # above the default, too
 
 
 def test_roles_and_parts():

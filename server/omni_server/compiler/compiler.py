@@ -204,5 +204,6 @@ def _models(raw: RawRepository, stages: Mapping[str, StageSpec]) -> dict[str, Mo
             voice_aliases=FrozenMap(voice_aliases),
             default_voice=default_voice,
             description=field_value(data, MODEL_FIELDS, "description"),
+            sampling=stages[entry].sampling,
         )
     return models

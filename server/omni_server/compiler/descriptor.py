@@ -16,15 +16,18 @@ from omni_server.compiler.plan import (
     BackendRef,
     EngineSpec,
     FrozenMap,
+    SamplingSpec,
     SchedulerKind,
     SchedulerSpec,
     StageSpec,
 )
 from omni_server.compiler.schema import (
     ENGINE_FIELDS,
+    SAMPLING_FIELDS,
     SCHEDULER_FIELDS,
     STAGE_FIELDS,
     STAGE_TABLES,
+    Kind,
     check_fields,
     field_value,
 )
@@ -101,6 +104,7 @@ def parse_stage(rs: RawStage) -> StageSpec:
         scheduler=scheduler,
         engine=_engine(data),
         timeout_s=float(data["timeout_s"]) if "timeout_s" in data else None,
+        sampling=_sampling(data.get("sampling", {})),
     )
 
 
@@ -180,6 +184,12 @@ def _engine(data: dict[str, Any]) -> EngineSpec | None:
         max_total_tokens=field_value(table, ENGINE_FIELDS, "max_total_tokens"),
         settings=_freeze(table),
     )
+
+
+def _sampling(table: dict[str, Any]) -> SamplingSpec:
+    """[sampling], typed by check_fields: numbers as floats (TOML's `1` is an int)."""
+    floats = {k: float(v) for k, v in table.items() if SAMPLING_FIELDS[k].kind is Kind.FLOAT}
+    return SamplingSpec(**{**table, **floats})
 
 
 def _backend(rs: RawStage, fail: _Fail) -> BackendRef:

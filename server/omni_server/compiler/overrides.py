@@ -9,6 +9,7 @@ value passes. Paths mirror the files:
     --stages.<stage>.<field>             <stage>/stage.toml
     --stages.<stage>.scheduler.<field>   its [scheduler]; `--stages.<stage>.max_batch_size` too
     --stages.<stage>.engine.<field>      its [engine]; `--stages.<stage>.max_total_tokens` too
+    --stages.<stage>.sampling.<field>    its [sampling] (a request's defaults; no shorthand)
     --stages.<stage>.parameters.<key>    its free-form [parameters] (value read as TOML)
 """
 
@@ -135,7 +136,8 @@ def _apply_stage(data: dict[str, Any], stage: str, rest: list[str], ov: Override
             _set(data, head, STAGE_FIELDS, ov, stage)
             return head
     valid = [f for f, spec in STAGE_FIELDS.items() if spec.kind is not Kind.TABLE]
-    valid += [*SCHEDULER_FIELDS, *ENGINE_FIELDS, "scheduler.<f>", "engine.<f>", "parameters.<key>"]
+    valid += [*SCHEDULER_FIELDS, *ENGINE_FIELDS, "scheduler.<f>", "engine.<f>", "sampling.<f>"]
+    valid += ["parameters.<key>"]
     _fail(ov, "unknown stage field; valid: " + ", ".join(valid), stage=stage)
 
 

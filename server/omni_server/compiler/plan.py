@@ -100,6 +100,26 @@ class EngineSpec:
 
 
 @dataclass(frozen=True)
+class SamplingSpec:
+    """A stage's [sampling]: the defaults of a request that leaves a field out. None: not
+    declared, so the API's own default applies (OpenAI's: temperature 1, top_p 1, top_k and
+    min_p off, max_tokens up to the context)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    max_tokens: int | None = None
+
+    def declared(self) -> dict[str, float | int]:
+        """The fields the stage declares, in schema order."""
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+NO_SAMPLING = SamplingSpec()
+
+
+@dataclass(frozen=True)
 class StageSpec:
     name: str  # the stage folder's name
     directory: Path  # absolute path of the stage folder
@@ -119,6 +139,7 @@ class StageSpec:
     scheduler: SchedulerSpec = field(default_factory=SchedulerSpec)
     engine: EngineSpec | None = None
     timeout_s: float | None = None  # None: the server's stage_timeout_s; 0: no limit
+    sampling: SamplingSpec = NO_SAMPLING  # [sampling]: a request's defaults
 
     @property
     def on_gpu(self) -> bool:
@@ -148,6 +169,9 @@ class ModelSpec:
     voice_aliases: Mapping[str, str] = EMPTY  # e.g. OpenAI's "alloy" -> "joe"
     default_voice: str | None = None
     description: str = ""
+    # the entry stage's [sampling]: the entry reads a request's sampling fields (the chat
+    # contract), so its defaults are the model's
+    sampling: SamplingSpec = NO_SAMPLING
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,8 @@ def _stage(s: StageSpec) -> dict[str, Any]:
         out["timeout_s"] = s.timeout_s
     if s.engine is not None:
         out["engine"] = _thaw(s.engine.settings)
+    if s.sampling.declared():
+        out["sampling"] = s.sampling.declared()
     if s.parameters:
         out["parameters"] = _thaw(s.parameters)
     return out

@@ -43,6 +43,7 @@ class Field:
     default: Any = None
     choices: tuple[str, ...] = ()
     minimum: float | None = None  # ints and numbers: smallest valid value
+    maximum: float | None = None  # ints and numbers: largest valid value
     fraction: bool = False  # numbers: must lie in (0, 1]
 
     @property
@@ -52,6 +53,8 @@ class Field:
             return "one of " + ", ".join(f'"{c}"' for c in self.choices)
         if self.fraction:
             return "a number in (0, 1]"
+        if self.minimum is not None and self.maximum is not None:
+            return f"{self.kind.value} in [{self.minimum:g}, {self.maximum:g}]"
         if self.minimum is not None:
             return f"{self.kind.value} >= {self.minimum:g}"
         return self.kind.value
@@ -123,6 +126,8 @@ def _in_range(field: Field, value: float) -> bool:
         return False
     if field.fraction:
         return 0.0 < value <= 1.0
+    if field.maximum is not None and value > field.maximum:
+        return False
     return field.minimum is None or value >= field.minimum
 
 
@@ -208,6 +213,28 @@ ENGINE_FIELDS = _fields(
     Field("compile", Kind.BOOL, "torch.compile the model's forward"),
 )
 
+# A request's sampling defaults: what the stage that reads a chat request's sampling fields (a
+# model's entry) gives a request that leaves one out, as vLLM applies a model's
+# generation_config. The ranges are what the chat API accepts, so a default is a valid request.
+SAMPLING_FIELDS = _fields(
+    Field(
+        "temperature",
+        Kind.FLOAT,
+        "default temperature (0 = greedy); absent: OpenAI's 1",
+        minimum=0,
+        maximum=2,
+    ),
+    Field("top_p", Kind.FLOAT, "default nucleus mass; absent: 1 (off)", fraction=True),
+    Field("top_k", Kind.INT, "default top-k (0 = off); absent: 0", minimum=0),
+    Field("min_p", Kind.FLOAT, "default min-p (0 = off); absent: 0", minimum=0, maximum=1),
+    Field(
+        "max_tokens",
+        Kind.INT,
+        "completion tokens of a request that sets no max_tokens; absent: up to the context",
+        minimum=1,
+    ),
+)
+
 STAGE_FIELDS = _fields(
     Field(
         "backend",
@@ -249,6 +276,11 @@ STAGE_FIELDS = _fields(
         minimum=0,
     ),
     Field("engine", Kind.TABLE, "[engine] table: marks an engine stage; max_total_tokens"),
+    Field(
+        "sampling",
+        Kind.TABLE,
+        "[sampling] table: a request's defaults (temperature, top_p, top_k, min_p, max_tokens)",
+    ),
     Field("parameters", Kind.TABLE, "[parameters]: free-form, handed to the backend", {}),
 )
 
@@ -256,6 +288,7 @@ STAGE_FIELDS = _fields(
 STAGE_TABLES: Mapping[str, Mapping[str, Field]] = {
     "scheduler": SCHEDULER_FIELDS,
     "engine": ENGINE_FIELDS,
+    "sampling": SAMPLING_FIELDS,
 }
 
 # ---- repository.toml ----------------------------------------------------------------------

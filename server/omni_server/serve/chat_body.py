@@ -263,6 +263,7 @@ class AudioParams(RequestModel):
 
 
 _Bounded = Annotated[Integer, Between(1, MAX_TOKENS)]
+_DEFAULT = "left out: the model's default (sampling in /v1/models), else OpenAI's"
 
 
 class ChatBody(RequestModel):
@@ -270,12 +271,16 @@ class ChatBody(RequestModel):
 
     model: str = Field(description="a model id or alias that serves chat")
     messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
-    max_completion_tokens: _Bounded | None = None
+    max_completion_tokens: _Bounded | None = Field(
+        None, description="left out: the model's default max_tokens (/v1/models), else the context"
+    )
     max_tokens: _Bounded | None = Field(None, description="deprecated: max_completion_tokens")
-    temperature: Annotated[float, Between(0.0, 2.0)] = 1.0
-    top_p: Annotated[float, Between(0.0, 1.0)] = 1.0
-    top_k: Annotated[Integer, Between(0, MAX_TOP_K)] = extension("0 is off", default=0)
-    min_p: Annotated[float, Between(0.0, 1.0)] = extension("0 is off", default=0.0)
+    # Left out (or null), a sampling field takes the model's default (its entry stage's
+    # [sampling], shown in /v1/models), else OpenAI's: serve/chat_request.py fills it.
+    temperature: Annotated[float, Between(0.0, 2.0)] | None = Field(None, description=_DEFAULT)
+    top_p: Annotated[float, Between(0.0, 1.0)] | None = Field(None, description=_DEFAULT)
+    top_k: Annotated[Integer, Between(0, MAX_TOP_K)] | None = extension("0 is off; " + _DEFAULT)
+    min_p: Annotated[float, Between(0.0, 1.0)] | None = extension("0 is off; " + _DEFAULT)
     seed: Annotated[Integer, Between(0, MAX_SEED)] | None = None
     stop: Stop | None = None
     n: _Bounded = Field(1, description="only 1")

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from omni_server.compiler.plan import ModelSpec, Plan
+from omni_server.compiler.plan import NO_SAMPLING, ModelSpec, Plan, SamplingSpec
 from omni_server.serve.chat_body import (
     AUDIO_FORMATS,
     MAX_INPUT_AUDIO_BYTES,
@@ -71,7 +71,9 @@ class ChatRequest:
     # {"role": system|user|assistant, "content": str}; a user message with input_audio parts
     # holds a tuple of str and AudioPart until `transcribed` replaces the audio by its text
     messages: tuple[dict[str, Any], ...]
-    max_tokens: int | None
+    # the sampling fields as the thinker gets them: the request's, else the model's defaults
+    # (its [sampling]), else OpenAI's (resolve_sampling)
+    max_tokens: int | None  # None: up to the context
     temperature: float
     top_p: float
     top_k: int  # extension (vLLM's and SGLang's name): 0 is off
@@ -127,28 +129,69 @@ class ChatRequest:
         )
 
 
-def thinker_inputs(
-    messages: list[dict[str, Any]],
+# What a request gets for a field that neither it nor its model's [sampling] sets: OpenAI's
+# defaults, top_k and min_p off; max_tokens None is up to the context.
+OPENAI_SAMPLING = SamplingSpec(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0)
+
+
+def resolve_sampling(
+    defaults: SamplingSpec,
     *,
     max_tokens: int | None = None,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    seed: int | None = None,
-    stop: tuple[str, ...] = (),
-    speech: dict[str, Any] | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
 ) -> dict[str, Any]:
-    """The thinker's inputs in the chat contract (docs/serving.md), for every endpoint that asks
-    it: chat and realtime. The defaults are OpenAI's (top_k and min_p off); `speech`, from
-    `speech_options`, is None for a text answer."""
-    return {
-        "messages": messages,
+    """Each sampling field as the thinker gets it: the request's value (None: left out), else
+    the model's default (`defaults`, its entry stage's [sampling]), else OpenAI's."""
+    asked = {
         "max_tokens": max_tokens,
         "temperature": temperature,
         "top_p": top_p,
         "top_k": top_k,
         "min_p": min_p,
+    }
+    return {
+        name: next(
+            (
+                v
+                for v in (value, getattr(defaults, name), getattr(OPENAI_SAMPLING, name))
+                if v is not None
+            ),
+            None,
+        )
+        for name, value in asked.items()
+    }
+
+
+def thinker_inputs(
+    messages: list[dict[str, Any]],
+    *,
+    defaults: SamplingSpec = NO_SAMPLING,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    seed: int | None = None,
+    stop: tuple[str, ...] = (),
+    speech: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The thinker's inputs in the chat contract (docs/serving.md), for every endpoint that asks
+    it: chat and realtime. A sampling field left None is the model's default (`defaults`), else
+    OpenAI's (`resolve_sampling`); `speech`, from `speech_options`, is None for a text answer."""
+    sampling = resolve_sampling(
+        defaults,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+    )
+    return {
+        "messages": messages,
+        **sampling,
         "seed": seed,
         "stop": list(stop),
         "speech": speech,
@@ -181,14 +224,18 @@ def parse_chat_request(body: dict[str, Any], model: ModelSpec) -> ChatRequest:
             "stream_options", "'stream_options' is only allowed when 'stream' is true"
         )
     stop = fields.stop
-    return ChatRequest(
-        model=model,
-        messages=tuple(_message(i, m) for i, m in enumerate(fields.messages)),
+    sampling = resolve_sampling(
+        model.sampling,
         max_tokens=current if current is not None else legacy,
         temperature=fields.temperature,
         top_p=fields.top_p,
         top_k=fields.top_k,
         min_p=fields.min_p,
+    )
+    return ChatRequest(
+        model=model,
+        messages=tuple(_message(i, m) for i, m in enumerate(fields.messages)),
+        **sampling,
         seed=fields.seed,
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
         stream=fields.stream,

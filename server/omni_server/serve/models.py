@@ -1,9 +1,10 @@
 """`GET /v1/models` and `GET /v1/models/{id}`: the served models of `repository.toml`.
 
 Each entry is OpenAI's model object (`id`, `object`, `created`, `owned_by`) plus what a client of
-this server needs to know: the API tasks the model serves, the other ids it answers to, and its
-voices. A lookup by alias answers with the model it names. `resolve_model` is the same lookup
-for the API endpoints: the model a request names, and that it serves the endpoint's task.
+this server needs to know: the API tasks the model serves, the other ids it answers to, its
+voices, and its sampling defaults. A lookup by alias answers with the model it names.
+`resolve_model` is the same lookup for the API endpoints: the model a request names, and that it
+serves the endpoint's task.
 """
 
 from __future__ import annotations
@@ -80,4 +81,7 @@ def _model_object(state: ServerState, model: ModelSpec) -> dict[str, Any]:
         "voices": list(model.voices),
         "voice_aliases": dict(model.voice_aliases),
         "default_voice": model.default_voice,
+        # what a request that leaves a sampling field (or max_tokens) out gets: the entry
+        # stage's [sampling]; a field missing here is OpenAI's default
+        "sampling": model.sampling.declared(),
     }

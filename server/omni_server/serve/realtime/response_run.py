@@ -172,6 +172,7 @@ class ResponseRun:
             )
         inputs = thinker_inputs(
             messages[:-1] if messages and messages[-1]["role"] == "assistant" else messages,
+            defaults=self.model.sampling,  # top_p, top_k, min_p: no session field sets them
             max_tokens=config.max_output_tokens,
             temperature=config.temperature,
             speech=speech,

@@ -87,6 +87,13 @@ class Session:
         self.id = self.ids.new("sess")
         voice = model.default_voice or (model.voices[0] if model.voices else "")
         self.config = SessionConfig(model=model.id, voice=voice)
+        # A session starts with the model's defaults (its entry stage's [sampling]) where it
+        # declares them, as a chat request that leaves the fields out: GA sessions carry no
+        # temperature, and OpenAI's 0.8 makes a small model ramble.
+        if model.sampling.temperature is not None:
+            self.config.temperature = model.sampling.temperature
+        if model.sampling.max_tokens is not None:
+            self.config.max_output_tokens = model.sampling.max_tokens
         self.conversation = Conversation()
         self._asr = _task_model(state.plan, "transcription")
         self._text_model = _text_model(state.plan, model)
