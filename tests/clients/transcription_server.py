@@ -137,8 +137,7 @@ class FakeTranscriptionServer:
                 assert request.transport is not None
                 request.transport.close()  # what the real server does when a stream fails
                 return response
-        done = {"type": "transcript.text.done", "text": TRANSCRIPT, "usage": {"type": "duration",
-                "seconds": 3}}  # fmt: skip
+        done = {"type": "transcript.text.done", "text": TRANSCRIPT}  # no usage, as the server
         await response.write(f"data: {json.dumps(done)}\n\n".encode())
         await response.write_eof()
         return response

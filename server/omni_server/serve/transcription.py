@@ -4,7 +4,7 @@ The multipart upload is read within bounds (`transcription_request`), handed to 
 pipeline as bytes, and the pipeline's transcript is rendered in the asked format
 (`transcription_format`). With `stream=true` the answer is OpenAI's SSE: one
 `transcript.text.delta` per text chunk the terminal stage yields (a batch of recognized segments),
-then `transcript.text.done` with the whole text and usage.
+then `transcript.text.done` with the whole text (no usage: see below).
 
 An upload the pipeline cannot use (not audio, corrupt, truncated, too long) is refused by a
 stage with `InvalidRequest` and answered 400 with its message and code, never a 500. A stream
@@ -109,11 +109,10 @@ async def _answer(
         return web.Response(body=body.encode("utf-8"), headers=headers)
     if response is None:  # silence: no delta, only the done event
         response = await _start_stream(request, handle)
-    done = {
-        "type": "transcript.text.done",
-        "text": transcript["text"],
-        "usage": fmt.usage(transcript),
-    }
+    # No usage: OpenAI's done event carries token usage only (`{"type": "tokens", ...}`), which
+    # Whisper's audio has no count of; the duration usage of the whole response is not allowed
+    # here, and the official client's `TranscriptionTextDoneEvent` refuses it.
+    done = {"type": "transcript.text.done", "text": transcript["text"]}
     await response.write(_sse(done))
     await response.write_eof()
     return response
