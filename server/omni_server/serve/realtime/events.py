@@ -28,7 +28,7 @@ class ServerEvents:
         event = {"event_id": self.ids.new("event"), **event}
         if self.beta:
             event["type"] = BETA_NAMES.get(event["type"], event["type"])
-            _beta_parts(event)
+        _part_types(event)
         await self.ws.send_str(json.dumps(event))
 
     def item_view(self, item: Item) -> dict[str, Any]:
@@ -46,8 +46,8 @@ class ServerEvents:
             )
 
 
-def _beta_parts(event: dict[str, Any]) -> None:
-    """Beta names for content part types, wherever a part rides the event."""
+def _part_types(event: dict[str, Any]) -> None:
+    """A content part event's `part` typed "audio" / "text", in GA as in beta (`BETA_PARTS`)."""
     part = event.get("part")
     if isinstance(part, dict) and part.get("type") in BETA_PARTS:
         event["part"] = {**part, "type": BETA_PARTS[part["type"]]}

@@ -21,7 +21,10 @@ BETA_NAMES = {
     "conversation.item.added": "conversation.item.created",
 }
 
-# content part types: GA name -> beta name
+# content part types: GA item content name -> beta name. The beta names also type the `part`
+# of `response.content_part.added` / `.done` in both generations: GA's reference and client
+# (`openai.types.realtime.ResponseContentPartAddedEvent`) allow only "audio" / "text" there,
+# while a GA item's content keeps "output_audio" / "output_text".
 BETA_PARTS = {"output_audio": "audio", "output_text": "text"}
 
 MAX_EVENT_BYTES = 16 << 20  # one client event (an append of ~5 min of PCM16 at 24 kHz)

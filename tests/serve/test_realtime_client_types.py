@@ -1,0 +1,93 @@
+"""Every server event of a realtime session validates against the official `openai` client's
+strict types: GA events against `openai.types.realtime`, beta events (`OpenAI-Beta:
+realtime=v1`) against `openai.types.beta.realtime`. The client itself builds events without
+validating them, so a shape it would reject passes through it unnoticed; here each event is
+validated by the model class its `type` names.
+
+On the stand-in thinker and voice of test_realtime_admission.py (an inline runtime, the app with
+its middlewares, aiohttp's test client for the WebSocket).
+"""
+
+from __future__ import annotations
+
+import json
+import typing
+from typing import Any
+
+import pytest
+from aiohttp import ClientWebSocketResponse
+from aiohttp.test_utils import TestClient
+from openai.types.beta.realtime import RealtimeServerEvent as BetaServerEvent
+from openai.types.realtime import RealtimeServerEvent as GAServerEvent
+from pydantic import BaseModel
+
+from tests.serve.test_realtime_admission import MODEL, _until, app_client, runtime
+
+__all__ = ["app_client", "runtime"]  # the fixtures, shared with the admission tests
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _by_type(union: Any) -> dict[str, type[BaseModel]]:
+    """The client's server event union (Annotated[Union[...], discriminator]) by `type`."""
+    members = typing.get_args(typing.get_args(union)[0])
+    return {
+        name: cls
+        for cls in members
+        for name in typing.get_args(cls.model_fields["type"].annotation)
+    }
+
+
+GA_EVENTS, BETA_EVENTS = _by_type(GAServerEvent), _by_type(BetaServerEvent)
+
+
+def _validated(event: dict[str, Any], *, beta: bool) -> BaseModel:
+    """The event as the client's strict type of its `type`; raises if the client would not."""
+    events = BETA_EVENTS if beta else GA_EVENTS
+    assert event["type"] in events, f"the client has no {event['type']} event"
+    if beta and event["type"] in ("session.created", "session.updated"):
+        # the beta session's `model` is a closed list of OpenAI's model names: no other
+        # server's model can be one, so that one field is left out of the check
+        event = {**event, "session": {**event["session"], "model": "gpt-realtime"}}
+    return events[event["type"]].model_validate(event)
+
+
+async def _connect(client: TestClient, *, beta: bool) -> ClientWebSocketResponse:
+    headers = {"OpenAI-Beta": "realtime=v1"} if beta else {}
+    return await client.ws_connect(f"/v1/realtime?model={MODEL}", headers=headers)
+
+
+def _modalities(modalities: list[str], *, beta: bool) -> dict[str, Any]:
+    session = (
+        {"modalities": modalities}
+        if beta
+        else {"type": "realtime", "output_modalities": modalities}
+    )
+    return {"type": "session.update", "session": session}
+
+
+async def _say(ws: ClientWebSocketResponse, text: str) -> None:
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+    await ws.send_str(json.dumps({"type": "conversation.item.create", "item": item}))
+
+
+@pytest.mark.parametrize("beta", [False, True], ids=["ga", "beta"])
+@pytest.mark.parametrize("modality", ["audio", "text"])
+async def test_every_event_of_a_turn_validates_as_the_clients_type(app_client, beta, modality):
+    client = await app_client()
+    ws = await _connect(client, beta=beta)
+    events = await _until(ws, "session.created")
+    await ws.send_str(json.dumps(_modalities([modality], beta=beta)))
+    events += await _until(ws, "session.updated")
+    await _say(ws, "hello there")
+    await ws.send_str(json.dumps({"type": "response.create"}))
+    events += await _until(ws, "response.done")
+    await ws.close()
+    typed = [_validated(e, beta=beta) for e in events]
+    parts = [e for e in typed if e.type.startswith("response.content_part.")]
+    assert [p.type for p in parts] == ["response.content_part.added", "response.content_part.done"]
+    # a content part event's part is "audio" / "text" in both generations; the item's content
+    # keeps GA's "output_audio" / "output_text"
+    assert all(p.part.type == modality for p in parts)
+    done = next(e for e in events if e["type"] == "response.output_item.done")
+    assert done["item"]["content"][0]["type"] == (modality if beta else f"output_{modality}")
