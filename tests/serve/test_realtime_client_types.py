@@ -21,7 +21,7 @@ from openai.types.beta.realtime import RealtimeServerEvent as BetaServerEvent
 from openai.types.realtime import RealtimeServerEvent as GAServerEvent
 from pydantic import BaseModel
 
-from tests.serve.test_realtime_admission import MODEL, _until, app_client, runtime
+from tests.serve.test_realtime_admission import LONG, MODEL, _until, app_client, runtime
 
 __all__ = ["app_client", "runtime"]  # the fixtures, shared with the admission tests
 
@@ -91,3 +91,34 @@ async def test_every_event_of_a_turn_validates_as_the_clients_type(app_client, b
     assert all(p.part.type == modality for p in parts)
     done = next(e for e in events if e["type"] == "response.output_item.done")
     assert done["item"]["content"][0]["type"] == (modality if beta else f"output_{modality}")
+
+
+@pytest.mark.parametrize("beta", [False, True], ids=["ga", "beta"])
+async def test_output_audio_buffer_clear_stops_the_answer_and_is_cleared(app_client, beta):
+    client = await app_client()
+    ws = await _connect(client, beta=beta)
+    await _until(ws, "session.created")
+    await ws.send_str(json.dumps({"type": "output_audio_buffer.clear", "event_id": "evt_early"}))
+    error = await ws.receive_json()  # no response yet: no audio to clear
+    assert error["type"] == "error" and error["error"]["code"] == "output_audio_buffer_empty"
+    assert error["error"]["event_id"] == "evt_early"
+
+    await _say(ws, LONG)
+    await ws.send_str(json.dumps({"type": "response.create"}))
+    audio_delta = "response.audio.delta" if beta else "response.output_audio.delta"
+    events = await _until(ws, audio_delta)  # the answer is speaking
+    response_id = next(e for e in events if e["type"] == "response.created")["response"]["id"]
+    await ws.send_str(json.dumps({"type": "output_audio_buffer.clear"}))
+    events = await _until(ws, "response.done")
+    cleared = [_validated(e, beta=beta) for e in events if e["type"].startswith("output_audio")]
+    assert [(c.type, c.response_id) for c in cleared] == [
+        ("output_audio_buffer.cleared", response_id)
+    ]
+    done = _validated(events[-1], beta=beta)
+    assert done.response.status == "cancelled"
+
+    # after response.done the client may still be playing it: clearing names that response
+    await ws.send_str(json.dumps({"type": "output_audio_buffer.clear"}))
+    after = await ws.receive_json()
+    assert after["type"] == "output_audio_buffer.cleared" and after["response_id"] == response_id
+    await ws.close()

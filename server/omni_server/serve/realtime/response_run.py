@@ -71,6 +71,7 @@ class ResponseRun:
             "content_index": 0,
         }
         self._handle: RequestHandle | None = None
+        self.created = False  # response.created sent: the client knows this response's id
         self._cancelled: str | None = None
         self._usage = {"input_tokens": 0, "output_tokens": 0}
 
@@ -131,6 +132,7 @@ class ResponseRun:
         events = self.events
         try:
             await events.send({"type": "response.created", "response": self._view("in_progress")})
+            self.created = True
             if self._waits:  # the turn's transcript is the thinker's input
                 await asyncio.gather(*self._waits, return_exceptions=True)
             previous = self.conversation.add(self.item)

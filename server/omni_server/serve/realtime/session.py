@@ -98,6 +98,7 @@ class Session:
         self._asr = _task_model(state.plan, "transcription")
         self._text_model = _text_model(state.plan, model)
         self._response: ResponseRun | None = None
+        self._last_response: str | None = None  # the newest ended response that was created
         self._transcripts: dict[str, asyncio.Task[None]] = {}  # item id -> its transcription
         self._tasks: set[asyncio.Task[Any]] = set()
         self._input = InputAudio(self.config)
@@ -319,9 +320,18 @@ class Session:
         await self._response.cancel("client_cancelled")
 
     async def _on_output_audio_buffer_clear(self, event: dict[str, Any]) -> None:
-        """WebRTC's playback buffer; over a WebSocket the client holds it: stop the answer."""
-        if self._response is not None:
-            await self._response.cancel("client_cancelled")
+        """WebRTC's playback buffer; over a WebSocket the client holds it: stop the answer, and
+        say so with `output_audio_buffer.cleared` naming the response whose audio it was (the
+        newest one: a client may still be playing it after its `response.done`)."""
+        running = self._response
+        response_id = running.id if running is not None and running.created else self._last_response
+        if response_id is None:
+            raise ProtocolError(
+                "no response has produced audio to clear", code="output_audio_buffer_empty"
+            )
+        if running is not None:
+            await running.cancel("client_cancelled")
+        await self.events.send({"type": "output_audio_buffer.cleared", "response_id": response_id})
 
     async def _start_response(self, overrides: dict[str, Any], *, event_id: Any) -> None:
         if self._response is not None:
@@ -360,6 +370,8 @@ class Session:
         task.add_done_callback(self._tasks.discard)
 
     def _response_ended(self, response: ResponseRun) -> None:
+        if response.created:  # a refused response never reached the client: not its audio
+            self._last_response = response.id
         if self._response is response:
             self._response = None
 
