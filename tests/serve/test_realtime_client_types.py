@@ -122,3 +122,43 @@ async def test_output_audio_buffer_clear_stops_the_answer_and_is_cleared(app_cli
     after = await ws.receive_json()
     assert after["type"] == "output_audio_buffer.cleared" and after["response_id"] == response_id
     await ws.close()
+
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+
+
+@pytest.mark.parametrize("beta", [False, True], ids=["ga", "beta"])
+async def test_tools_this_server_cannot_call_are_error_events_naming_the_field(app_client, beta):
+    client = await app_client()
+    ws = await _connect(client, beta=beta)
+    await _until(ws, "session.created")
+    refused = [
+        ("session.update", {"session": {"tools": [WEATHER]}}, "session.tools"),
+        ("session.update", {"session": {"tool_choice": "required"}}, "session.tool_choice"),
+        ("response.create", {"response": {"tool_choice": "required"}}, "response.tool_choice"),
+        ("response.create", {"response": {"tools": [WEATHER]}}, "response.tools"),
+    ]
+    for i, (kind, fields, param) in enumerate(refused):
+        await ws.send_str(json.dumps({"type": kind, "event_id": f"evt_{i}", **fields}))
+        error = _validated(await ws.receive_json(), beta=beta)
+        assert error.type == "error"
+        assert (error.error.code, error.error.param) == ("unsupported_parameter", param)
+        assert error.error.event_id == f"evt_{i}"
+    # what asks for no call passes; its session.updated is the next event, so none of the
+    # refused events started a response
+    await ws.send_str(
+        json.dumps({"type": "session.update", "session": {"tools": [], "tool_choice": "auto"}})
+    )
+    updated = await ws.receive_json()
+    assert updated["type"] == "session.updated"
+    _validated(updated, beta=beta)
+    await _say(ws, "hello")
+    await ws.send_str(json.dumps({"type": "response.create", "response": {"tool_choice": "none"}}))
+    events = await _until(ws, "response.done")
+    assert events[0]["type"] == "response.created"  # tool_choice "none" answers as usual
+    await ws.close()

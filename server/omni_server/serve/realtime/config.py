@@ -52,6 +52,7 @@ class SessionConfig:
         """Apply a session.update's `session` (GA or beta); on any error nothing changes."""
         if not isinstance(session, dict):
             raise ProtocolError("session must be an object", param="session")
+        check_no_tools(session, "session")
         new = copy.deepcopy(self)
         audio = session.get("audio") or {}
         if not isinstance(audio, dict):
@@ -137,6 +138,31 @@ class SessionConfig:
             "temperature": self.temperature,
             "max_response_output_tokens": self.max_output_tokens or "inf",
         }
+
+
+# tool_choice values that ask for no call: with no tools, "auto" (OpenAI's default) calls none
+NO_TOOL_CHOICES = ("none", "auto")
+
+
+def check_no_tools(fields: dict[str, Any], where: str) -> None:
+    """Refuse tools a session.update or response.create asks for: this server calls none, and an
+    answer that ignored them would look like one that chose not to call them. `tools: []` and
+    a `tool_choice` of "none" / "auto" ask for nothing and pass."""
+    tools = fields.get("tools")
+    if tools is not None and tools != []:
+        raise ProtocolError(
+            f"{where}.tools: this server has no tools to call; send [] or leave it out",
+            code="unsupported_parameter",
+            param=f"{where}.tools",
+        )
+    choice = fields.get("tool_choice")
+    if choice is not None and choice not in NO_TOOL_CHOICES:
+        raise ProtocolError(
+            f"{where}.tool_choice {choice!r}: this server has no tools to call; "
+            'send "none" or "auto", or leave it out',
+            code="unsupported_parameter",
+            param=f"{where}.tool_choice",
+        )
 
 
 def _string(value: Any, param: str) -> str:

@@ -28,7 +28,7 @@ from omni_server.compiler.plan import ModelSpec, Plan
 from omni_server.pipeline import PipelineError
 from omni_server.serve.errors import ApiError
 from omni_server.serve.pipeline_call import admitted, submitted
-from omni_server.serve.realtime.config import SessionConfig
+from omni_server.serve.realtime.config import SessionConfig, check_no_tools
 from omni_server.serve.realtime.conversation import Conversation, Item, item_from_client
 from omni_server.serve.realtime.events import ServerEvents
 from omni_server.serve.realtime.input_audio import VAD_RATE, InputAudio, wav
@@ -312,6 +312,7 @@ class Session:
         overrides = event.get("response") or {}
         if not isinstance(overrides, dict):
             raise ProtocolError("response must be an object", param="response")
+        check_no_tools(overrides, "response")
         await self._start_response(overrides, event_id=event.get("event_id"))
 
     async def _on_response_cancel(self, event: dict[str, Any]) -> None:
