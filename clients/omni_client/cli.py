@@ -119,7 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     speak.add_argument(
         "--model", default=protocol.DEFAULT_MODEL, help=f"({protocol.DEFAULT_MODEL})"
     )
-    speak.add_argument("--voice", help="a voice or OpenAI voice name (default: the model's)")
+    speak.add_argument(
+        "--voice",
+        default=protocol.DEFAULT_VOICE,
+        help=f"a voice or OpenAI voice name (default: {protocol.DEFAULT_VOICE})",
+    )
     speak.add_argument("--speed", type=float, help="0.25 to 4.0 (server default 1.0)")
     speak.add_argument("--seed", type=int, help="same seed, same text: bit-identical audio")
     speak.add_argument("--instructions", help="style instructions, for models that take them")

@@ -18,6 +18,9 @@ URL_ENV = "OMNI_SERVER_URL"
 API_KEY_ENV = "OMNI_API_KEY"
 DEFAULT_MODEL = "tts-1"  # the OpenAI alias every speech model of the embedded repository answers to
 DEFAULT_TRANSCRIPTION_MODEL = "whisper-1"  # likewise for its transcription model
+# OpenAI's voice name the embedded repository maps onto its voice; the server requires a voice,
+# as OpenAI does, so the client always sends one
+DEFAULT_VOICE = "alloy"
 DEFAULT_TIMEOUT_S = 60.0
 
 FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
@@ -87,7 +90,7 @@ def speech_request(
     text: str,
     *,
     model: str,
-    voice: str | None,
+    voice: str,
     format: str,
     speed: float | None,
     seed: int | None,
@@ -97,9 +100,12 @@ def speech_request(
 ) -> Request:
     """`POST /v1/audio/speech`. Values are checked by the server, not here, so that every
     client gets the same error messages; options left at None are not sent."""
-    body: dict[str, Any] = {"model": model, "input": text, "response_format": format}
-    if voice is not None:  # else the model's default voice
-        body["voice"] = voice
+    body: dict[str, Any] = {
+        "model": model,
+        "input": text,
+        "voice": voice,
+        "response_format": format,
+    }
     if speed is not None:
         body["speed"] = speed
     if seed is not None:

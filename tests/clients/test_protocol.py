@@ -19,7 +19,6 @@ from omni_client.errors import OmniUsageError, broken_off, cannot_connect, timed
 pytestmark = pytest.mark.timeout(30)
 
 NO_OPTIONS = {
-    "voice": None,
     "speed": None,
     "seed": None,
     "instructions": None,
@@ -29,13 +28,15 @@ NO_OPTIONS = {
 
 def test_speech_request_sends_only_the_options_given() -> None:
     request = protocol.speech_request(
-        "Hi.", model="tts-1", format="wav", stream=False, **NO_OPTIONS
+        "Hi.", model="tts-1", voice="alloy", format="wav", stream=False, **NO_OPTIONS
     )
     assert (request.method, request.path) == ("POST", "/v1/audio/speech")
-    # a whole body is asked for explicitly: the server's default is OpenAI's, a stream
+    # a whole body is asked for explicitly: the server's default is OpenAI's, a stream;
+    # the voice always goes (the server requires one, as OpenAI does)
     assert request.json == {
         "model": "tts-1",
         "input": "Hi.",
+        "voice": "alloy",
         "response_format": "wav",
         "stream": False,
     }

@@ -22,7 +22,7 @@ from tests.fixtures import FIXTURES
 from tests.helpers.repo import make_repo, toml
 
 MODEL = "quiet"
-SPEECH = {"model": MODEL, "input": "hello there", "response_format": "pcm"}
+SPEECH = {"model": MODEL, "input": "hello there", "voice": "hush", "response_format": "pcm"}
 
 
 def stand_in_repo(root: Path) -> Path:

@@ -51,7 +51,7 @@ async def runtime(tmp_path):
     await runtime.stop()
 
 
-SPEECH = {"model": "quiet", "input": "anything", "response_format": "pcm"}
+SPEECH = {"model": "quiet", "input": "anything", "voice": "hush", "response_format": "pcm"}
 
 
 async def test_two_apps_keep_their_own_metrics_and_observers(runtime, aiohttp_client):
@@ -59,7 +59,7 @@ async def test_two_apps_keep_their_own_metrics_and_observers(runtime, aiohttp_cl
     second = await aiohttp_client(create_app(runtime))
     assert len(runtime.stage_observers) == 2
 
-    response = await first.post("/v1/audio/speech", json=SPEECH)  # no voice: the default one
+    response = await first.post("/v1/audio/speech", json=SPEECH)
     assert response.status == 200
     assert await response.read() == bytes(1440)
 

@@ -66,7 +66,7 @@ async def test_a_pipeline_that_makes_no_audio_is_400_not_an_empty_200(app_client
 
 async def test_lone_surrogate_is_400(app_client):
     client = await app_client()
-    body = b'{"model": "quiet", "input": "\\ud800 hello"}'
+    body = b'{"model": "quiet", "voice": "hush", "input": "\\ud800 hello"}'
     response = await client.post("/v1/audio/speech", data=body)
     assert response.status == 400
     error = await error_of(response)

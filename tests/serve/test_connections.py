@@ -15,7 +15,9 @@ from tests.serve.inline import listening
 
 pytestmark = pytest.mark.timeout(60)
 
-SPEECH_BODY = b'{"model": "quiet", "input": "hello there", "response_format": "pcm"}'
+SPEECH_BODY = (
+    b'{"model": "quiet", "input": "hello there", "voice": "hush", "response_format": "pcm"}'
+)
 
 
 def post(body: bytes, *headers: str, length: int | None = None) -> bytes:
@@ -172,7 +174,7 @@ async def test_a_client_leaving_mid_upload_is_a_disconnect_not_a_500(serving):
 
 async def test_a_client_that_stops_reading_is_dropped_and_frees_its_place(serving):
     async with serving(write_timeout_s=0.5, max_in_flight=1, max_queued=0) as port:
-        body = b'{"model": "quiet", "input": "big 64", "response_format": "pcm"}'
+        body = b'{"model": "quiet", "input": "big 64", "voice": "hush", "response_format": "pcm"}'
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(post(body))
         await writer.drain()

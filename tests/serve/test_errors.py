@@ -97,6 +97,17 @@ def test_missing_input_is_400(server):
     assert status == 400 and error["param"] == "input"
 
 
+def test_speech_without_a_voice_is_400_naming_voice(server):
+    # required as at OpenAI, though the embedded model has a default_voice: a client that
+    # forgot it gets an error, not a voice it did not choose
+    body = json.dumps({"model": "tts-1", "input": ONE_SENTENCE}).encode()
+    status, error = post(server.url + "/v1/audio/speech", body)
+    assert status == 400
+    assert error["type"] == "invalid_request_error"
+    assert (error["code"], error["param"]) == ("missing_required_parameter", "voice")
+    assert error["message"] == "'voice' is required"
+
+
 def test_oversize_body_is_413(server):
     body = json.dumps({**GOOD, "instructions": "x" * (2 << 20)}).encode()
     status, error = post(server.url + "/v1/audio/speech", body)

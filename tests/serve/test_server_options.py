@@ -3,6 +3,7 @@ client, the Host check of a loopback server, and the stop's grace period."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -86,9 +87,8 @@ def test_stop_gives_requests_the_grace_period_then_cancels_them(keyed_server):
     started = {name: threading.Event() for name in ("short", "long")}
 
     def listen(name: str, chunks: int) -> None:
-        body = (
-            f'{{"model": "{MODEL}", "input": "slow {chunks}", "response_format": "pcm"}}'
-        ).encode()
+        fields = {"model": MODEL, "input": f"slow {chunks}", "voice": "hush"}
+        body = json.dumps({**fields, "response_format": "pcm"}).encode()
         request = urllib.request.Request(
             keyed_server.url + "/v1/audio/speech",
             data=body,
@@ -157,7 +157,8 @@ def test_the_official_client_sees_429_as_a_rate_limit(tmp_path):
         "0",
     ) as server:
         holder = socket.create_connection(("127.0.0.1", server.port), timeout=20)
-        body = f'{{"model": "{MODEL}", "input": "slow 100", "response_format": "pcm"}}'.encode()
+        fields = {"model": MODEL, "input": "slow 100", "voice": "hush", "response_format": "pcm"}
+        body = json.dumps(fields).encode()
         holder.sendall(
             b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             + f"Content-Length: {len(body)}\r\n\r\n".encode()

@@ -168,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
         '"--max-in-flight 32 --stages.acoustic.scheduler.first_chunk_lane false")',
     )
     p.add_argument("--model", help="model id (default: the first one /v1/models lists)")
-    p.add_argument("--voice", help="voice name sent with each request (default: none sent)")
+    # sent with every request: the server requires a voice, as OpenAI does
+    p.add_argument("--voice", default="alloy", help="voice name sent with each request (alloy)")
     p.add_argument(
         "--concurrency", default="1,2,4,8,16", help="levels, comma separated (default: 1,2,4,8,16)"
     )

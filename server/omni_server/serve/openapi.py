@@ -150,9 +150,6 @@ def _speech(plan: Plan, max_chars: int) -> Schema:
     )
     if voices:  # the name and the object form's id
         _enumerate_strings(body["properties"]["voice"], voices)
-    speakers = [model for model in plan.models.values() if "speech" in model.tasks]
-    if speakers and all(model.default_voice is None for model in speakers):
-        body["required"].append("voice")  # no served model would choose one
     audio = {"schema": {"type": "string", "contentEncoding": "binary"}}
     content = {t: audio for t in ("audio/mpeg", "audio/ogg", "audio/aac", "audio/flac")}
     content |= {"audio/wav": audio, "audio/pcm": audio, "text/event-stream": {"schema": _TEXT}}

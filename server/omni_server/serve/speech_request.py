@@ -77,7 +77,9 @@ class SpeechBody(RequestModel):
         description="counted after NFKC normalization; must contain a letter, digit or symbol",
         json_schema_extra={"minLength": 1},
     )
-    voice: Voice | None = Field(None, description="the model's default_voice when left out")
+    # required, as at OpenAI: a request without one is a 400 naming `voice`, never the
+    # model's default_voice (a client that forgot it would hear a voice it did not choose)
+    voice: Voice = Field(description="one of the model's voices or voice_aliases")
     instructions: Text | None = Field(None, description="accepted; no voice here acts on it")
     response_format: ResponseFormat = "mp3"
     speed: Annotated[float, Between(MIN_SPEED, MAX_SPEED)] = 1.0
@@ -234,15 +236,7 @@ def _stream_format(fields: SpeechBody) -> str | None:
     return fields.stream_format
 
 
-def _voice(sent: str | VoiceId | None, model: ModelSpec) -> str:
-    if sent is None:
-        if model.default_voice is None:
-            raise invalid_field(
-                "voice",
-                f"'voice' is required; valid voices: {_voice_names(model)}",
-                code="missing_required_parameter",
-            )
-        return model.default_voice
+def _voice(sent: str | VoiceId, model: ModelSpec) -> str:
     raw = sent.id if isinstance(sent, VoiceId) else sent
     if raw in model.voices:
         return raw
