@@ -243,8 +243,20 @@ def test_audio_answer_in_every_format(client, fmt):
     expected = len(ANSWER) * SECONDS_PER_CHARACTER
     # compressed formats pad or trim a codec frame or two
     assert clip.samples.size / clip.sample_rate == pytest.approx(expected, abs=0.08)
+    # OpenAI's 24 kHz in every format, though the voice speaks at 22.05 kHz (raw pcm16 has no
+    # header: its rate is the duration's, above, read at 24 kHz)
+    assert _coded_rate(data, clip.sample_rate, fmt) == 24000
     assert completion.choices[0].finish_reason == "stop"
     assert completion.usage.completion_tokens == len(ANSWER.split())
+
+
+def _coded_rate(data: bytes, decoded_rate: int, fmt: str) -> int:
+    """The rate a file was coded at. Opus always decodes at 48 kHz; the rate it was coded from
+    is its OpusHead's input sample rate (RFC 7845: a u32 at byte 12 of the packet)."""
+    if fmt != "opus":
+        return decoded_rate
+    head = data.index(b"OpusHead")
+    return int.from_bytes(data[head + 12 : head + 16], "little")
 
 
 def test_streamed_audio_is_pcm16_deltas_with_the_transcript(client):

@@ -148,6 +148,7 @@ def test_a_spoken_answer_is_the_text_answer_and_as_long_as_reported(server, clie
     assert completion.usage.model_dump() == text.usage.model_dump()
     wav = base64.b64decode(message.audio.data)
     clip = decode(wav, "wav")
+    assert clip.sample_rate == 24000  # OpenAI's, resampled from the 22.05 kHz voice
     assert clip.samples.size / clip.sample_rate == pytest.approx(reported, abs=0.002)
     assert reported > 0.5
     heard = client.audio.transcriptions.create(

@@ -227,7 +227,7 @@ def test_audio_out_resolves_the_voice_and_the_encoder_format():
         "seed": 9,
         "response_format": "wav",
         "stream": False,
-        "sample_rate": None,
+        "sample_rate": 24000,  # OpenAI's rate in every format, whatever the voice's
     }
     streamed = parse(
         OMNI,
@@ -237,6 +237,7 @@ def test_audio_out_resolves_the_voice_and_the_encoder_format():
     )
     assert streamed.pipeline_inputs()["speech"]["response_format"] == "pcm"
     assert streamed.pipeline_inputs()["speech"]["stream"] is True
+    assert streamed.pipeline_inputs()["speech"]["sample_rate"] == 24000
 
 
 @pytest.mark.parametrize(

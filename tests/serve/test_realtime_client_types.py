@@ -10,6 +10,7 @@ its middlewares, aiohttp's test client for the WebSocket).
 
 from __future__ import annotations
 
+import base64
 import json
 import typing
 from typing import Any
@@ -21,6 +22,7 @@ from openai.types.beta.realtime import RealtimeServerEvent as BetaServerEvent
 from openai.types.realtime import RealtimeServerEvent as GAServerEvent
 from pydantic import BaseModel
 
+from tests.fixtures.fake_voice import SECONDS_PER_CHARACTER
 from tests.serve.test_realtime_admission import LONG, MODEL, _until, app_client, runtime
 
 __all__ = ["app_client", "runtime"]  # the fixtures, shared with the admission tests
@@ -164,3 +166,32 @@ async def test_tools_this_server_cannot_call_are_error_events_naming_the_field(a
     assert "response.created" in types  # tool_choice "none" answers as usual
     assert events[-1]["response"]["status"] == "completed"
     await ws.close()
+
+
+@pytest.mark.parametrize(
+    ("output_format", "rate", "bytes_per_sample"),
+    [({"type": "audio/pcm", "rate": 24000}, 24000, 2), ({"type": "audio/pcmu"}, 8000, 1)],
+)
+async def test_the_voice_speaks_at_the_sessions_rate(
+    app_client, output_format, rate, bytes_per_sample
+):
+    """Resampled once: the voice is asked for the output format's own rate (24 kHz PCM16,
+    8 kHz G.711), not 24 kHz to be resampled again; the audio is as long as the voice spoke
+    (the stand-in speaks 20 ms a character of the transcript, the thinker's inputs as JSON)."""
+    client = await app_client()
+    ws = await _connect(client, beta=False)
+    await _until(ws, "session.created")
+    update = {"type": "realtime", "audio": {"output": {"format": output_format}}}
+    await ws.send_str(json.dumps({"type": "session.update", "session": update}))
+    await _until(ws, "session.updated")
+    await _say(ws, "INPUTS")
+    await ws.send_str(json.dumps({"type": "response.create"}))
+    events = await _until(ws, "response.done")
+    await ws.close()
+    done = next(e for e in events if e["type"] == "response.output_audio_transcript.done")
+    assert json.loads(done["transcript"])["speech"]["sample_rate"] == rate
+    audio = b"".join(
+        base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta"
+    )
+    spoken = len(done["transcript"]) * SECONDS_PER_CHARACTER
+    assert len(audio) / bytes_per_sample / rate == pytest.approx(spoken, abs=0.01)

@@ -33,12 +33,15 @@ CONTENT_TYPES: Final = {
     "pcm": "audio/pcm",
 }
 
-# Output rate when a request names none. pcm carries no header, so it keeps OpenAI's 24 kHz
-# contract; Opus cannot code 22.05 kHz and takes its nearest native rate. The others keep
+# OpenAI's audio rate: its raw PCM, and every format of chat and realtime audio out.
+OPENAI_SAMPLE_RATE: Final = 24_000
+
+# Speech's output rate when a request names none. pcm carries no header, so it keeps OpenAI's
+# 24 kHz contract; Opus cannot code 22.05 kHz and takes its nearest native rate. The others keep
 # the voice's native rate (None) and say so in their header: no resampling work, no filter.
 DEFAULT_SAMPLE_RATES: Final[dict[str, int | None]] = {
-    "pcm": 24_000,
-    "opus": 24_000,
+    "pcm": OPENAI_SAMPLE_RATE,
+    "opus": OPENAI_SAMPLE_RATE,
     "mp3": None,
     "aac": None,
     "flac": None,

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from omni_server.audio.encode import OPENAI_SAMPLE_RATE
 from omni_server.compiler.plan import NO_SAMPLING, ModelSpec, Plan, SamplingSpec
 from omni_server.serve.chat_body import (
     AUDIO_FORMATS,
@@ -110,11 +111,14 @@ class ChatRequest:
         assert not self.audio_parts, "audio parts are transcribed before the thinker runs"
         speech = None
         if self.audio is not None:
+            # every format at OpenAI's 24 kHz, as its audio models answer (the voice's native
+            # rate is 22.05 kHz for the embedded voice): the audio encoder resamples once
             speech = speech_options(
                 self.audio.voice,
                 response_format=self.audio.response_format,
                 stream=self.stream,
                 seed=self.seed,
+                sample_rate=OPENAI_SAMPLE_RATE,
             )
         return thinker_inputs(
             [dict(m) for m in self.messages],

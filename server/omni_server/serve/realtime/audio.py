@@ -1,7 +1,7 @@
 """The session's audio formats: 24 kHz PCM16, and G.711 mu-law / A-law at 8 kHz.
 
-Input audio is decoded to float32 mono at its own rate; output audio (the voice's PCM16 at
-24 kHz) is encoded to the session's output format. G.711 follows ITU-T G.711's segment tables
+Input audio is decoded to float32 mono at its own rate; output audio (the voice's PCM16 at the
+format's rate) is encoded to the session's output format. G.711 follows ITU-T G.711's segment tables
 (the same bit patterns as `audioop.lin2ulaw` / `lin2alaw`), written with numpy.
 """
 
@@ -78,26 +78,32 @@ def decode(data: bytes, fmt: AudioFormat) -> np.ndarray:
 
 
 class Encoder:
-    """The voice's PCM16 at 24 kHz -> the session's output format, block by block."""
+    """PCM16 at `in_rate` -> the session's output format, block by block. A response asks its
+    voice for PCM16 at the format's own rate (`in_rate=fmt.rate`), so its audio is resampled
+    once, by the voice's encoder; other rates are resampled here."""
 
-    def __init__(self, fmt: AudioFormat) -> None:
+    def __init__(self, fmt: AudioFormat, *, in_rate: int = PCM_RATE) -> None:
         self.format = fmt
-        self._resampler = None if fmt.rate == PCM_RATE else StreamResampler(PCM_RATE, fmt.rate)
+        self._resampler = None if fmt.rate == in_rate else StreamResampler(in_rate, fmt.rate)
 
     def encode(self, pcm16: bytes) -> bytes:
-        if self._resampler is None:
+        if self.format.type == "audio/pcm" and self._resampler is None:
             return pcm16
         samples = np.frombuffer(pcm16[: len(pcm16) // 2 * 2], "<i2").astype(np.float32) / 32768
-        return _g711(self._resampler.push(samples), self.format)
+        if self._resampler is not None:
+            samples = self._resampler.push(samples)
+        return _encoded(samples, self.format)
 
     def flush(self) -> bytes:
         if self._resampler is None:
             return b""
-        return _g711(self._resampler.flush(), self.format)
+        return _encoded(self._resampler.flush(), self.format)
 
 
-def _g711(samples: np.ndarray, fmt: AudioFormat) -> bytes:
+def _encoded(samples: np.ndarray, fmt: AudioFormat) -> bytes:
     linear = np.clip(np.round(samples * 32768.0), -32768, 32767).astype(np.int32)
+    if fmt.type == "audio/pcm":
+        return linear.astype("<i2").tobytes()
     return (ulaw_encode(linear) if fmt.type == "audio/pcmu" else alaw_encode(linear)).tobytes()
 
 

@@ -169,8 +169,13 @@ class ResponseRun:
         messages = self.conversation.messages(config.instructions)
         speech = None
         if self.audio:
+            # the voice resamples once, to the session's rate (24 kHz PCM16, 8 kHz G.711)
             speech = speech_options(
-                config.voice, response_format="pcm", stream=True, speed=config.speed
+                config.voice,
+                response_format="pcm",
+                stream=True,
+                speed=config.speed,
+                sample_rate=config.output_format.rate,
             )
         inputs = thinker_inputs(
             messages[:-1] if messages and messages[-1]["role"] == "assistant" else messages,
@@ -179,7 +184,7 @@ class ResponseRun:
             temperature=config.temperature,
             speech=speech,
         )
-        encoder = audio.Encoder(config.output_format)
+        encoder = audio.Encoder(config.output_format, in_rate=config.output_format.rate)
         if self._cancelled is not None:
             return
         async with submitted(self.state, self.model, inputs) as handle:
