@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from aiohttp import ClientWebSocketResponse
 from aiohttp.test_utils import TestClient
+from openai import AsyncOpenAI
 from openai.types.beta.realtime import RealtimeServerEvent as BetaServerEvent
 from openai.types.realtime import RealtimeServerEvent as GAServerEvent
 from pydantic import BaseModel
@@ -195,3 +196,22 @@ async def test_the_voice_speaks_at_the_sessions_rate(
     )
     spoken = len(done["transcript"]) * SECONDS_PER_CHARACTER
     assert len(audio) / bytes_per_sample / rate == pytest.approx(spoken, abs=0.01)
+
+
+async def test_the_beta_client_connects_with_a_ws_base_url(app_client):
+    """docs/realtime.md's line for the beta client: it turns an http base URL into wss://
+    (TLS) whatever its scheme, so a plain server needs `websocket_base_url="ws://..."`."""
+    client = await app_client()
+    http_base = str(client.make_url("/v1"))
+    openai_client = AsyncOpenAI(
+        base_url=http_base,
+        api_key="unused",
+        websocket_base_url=http_base.replace("http://", "ws://", 1),
+    )
+    async with openai_client.beta.realtime.connect(model=MODEL) as conn:
+        created = await conn.recv()
+        await conn.session.update(session={"modalities": ["text"]})
+        updated = await conn.recv()
+    # the beta session shape: the client sent OpenAI-Beta: realtime=v1
+    assert created.type == "session.created" and created.session.input_audio_format == "pcm16"
+    assert updated.type == "session.updated" and updated.session.modalities == ["text"]
