@@ -340,6 +340,11 @@ class Acoustic(StageBackend):
             except ValueError as err:
                 raise StageConfigError(f"parameters.voices.{name}: {err}") from err
 
+    def playback_seconds(self, chunk: Payload) -> float:
+        """How long a chunk plays: the stream scheduler orders sentences by their listeners'
+        deadlines with it (docs/backends.md "Playback-aware order")."""
+        return len(chunk["audio"]) / chunk["sample_rate"]
+
     def generate(self, request: Request) -> Iterator[Payload]:
         """Reads the frontend's sentence chunks from the stream, as they come (its only input)."""
         unseeded: np.random.Generator | None = None

@@ -12,8 +12,10 @@ from typing import Any
 # A request's inputs, a stage's output, a stream chunk: a dict of plain values, arrays, tensors.
 Payload = dict[str, Any]
 
-# (stage, queue_seconds, compute_seconds) of every stage a request passed, carried downstream
-Timings = list[tuple[str, float, float]]
+# (stage, queue_seconds, compute_seconds, min_lead_seconds) of every stage a request passed,
+# carried downstream; min_lead_seconds is NaN except at a stream stage whose chunks are media
+# (stage/scheduling/playback.py: how close its listener came to running out of audio)
+Timings = list[tuple[str, float, float, float]]
 
 
 @dataclass(slots=True)

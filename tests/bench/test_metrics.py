@@ -102,3 +102,17 @@ def test_summarize_counts_failures_and_throughput_over_wall_time():
     assert level.ttfa["p50"] == pytest.approx(0.15)
     assert level.max_gap["p50"] == pytest.approx(0.1)
     assert level.errors == ["HTTP 500: boom"]
+
+
+def test_the_share_of_streams_that_underrun_and_the_worst_deficit():
+    on_time = timing(0.0, [(0.1, 1.0), (0.6, 1.0)])  # 0.5 s after the first, 1 s was playing
+    late = timing(0.0, [(0.1, 0.5), (0.9, 1.0)])  # 0.8 s after the first, only 0.5 s had come
+    jitter = timing(0.0, [(0.1, 0.5), (0.603, 1.0)])  # 3 ms short: within the tolerance
+    level = summarize(3, [on_time, late, jitter], wall=1.0)
+    assert level.underrun_share == pytest.approx(1 / 3)
+    assert level.worst_deficit == pytest.approx(0.3)
+
+
+def test_an_open_loop_level_records_its_rate():
+    level = summarize(0, [timing(0.0, [(0.1, 1.0)])], wall=1.0, rate=2.5)
+    assert level.rate == 2.5 and level.underrun_share == 0.0

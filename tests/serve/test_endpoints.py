@@ -10,7 +10,7 @@ from openai import OpenAI
 from omni_server.compiler.compiler import compile_repository
 from tests.helpers.metrics import samples, value
 from tests.helpers.server import EMBEDDED_REPO
-from tests.serve.speech_texts import ONE_SENTENCE
+from tests.serve.speech_texts import ONE_SENTENCE, THREE_SENTENCES
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -68,6 +68,23 @@ def test_metrics_count_requests_latency_and_stages(server, client: OpenAI):
     for stage in compile_repository(EMBEDDED_REPO).models["piper-joe"].stages:
         assert grew("omni_stage_queue_seconds_count", stage=stage)
         assert grew("omni_stage_compute_seconds_count", stage=stage)
+
+
+def test_metrics_show_each_voice_streams_lead_over_its_listener(server, client: OpenAI):
+    """The acoustic stage says how long its chunks play, so each request's smallest lead (the
+    audio a listener playing from the first chunk still had when a later one came out) is
+    observed once; a lone request on an idle voice stays ahead of real time."""
+    before = samples(server.metrics())
+    client.audio.speech.create(model="tts-1", voice="alloy", input=THREE_SENTENCES)
+    after = samples(server.metrics())
+    count = "omni_stage_stream_lead_seconds_count"
+    assert value(after, count, stage="acoustic") - value(before, count, stage="acoustic") == 1
+    lead = value(after, "omni_stage_stream_lead_seconds_sum", stage="acoustic") - value(
+        before, "omni_stage_stream_lead_seconds_sum", stage="acoustic"
+    )
+    assert lead > 0
+    # stages whose chunks are not media observe no lead
+    assert value(after, count, stage="text_frontend") == 0
 
 
 def test_root_serves_the_playground_page_when_installed(server):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from omni_bench.harness.timing import percentiles
 
 __all__ = [
+    "UNDERRUN_TOLERANCE_S",
     "Chunk",
     "LevelSummary",
     "RequestTiming",
@@ -81,6 +82,11 @@ def inter_chunk_gaps(t: RequestTiming) -> list[float]:
     return [b.at - a.at for a, b in zip(t.chunks, t.chunks[1:], strict=False)]
 
 
+# A stream counts as underrun when its listener would have waited longer than this for audio:
+# below it the deficit is the clock's and the socket's jitter, not a stall anyone hears.
+UNDERRUN_TOLERANCE_S = 0.005
+
+
 def playback_underrun(t: RequestTiming) -> float:
     """The worst deficit of a listener who starts playing at the first byte.
 
@@ -122,6 +128,12 @@ class LevelSummary:
     max_gap: dict[str, float]  # per request: its longest inter-chunk gap
     underrun: dict[str, float]
     errors: list[str] = field(default_factory=list)
+    # the share of streams whose listener ran dry (underrun above UNDERRUN_TOLERANCE_S), and
+    # the worst deficit of any of them (seconds)
+    underrun_share: float = math.nan
+    worst_deficit: float = math.nan
+    # open loop: the request rate the level was sent at (requests/s; None: closed loop)
+    rate: float | None = None
     # TTFA of the requests sent after the level's first `concurrency` ones: those all start at
     # the same instant, a burst that a closed loop in its steady state does not have.
     ttfa_steady: dict[str, float] = field(default_factory=dict)
@@ -132,11 +144,21 @@ class LevelSummary:
     cpu: dict[str, dict] = field(default_factory=dict)
 
 
-def summarize(concurrency: int, timings: Sequence[RequestTiming], wall: float) -> LevelSummary:
+def summarize(
+    concurrency: int, timings: Sequence[RequestTiming], wall: float, rate: float | None = None
+) -> LevelSummary:
     """Summarize one level; throughput counts successful requests over the level's wall time."""
     ok = [t for t in timings if t.ok]
     failed = [t for t in timings if not t.ok]
+    underruns = [playback_underrun(t) for t in ok]
     return LevelSummary(
+        rate=rate,
+        underrun_share=(
+            sum(u > UNDERRUN_TOLERANCE_S for u in underruns) / len(underruns)
+            if underruns
+            else math.nan
+        ),
+        worst_deficit=max(underruns, default=math.nan),
         concurrency=concurrency,
         requests=len(timings),
         failed=len(failed),
@@ -147,7 +169,7 @@ def summarize(concurrency: int, timings: Sequence[RequestTiming], wall: float) -
         latency=percentiles([latency(t) for t in ok]),
         rtf=percentiles([rtf(t) for t in ok]),
         max_gap=percentiles([max(inter_chunk_gaps(t), default=0.0) for t in ok]),
-        underrun=percentiles([playback_underrun(t) for t in ok]),
+        underrun=percentiles(underruns),
         errors=sorted({t.error for t in failed if t.error})[:5],
         ttfa_steady=percentiles(
             [ttfa(t) for t in sorted(timings, key=lambda t: t.start)[concurrency:] if t.ok]

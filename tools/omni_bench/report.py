@@ -14,7 +14,8 @@ FLOOR = "in-process"
 # The targets our server is held to on this machine (docs/benchmarks.md, "Targets").
 THROUGHPUT_VS_FLOOR = 0.95  # at concurrency >= 4, vs the in-process floor at the same level
 TTFA_VS_FIRST_SENTENCE = 1.2  # TTFA p50 at c=1 vs the in-process first-sentence time p50
-TTFA_CLIFF = 4.0  # TTFA p95 at c=16 vs TTFA p95 at c=1
+TTFA_CLIFF = 2.0  # TTFA p95 at c=16 vs TTFA p95 at c=1
+UNDERRUN_LEVELS = 16  # no stream may underrun at concurrency up to this
 WER_TOLERANCE = 0.01  # absolute: both sides sample VITS noise, so equal voices differ by chance
 
 
@@ -23,15 +24,26 @@ def ms(seconds: float) -> str:
 
 
 def level_line(name: str, level: LevelSummary, load: float) -> str:
+    where = f"c={level.concurrency:<3}" if level.rate is None else f"{level.rate:g} req/s"
     return (
-        f"{name:>12} c={level.concurrency:<3} {level.requests_per_second:6.2f} req/s "
+        f"{name:>12} {where} {level.requests_per_second:6.2f} req/s "
         f"{level.audio_seconds_per_second:6.1f} audio s/s  TTFA p50 {ms(level.ttfa['p50'])} ms "
         f"p95 {ms(level.ttfa['p95'])} ms  failed {level.failed}  (load avg before {load:.2f})"
     )
 
 
 def _by_level(result: dict) -> dict[str, dict[int, dict]]:
-    return {t["name"]: {x["concurrency"]: x for x in t["levels"]} for t in result["targets"]}
+    """Closed-loop levels by concurrency (open-loop levels have none, and no targets)."""
+    return {
+        t["name"]: {x["concurrency"]: x for x in t["levels"] if x.get("rate") is None}
+        for t in result["targets"]
+    }
+
+
+def load_cell(x: dict) -> str:
+    """A level's load as a table cell: its concurrency, or its open-loop request rate."""
+    rate = x.get("rate")
+    return str(x["concurrency"]) if rate is None else f"{rate:g}/s"
 
 
 def _ratio(a: float, b: float) -> str:
@@ -39,8 +51,8 @@ def _ratio(a: float, b: float) -> str:
 
 
 def verdicts(result: dict) -> list[dict]:
-    """The four targets (throughput, first-audio time, its cliff, WER), each with its measured
-    value, its bound and met / missed."""
+    """The targets (throughput, first-audio time, its cliff, underruns, WER), each with its
+    measured value, its bound and met / missed."""
     levels = _by_level(result)
     wers = {t["name"]: t["wer"] for t in result["targets"] if t["wer"]}
     ours, floor = levels.get(OURS), levels.get(FLOOR)
@@ -77,6 +89,22 @@ def verdicts(result: dict) -> list[dict]:
                 "met": got <= TTFA_CLIFF * base,
             }
         )
+    measured = [
+        (c, x) for c, x in sorted((ours or {}).items())
+        if c <= UNDERRUN_LEVELS and not math.isnan(x.get("underrun_share", math.nan))
+    ]  # fmt: skip
+    if measured:
+        late = {c: x["underrun_share"] for c, x in measured if x["underrun_share"] > 0}
+        worst = max(x["worst_deficit"] for _, x in measured)
+        out.append(
+            {
+                "target": f"no stream underruns at c <= {UNDERRUN_LEVELS}",
+                "value": ", ".join(f"c={c}: {_share(s)}" for c, s in late.items())
+                or f"none (worst deficit {ms(worst)} ms)",
+                "bound": "0 streams",
+                "met": not late,
+            }
+        )
     if OURS in wers and FLOOR in wers:
         got, base = wers[OURS]["corpus_wer"], wers[FLOOR]["corpus_wer"]
         out.append(
@@ -110,7 +138,7 @@ def markdown(result: dict) -> str:
     ]
     for t in result["targets"]:
         for x in t["levels"]:
-            lines.append(tables.row([t["name"], x["concurrency"], *_latency_cells(x)]))
+            lines.append(tables.row([t["name"], load_cell(x), *_latency_cells(x)]))
     lines += _vs_peers(result)
     lines += _server_breakdown(result)
     lines += _cpu_table(result)
@@ -134,9 +162,9 @@ def markdown(result: dict) -> str:
 
 
 LATENCY_COLUMNS = [
-    "target", "c", "req/s", "audio s/s", "TTFA p50", "TTFA p95", "TTFA p99", "latency p50",
-    "latency p95", "latency p99", "RTF p50", "RTF p95", "max gap p95", "underrun p50",
-    "underrun p95", "underrun p99", "failed",
+    "target", "c (or rate)", "req/s", "audio s/s", "TTFA p50", "TTFA p95", "TTFA p99",
+    "steady TTFA p95", "latency p50", "latency p95", "latency p99", "RTF p50", "RTF p95",
+    "max gap p95", "underrun p95", "underrun p99", "streams underrun", "worst deficit", "failed",
 ]  # fmt: skip
 
 
@@ -146,13 +174,20 @@ def _latency_cells(x: dict) -> list[str]:
         f"{x['requests_per_second']:.2f}",
         f"{x['audio_seconds_per_second']:.1f}",
         *(ms(x["ttfa"][p]) for p in ("p50", "p95", "p99")),
+        ms(x.get("ttfa_steady", {}).get("p95", math.nan)),
         *(ms(x["latency"][p]) for p in ("p50", "p95", "p99")),
         f"{x['rtf']['p50']:.3f}",
         f"{x['rtf']['p95']:.3f}",
         ms(x["max_gap"]["p95"]),
-        *(ms(x["underrun"][p]) for p in ("p50", "p95", "p99")),
+        *(ms(x["underrun"][p]) for p in ("p95", "p99")),
+        _share(x.get("underrun_share", math.nan)),
+        ms(x.get("worst_deficit", math.nan)),
         str(x["failed"]),
     ]
+
+
+def _share(fraction: float) -> str:
+    return "-" if math.isnan(fraction) else f"{fraction:.0%}"
 
 
 def _vs_peers(result: dict) -> list[str]:
@@ -200,9 +235,7 @@ def _server_breakdown(result: dict) -> list[str]:
         server = x.get("server", {})
         cells = [f"{server[k]['mean_ms']:.1f}" if k in server else "-" for k in series]
         ttfa = f"{server['server_ttfa']['mean_ms']:.0f}" if "server_ttfa" in server else "-"
-        lines.append(
-            tables.row([x["concurrency"], f"{x['ttfa']['mean'] * 1000:.0f}", ttfa, *cells])
-        )
+        lines.append(tables.row([load_cell(x), f"{x['ttfa']['mean'] * 1000:.0f}", ttfa, *cells]))
     return lines
 
 
@@ -215,7 +248,7 @@ def _cpu_table(result: dict) -> list[str]:
                 busiest = ", ".join(f"{name} {used:.2f}" for name, used in
                                     list(cpu["threads"].items())[:4])  # fmt: skip
                 rows.append(
-                    tables.row([t["name"], x["concurrency"], side, f"{cpu['total']:.2f}", busiest])
+                    tables.row([t["name"], load_cell(x), side, f"{cpu['total']:.2f}", busiest])
                 )
     if not rows:
         return []
@@ -231,11 +264,14 @@ def _cpu_table(result: dict) -> list[str]:
 
 
 def write_plots(result: dict, out: Path) -> list[Path]:
-    """ttfa.png (p50 solid, p95 dashed) and throughput.png (audio s/s) against concurrency."""
-    levels = result["settings"]["concurrency"]
+    """ttfa.png (p50 solid, p95 dashed) and throughput.png (audio s/s) against concurrency
+    (or, for an open-loop run, the request rate)."""
+    rates = result["settings"].get("rates") or []
+    levels = rates or result["settings"]["concurrency"]
+    x_key, x_label = ("rate", "requests / second") if rates else ("concurrency", "concurrency")
     fig, ax = plots.figure()
     for t in result["targets"]:
-        cs = [x["concurrency"] for x in t["levels"]]
+        cs = [x[x_key] for x in t["levels"]]
         p50 = [x["ttfa"]["p50"] * 1000 for x in t["levels"]]
         p95 = [x["ttfa"]["p95"] * 1000 for x in t["levels"]]
         (line,) = ax.plot(cs, p50, "o-", label=f"{t['name']} p50")
@@ -243,7 +279,7 @@ def write_plots(result: dict, out: Path) -> list[Path]:
     ax.set(
         xscale="log",
         yscale="log",
-        xlabel="concurrency",
+        xlabel=x_label,
         ylabel="TTFA (ms)",
         title="Time to first audio byte",
     )
@@ -252,11 +288,9 @@ def write_plots(result: dict, out: Path) -> list[Path]:
 
     fig, ax = plots.figure()
     for t in result["targets"]:
-        cs = [x["concurrency"] for x in t["levels"]]
+        cs = [x[x_key] for x in t["levels"]]
         ax.plot(cs, [x["audio_seconds_per_second"] for x in t["levels"]], "o-", label=t["name"])
-    ax.set(
-        xscale="log", xlabel="concurrency", ylabel="audio seconds / wall second", title="Throughput"
-    )
+    ax.set(xscale="log", xlabel=x_label, ylabel="audio seconds / wall second", title="Throughput")
     ax.set_ylim(bottom=0)
     plots.finish(ax, levels)
     written.append(plots.save(fig, out / "throughput.png"))

@@ -3,10 +3,12 @@
 For each concurrency level and each target (our server, then each peer), `concurrency` workers
 share one queue of `requests` texts taken in order from the dataset (wrapping around) and each
 sends its next request as soon as its previous one ends: closed-loop load, the same texts in the
-same order for every target. Only one target is under load at a time, so they never compete for
-the CPU; levels are interleaved across targets (c=1 on each, then c=2 on each, ...) so that other
-work on the machine affects every target alike. The first clip returned for each text is kept
-for `--wer`, which runs only after all timing is done.
+same order for every target. With `--rate`, the load is open instead: requests arrive at that
+rate (Poisson arrivals, the same seeded schedule for every target) whether or not earlier ones
+have ended, as a service's users send them. Only one target is under load at a time, so they
+never compete for the CPU; levels are interleaved across targets (c=1 on each, then c=2 on
+each, ...) so that other work on the machine affects every target alike. The first clip
+returned for each text is kept for `--wer`, which runs only after all timing is done.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from tqdm import tqdm
 
 from omni_bench import proc_cpu, report, server_stats
 from omni_bench.harness.server import OmniServer, ServerLeftovers
-from omni_bench.harness.timing import closed_loop, machine
+from omni_bench.harness.timing import closed_loop, machine, open_loop
 from omni_bench.metrics import LevelSummary, RequestTiming, summarize
 from omni_bench.peers import PEERS, make_peer
 from omni_bench.targets import OpenAISpeechTarget, SpeechTarget
@@ -33,6 +35,7 @@ from omni_server.audio.decode import Clip
 
 DEFAULT_DATASET = Path(__file__).parent / "data" / "sentences.txt"
 FORMATS = ("pcm", "wav", "mp3", "opus", "aac", "flac")
+DEFAULT_CONCURRENCY = "1,2,4,8,16"
 
 
 class UsageError(Exception):
@@ -62,12 +65,23 @@ class TargetResult:
         return {"name": self.name, "levels": [asdict(x) for x in self.levels], "wer": self.wer}
 
 
+@dataclass(frozen=True)
+class Level:
+    """One load level: closed loop at `concurrency`, or open loop at `rate` requests/s."""
+
+    concurrency: int = 0
+    rate: float | None = None
+
+    def __str__(self) -> str:
+        return f"c={self.concurrency}" if self.rate is None else f"{self.rate:g} req/s"
+
+
 async def run_level(
-    target: SpeechTarget, texts: list[str], concurrency: int, requests: int, keep: dict[str, Clip]
+    target: SpeechTarget, texts: list[str], level: Level, requests: int, keep: dict[str, Clip]
 ) -> tuple[list[RequestTiming], float]:
-    """Closed-loop load at one concurrency; returns the timings and the level's wall time."""
+    """One level's load; returns the timings and the level's wall time."""
     timings: list[RequestTiming] = []
-    bar = tqdm(total=requests, desc=f"{target.name} c={concurrency}", unit="req", leave=False)
+    bar = tqdm(total=requests, desc=f"{target.name} {level}", unit="req", leave=False)
 
     async def one(text: str) -> None:
         timing, clip = await target.synthesize(text)
@@ -78,7 +92,10 @@ async def run_level(
 
     try:
         jobs = (texts[i % len(texts)] for i in range(requests))  # dataset order, wrapping
-        wall = await closed_loop(jobs, concurrency, one)
+        if level.rate is None:
+            wall = await closed_loop(jobs, level.concurrency, one)
+        else:
+            wall = await open_loop(jobs, level.rate, one)
     finally:
         bar.close()
     return timings, wall
@@ -88,7 +105,7 @@ async def measure_level(
     target: SpeechTarget,
     result: TargetResult,
     texts: list[str],
-    concurrency: int,
+    level_load: Level,
     requests: int,
     pids: dict[str, int],
 ) -> None:
@@ -98,8 +115,8 @@ async def measure_level(
     before = await stats() if stats else None
     others = {name: tuple(p for p in pids.values() if p != pid) for name, pid in pids.items()}
     cpu_before = {name: proc_cpu.snapshot(pid, others[name]) for name, pid in pids.items()}
-    timings, wall = await run_level(target, texts, concurrency, requests, result.clips)
-    level = summarize(concurrency, timings, wall)
+    timings, wall = await run_level(target, texts, level_load, requests, result.clips)
+    level = summarize(level_load.concurrency, timings, wall, level_load.rate)
     level.cpu = {
         name: proc_cpu.cores(cpu_before[name], proc_cpu.snapshot(pid, others[name]), wall)
         for name, pid in pids.items()
@@ -114,7 +131,7 @@ async def measure_level(
 async def bench(
     targets: list[SpeechTarget],
     texts: list[str],
-    levels: list[int],
+    levels: list[Level],
     requests: int,
     warmup: int,
     server_pid: int | None = None,
@@ -130,12 +147,12 @@ async def bench(
                 timing, _ = await target.synthesize(text)
                 if timing.error:
                     raise WarmupFailed(f"{target.name}: warm-up request failed: {timing.error}")
-        for concurrency in levels:
+        for level in levels:
             for target, result in zip(targets, results, strict=True):
                 pids = {"bench": os.getpid()}
                 if server_pid is not None and hasattr(target, "stats"):
                     pids["server"] = server_pid
-                await measure_level(target, result, texts, concurrency, requests, pids)
+                await measure_level(target, result, texts, level, requests, pids)
     return results
 
 
@@ -147,6 +164,16 @@ def parse_levels(text: str) -> list[int]:
     if not levels or min(levels) < 1:
         raise UsageError(f"--concurrency {text!r}: expected integers >= 1")
     return levels
+
+
+def parse_rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--rate {text!r}: expected request rates like 0.5,1,2") from None
+    if not rates or not all(0 < r < float("inf") for r in rates):
+        raise UsageError(f"--rate {text!r}: expected rates > 0 (requests per second)")
+    return rates
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,7 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
     # sent with every request: the server requires a voice, as OpenAI does
     p.add_argument("--voice", default="alloy", help="voice name sent with each request (alloy)")
     p.add_argument(
-        "--concurrency", default="1,2,4,8,16", help="levels, comma separated (default: 1,2,4,8,16)"
+        "--concurrency",
+        default=DEFAULT_CONCURRENCY,
+        help=f"closed-loop levels, comma separated (default: {DEFAULT_CONCURRENCY})",
+    )
+    p.add_argument(
+        "--rate",
+        help="open loop instead: request rates (requests/s, comma separated; Poisson arrivals, "
+        "the same seeded schedule for every target), e.g. 0.5,1,2",
     )
     p.add_argument("--requests", type=int, default=0, help="per level (0: the dataset size)")
     p.add_argument("--dataset", type=Path, default=DEFAULT_DATASET, help="one text per line")
@@ -211,7 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def run(args: argparse.Namespace) -> dict:
     texts = load_dataset(args.dataset)
-    levels = parse_levels(args.concurrency)
+    if args.rate is not None:
+        if args.concurrency != DEFAULT_CONCURRENCY:
+            raise UsageError("--rate (open loop) and --concurrency (closed loop): give one of them")
+        levels = [Level(rate=r) for r in parse_rates(args.rate)]
+    else:
+        levels = [Level(concurrency=c) for c in parse_levels(args.concurrency)]
     requests = args.requests or len(texts)
     if requests < 1:
         raise UsageError("--requests must be >= 1")
@@ -248,7 +287,7 @@ async def run(args: argparse.Namespace) -> dict:
 async def measure(
     args: argparse.Namespace,
     texts: list[str],
-    levels: list[int],
+    levels: list[Level],
     requests: int,
     url: str | None,
     server_pid: int | None,
@@ -267,7 +306,7 @@ async def measure(
         )
     targets += [
         make_peer(
-            name, repository=args.repo, max_concurrency=max(levels),
+            name, repository=args.repo, max_concurrency=peer_workers(levels),
             response_format=args.format, stream=args.stream, seed=args.seed,
         )
         for name in dict.fromkeys(args.peer)
@@ -292,13 +331,23 @@ async def measure(
             "format": args.format,
             "stream": args.stream,
             "seed": args.seed,
-            "concurrency": levels,
+            "concurrency": [x.concurrency for x in levels if x.rate is None],
+            "rates": [x.rate for x in levels if x.rate is not None],
             "requests_per_level": requests,
             "dataset": str(args.dataset),
             "dataset_texts": len(texts),
         },
         "targets": [r.as_dict() for r in results],
     }
+
+
+# an in-process peer under open load gets this many workers (its requests may overlap without
+# bound; beyond this they queue inside it, as in a server with that many threads)
+OPEN_LOOP_PEER_WORKERS = 64
+
+
+def peer_workers(levels: list[Level]) -> int:
+    return max((x.concurrency for x in levels), default=0) or OPEN_LOOP_PEER_WORKERS
 
 
 class WarmupFailed(RuntimeError):

@@ -43,7 +43,7 @@ from .binding import ReplicaBinder
 
 log = logging.getLogger(__name__)
 
-StageObserver = Callable[[str, float, float], None]
+StageObserver = Callable[[str, float, float, float], None]  # stage, queue, compute, min lead
 STREAM = SchedulerKind.STREAM
 
 
@@ -147,7 +147,7 @@ class _Flight:
     single_terminal: str | None  # the model's only terminal (its payload is the result)
     skipped: set[str] = field(default_factory=set)
     results: dict[str, Any] = field(default_factory=dict)
-    timings: dict[str, tuple[float, float]] = field(default_factory=dict)
+    timings: dict[str, tuple[float, float, float]] = field(default_factory=dict)
 
 
 class Coordinator:
@@ -277,8 +277,8 @@ class Coordinator:
                 raise TypeError(f"coordinator got an unknown message {type(message).__name__}")
 
     def _record(self, flight: _Flight, timings: Timings) -> None:
-        for stage, queue_s, compute_s in timings:
-            flight.timings.setdefault(stage, (queue_s, compute_s))
+        for stage, queue_s, compute_s, lead_s in timings:
+            flight.timings.setdefault(stage, (queue_s, compute_s, lead_s))
 
     def _maybe_complete(self, flight: _Flight) -> None:
         if not flight.expected <= flight.results.keys() | flight.skipped:
@@ -294,10 +294,10 @@ class Coordinator:
         else:
             result = dict(flight.results)
         flight.handle._finish(result)
-        for stage, (queue_s, compute_s) in flight.timings.items():
+        for stage, (queue_s, compute_s, lead_s) in flight.timings.items():
             for observer in self.observers:
                 try:
-                    observer(stage, queue_s, compute_s)
+                    observer(stage, queue_s, compute_s, lead_s)
                 except Exception:  # a metrics bug must not break the request path
                     log.exception("stage observer %r failed", observer)
 

@@ -15,6 +15,10 @@ Names (all prefixed `omni_`):
   audio_seconds_total{model}                   seconds of audio produced
   stage_queue_seconds{stage}                   time a request waited in a stage's inbox
   stage_compute_seconds{stage}                 time a stage's backend spent on a request
+  stage_stream_lead_seconds{stage}             a media stream's smallest lead over its listener
+                                               (audio it had beyond real time when a later
+                                               chunk came out; 0 bucket: it ran dry)
+  stage_stream_underruns_total{stage}          media streams whose listener ran out of audio
   http_rejections_total{reason}                requests refused before any endpoint saw them:
                                                unauthorized | host_not_allowed |
                                                origin_not_allowed
@@ -22,6 +26,7 @@ Names (all prefixed `omni_`):
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,6 +50,8 @@ UNKNOWN_MODEL = "unknown"  # label for requests naming no served model (keeps ca
 # characters at 8 concurrent requests); stage times go lower (text normalization is sub-ms).
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
+# a stream's lead over its listener: 0 = it ran dry; a few seconds ahead is plenty
+_LEAD_BUCKETS = (0.0, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
 
 
 def _reason(status: int) -> str:
@@ -111,6 +118,19 @@ class ServerMetrics:
             buckets=_STAGE_BUCKETS,
             registry=r,
         )
+        self.stage_lead = Histogram(
+            "omni_stage_stream_lead_seconds",
+            "a media stream's smallest lead over a listener playing from its first chunk",
+            ["stage"],
+            buckets=_LEAD_BUCKETS,
+            registry=r,
+        )
+        self.stage_underruns = Counter(
+            "omni_stage_stream_underruns",
+            "media streams that came out later than a listener playing from the first chunk",
+            ["stage"],
+            registry=r,
+        )
         self.queued = Gauge(
             "omni_requests_queued",
             "requests waiting for a place in the pipeline (admission)",
@@ -144,10 +164,19 @@ class ServerMetrics:
         """A request the door refused (access.py): counted, never seen by an endpoint."""
         self.rejections.labels(reason).inc()
 
-    def observe_stage(self, stage: str, queue_seconds: float, compute_seconds: float) -> None:
-        """A runtime stage observer: called once per request per stage."""
+    def observe_stage(
+        self, stage: str, queue_seconds: float, compute_seconds: float, lead_seconds: float
+    ) -> None:
+        """A runtime stage observer: called once per request per stage (lead: NaN unless the
+        stage streams media; +inf for a stream of one chunk, which has no later chunk)."""
         self.stage_queue.labels(stage).observe(queue_seconds)
         self.stage_compute.labels(stage).observe(compute_seconds)
+        if math.isfinite(lead_seconds):
+            # a histogram's sum must not shrink: a late stream counts in the 0 bucket and once
+            # among the underruns
+            self.stage_lead.labels(stage).observe(max(0.0, lead_seconds))
+            if lead_seconds < 0:
+                self.stage_underruns.labels(stage).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

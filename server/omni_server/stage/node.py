@@ -442,8 +442,8 @@ class StageNode:
         failed = StageFailed(key, self.name, f"stage {self.name}: {message}", error_code=code)
         self.outbox.to_coordinator(failed)
 
-    def _timing(self, item: WorkItem) -> tuple[str, float, float]:
-        return (self.name, item.queue_s, item.compute_s)
+    def _timing(self, item: WorkItem) -> tuple[str, float, float, float]:
+        return (self.name, item.queue_s, item.compute_s, item.min_lead_s)
 
 
 def _isolated(payload: Any, receivers: int) -> Any:

@@ -20,7 +20,7 @@ def figure(height: float = 3.6) -> tuple[Any, Any]:
     return plt.subplots(figsize=(6, height), dpi=100)
 
 
-def finish(ax: Any, levels: Sequence[int], *, plain_y: bool = False) -> None:
+def finish(ax: Any, levels: Sequence[float], *, plain_y: bool = False) -> None:
     """Ticks at the concurrency levels written as plain numbers (and the y axis too with
     `plain_y`, for log y axes), a light grid and the legend."""
     from matplotlib.ticker import ScalarFormatter

@@ -53,6 +53,29 @@ async def closed_loop(
     return time.perf_counter() - start
 
 
+async def open_loop(
+    jobs: Iterable[T], rate: float, call: Callable[[T], Awaitable[object]], seed: int = 0
+) -> float:
+    """Open-loop load: one job starts every exponential(1 / `rate`) seconds (Poisson
+    arrivals at `rate` per second, seeded: every target sees the same schedule), whether or
+    not earlier ones have ended. Returns the wall seconds from the first start to the last end."""
+    gaps = np.random.default_rng(seed)
+
+    async def one(job: T) -> None:
+        await call(job)
+
+    start = time.perf_counter()
+    arrival = start
+    async with asyncio.TaskGroup() as group:
+        for job in jobs:
+            delay = arrival - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            group.create_task(one(job))
+            arrival += float(gaps.exponential(1.0 / rate))
+    return time.perf_counter() - start
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

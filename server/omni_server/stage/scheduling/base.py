@@ -23,6 +23,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,6 +60,8 @@ class WorkItem:
     admitted_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     compute_s: float = 0.0
+    # a media stream's smallest lead over its listener (playback.py); NaN: not a media stream
+    min_lead_s: float = math.nan
 
     @property
     def key(self) -> int:

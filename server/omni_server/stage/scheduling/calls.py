@@ -68,6 +68,26 @@ class StageCalls:
             return ("done", payload, self.targets(request, payload))
         return ("chunk", self._check_payload(chunk, "chunk"))
 
+    @property
+    def plays_media(self) -> bool:
+        """The backend says how long its chunks play (playback-aware order: playback.py)."""
+        return callable(getattr(self.backend, "playback_seconds", None))
+
+    def playback_seconds(self, chunk: Payload) -> float:
+        """Seconds of media in `chunk` (0 for a chunk the backend gives None for)."""
+        seconds = self.backend.playback_seconds(chunk)
+        if seconds is None:
+            return 0.0
+        if (
+            not isinstance(seconds, int | float)
+            or isinstance(seconds, bool)
+            or not 0 <= seconds < float("inf")
+        ):
+            raise BackendContractError(
+                f"playback_seconds() must return seconds >= 0 or None; got {seconds!r}"
+            )
+        return float(seconds)
+
     def close(self, request: Request, generator: Iterator[Payload]) -> None:
         close = getattr(generator, "close", None)
         if close is not None:

@@ -1,23 +1,27 @@
 """Per-request streaming: drive each request's generate() one chunk at a time.
 
-At every step the scheduler advances the runnable request that has produced the FEWEST chunks
-so far (ties: the oldest). A new request's first chunk therefore never waits behind other
-requests' later chunks, which keeps time-to-first-chunk flat as concurrency grows (for TTS:
-time to first audio). A request reading stream input is runnable only when a chunk or the end
-marker is waiting for it, so one request waiting for upstream does not stall the others.
+At every step the scheduler advances the runnable request that comes first in playback order
+(playback.py): streams about to run dry, then first chunks, then the stream whose listener has
+the least audio left (for a backend that says how long its chunks play; otherwise the one that
+has produced the FEWEST chunks); ties go to the oldest. A new request's first chunk therefore
+never waits behind the later chunks of streams that are ahead of their listeners, which keeps
+time to first audio flat as concurrency grows. A request reading stream input is runnable only
+when a chunk or the end marker is waiting for it, so one request waiting for upstream does not
+stall the others.
 
-One exception to "fewest": a request whose stream input is all read (only its end is left)
-goes right after first chunks, before later chunks. Its next step reads the end and, for a
-stage that returns there, ends it. Ranked by its (many) chunks it would wait for every other
-request's later chunks, so under a closed loop all requests of a replica ended together and
-their callers' next requests came back as one burst of first chunks queueing behind each other
-(measured on the voice at concurrency 16: first chunks waited up to ~0.7 s; docs/voice.md).
+One exception to the order of later chunks: a request whose stream input is all read (only its
+end is left) goes right after first chunks, before later chunks (unless one is urgent). Its
+next step reads the end and, for a stage that returns there, ends it. Ranked by its (many)
+chunks it would wait for every other request's later chunks, so under a closed loop all
+requests of a replica ended together and their callers' next requests came back as one burst
+of first chunks queueing behind each other (measured on the voice at concurrency 16: first
+chunks waited up to ~0.7 s; docs/voice.md).
 
 Steps run on the stage's compute thread one at a time; the loop thread handles admissions and
 aborts between steps. An aborted request's generator is closed (its `finally` blocks run) on the
 compute thread; an exception from one generator fails that request alone.
 
-First-chunk lane (`[scheduler] first_chunk_lane = true`, opt-in). Fewest-chunks-first only
+First-chunk lane (`[scheduler] first_chunk_lane = true`, opt-in). The order above only
 orders the queue: a first chunk still waits for the step already running, and for a TTS voice
 that step is a whole sentence (hundreds of ms on a busy core). With the lane, a second compute
 thread runs first chunks only, and only while the main thread is busy: a request's first chunk
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,17 +48,20 @@ from omni_server.backend import RequestAborted
 
 from .base import Scheduler, StageCallbacks, WorkItem
 from .calls import StageCalls
+from .playback import Playback, StepClock, rank
 
 
 @dataclass(eq=False)
 class ActiveRequest:
     """A request admitted to a stream stage: its generator (made at its first step), the chunks
-    it has produced so far, and whether a step of it is in flight."""
+    it has produced so far, whether a step of it is in flight, and (for a backend whose chunks
+    are media) how far ahead of its listener it is."""
 
     item: WorkItem
     generator: Iterator[Any] | None = None
     chunks: int = 0
     running: bool = False  # a step of it is in flight, on either lane
+    playback: Playback | None = None
 
 
 def first_chunk_lane(
@@ -71,27 +79,25 @@ def first_chunk_lane(
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stream-first-chunk")
 
 
-def _rank(active: ActiveRequest) -> tuple[bool, bool, int]:
-    """Lower runs first: first chunks; then requests whose stream input is all read (the step
-    that ends them is short, and ending them at once frees their caller); then fewest chunks."""
-    return (active.chunks > 0, not active.item.finishing, active.chunks)
-
-
 # The two picks are the scheduling policy, kept apart from the loops that run it so that the
 # order can be read (and tested) on its own.
 
 
-def pick(active: Iterable[ActiveRequest]) -> ActiveRequest | None:
+def pick(
+    active: Iterable[ActiveRequest], now: float | None = None, margin_s: float = 0.0
+) -> ActiveRequest | None:
     """The main compute thread's next step among `active` (in admission order): the runnable,
-    not running request of lowest `_rank`; ties go to the oldest. None: nothing to run."""
+    not running request that comes first in playback order (playback.rank) at `now`; ties go
+    to the oldest. None: nothing to run."""
+    now = time.monotonic() if now is None else now
     best: ActiveRequest | None = None
+    best_key: tuple[int, float] | None = None
     for candidate in active:
-        if (
-            candidate.item.runnable
-            and not candidate.running
-            and (best is None or _rank(candidate) < _rank(best))
-        ):
-            best = candidate
+        if not candidate.item.runnable or candidate.running:
+            continue
+        key = rank(candidate.chunks, candidate.item.finishing, candidate.playback, now, margin_s)
+        if best_key is None or key < best_key:
+            best, best_key = candidate, key
     return best
 
 
@@ -118,13 +124,16 @@ class StreamScheduler(Scheduler):
         self._active: dict[int, ActiveRequest] = {}  # insertion order = admission order
         self._lane = first_chunk_lane
         self._main_busy = False  # the main compute thread runs a step
+        self._media = calls.plays_media  # chunks say how long they play: deadline order
+        self._steps = StepClock()  # later chunks' step times: the margin of urgent streams
 
     @property
     def active_keys(self) -> frozenset[int]:
         return frozenset(self._active)
 
     def admit(self, item: WorkItem) -> None:
-        self._active[item.key] = ActiveRequest(item)
+        playback = Playback() if self._media else None
+        self._active[item.key] = ActiveRequest(item, playback=playback)
         self._wakeup.set()
 
     def abort(self, key: int) -> None:
@@ -154,7 +163,10 @@ class StreamScheduler(Scheduler):
         """One lane's loop: pick, step, repeat; sleep when nothing is runnable for this lane."""
         executor = self._lane if first_only else None
         while True:
-            active = self._pick_first() if first_only else pick(self._active.values())
+            if first_only:
+                active = self._pick_first()
+            else:
+                active = pick(self._active.values(), time.monotonic(), self._steps.margin_s)
             if active is None:
                 # no await between the pick and clear(): a wakeup cannot fall in between
                 self._wakeup.clear()
@@ -200,14 +212,26 @@ class StreamScheduler(Scheduler):
             return
         item.started(start)
         item.compute_s += seconds
+        playback = active.playback
         if outcome[0] == "chunk":
+            if playback is not None:
+                if playback.started:  # first chunks are cut short: they would understate
+                    self._steps.record(seconds)  # how long a stream's next step takes
+                playback.produced(outcome[2], time.monotonic())
             active.chunks += 1
             self.callbacks.chunk(item, outcome[1])
         else:
             self._active.pop(item.key)
+            if playback is not None:
+                item.min_lead_s = playback.min_lead
             self.callbacks.complete(item, outcome[1], outcome[2])
 
     def _advance(self, active: ActiveRequest) -> Any:
+        """One step: ("chunk", chunk, media seconds) or ("done", payload, targets)."""
         if active.generator is None:
             active.generator = self.calls.generate(active.item.request)
-        return self.calls.step(active.item.request, active.generator)
+        outcome = self.calls.step(active.item.request, active.generator)
+        if outcome[0] == "chunk":
+            seconds = self.calls.playback_seconds(outcome[1]) if self._media else 0.0
+            return ("chunk", outcome[1], seconds)
+        return outcome
