@@ -321,7 +321,7 @@ def test_chat_streams_the_answer_and_speaks_it(browser, server_url: str) -> None
     message.send_keys("What is the capital of France?")
     browser.find_element(By.ID, "send").click()
 
-    run = wait_finished(browser, "lastChat", 240)
+    run = wait_finished(browser, "lastChat", 360)
     screenshot(browser, "chat")
     assert run["error"] is None, run["error"]
     assert run["withAudio"] and run["finishReason"] in ("stop", "length")
@@ -346,7 +346,7 @@ def test_chat_streams_the_answer_and_speaks_it(browser, server_url: str) -> None
     assert "text only" in text_of(browser, "voice-note")
     message.send_keys("And of Italy?")
     browser.find_element(By.ID, "send").click()
-    second = wait_finished(browser, "lastChat", 240)
+    second = wait_finished(browser, "lastChat", 360)
     assert second["error"] is None, second["error"]
     assert not second["withAudio"] and second["samplesScheduled"] == 0
     assert second["firstAudioMs"] is None and second["text"].strip()
