@@ -143,7 +143,11 @@ def wait_finished(browser, name: str, timeout: float) -> dict:
             return None  # still playing
         return run
 
-    return WebDriverWait(browser, timeout).until(done)
+    message = f"window.playground.{name} did not finish"
+    try:
+        return WebDriverWait(browser, timeout).until(done, message)
+    finally:  # what the page had when it gave up, for the failure report
+        print(message, playground(browser, name))
 
 
 def screenshot(browser, mode: str) -> None:
@@ -316,6 +320,9 @@ def test_chat_streams_the_answer_and_speaks_it(browser, server_url: str) -> None
     speaking = speaking_chat_model(server_url)["id"]
     assert Select(browser.find_element(By.ID, "model")).first_selected_option.text == speaking
     assert browser.find_element(By.ID, "chat-audio").is_selected()
+    # bounded: at the thinker's temperature a few seeds ramble on (docs/serving.md)
+    browser.find_element(By.ID, "chat-max-tokens").send_keys("40")
+    browser.find_element(By.ID, "chat-seed").send_keys("1")
     message = browser.find_element(By.ID, "chat-input")
     message.clear()
     message.send_keys("What is the capital of France?")
@@ -325,8 +332,18 @@ def test_chat_streams_the_answer_and_speaks_it(browser, server_url: str) -> None
     screenshot(browser, "chat")
     assert run["error"] is None, run["error"]
     assert run["withAudio"] and run["finishReason"] in ("stop", "length")
+    asked = {k: run["request"][k] for k in ("max_completion_tokens", "seed", "audio", "stream")}
+    voice = Select(browser.find_element(By.ID, "voice")).first_selected_option.get_attribute(
+        "value"
+    )
+    assert asked == {
+        "max_completion_tokens": 40,
+        "seed": 1,
+        "audio": {"voice": voice, "format": "pcm16"},
+        "stream": True,
+    }
     assert run["text"].strip() and run["deltas"] >= 2, "the answer arrives in pieces"
-    assert run["usage"]["completion_tokens"] >= run["deltas"]
+    assert run["deltas"] <= run["usage"]["completion_tokens"] <= 40
     assert run["audioDeltas"] >= 1 and run["samplesScheduled"] > 12_000  # > 0.5 s at 24 kHz
     assert run["samplesPlayed"] == run["samplesScheduled"]
     assert 0 < run["firstTokenMs"] <= run["firstAudioMs"] < run["elapsedMs"]
@@ -349,6 +366,7 @@ def test_chat_streams_the_answer_and_speaks_it(browser, server_url: str) -> None
     second = wait_finished(browser, "lastChat", 360)
     assert second["error"] is None, second["error"]
     assert not second["withAudio"] and second["samplesScheduled"] == 0
+    assert second["request"]["messages"] == 3 and "audio" not in second["request"]
     assert second["firstAudioMs"] is None and second["text"].strip()
     assert second["usage"]["prompt_tokens"] > run["usage"]["prompt_tokens"], "history is sent"
     assert len(browser.find_elements(By.CSS_SELECTOR, "#chat-log .turn")) == 4
@@ -410,10 +428,15 @@ def test_talk_hears_the_microphone_and_answers_aloud(talking_browser, server_url
     browser.find_element(By.ID, "talk").click()
 
     def answered(b) -> dict | None:
+        # a turn may end cancelled (the server heard speech over its answer: barge-in) before
+        # one completes; an error ends the wait at once
         run = playground(b, "lastTalk")
-        return run if run and (run["error"] or run["status"]) else None
+        return run if run and (run["error"] or run["status"] == "completed") else None
 
-    run = WebDriverWait(browser, 240).until(answered)
+    try:
+        run = WebDriverWait(browser, 240).until(answered, "no answer completed")
+    finally:
+        print("lastTalk:", playground(browser, "lastTalk"))
     screenshot(browser, "talk")
     browser.find_element(By.ID, "hangup").click()
     assert run["error"] is None, run["error"]
