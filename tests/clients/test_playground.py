@@ -93,7 +93,8 @@ def browser(chromium_paths: tuple[str, str]) -> Iterator[webdriver.Chrome]:
 @pytest.fixture
 def talking_browser(chromium_paths, server_url: str, tmp_path: Path) -> Iterator[webdriver.Chrome]:
     """Chromium whose fake microphone plays a question spoken by the embedded voice, then a long
-    silence (the fake device loops its file: the silence lets the answer finish uninterrupted)."""
+    silence (the fake device loops its file: the silence, 3 minutes, lets the answer finish
+    uninterrupted however slow a loaded machine makes it)."""
     with OmniClient(server_url) as client:
         pcm = client.speech("What is the capital of France?", format="pcm")
     rate = 24_000
@@ -103,7 +104,7 @@ def talking_browser(chromium_paths, server_url: str, tmp_path: Path) -> Iterator
         w.setnchannels(1)
         w.setsampwidth(2)
         w.setframerate(rate)
-        w.writeframes(silence + bytes(pcm) + silence * 20)
+        w.writeframes(silence + bytes(pcm) + silence * 90)
     driver = _chrome(
         chromium_paths,
         "--use-fake-ui-for-media-stream",
