@@ -21,8 +21,8 @@ from pydantic import BaseModel
 from omni_server.compiler.plan import Plan
 from omni_server.serve.access import OPEN_PATHS
 from omni_server.serve.chat_body import ChatBody
-from omni_server.serve.speech_stream import PATH as STREAM_INPUT_PATH
 from omni_server.serve.speech_request import SpeechBody
+from omni_server.serve.speech_stream import PATH as STREAM_INPUT_PATH
 from omni_server.serve.state import STATE, ServerState
 from omni_server.serve.transcription_request import TranscriptionForm
 from omni_server.serve.voice_catalog import VoiceCatalog
