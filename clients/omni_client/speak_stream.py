@@ -63,7 +63,7 @@ async def speak_stream(
                 sender.cancel()
                 await asyncio.gather(sender, return_exceptions=True)
     except aiohttp.WSServerHandshakeError as err:
-        raise APIError(err.status, f"the server refused the stream: {err.message}") from None
+        raise await _refusal(f"{base_url or protocol.DEFAULT_URL}{PATH}?{query}", headers, err)
     except aiohttp.ClientError as err:
         raise OmniError(f"cannot stream to {url}: {err}") from None
     if not spoken.final:
@@ -104,6 +104,25 @@ async def _receive_audio(
                 return
         else:
             return  # closed: `final` tells whether it ended well
+
+
+async def _refusal(
+    url: str, headers: dict[str, str], err: aiohttp.WSServerHandshakeError
+) -> APIError:
+    """The refused upgrade's reason: the server checks the settings before the upgrade, so a
+    plain GET of the same URL answers the same error with its JSON body."""
+    message = f"the server refused the stream ({err.status})"
+    try:
+        async with aiohttp.ClientSession() as http, http.get(url, headers=headers) as answer:
+            error = (await answer.json(content_type=None)).get("error") or {}
+    except (aiohttp.ClientError, ValueError, AttributeError):
+        return APIError(err.status, message)
+    return APIError(
+        err.status,
+        str(error.get("message", message)),
+        param=error.get("param"),
+        code=error.get("code"),
+    )
 
 
 def _check(event: Any) -> None:
