@@ -63,7 +63,8 @@ async def speak_stream(
                 sender.cancel()
                 await asyncio.gather(sender, return_exceptions=True)
     except aiohttp.WSServerHandshakeError as err:
-        raise await _refusal(f"{base_url or protocol.DEFAULT_URL}{PATH}?{query}", headers, err)
+        refusal = await _refusal(f"{base_url or protocol.DEFAULT_URL}{PATH}?{query}", headers, err)
+        raise refusal from None
     except aiohttp.ClientError as err:
         raise OmniError(f"cannot stream to {url}: {err}") from None
     if not spoken.final:
