@@ -6,7 +6,8 @@ tests/fixtures/silence.py (three 10 ms chunks of silence for any text) and the s
 cloning voice of tests/fixtures/cloning_voice.py (for custom voices, kept in a data directory
 of the test's), so every request that passes validation is served for real, fast. Each
 operation gets request bodies generated from its schema, the same with one field replaced by
-an arbitrary JSON value, arbitrary JSON, and arbitrary bytes. Examples are bounded and derandomized: the run is the same every time.
+an arbitrary JSON value, arbitrary JSON, and arbitrary bytes. Examples are bounded and
+derandomized: the run is the same every time.
 """
 
 from __future__ import annotations
