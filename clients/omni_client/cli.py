@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -188,6 +189,26 @@ def build_parser() -> argparse.ArgumentParser:
     talk.add_argument("--instructions", help="the session's instructions for the answer")
     talk.set_defaults(run=run_talk, parser=talk)
 
+    stream = commands.add_parser(
+        "speak-stream",
+        parents=[connection],
+        help="speak text as it is piped in (the speech input stream WebSocket)",
+        description="Read text from stdin (or --file) as it arrives, e.g. a language model's "
+        "tokens, and speak each sentence as soon as it is complete; the audio (PCM16 mono) "
+        "goes raw to stdout, or to a WAV file with -o.",
+        epilog="examples:\n  llm 'tell me a story' | omni-client speak-stream | aplay -f S16_LE "
+        "-r 24000 -c 1\n  omni-client speak-stream --file story.txt -o story.wav",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    stream.add_argument("--file", help="read the text from this file instead of stdin")
+    stream.add_argument("-o", "--output", help="write the audio as a WAV file")
+    stream.add_argument("--model", default=protocol.DEFAULT_MODEL, help="(%(default)s)")
+    stream.add_argument("--voice", default=protocol.DEFAULT_VOICE, help="(%(default)s)")
+    stream.add_argument(
+        "--sample-rate", type=int, default=24_000, help="PCM16 sample rate (%(default)s)"
+    )
+    stream.set_defaults(run=run_speak_stream, parser=stream)
+
     models = commands.add_parser("models", parents=[connection], help="list the served models")
     models.add_argument("--json", action="store_true", help="print the full model objects")
     models.set_defaults(run=run_models, parser=models)
@@ -358,6 +379,43 @@ def run_talk(args: argparse.Namespace) -> int:
         Path(args.output).write_bytes(wav_bytes(bytes(turn.audio)))
     if turn.status != "completed":
         raise CommandError(f"the answer ended {turn.status}", EXIT_SERVER)
+    return 0
+
+
+def run_speak_stream(args: argparse.Namespace) -> int:
+    import wave
+
+    from omni_client.speak_stream import speak_stream
+
+    audio = bytearray()
+
+    def on_audio(data: bytes) -> None:
+        if args.output:
+            audio.extend(data)
+        else:
+            sys.stdout.buffer.write(data)
+            sys.stdout.buffer.flush()
+
+    connection = _connection(args)
+    with open(args.file, "rb") if args.file else contextlib.nullcontext(sys.stdin.buffer) as text:
+        asyncio.run(
+            speak_stream(
+                text,
+                base_url=connection["base_url"] or os.environ.get(protocol.URL_ENV),
+                api_key=connection["api_key"] or os.environ.get(protocol.API_KEY_ENV),
+                model=args.model,
+                voice=args.voice,
+                sample_rate=args.sample_rate,
+                timeout=connection["timeout"],
+                on_audio=on_audio,
+            )
+        )
+    if args.output:
+        with wave.open(args.output, "wb") as out:
+            out.setnchannels(1)
+            out.setsampwidth(2)
+            out.setframerate(args.sample_rate)
+            out.writeframes(bytes(audio))
     return 0
 
 

@@ -23,6 +23,7 @@ from omni_server.compiler.errors import RepositoryError
 from omni_server.compiler.plan import Plan
 from omni_server.compiler.render import config_json, config_toml, topology_text
 from omni_server.serve.options import ServeOptions
+from omni_server.serve.voice_store import DataDirError, default_data_dir, prepare_dir
 
 EXIT_INVALID = 2
 API_KEY_ENV = "OMNI_SERVER_API_KEY"
@@ -173,6 +174,23 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> None:
         help=f"in-flight requests' time to finish after SIGTERM ({d.shutdown_grace_s:g})",
     )
 
+    voices = parser.add_argument_group("custom voices (docs/voices.md)")
+    voices.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        default=None,
+        help="where POST /v1/audio/voices keeps custom voices (created 0700; refused if "
+        "another user owns it or may enter it); default $XDG_STATE_HOME/omni-server, else "
+        "~/.local/state/omni-server",
+    )
+    voices.add_argument(
+        "--max-custom-voices",
+        type=int,
+        default=d.max_custom_voices,
+        metavar="N",
+        help=f"custom voices kept at most ({d.max_custom_voices})",
+    )
+
 
 def _serve_options(opts: argparse.Namespace) -> ServeOptions:
     """ServeOptions from the parsed flags; a bad value exits 2 with the flag's name."""
@@ -194,8 +212,10 @@ def _serve_options(opts: argparse.Namespace) -> ServeOptions:
             idle_timeout_s=opts.idle_timeout,
             write_timeout_s=opts.write_timeout,
             shutdown_grace_s=opts.shutdown_grace,
+            data_dir=prepare_dir(opts.data_dir or default_data_dir()),
+            max_custom_voices=opts.max_custom_voices,
         )
-    except ValueError as e:
+    except (ValueError, DataDirError) as e:
         _serve_parser().error(str(e))
         raise  # unreachable: error() exits
 

@@ -1,11 +1,13 @@
 """`/openapi.json` is true to the app's routes, and a property-based fuzz of the HTTP API built
 from it finds no 5xx.
 
-The fuzz runs against a real server process whose only model is the stand-in voice of
-tests/fixtures/silence.py (three 10 ms chunks of silence for any text), so every request that
-passes validation is served for real, fast. Each operation gets request bodies generated from
-its schema, the same with one field replaced by an arbitrary JSON value, arbitrary JSON, and
-arbitrary bytes. Examples are bounded and derandomized: the run is the same every time.
+The fuzz runs against a real server process whose models are the stand-in voice of
+tests/fixtures/silence.py (three 10 ms chunks of silence for any text) and the stand-in
+cloning voice of tests/fixtures/cloning_voice.py (for custom voices, kept in a data directory
+of the test's), so every request that passes validation is served for real, fast. Each
+operation gets request bodies generated from its schema, the same with one field replaced by
+an arbitrary JSON value, arbitrary JSON, and arbitrary bytes. Examples are bounded and
+derandomized: the run is the same every time.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from omni_server.serve.openapi import document
 from omni_server.serve.speech_request import SpeechBody
 from omni_server.serve.state import STATE
 from omni_server.serve.transcription_request import TranscriptionForm
+from omni_server.serve.voices import VoiceForm
 from tests.fixtures import FIXTURES
 from tests.helpers.repo import make_repo, toml
 from tests.helpers.server import ServerProcess
@@ -72,6 +75,7 @@ async def test_the_document_lists_exactly_the_app_routes(stand_in_runtime, aioht
         ("/v1/audio/speech", "application/json", SpeechBody),
         ("/v1/chat/completions", "application/json", ChatBody),
         ("/v1/audio/transcriptions", "multipart/form-data", TranscriptionForm),
+        ("/v1/audio/voices", "multipart/form-data", VoiceForm),
     ],
 )
 async def test_request_schemas_are_the_models_that_validate_them(
@@ -158,18 +162,30 @@ def fuzzed(tmp_path_factory):
                 terminal = true
                 [scheduler]
                 kind = "stream"
-                """)
+                """),
+            "cloner": toml("""
+                backend = "CloningVoice"
+                terminal = true
+                voice_cloning = true
+                [scheduler]
+                kind = "stream"
+                """),
         },
         repository=toml("""
             [models.quiet]
             entry = "speaker"
             tasks = ["speech"]
             voices = ["hush"]
+            [models.copycat]
+            entry = "cloner"
+            tasks = ["speech"]
+            voices = ["hush"]
             """),
-        models={"speaker": FIXTURES / "silence.py"},
+        models={"speaker": FIXTURES / "silence.py", "cloner": FIXTURES / "cloning_voice.py"},
     )
+    data = root / "data"
     with (
-        ServerProcess.start(repo, root / "server.log") as server,
+        ServerProcess.start(repo, root / "server.log", "--data-dir", str(data)) as server,
         httpx.Client(base_url=server.url, timeout=30) as client,
     ):
         yield server, client.get("/openapi.json").json(), client
@@ -230,6 +246,48 @@ def test_fuzz_transcription_form(fuzzed):
         assert_no_server_error(response)
 
     post()
+
+
+def test_fuzz_voice_form_and_delete(fuzzed):
+    """Forms from the schema (a real clip among the files, so some voices are made), then
+    deletes of what was made and of arbitrary ids."""
+    from tests.serve.test_voices import wav_clip
+
+    _, doc, client = fuzzed
+    schema = request_schema(doc, "/v1/audio/voices", "multipart/form-data")
+    fields = {k: v for k, v in schema["properties"].items() if k != "file"}
+    form = st.fixed_dictionaries(
+        {}, optional={k: strategy(v).map(str) | st.text(max_size=30) for k, v in fields.items()}
+    )
+    files = st.sampled_from([wav_clip(), wav_clip(seconds=0.2)]) | st.binary(max_size=2000)
+    made: list[str] = []
+    statuses: list[int] = []
+
+    @FUZZ
+    @given(form, files | st.none())
+    def post(data: dict[str, str], file: bytes | None) -> None:
+        parts = {"file": ("a.wav", file)} if file is not None else {"x": ("x", b"")}
+        response = client.post("/v1/audio/voices", data=data, files=parts)
+        statuses.append(response.status_code)
+        assert_no_server_error(response)
+        if response.status_code == 200:
+            made.append(response.json()["id"])
+
+    post()
+    valid = {"model": "copycat", "name": "n", "transcript": "hello there"}
+    response = client.post("/v1/audio/voices", data=valid, files={"file": ("a.wav", wav_clip())})
+    assert response.status_code == 200, response.text
+    made.append(response.json()["id"])
+    assert len(set(statuses)) >= 2, statuses
+
+    @FUZZ
+    @given(st.sampled_from(made) | st.text(max_size=60))
+    def delete(voice: str) -> None:
+        response = client.delete("/v1/audio/voices/" + quote(voice, safe=""))
+        assert response.status_code in (200, 404, 405), response.status_code
+        assert_no_server_error(response)
+
+    delete()
 
 
 def test_fuzz_get_routes_and_path_parameters(fuzzed):

@@ -37,12 +37,22 @@ def pcm_to_clip(body: bytes, sample_rate: int = PCM_SAMPLE_RATE) -> Clip:
     return Clip(np.frombuffer(body, dtype="<i2").astype(np.float32) / PCM_SCALE, sample_rate)
 
 
+class TooLong(ValueError):
+    """The audio runs past the `max_seconds` its decoder was given."""
+
+
 def decode(
-    body: bytes, response_format: str | None = None, *, pcm_rate: int = PCM_SAMPLE_RATE
+    body: bytes,
+    response_format: str | None = None,
+    *,
+    pcm_rate: int = PCM_SAMPLE_RATE,
+    max_seconds: float | None = None,
 ) -> Clip:
     """A whole body of OpenAI `response_format` (None: any container FFmpeg recognizes) as one
     clip; raw `pcm` carries no rate, so it is `pcm_rate`. Channels are mixed down to mono.
-    Raises ValueError for a body that is no audio of that format."""
+    Raises ValueError for a body that is no audio of that format, TooLong (a ValueError) as
+    soon as the decoded audio passes `max_seconds`: a small, highly compressed body can hold
+    hours, and decoding stops there instead of filling memory."""
     if response_format == "pcm":
         return pcm_to_clip(body, pcm_rate)
     try:
@@ -51,8 +61,13 @@ def decode(
             rate = stream.rate or stream.codec_context.sample_rate
             resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
             parts: list[np.ndarray] = []
+            limit = None if max_seconds is None else int(max_seconds * rate)
+            decoded = 0
             for frame in container.decode(stream):
                 parts.extend(f.to_ndarray().reshape(-1) for f in resampler.resample(frame))
+                decoded += frame.samples
+                if limit is not None and decoded > limit:
+                    raise TooLong(f"the audio is longer than {max_seconds:g} s")
             parts.extend(f.to_ndarray().reshape(-1) for f in resampler.resample(None))
     except (av.error.FFmpegError, IndexError) as err:
         what = response_format or "audio"

@@ -204,6 +204,7 @@ def _models(raw: RawRepository, stages: Mapping[str, StageSpec]) -> dict[str, Mo
             voice_aliases=FrozenMap(voice_aliases),
             default_voice=default_voice,
             description=field_value(data, MODEL_FIELDS, "description"),
+            language=data.get("language"),
             sampling=stages[entry].sampling,
         )
     return models

@@ -105,6 +105,7 @@ def parse_stage(rs: RawStage) -> StageSpec:
         engine=_engine(data),
         timeout_s=float(data["timeout_s"]) if "timeout_s" in data else None,
         sampling=_sampling(data.get("sampling", {})),
+        voice_cloning=bool(_value(data, "voice_cloning")),
     )
 
 

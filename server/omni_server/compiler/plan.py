@@ -140,6 +140,8 @@ class StageSpec:
     engine: EngineSpec | None = None
     timeout_s: float | None = None  # None: the server's stage_timeout_s; 0: no limit
     sampling: SamplingSpec = NO_SAMPLING  # [sampling]: a request's defaults
+    # speaks in voices cloned from a reference clip (docs/voices.md): requests carry the clip
+    voice_cloning: bool = False
 
     @property
     def on_gpu(self) -> bool:
@@ -169,6 +171,7 @@ class ModelSpec:
     voice_aliases: Mapping[str, str] = EMPTY  # e.g. OpenAI's "alloy" -> "joe"
     default_voice: str | None = None
     description: str = ""
+    language: str | None = None  # BCP 47 tag of its voices, shown in /v1/audio/voices
     # the entry stage's [sampling]: the entry reads a request's sampling fields (the chat
     # contract), so its defaults are the model's
     sampling: SamplingSpec = NO_SAMPLING

@@ -86,6 +86,8 @@ def _model(m: Any) -> dict[str, Any]:
     if m.default_voice is not None:
         out["default_voice"] = m.default_voice
     out["description"] = m.description
+    if m.language is not None:
+        out["language"] = m.language
     if m.voice_aliases:
         out["voice_aliases"] = dict(m.voice_aliases)
     return out
@@ -119,6 +121,8 @@ def _stage(s: StageSpec) -> dict[str, Any]:
         out["scheduler"]["first_chunk_lane"] = s.scheduler.first_chunk_lane
     if s.timeout_s is not None:
         out["timeout_s"] = s.timeout_s
+    if s.voice_cloning:
+        out["voice_cloning"] = True
     if s.engine is not None:
         out["engine"] = _thaw(s.engine.settings)
     if s.sampling.declared():

@@ -264,6 +264,13 @@ STAGE_FIELDS = _fields(
     Field("stream_to", Kind.NAMES, "stages receiving this stage's chunks, beside routing", []),
     Field("process_local", Kind.NAMES, "successors whose edge must stay in one process", []),
     Field(
+        "voice_cloning",
+        Kind.BOOL,
+        "the stage speaks in voices cloned from a reference clip: POST /v1/audio/voices adds "
+        "voices to the models visiting it, and their requests carry the clip (docs/voices.md)",
+        False,
+    ),
+    Field(
         "scheduler",
         Kind.TABLE,
         "[scheduler] table: kind, max_batch_size, max_queue_delay_ms, first_chunk_lane",
@@ -334,6 +341,7 @@ MODEL_FIELDS = _fields(
     Field("voices", Kind.STR_LIST, "voices the pipeline knows", []),
     Field("default_voice", Kind.STR, "voice used when a request names none; one of voices"),
     Field("description", Kind.STR, "free text shown in /v1/models", ""),
+    Field("language", Kind.STR, "BCP 47 tag of the model's voices (/v1/audio/voices), e.g. en-US"),
     Field("voice_aliases", Kind.STR_MAP, "alias -> voice (targets must be in voices)", {}),
 )
 

@@ -22,8 +22,10 @@ from omni_server.serve import (
     models,
     openapi,
     speech,
+    speech_stream,
     transcription,
     transcription_request,
+    voices,
 )
 from omni_server.serve.access import add_cors_headers, api_key, cors, host_guard
 from omni_server.serve.admission import Admission
@@ -34,6 +36,8 @@ from omni_server.serve.metrics import ServerMetrics
 from omni_server.serve.options import MAX_BODY_BYTES, ServeOptions
 from omni_server.serve.realtime import realtime
 from omni_server.serve.state import STATE, ServerState
+from omni_server.serve.voice_catalog import VoiceCatalog
+from omni_server.serve.voice_store import VoiceStore
 
 if TYPE_CHECKING:
     from omni_server.pipeline import Runtime
@@ -50,7 +54,9 @@ def create_app(
     options: ServeOptions | None = None,
 ) -> web.Application:
     """`plan` defaults to `runtime.plan`; metrics live in a registry of this app's own.
-    `options` (the door, bounds, timeouts) default to `ServeOptions(max_body_bytes=...)`."""
+    `options` (the door, bounds, timeouts) default to `ServeOptions(max_body_bytes=...)`;
+    with `options.data_dir` the custom voices stored there are loaded (DataDirError when the
+    directory is not safe to use)."""
     if options is None:
         options = ServeOptions(max_body_bytes=max_body_bytes)
     lifecycle = Lifecycle()
@@ -61,14 +67,17 @@ def create_app(
         options.queue_timeout_s,
         on_queue=metrics.queue_length,
     )
+    plan = plan if plan is not None else runtime.plan
+    store = VoiceStore(options.data_dir) if options.data_dir is not None else None
     state = ServerState(
         runtime=runtime,
-        plan=plan if plan is not None else runtime.plan,
+        plan=plan,
         metrics=metrics,
         options=options,
         admission=admission,
         lifecycle=lifecycle,
         created=int(time.time()),
+        voices=VoiceCatalog(plan, store),
     )
     # Outermost first: the door (host, origin), then errors as OpenAI JSON (CORS headers go on
     # those too), the key, the body's declared size and encoding, and the in-flight accounting
@@ -83,6 +92,11 @@ def create_app(
     app.router.add_post("/v1/audio/transcriptions", transcription.create_transcription)
     app.router.add_post("/v1/chat/completions", chat.create_chat_completion)
     app.router.add_get("/v1/realtime", realtime)
+    app.router.add_get(speech_stream.PATH, speech_stream.stream_input)
+    app.router.add_get("/v1/audio/voices", voices.list_voices)
+    app.router.add_post("/v1/audio/voices", voices.create_voice)
+    app.router.add_delete("/v1/audio/voices/{voice}", voices.delete_voice)
+    state.body_limits["/v1/audio/voices"] = voices.BODY_LIMIT
     state.body_limits["/v1/chat/completions"] = chat_request.MAX_BODY_BYTES  # input_audio
     state.body_limits["/v1/audio/transcriptions"] = (
         transcription_request.MAX_FILE_BYTES + transcription_request.FORM_OVERHEAD_BYTES

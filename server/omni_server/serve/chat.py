@@ -71,7 +71,7 @@ async def _chat(call: ApiCall) -> web.StreamResponse:
     body = await read_json(call.request)
     model = chat_model(body, call.state.plan)
     call.track.model = model.id
-    chat = parse_chat_request(body, model)
+    chat = parse_chat_request(body, model, call.state.voices)
     require_ready(call.state.runtime, model)  # before any audio part is heard for nothing
     if chat.audio_parts:  # heard first: the thinker reads their transcripts
         chat = await hear_audio_parts(call.state, chat)

@@ -26,7 +26,6 @@ from omni_server.serve.chat_body import (
     MAX_INPUT_AUDIO_BYTES,
     STREAM_AUDIO_FORMAT,
     AssistantMessage,
-    AudioParams,
     ChatBody,
     InputAudioPart,
     RefusedMessage,
@@ -37,8 +36,9 @@ from omni_server.serve.chat_body import (
 )
 from omni_server.serve.errors import invalid_field
 from omni_server.serve.models import resolve_model
-from omni_server.serve.speech_request import VoiceId, speech_options
+from omni_server.serve.speech_request import choose_voice, speech_options
 from omni_server.serve.validation import model_name, names, parse
+from omni_server.serve.voice_catalog import VoiceCatalog
 
 TASK = "chat"
 MAX_BODY_BYTES = 32 << 20  # a chat body may carry base64 audio (4/3 of its bytes)
@@ -50,6 +50,7 @@ class AudioOut:
 
     voice: str
     format: str  # OpenAI's name (wav, mp3, flac, opus, pcm16)
+    reference: dict[str, Any] | None = None  # a custom voice's clip (docs/voices.md)
 
     @property
     def response_format(self) -> str:  # the audio encoder's name (pcm16 -> pcm)
@@ -119,6 +120,7 @@ class ChatRequest:
                 stream=self.stream,
                 seed=self.seed,
                 sample_rate=OPENAI_SAMPLE_RATE,
+                reference=self.audio.reference,
             )
         return thinker_inputs(
             [dict(m) for m in self.messages],
@@ -207,8 +209,11 @@ def chat_model(body: Any, plan: Plan) -> ModelSpec:
     return resolve_model(plan, model_name(body), task=TASK)
 
 
-def parse_chat_request(body: dict[str, Any], model: ModelSpec) -> ChatRequest:
-    """The rest of the request, for the model `chat_model` found."""
+def parse_chat_request(
+    body: dict[str, Any], model: ModelSpec, voices: VoiceCatalog | None = None
+) -> ChatRequest:
+    """The rest of the request, for the model `chat_model` found; `voices` adds the custom
+    voices to the model's declared ones."""
     fields = parse(ChatBody, body)
     if fields.n != 1:
         raise invalid_field(
@@ -244,7 +249,7 @@ def parse_chat_request(body: dict[str, Any], model: ModelSpec) -> ChatRequest:
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
         stream=fields.stream,
         include_usage=bool(fields.stream_options and fields.stream_options.include_usage),
-        audio=_audio_out(fields, model),
+        audio=_audio_out(fields, model, voices),
     )
 
 
@@ -298,7 +303,7 @@ def _input_audio(at: str, part: InputAudioPart) -> AudioPart:
     return AudioPart(param=at, data=audio, format=part.input_audio.format)
 
 
-def _audio_out(fields: ChatBody, model: ModelSpec) -> AudioOut | None:
+def _audio_out(fields: ChatBody, model: ModelSpec, voices: VoiceCatalog | None) -> AudioOut | None:
     audio = fields.audio
     if "audio" not in fields.modalities:
         if audio is not None:
@@ -308,7 +313,7 @@ def _audio_out(fields: ChatBody, model: ModelSpec) -> AudioOut | None:
                 '"modalities": ["text", "audio"] with it, or leave it out',
             )
         return None
-    if not model.voices:
+    if not model.voices and (voices is None or voices.cloning_stage(model) is None):
         raise invalid_field(
             "modalities",
             f"the model '{model.id}' answers in text only (it has no voice); leave \"audio\" "
@@ -327,25 +332,14 @@ def _audio_out(fields: ChatBody, model: ModelSpec) -> AudioOut | None:
             f"streamed audio is raw {STREAM_AUDIO_FORMAT} (as at OpenAI); got {audio.format!r}",
             code="unsupported_value",
         )
-    return AudioOut(voice=_voice(audio, model), format=audio.format)
-
-
-def _voice(audio: AudioParams, model: ModelSpec) -> str:
-    """The canonical voice, as the speech endpoint resolves it (aliases -> a model voice)."""
-    voices = names([*model.voices, *model.voice_aliases])
     if audio.voice is None:
-        if model.default_voice is not None:
-            return model.default_voice
-        raise invalid_field(
-            "audio.voice",
-            f"'audio.voice' is required; valid voices: {voices}",
-            code="missing_required_parameter",
-        )
-    raw = audio.voice.id if isinstance(audio.voice, VoiceId) else audio.voice
-    if raw in model.voices:
-        return raw
-    if raw in model.voice_aliases:
-        return model.voice_aliases[raw]
-    raise invalid_field(
-        "audio.voice", f"unknown voice '{raw}' for model '{model.id}'; valid voices: {voices}"
-    )
+        if model.default_voice is None:
+            catalog = voices or VoiceCatalog.declared_only()
+            raise invalid_field(
+                "audio.voice",
+                f"'audio.voice' is required; valid voices: {names(catalog.names(model))}",
+                code="missing_required_parameter",
+            )
+        return AudioOut(voice=model.default_voice, format=audio.format)
+    choice = choose_voice(audio.voice, model, voices, "audio.voice")
+    return AudioOut(voice=choice.name, format=audio.format, reference=choice.reference)

@@ -22,8 +22,11 @@ from omni_server.compiler.plan import Plan
 from omni_server.serve.access import OPEN_PATHS
 from omni_server.serve.chat_body import ChatBody
 from omni_server.serve.speech_request import SpeechBody
+from omni_server.serve.speech_stream import PATH as STREAM_INPUT_PATH
 from omni_server.serve.state import STATE, ServerState
 from omni_server.serve.transcription_request import TranscriptionForm
+from omni_server.serve.voice_catalog import VoiceCatalog
+from omni_server.serve.voices import VoiceForm
 
 Schema = dict[str, Any]
 
@@ -56,6 +59,9 @@ def document(state: ServerState) -> Schema:
         "/v1/audio/transcriptions": {"post": _transcription(plan)},
         "/v1/chat/completions": {"post": _chat(plan)},
         "/v1/realtime": {"get": _realtime(plan)},
+        STREAM_INPUT_PATH: {"get": _stream_input(plan)},
+        "/v1/audio/voices": {"get": _list_voices(plan), "post": _create_voice(state.voices)},
+        "/v1/audio/voices/{voice}": {"delete": _delete_voice()},
         "/v1/models": {"get": _get("list the served models", _json(_MODEL_LIST))},
         "/v1/models/{model}": {"get": _retrieve_model(plan)},
         "/health": {"get": _get("readiness and health with detail", _json(_HEALTH), 503)},
@@ -102,7 +108,7 @@ def _names_or_string(names: list[str]) -> Schema:
     return {"type": "string", "enum": names} if names else {"type": "string"}
 
 
-_BODIES: tuple[type[BaseModel], ...] = (SpeechBody, ChatBody, TranscriptionForm)
+_BODIES: tuple[type[BaseModel], ...] = (SpeechBody, ChatBody, TranscriptionForm, VoiceForm)
 _REF = "#/components/schemas/{model}"
 
 
@@ -211,6 +217,64 @@ def _realtime(plan: Plan) -> Schema:
     }
 
 
+def _stream_input(plan: Plan) -> Schema:
+    """A WebSocket upgrade; the messages are docs/stream_input.md's (ElevenLabs' conventions)."""
+    query = {
+        "model": _names_or_string(_model_names(plan, "speech")),
+        "voice": _TEXT,
+        "output_format": {"type": "string", "pattern": "^pcm_[0-9]+$", "default": "pcm_24000"},
+        "binary": {"type": "boolean", "default": False},
+        "speed": {"type": "number", "minimum": 0.25, "maximum": 4.0},
+        "seed": {"type": "integer", "minimum": 0},
+    }
+    return {
+        "summary": "text in as it is written, audio out (pcm16), over a WebSocket",
+        "parameters": [
+            {"name": name, "in": "query", "required": False, "schema": schema}
+            for name, schema in query.items()
+        ],
+        "responses": {
+            "101": {"description": "switching to the WebSocket protocol"},
+            "400": _error_response("a bad setting, or not a WebSocket upgrade request"),
+            "404": _error_response("unknown model"),
+            "503": _error_response("the pipeline is not ready"),
+        },
+    }
+
+
+def _list_voices(plan: Plan) -> Schema:
+    operation = _get("the voices of every speaking model, or of one", _json(_VOICE_LIST), 404)
+    names = [name for model in plan.models.values() for name in (model.id, *model.aliases)]
+    operation["parameters"] = [
+        {"name": "model", "in": "query", "required": False, "schema": _names_or_string(names)}
+    ]
+    return operation
+
+
+def _create_voice(voices: VoiceCatalog) -> Schema:
+    cloning = [
+        name
+        for model in voices.speaking_models()
+        if voices.cloning_stage(model) is not None
+        for name in (model.id, *model.aliases)
+    ]
+    body = _body(VoiceForm, model=_names_or_string(cloning))
+    operation = _post(
+        "a custom voice from a reference clip and its transcript (models that clone)",
+        "multipart/form-data",
+        body,
+        _json(_VOICE)["content"],
+    )
+    operation["responses"]["413"] = _error_response("the clip is over the size limit")
+    return operation
+
+
+def _delete_voice() -> Schema:
+    operation = _get("a custom voice deleted", _json(_VOICE_DELETED), 404)
+    operation["parameters"] = [{"name": "voice", "in": "path", "required": True, "schema": _TEXT}]
+    return operation
+
+
 def _retrieve_model(plan: Plan) -> Schema:
     operation = _get("one model, by id or alias", _json(_MODEL), 404)
     names = [name for model in plan.models.values() for name in (model.id, *model.aliases)]
@@ -283,6 +347,30 @@ _MODEL_LIST: Schema = {
     "type": "object",
     "required": ["object", "data"],
     "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _MODEL}},
+}
+_VOICE: Schema = {
+    "type": "object",
+    "required": ["id", "object", "model", "name", "language", "aliases", "default", "custom"],
+    "properties": {
+        "id": _TEXT,
+        "object": {"const": "voice"},
+        "model": _TEXT,
+        "name": _TEXT,
+        "language": _NULLABLE_STRING,
+        "aliases": {"type": "array", "items": _TEXT},
+        "default": {"type": "boolean"},
+        "custom": {"type": "boolean"},
+    },
+}
+_VOICE_LIST: Schema = {
+    "type": "object",
+    "required": ["object", "data"],
+    "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _VOICE}},
+}
+_VOICE_DELETED: Schema = {
+    "type": "object",
+    "required": ["id", "object", "deleted"],
+    "properties": {"id": _TEXT, "object": {"const": "voice"}, "deleted": {"const": True}},
 }
 _STATUS: Schema = {"type": "object", "required": ["status"], "properties": {"status": _TEXT}}
 _HEALTH: Schema = {

@@ -8,6 +8,7 @@ field with its flag and default.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 # Speech bodies are small (4096 characters of input, JSON-escaped at worst 12 bytes each); the
 # limit leaves room for `instructions` and extension fields and rejects anything bigger with 413.
@@ -43,9 +44,13 @@ class ServeOptions:
     idle_timeout_s: float = 30.0  # a keep-alive connection with no request in progress
     write_timeout_s: float = 30.0  # one write of a streamed response to a client not reading
     shutdown_grace_s: float = 5.0  # in-flight requests' time to finish after a stop signal
+    # custom voices (docs/voices.md): where they are kept (None: nowhere, POST refuses) and
+    # how many at most
+    data_dir: Path | None = None
+    max_custom_voices: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_input_chars", "max_in_flight"):
+        for name in ("max_body_bytes", "max_input_chars", "max_in_flight", "max_custom_voices"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1; got {getattr(self, name)}")
         if self.max_queued < 0:

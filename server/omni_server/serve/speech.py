@@ -49,7 +49,7 @@ async def _speech(call: ApiCall) -> web.StreamResponse:
     body = await read_json(call.request)
     model = speech_model(body, call.state.plan)
     call.track.model = model.id
-    speech = parse_speech_request(body, model, call.state.options)
+    speech = parse_speech_request(body, model, call.state.options, call.state.voices)
     async with call.pipeline(speech.model, speech.pipeline_inputs()) as handle:
         return await _answer(call.request, speech, handle, call.track)
 

@@ -31,6 +31,7 @@ from omni_server.serve.validation import (
     parse,
     tag,
 )
+from omni_server.serve.voice_catalog import VoiceCatalog, VoiceChoice
 
 # Letters, numbers and symbols ("$", "%", emoji) are what a voice can say; an input of only
 # punctuation, spaces, marks or invisible characters ("....", U+200B) has nothing to speak.
@@ -106,6 +107,7 @@ class SpeechRequest:
     stream_format: str | None  # None: one whole response with a Content-Length ("stream": false)
     seed: int | None
     sample_rate: int | None
+    reference: dict[str, Any] | None = None  # a custom voice's clip (docs/voices.md)
 
     @property
     def content_type(self) -> str:
@@ -122,6 +124,7 @@ class SpeechRequest:
                 speed=self.speed,
                 seed=self.seed,
                 sample_rate=self.sample_rate,
+                reference=self.reference,
             ),
         }
 
@@ -134,11 +137,14 @@ def speech_options(
     speed: float = 1.0,
     seed: int | None = None,
     sample_rate: int | None = None,
+    reference: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The voice's options in the speech contract (docs/serving.md), for every endpoint that
     speaks: speech (beside its text), chat with audio out and realtime (as `speech`). `stream`
-    says whether the audio may be encoded progressively or must be one whole file."""
-    return {
+    says whether the audio may be encoded progressively or must be one whole file. A custom
+    voice adds `reference` (its clip and transcript, for the cloning stage: docs/voices.md);
+    a declared voice sends none, so the contract of voices that do not clone is unchanged."""
+    options = {
         "voice": voice,
         "speed": speed,
         "seed": seed,
@@ -146,6 +152,9 @@ def speech_options(
         "stream": stream,
         "sample_rate": sample_rate,
     }
+    if reference is not None:
+        options["reference"] = reference
+    return options
 
 
 def speech_model(body: Any, plan: Plan) -> ModelSpec:
@@ -154,19 +163,25 @@ def speech_model(body: Any, plan: Plan) -> ModelSpec:
 
 
 def parse_speech_request(
-    body: dict[str, Any], model: ModelSpec, options: ServeOptions | None = None
+    body: dict[str, Any],
+    model: ModelSpec,
+    options: ServeOptions | None = None,
+    voices: VoiceCatalog | None = None,
 ) -> SpeechRequest:
-    """The rest of the request, for the model `speech_model` found, within `options`' bounds."""
+    """The rest of the request, for the model `speech_model` found, within `options`' bounds;
+    `voices` adds the custom voices (without it, the model's declared voices only)."""
     options = options or ServeOptions()
     fields = parse(SpeechBody, body)
     # `instructions` is accepted and type-checked for OpenAI compatibility; the speech contract
     # with the pipeline has no instructions field yet, so no voice can act on them
     text = _input_text(fields.input, options.max_input_chars)
     _check_audio_estimate(text, fields.speed, options.max_audio_seconds)
+    voice = choose_voice(fields.voice, model, voices, "voice")
     return SpeechRequest(
         model=model,
         text=text,
-        voice=_voice(fields.voice, model),
+        voice=voice.name,
+        reference=voice.reference,
         response_format=fields.response_format,
         speed=fields.speed,
         stream_format=_stream_format(fields),
@@ -236,20 +251,21 @@ def _stream_format(fields: SpeechBody) -> str | None:
     return fields.stream_format
 
 
-def _voice(sent: str | VoiceId, model: ModelSpec) -> str:
+def choose_voice(
+    sent: str | VoiceId, model: ModelSpec, voices: VoiceCatalog | None, param: str
+) -> VoiceChoice:
+    """The voice a request names (a name or `{"id": ...}`), for every endpoint that speaks;
+    400 naming `param` and the valid voices when the model has no such voice."""
     raw = sent.id if isinstance(sent, VoiceId) else sent
-    if raw in model.voices:
-        return raw
-    if raw in model.voice_aliases:
-        return model.voice_aliases[raw]
-    raise invalid_field(
-        "voice",
-        f"unknown voice '{raw}' for model '{model.id}'; valid voices: {_voice_names(model)}",
-    )
-
-
-def _voice_names(model: ModelSpec) -> str:
-    return names([*model.voices, *model.voice_aliases])
+    catalog = voices if voices is not None else VoiceCatalog.declared_only()
+    choice = catalog.resolve(model, raw)
+    if choice is None:
+        raise invalid_field(
+            param,
+            f"unknown voice '{raw[:80]}' for model '{model.id}'; valid voices: "
+            f"{names(catalog.names(model))}",
+        )
+    return choice
 
 
 def _sample_rate(rate: int | None, response_format: str) -> int | None:

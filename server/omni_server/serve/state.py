@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from omni_server.serve.admission import Admission
     from omni_server.serve.lifecycle import Lifecycle
     from omni_server.serve.metrics import ServerMetrics
+    from omni_server.serve.voice_catalog import VoiceCatalog
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class ServerState:
     admission: Admission  # per-model places in the pipeline and the queue for them
     lifecycle: Lifecycle  # in-flight API requests; whether the server is stopping
     created: int  # unix time the app was built: the `created` of every /v1/models entry
+    voices: VoiceCatalog  # every model's voices, declared and custom (serve/voice_catalog.py)
     # request path -> its own body limit, for routes that read more than `max_body_bytes`
     # (uploads); the Content-Length check (body.py) uses it
     body_limits: dict[str, int] = field(default_factory=dict)

@@ -133,8 +133,9 @@ class Form:
         return values
 
 
-async def read_form(request: web.Request) -> Form:
-    """The multipart form, read within the limits (see the module docstring)."""
+async def read_form(request: web.Request, max_file_bytes: int = MAX_FILE_BYTES) -> Form:
+    """The multipart form, read within the limits (see the module docstring); the file part
+    within `max_file_bytes` (other forms with a file part, custom voices' clips, share it)."""
     if request.content_type != "multipart/form-data":
         raise ApiError(
             400,
@@ -143,8 +144,8 @@ async def read_form(request: web.Request) -> Form:
             code="invalid_request",
         )
     length = request.content_length
-    if length is not None and length > MAX_FILE_BYTES + FORM_OVERHEAD_BYTES:
-        raise _too_large(f"the request declares {length} bytes")
+    if length is not None and length > max_file_bytes + FORM_OVERHEAD_BYTES:
+        raise _too_large(f"the request declares {length} bytes, more", max_file_bytes)
     try:
         reader = await request.multipart()
     except (ValueError, AssertionError) as err:  # a bad boundary
@@ -169,7 +170,11 @@ async def read_form(request: web.Request) -> Form:
         if name == "file":
             if form.file is not None:
                 raise invalid_field("file", "the form has more than one 'file' part")
-            form.file = await _read_part(part, MAX_FILE_BYTES, on_over=_file_too_large)
+            form.file = await _read_part(
+                part,
+                max_file_bytes,
+                on_over=lambda: _too_large("the file is larger", max_file_bytes),
+            )
             form.filename = part.filename
         else:
             data = await _read_part(part, MAX_FIELD_BYTES, on_over=_field_too_large(name))
@@ -189,17 +194,13 @@ async def _read_part(part: BodyPartReader, limit: int, on_over) -> bytes:
     return bytes(data)
 
 
-def _too_large(what: str) -> ApiError:
+def _too_large(what: str, limit: int) -> ApiError:
     return ApiError(
         413,
-        f"{what}; uploads are limited to {MAX_FILE_BYTES} bytes (25 MB)",
+        f"{what} than the limit; uploads are limited to {limit} bytes ({limit / 2**20:g} MiB)",
         param="file",
         code="request_too_large",
     )
-
-
-def _file_too_large() -> ApiError:
-    return _too_large("the file is larger than the limit")
 
 
 def _field_too_large(name: str):

@@ -170,8 +170,12 @@ class ResponseRun:
         speech = None
         if self.audio:
             # the voice resamples once, to the session's rate (24 kHz PCM16, 8 kHz G.711)
+            # a custom voice's clip is read now: a voice deleted since session.update fails
+            # this response in its stage, not the session
+            choice = self.state.voices.resolve(self.model, config.voice)
             speech = speech_options(
                 config.voice,
+                reference=choice.reference if choice is not None else None,
                 response_format="pcm",
                 stream=True,
                 speed=config.speed,

@@ -149,7 +149,7 @@ class Session:
     # ---- session ---------------------------------------------------------------------------
 
     async def _on_session_update(self, event: dict[str, Any]) -> None:
-        voices = (*self.model.voices, *self.model.voice_aliases)
+        voices = tuple(self.state.voices.names(self.model))  # declared, aliases, custom ids
         before = (self.config.input_format, self.config.turn_detection)
         self.config.update(event.get("session"), voices)
         self.config.voice = self.model.voice_aliases.get(self.config.voice, self.config.voice)

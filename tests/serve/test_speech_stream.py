@@ -1,0 +1,197 @@
+"""`GET /v1/audio/speech/stream-input`: text deltas in, audio out, over a WebSocket.
+
+Against the real server on the embedded repository (the Piper voice, and Whisper to hear what
+it said) for the protocol's round trips: each sentence spoken as soon as it is complete (its
+audio arrives before the text has ended), base64 JSON and binary frames, flush, cancel, bad
+messages answered with an error while the socket stays open, and the bounds. The idle timeout
+runs in-process on the stand-in voice (tests/serve/inline.py) with a short limit.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import wave
+from typing import Any
+
+import aiohttp
+import pytest
+
+from omni_server.serve import speech_stream
+from tests.serve.inline import MODEL
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+PATH = speech_stream.PATH
+
+
+async def _open(server, query: str = "model=tts-1&voice=alloy") -> tuple[Any, Any]:
+    http = aiohttp.ClientSession()
+    ws = await http.ws_connect(f"{server.url}{PATH}?{query}")
+    return http, ws
+
+
+async def _messages_until(ws, stop) -> tuple[list[dict[str, Any]], bytes]:
+    """JSON messages (and the audio of binary frames) up to the first for which `stop` holds."""
+    messages: list[dict[str, Any]] = []
+    audio = bytearray()
+    while True:
+        message = await ws.receive(timeout=120)
+        if message.type == aiohttp.WSMsgType.BINARY:
+            audio += message.data
+            continue
+        if message.type != aiohttp.WSMsgType.TEXT:
+            messages.append({"closed": message.type.name, "code": ws.close_code})
+            return messages, bytes(audio)
+        event = json.loads(message.data)
+        messages.append(event)
+        if "audio" in event:
+            audio += base64.b64decode(event["audio"])
+        if stop(event):
+            return messages, bytes(audio)
+
+
+def _wav(pcm: bytes, rate: int) -> bytes:
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm)
+    return out.getvalue()
+
+
+def _heard(client, pcm: bytes, rate: int) -> str:
+    text = client.audio.transcriptions.create(
+        model="whisper-1", file=("said.wav", _wav(pcm, rate))
+    ).text
+    return " ".join(text.lower().replace(",", "").replace(".", "").split())
+
+
+async def test_each_sentence_is_spoken_before_the_text_ends(server, client):
+    http, ws = await _open(server)
+    async with http:
+        await ws.send_str(json.dumps({"text": " "}))  # ElevenLabs' opening message
+        for delta in ["The weather ", "is lovely ", "today. And"]:
+            await ws.send_str(json.dumps({"text": delta}))
+        # the first sentence is complete: its audio comes while the second is still unsent
+        first, audio = await _messages_until(ws, lambda e: "audio" in e)
+        assert first[-1]["isFinal"] is False and audio
+        await ws.send_str(json.dumps({"text": " tomorrow it will rain."}))
+        await ws.send_str(json.dumps({"text": ""}))  # the end
+        rest, more = await _messages_until(ws, lambda e: e.get("isFinal") is True)
+        assert all("error" not in m for m in rest), rest
+        closing = await ws.receive(timeout=30)
+        assert closing.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
+        assert ws.close_code == 1000
+    heard = _heard(client, audio + more, 24000)
+    assert "weather is lovely today" in heard and "tomorrow it will rain" in heard, heard
+
+
+async def test_binary_frames_at_the_asked_rate_and_flush(server, client):
+    http, ws = await _open(server, "voice=joe")
+    async with http:
+        settings = {"text": "", "flush": True, "binary": True, "output_format": "pcm_16000"}
+        await ws.send_str(json.dumps(settings))  # settings in the first message, no text yet
+        await ws.send_str(json.dumps({"text": "Hello from a binary stream", "flush": True}))
+        await ws.send_str(json.dumps({"text": ""}))
+        messages, audio = await _messages_until(ws, lambda e: e.get("isFinal") is True)
+    assert [m for m in messages if "audio" in m] == []  # audio came as binary frames only
+    assert audio
+    assert "hello from a binary stream" in _heard(client, audio, 16000)
+
+
+async def test_bad_messages_get_an_error_and_the_stream_goes_on(server, client):
+    http, ws = await _open(server)
+    async with http:
+        await ws.send_str(json.dumps({"text": " "}))
+        bad = [
+            ("not json", "invalid_json", None),
+            ('["a list"]', "invalid_message", None),
+            ('{"text": 5}', "invalid_type", "text"),
+            ('{"text": "hi", "frobnicate": 1}', "unknown_parameter", "frobnicate"),
+            ('{"text": "hi", "voice": "joe"}', "unknown_parameter", "voice"),  # first only
+            ('{"text": "x", "flush": "yes"}', "invalid_type", "flush"),
+        ]
+        for raw, code, param in bad:
+            await ws.send_str(raw)
+            answer = await ws.receive_json(timeout=30)
+            assert set(answer["error"]) == {"message", "type", "param", "code"}
+            assert (answer["error"]["code"], answer["error"]["param"]) == (code, param), raw
+        await ws.send_bytes(b"\x00\x01")
+        assert (await ws.receive_json(timeout=30))["error"]["code"] == "invalid_message"
+        await ws.send_str(json.dumps({"text": "Still speaking.", "flush": True}))
+        await ws.send_str(json.dumps({"text": ""}))
+        _, audio = await _messages_until(ws, lambda e: e.get("isFinal") is True)
+    assert "still speaking" in _heard(client, audio, 24000)
+
+
+async def test_cancel_drops_the_rest_and_the_stream_goes_on(server, client):
+    http, ws = await _open(server)
+    async with http:
+        await ws.send_str(json.dumps({"text": " "}))
+        long = " ".join(f"This is sentence number {n} of a long story." for n in range(30))
+        await ws.send_str(json.dumps({"text": long + " "}))
+        await _messages_until(ws, lambda e: "audio" in e)  # speaking
+        await ws.send_str(json.dumps({"cancel": True}))
+        messages, _ = await _messages_until(ws, lambda e: e.get("cancelled") is True)
+        assert all("error" not in m for m in messages)
+        await ws.send_str(json.dumps({"text": "Goodbye now.", "flush": True}))
+        await ws.send_str(json.dumps({"text": ""}))
+        _, audio = await _messages_until(ws, lambda e: e.get("isFinal") is True)
+    heard = _heard(client, audio, 24000)
+    assert "goodbye now" in heard and "sentence number 29" not in heard, heard
+
+
+async def test_bounds_and_refused_settings(server):
+    http, ws = await _open(server)
+    async with http:
+        await ws.send_str(json.dumps({"text": " "}))
+        await ws.send_str(json.dumps({"text": "word " * 900}))  # 4500 characters unspoken
+        error = (await ws.receive_json(timeout=30))["error"]
+        assert (error["code"], error["param"]) == ("buffer_full", "text")
+        await ws.send_str(json.dumps({"text": "x" * (speech_stream.MAX_MESSAGE_BYTES + 1)}))
+        closing = await ws.receive(timeout=30)
+        assert closing.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
+        assert ws.close_code == 1009  # message too big
+
+        # a first message without a voice: the session cannot speak, it ends with the error
+        ws = await http.ws_connect(f"{server.url}{PATH}?model=tts-1")
+        await ws.send_str(json.dumps({"text": "hello"}))
+        error = (await ws.receive_json(timeout=30))["error"]
+        assert (error["code"], error["param"]) == ("missing_required_parameter", "voice")
+        assert (await ws.receive(timeout=30)).type in (
+            aiohttp.WSMsgType.CLOSE,
+            aiohttp.WSMsgType.CLOSED,
+        )
+        assert ws.close_code == 1008
+
+        for query, status in [
+            ("model=nope&voice=alloy", 404),
+            ("voice=nobody", 400),
+            ("voice=alloy&output_format=mp3_44100", 400),
+            ("volume=3", 400),
+        ]:
+            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                await http.ws_connect(f"{server.url}{PATH}?{query}")
+            assert refused.value.status == status, query
+        plain = await http.get(f"{server.url}{PATH}?voice=alloy")
+        assert plain.status == 400  # no upgrade
+        assert (await plain.json())["error"]["code"] == "invalid_request"
+
+
+@pytest.mark.timeout(60)
+async def test_an_idle_stream_is_closed_with_an_error(app_client, monkeypatch):
+    """In-process on the stand-in voice: the idle limit shortened so the test is quick."""
+    monkeypatch.setattr(speech_stream, "IDLE_TIMEOUT_S", 0.5)
+    client = await app_client()
+    ws = await client.ws_connect(f"{PATH}?model={MODEL}&voice=hush")
+    await ws.send_str(json.dumps({"text": "hello "}))
+    error = (await ws.receive_json(timeout=30))["error"]
+    assert error["code"] == "idle_timeout"
+    assert (await ws.receive(timeout=30)).type in (
+        aiohttp.WSMsgType.CLOSE,
+        aiohttp.WSMsgType.CLOSED,
+    )
+    assert ws.close_code == 1011

@@ -1,0 +1,382 @@
+"""`/v1/audio/voices`: the served models' voices listed, custom voices added, used and deleted.
+
+In-process and real: an inline runtime over a test repository whose voice stage clones
+(tests/fixtures/cloning_voice.py, a STAND-IN for the Higgs pipeline: it "speaks" its reference
+clip, so the clip's tone in the answer shows the clip reached the stage), behind the stand-in
+thinker for chat and realtime, plus a model that cannot clone (serve_stand_in.py); the app
+with its middlewares, a real data directory, aiohttp's test client for HTTP and the WebSocket.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import stat
+import wave
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from aiohttp import FormData
+from aiohttp.test_utils import TestClient
+
+from omni_server.audio import decode
+from omni_server.compiler.compiler import compile_repository
+from omni_server.pipeline import Runtime
+from omni_server.serve import create_app
+from omni_server.serve.options import ServeOptions
+from omni_server.serve.voice_store import DataDirError, VoiceStore
+from tests.fixtures import FIXTURES
+from tests.fixtures.cloning_voice import PLAIN_HZ
+from tests.helpers.repo import make_repo, toml
+
+pytestmark = pytest.mark.timeout(120)
+
+CLIP_HZ = 660.0
+STAGES = {
+    "thinker": toml("""
+        backend = "model.py:FakeThinker"
+        terminal = true
+        stream_to = "voice"
+        [scheduler]
+        kind = "stream"
+        """),
+    "voice": toml("""
+        backend = "model.py:CloningVoice"
+        terminal = true
+        voice_cloning = true
+        [scheduler]
+        kind = "stream"
+        """),
+    "speaker": toml("""
+        backend = "StandIn"
+        terminal = true
+        [scheduler]
+        kind = "stream"
+        """),
+}
+MODELS = """
+[models.clone-tts]
+entry = "voice"
+tasks = ["speech"]
+voices = ["plain"]
+default_voice = "plain"
+language = "en-US"
+[models.clone-tts.voice_aliases]
+alloy = "plain"
+
+[models.clone-omni]
+entry = "thinker"
+tasks = ["chat", "realtime"]
+voices = ["plain"]
+default_voice = "plain"
+
+[models.quiet]
+entry = "speaker"
+tasks = ["speech"]
+voices = ["hush"]
+"""
+FILES = {
+    "thinker": FIXTURES / "fake_thinker.py",
+    "voice": FIXTURES / "cloning_voice.py",
+    "speaker": FIXTURES / "serve_stand_in.py",
+}
+
+
+@pytest.fixture
+async def runtime(tmp_path) -> AsyncIterator[Runtime]:
+    runtime = Runtime(
+        compile_repository(make_repo(tmp_path / "repo", STAGES, MODELS, FILES)), inline=True
+    )
+    await runtime.start()
+    try:
+        yield runtime
+    finally:
+        await runtime.stop()
+
+
+@pytest.fixture
+def data_dir(tmp_path) -> Path:
+    return tmp_path / "data"
+
+
+@pytest.fixture
+def app_client(runtime, aiohttp_client, data_dir):
+    async def make(**options: Any) -> TestClient:
+        options.setdefault("data_dir", data_dir)
+        return await aiohttp_client(create_app(runtime, options=ServeOptions(**options)))
+
+    return make
+
+
+def wav_clip(
+    seconds: float = 2.0, rate: int = 24000, hz: float = CLIP_HZ, level: float = 0.4
+) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    pcm = (level * np.sin(2 * np.pi * hz * t) * 32767).astype("<i2")
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm.tobytes())
+    return out.getvalue()
+
+
+def voice_form(model: str = "clone-tts", file: bytes | None = None, **fields: str) -> FormData:
+    form = FormData()
+    values = {"model": model, "name": "Ada", "transcript": "Hello, this is Ada speaking.", **fields}
+    for key, value in values.items():
+        form.add_field(key, value)
+    form.add_field("file", wav_clip() if file is None else file, filename="clip.wav")
+    return form
+
+
+def dominant_hz(samples: np.ndarray, rate: int) -> float:
+    spectrum = np.abs(np.fft.rfft(samples))
+    return float(np.argmax(spectrum) * rate / len(samples))
+
+
+async def _add(client: TestClient, **kwargs: Any) -> dict[str, Any]:
+    response = await client.post("/v1/audio/voices", data=voice_form(**kwargs))
+    assert response.status == 200, await response.text()
+    return await response.json()
+
+
+async def _speak(client: TestClient, voice: Any, model: str = "clone-tts") -> Any:
+    body = {
+        "model": model,
+        "input": "hello there my friend",
+        "voice": voice,
+        "response_format": "pcm",
+    }
+    return await client.post("/v1/audio/speech", json=body)
+
+
+async def test_lists_every_speaking_models_voices(app_client):
+    client = await app_client()
+    listing = await (await client.get("/v1/audio/voices")).json()
+    assert listing["object"] == "list"
+    assert {(v["model"], v["id"]) for v in listing["data"]} == {
+        ("clone-tts", "plain"),
+        ("clone-omni", "plain"),
+        ("quiet", "hush"),
+    }
+    plain = next(v for v in listing["data"] if v["model"] == "clone-tts")
+    assert plain == {
+        "id": "plain",
+        "object": "voice",
+        "model": "clone-tts",
+        "name": "plain",
+        "language": "en-US",
+        "aliases": ["alloy"],
+        "default": True,
+        "custom": False,
+    }
+    one = await (await client.get("/v1/audio/voices?model=quiet")).json()
+    assert [(v["id"], v["default"], v["language"]) for v in one["data"]] == [("hush", False, None)]
+    by_alias = await client.get("/v1/audio/voices?model=alloy")
+    assert by_alias.status == 404  # a voice alias is no model
+    error = (await by_alias.json())["error"]
+    assert error["code"] == "model_not_found" and set(error) == {"message", "type", "param", "code"}
+
+
+async def test_a_model_that_cannot_clone_refuses_a_new_voice(app_client):
+    client = await app_client()
+    response = await client.post("/v1/audio/voices", data=voice_form(model="quiet"))
+    assert response.status == 400
+    error = (await response.json())["error"]
+    assert (error["code"], error["param"]) == ("voice_cloning_unsupported", "model")
+    assert "clone-tts" in error["message"] and "clone-omni" in error["message"]
+
+
+async def test_a_custom_voice_is_stored_privately_and_speaks_at_once(app_client, data_dir):
+    client = await app_client()
+    voice = await _add(client, language="en-GB")
+    assert voice["id"].startswith("voice_")
+    assert (voice["object"], voice["model"], voice["name"], voice["custom"]) == (
+        "voice",
+        "clone-tts",
+        "Ada",
+        True,
+    )
+    assert voice["language"] == "en-GB"
+    folder = data_dir / "voices"
+    assert stat.S_IMODE(data_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    files = sorted(p.name for p in folder.iterdir())
+    assert files == [f"{voice['id']}.json", f"{voice['id']}.wav"]
+    assert all(stat.S_IMODE((folder / f).stat().st_mode) == 0o600 for f in files)
+
+    # listed under every model through the cloning stage, not under the one that cannot clone
+    listing = await (await client.get("/v1/audio/voices")).json()
+    assert {v["model"] for v in listing["data"] if v["id"] == voice["id"]} == {
+        "clone-tts",
+        "clone-omni",
+    }
+
+    for named in (voice["id"], {"id": voice["id"]}):
+        response = await _speak(client, named)
+        assert response.status == 200, await response.text()
+        samples, rate = decode(await response.read(), "pcm")
+        assert abs(dominant_hz(samples, rate) - CLIP_HZ) < 5  # the clip's tone: it arrived
+    plain = await _speak(client, "alloy")
+    samples, rate = decode(await plain.read(), "pcm")
+    assert abs(dominant_hz(samples, rate) - PLAIN_HZ) < 5
+
+
+async def test_a_custom_voice_speaks_in_chat_audio_and_realtime(app_client):
+    client = await app_client()
+    voice = (await _add(client))["id"]
+    chat = await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "clone-omni",
+            "messages": [{"role": "user", "content": "hello there my good friend"}],
+            "modalities": ["text", "audio"],
+            "audio": {"voice": voice, "format": "wav"},
+        },
+    )
+    assert chat.status == 200, await chat.text()
+    audio = (await chat.json())["choices"][0]["message"]["audio"]["data"]
+    samples, rate = decode(base64.b64decode(audio))
+    assert abs(dominant_hz(samples, rate) - CLIP_HZ) < 5
+
+    ws = await client.ws_connect("/v1/realtime?model=clone-omni")
+    assert (await ws.receive_json())["type"] == "session.created"
+    update = {"type": "realtime", "audio": {"output": {"voice": voice}}}
+    await ws.send_str(json.dumps({"type": "session.update", "session": update}))
+    updated = await ws.receive_json()
+    assert updated["type"] == "session.updated", updated
+    assert updated["session"]["audio"]["output"]["voice"] == voice
+    item = {
+        "type": "message",
+        "role": "user",
+        "content": [{"type": "input_text", "text": "hello friend"}],
+    }
+    await ws.send_str(json.dumps({"type": "conversation.item.create", "item": item}))
+    await ws.send_str(json.dumps({"type": "response.create"}))
+    pcm = b""
+    while True:
+        event = await ws.receive_json()
+        if event["type"] == "response.output_audio.delta":
+            pcm += base64.b64decode(event["delta"])
+        if event["type"] == "response.done":
+            assert event["response"]["status"] == "completed", event
+            break
+    await ws.close()
+    samples, rate = decode(pcm, "pcm")
+    assert abs(dominant_hz(samples, rate) - CLIP_HZ) < 5
+
+
+async def test_custom_voices_survive_a_restart_and_delete_removes_them(app_client, data_dir):
+    first = await app_client()
+    voice = (await _add(first))["id"]
+    second = await app_client()  # a new app on the same data directory: the server restarted
+    listing = await (await second.get("/v1/audio/voices?model=clone-tts")).json()
+    assert [v["id"] for v in listing["data"]] == ["plain", voice]
+    assert (await _speak(second, voice)).status == 200
+
+    deleted = await second.delete(f"/v1/audio/voices/{voice}")
+    assert deleted.status == 200
+    assert await deleted.json() == {"id": voice, "object": "voice", "deleted": True}
+    assert list((data_dir / "voices").iterdir()) == []
+    gone = await _speak(second, voice)
+    assert gone.status == 400
+    assert (await gone.json())["error"]["param"] == "voice"
+    again = await second.delete(f"/v1/audio/voices/{voice}")
+    assert again.status == 404 and (await again.json())["error"]["code"] == "voice_not_found"
+    declared = await second.delete("/v1/audio/voices/plain")
+    assert declared.status == 404
+    assert "declared by the repository" in (await declared.json())["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("clip", "code"),
+    [
+        (b"not audio at all" * 100, "invalid_audio"),
+        (wav_clip(seconds=0.5), "audio_too_short"),
+        (wav_clip(seconds=31), "audio_too_long"),
+        (wav_clip(rate=8000), "unsupported_sample_rate"),
+        (wav_clip(level=0.0), "invalid_audio"),
+    ],
+    ids=["not-audio", "short", "long", "8khz", "silent"],
+)
+async def test_a_bad_clip_is_refused_naming_file(app_client, data_dir, clip, code):
+    client = await app_client()
+    response = await client.post("/v1/audio/voices", data=voice_form(file=clip))
+    assert response.status == 400
+    error = (await response.json())["error"]
+    assert (error["param"], error["code"]) == ("file", code), error
+    assert list((data_dir / "voices").iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"transcript": "   "}, "transcript"),
+        ({"transcript": "x" * 2001}, "transcript"),
+        ({"name": "n" * 65}, "name"),
+        ({"language": "not a tag!"}, "language"),
+        ({"frobnicate": "1"}, None),  # as OpenAI: "Unrecognized request argument supplied"
+    ],
+    ids=["blank-transcript", "long-transcript", "long-name", "bad-language", "unknown-field"],
+)
+async def test_bad_fields_are_refused_by_name(app_client, fields, param):
+    client = await app_client()
+    response = await client.post("/v1/audio/voices", data=voice_form(**fields))
+    assert response.status == 400
+    error = (await response.json())["error"]
+    assert error["param"] == param
+    assert (param or "frobnicate") in error["message"]
+
+
+async def test_bounds_on_clip_bytes_and_stored_voices(app_client):
+    client = await app_client(max_custom_voices=1)
+    huge = await client.post("/v1/audio/voices", data=voice_form(file=bytes(11 * 1024 * 1024)))
+    assert huge.status == 413
+    await _add(client)
+    full = await client.post("/v1/audio/voices", data=voice_form())
+    assert full.status == 400
+    assert (await full.json())["error"]["code"] == "voice_limit_reached"
+
+
+async def test_without_a_data_directory_post_is_refused(app_client):
+    client = await app_client(data_dir=None)
+    response = await client.post("/v1/audio/voices", data=voice_form())
+    assert response.status == 400
+    assert (await response.json())["error"]["code"] == "voice_storage_unavailable"
+
+
+def test_a_data_directory_others_may_enter_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    with pytest.raises(DataDirError, match="chmod 700"):
+        VoiceStore(shared)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "private", target_is_directory=True)
+    (tmp_path / "private").mkdir(mode=0o700)
+    with pytest.raises(DataDirError, match="link"):
+        VoiceStore(link)
+
+
+def test_a_planted_link_is_not_loaded_as_a_voice(tmp_path):
+    store = VoiceStore(tmp_path / "data")
+    voice = store.add(
+        name="a",
+        scope="voice",
+        model="m",
+        language=None,
+        transcript="hi",
+        samples=np.zeros(24000, np.float32) + 0.1,
+        sample_rate=24000,
+        limit=4,
+    )
+    planted = store.voices_dir / "voice_0000000000000000.json"
+    planted.symlink_to(store.voices_dir / f"{voice.id}.json")
+    reloaded = VoiceStore(tmp_path / "data")
+    assert [v.id for v in reloaded.in_scope("voice")] == [voice.id]
