@@ -145,9 +145,7 @@ async def test_a_session_holds_a_bounded_number_of_bytes(app_client):
     client = await app_client(**options)
     ws = await _session(client)
     session = next(iter(client.server.app[STATE].realtime_sessions))
-    await ws.send_str(
-        json.dumps({"type": "session.update", "session": {"turn_detection": None}})
-    )
+    await ws.send_str(json.dumps({"type": "session.update", "session": {"turn_detection": None}}))
     await _until(ws, "session.updated")
     for i in range(30):
         await ws.send_str(_item("x" * 15_000_000, f"evt_{i}"))
