@@ -32,7 +32,8 @@ LONG_ANSWER = "Count from 1 to 1000, one number a line."
 def _repo(root: Path, timeout_s: float | None = None) -> Path:
     stage = (THINKER / "stage.toml").read_text().replace('stream_to = ["text_frontend"]\n', "")
     if timeout_s is not None:
-        stage = stage.replace("terminal = true\n", f"terminal = true\ntimeout_s = {timeout_s}\n")
+        stage = stage.replace("timeout_s = 120\n", f"timeout_s = {timeout_s}\n")
+        assert f"timeout_s = {timeout_s}" in stage
     models = toml("""
         [models.chat]
         entry = "thinker"
