@@ -210,7 +210,7 @@ async def test_a_closed_session_leaves_nothing_behind(app_client):
     await _until(ws, "response.done")
     session = next(iter(client.server.app[STATE].realtime_sessions))
     refs = [weakref.ref(x) for x in (session, session.conversation, session.conversation.items[0])]
-    refs.append(weakref.ref(session._input))
+    refs.append(weakref.ref(session.input_audio))
     del session
     await ws.close()
     await _wait_closed(client)

@@ -38,6 +38,15 @@ class Series:
         mb = [rss / 1e6 for _, rss in self.samples]
         return statistics.linear_regression(times, mb).slope * 60.0
 
+    def late_slope_mb_per_min(self, min_span_s: float = 60.0) -> float | None:
+        """The slope over the second half of the series: a warm-up (pools and caches filling
+        once) shows as a late slope near 0, a leak as one near the whole series'."""
+        if not self.samples:
+            return None
+        middle = self.samples[0][0] + self.span_s / 2
+        late = Series(self.name, self.pid, [s for s in self.samples if s[0] >= middle])
+        return late.slope_mb_per_min(min_span_s / 2)
+
     def mib(self, index: int) -> float:
         return self.samples[index][1] / 2**20
 

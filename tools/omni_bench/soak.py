@@ -180,7 +180,17 @@ async def run(args) -> str:
         "with 500 or a cut stream; with --faults 0 any is unexpected)",
         "",
         *tables.header(
-            ["process", "pid", "samples", "minutes", "first MiB", "last MiB", "MB/min"], "lrrrrrr"
+            [
+                "process",
+                "pid",
+                "samples",
+                "minutes",
+                "first MiB",
+                "last MiB",
+                "MB/min",
+                "2nd half MB/min",
+            ],
+            "lrrrrrrr",
         ),
         *(
             tables.row(
@@ -192,6 +202,7 @@ async def run(args) -> str:
                     f"{series.mib(0):.0f}",
                     f"{series.mib(-1):.0f}",
                     _slope(series.slope_mb_per_min()),
+                    _slope(series.late_slope_mb_per_min()),
                 ]
             )
             for series in rss.series()

@@ -128,6 +128,11 @@ class Session:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._input = InputAudio(self.config)
 
+    @property
+    def input_audio(self) -> InputAudio:
+        """The uncommitted audio and its detector (replaced by a new format or detector)."""
+        return self._input
+
     def held_bytes(self) -> int:
         """What the session holds between events, at most: its conversation's characters (4
         bytes each at worst) and its uncommitted audio. Both are bounded (docs/realtime.md)."""
