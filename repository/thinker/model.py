@@ -78,9 +78,22 @@ class Thinker(StageBackend):
         tokenizer = self.engine.tokenizer
         assert tokenizer is not None  # from_gguf always has one
         try:
-            prompt = tokenizer.encode_chat(_messages(inputs.get("messages")))
+            text = tokenizer.apply_chat_template(_messages(inputs.get("messages")))
         except ChatTemplateError as err:  # e.g. roles the model's template refuses
             raise InvalidRequest(str(err), param="messages") from err
+        # A prompt too long for the context whatever its tokens is refused before tokenizing
+        # it: the work of one request stays bounded (the tokenizer releases the GIL, so even
+        # the longest allowed one never stops the process's heartbeat).
+        longest = self.engine.max_seq_len * tokenizer.max_token_chars
+        if len(text) > longest:
+            raise InvalidRequest(
+                f"the prompt has {len(text)} characters: more than {self.engine.max_seq_len} "
+                f"tokens of this model's context can hold (at most {tokenizer.max_token_chars} "
+                "characters a token)",
+                code="context_length_exceeded",
+                param="messages",
+            )
+        prompt = tokenizer.encode(text)
         params = _sampling(inputs)
         engine_id = f"r{next(self._ids)}"
         try:
@@ -121,6 +134,14 @@ class Thinker(StageBackend):
                 }
             outputs.append(output)
         return outputs
+
+    def finish(self, request: Request) -> None:
+        """The stage's `timeout_s` ran out: end the answer where it is, as `max_tokens` would
+        (finish_reason "length"); its last text and result come out of the next step()."""
+        for engine_id, held in self._requests.items():
+            if held is request:
+                self.engine.finish(engine_id)
+                return
 
     def abort(self, request: Request) -> None:
         for engine_id, held in list(self._requests.items()):

@@ -136,6 +136,29 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help=f"longest wait for a place before 429 ({d.queue_timeout_s:g})",
     )
+    live = parser.add_argument_group("realtime (per server, per session)")
+    live.add_argument(
+        "--max-realtime-sessions",
+        type=int,
+        default=d.max_realtime_sessions,
+        metavar="N",
+        help="realtime sessions open at once; more are refused with 429 "
+        f"({d.max_realtime_sessions})",
+    )
+    live.add_argument(
+        "--max-realtime-item-chars",
+        type=int,
+        default=d.max_realtime_item_chars,
+        metavar="N",
+        help=f"characters of one conversation item ({d.max_realtime_item_chars})",
+    )
+    live.add_argument(
+        "--max-realtime-conversation-chars",
+        type=int,
+        default=d.max_realtime_conversation_chars,
+        metavar="N",
+        help=f"characters of a session's whole conversation ({d.max_realtime_conversation_chars})",
+    )
     times = parser.add_argument_group("connections")
     times.add_argument(
         "--header-timeout",
@@ -207,6 +230,9 @@ def _serve_options(opts: argparse.Namespace) -> ServeOptions:
             max_in_flight=opts.max_in_flight,
             max_queued=opts.max_queued,
             queue_timeout_s=opts.queue_timeout,
+            max_realtime_sessions=opts.max_realtime_sessions,
+            max_realtime_item_chars=opts.max_realtime_item_chars,
+            max_realtime_conversation_chars=opts.max_realtime_conversation_chars,
             header_timeout_s=opts.header_timeout,
             body_timeout_s=opts.body_timeout,
             idle_timeout_s=opts.idle_timeout,

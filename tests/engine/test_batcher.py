@@ -182,3 +182,23 @@ def test_engine_config_from_table_errors() -> None:
         EngineConfig.from_table({"max_step_tokens": 8, "max_batch_size": 8})
     with pytest.raises(ValueError, match="cuda_graphs must be true or false"):
         EngineConfig.from_table({"cuda_graphs": "yes"})
+
+
+def test_finish_ends_a_request_as_its_length_limit_would(
+    make_tiny_engine: Callable[..., Engine],
+) -> None:
+    """What a stage's timeout_s asks for: the answer so far, finish_reason "length", the KV
+    freed at once; the other request runs on."""
+    engine = make_tiny_engine(max_total_tokens=256)
+    allocator = engine.cache.allocator
+    engine.add(GenerationRequest("cut", _prompt(20), _params(100)))
+    engine.add(GenerationRequest("runs", _prompt(20), _params(100)))
+    made = sum(len(e.token_ids) for _ in range(4) for e in engine.step() if e.request_id == "cut")
+    free_before = allocator.num_free
+    assert engine.finish("cut")
+    assert allocator.num_free > free_before  # its blocks, before any further step
+    events = {e.request_id: e for e in engine.step()}
+    assert events["cut"].finished and events["cut"].finish_reason is FinishReason.LENGTH
+    assert events["cut"].completion_tokens == made and events["cut"].token_ids == []
+    assert not events["runs"].finished
+    assert not engine.finish("cut") and not engine.finish("never-added")

@@ -93,3 +93,43 @@ async def test_an_abort_frees_the_request_in_the_backend_while_others_go_on(tmp_
                 break
     assert err.value.code == "aborted"
     assert after["aborted"] == ["doomed"]  # the backend's abort() ran, exactly once
+
+
+def _timed_plan(root):
+    """Two ar stages with timeout_s 1: one whose backend can end a request early, one not."""
+    stage = AR.replace("terminal = true\n", "terminal = true\ntimeout_s = 1\n")
+    make_repo(
+        root,
+        {"finisher": stage.replace("Counter", "Finisher"), "counter": stage},
+        toml("""
+            [models.finishes]
+            entry = "finisher"
+            tasks = ["chat"]
+            [models.fails]
+            entry = "counter"
+            tasks = ["chat"]
+        """),
+        {"finisher": FIXTURES / "ar_stages.py", "counter": FIXTURES / "ar_stages.py"},
+    )
+    return compile_repository(root)
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["process", "inline"])
+async def test_timeout_s_ends_a_request_early_where_the_backend_can(tmp_path, inline):
+    """At its stage's timeout_s an ar request is ended by the backend's finish() (the answer so
+    far is its result, as a length limit's); a backend without finish() fails it as timed out.
+    Neither kills the process: the next request is served by the same one."""
+    async with running(_timed_plan(tmp_path), inline=inline) as runtime:
+        pids = runtime.processes()
+        ended = runtime.submit(runtime.plan.models["finishes"], {"n": 10**9})
+        chunks = [c async for c in ended]
+        result = await ended.result()
+        failed = runtime.submit(runtime.plan.models["fails"], {"n": 10**9})
+        with pytest.raises(PipelineError) as timed_out:
+            await failed.result()
+        after = runtime.submit(runtime.plan.models["finishes"], {"n": 2})
+        assert [c["i"] async for c in after] == [0, 1]
+        assert runtime.processes() == pids and not runtime.restarts
+    assert result["finish_reason"] == "length"
+    assert result["count"] == len(chunks) > 0  # every chunk sent before the end, then the end
+    assert timed_out.value.code == "timeout"

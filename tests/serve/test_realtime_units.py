@@ -75,7 +75,7 @@ def test_session_update_takes_ga_and_beta_shapes_and_is_all_or_nothing():
 
 
 def test_conversation_inserts_truncates_and_builds_the_context():
-    conversation = Conversation()
+    conversation = Conversation(max_item_chars=1000, max_chars=10_000)
     first = item_from_client(
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
         "a",
@@ -107,3 +107,36 @@ def test_conversation_inserts_truncates_and_builds_the_context():
     with pytest.raises(ProtocolError) as err:
         conversation.delete("nope")
     assert err.value.code == "item_not_found"
+
+
+def _text_item(item_id: str, text: str, role: str = "user") -> Item:
+    return item_from_client(
+        {"type": "message", "role": role, "content": [{"type": "input_text", "text": text}]},
+        item_id,
+    )
+
+
+def test_conversation_refuses_client_items_over_its_bounds():
+    conversation = Conversation(max_item_chars=100, max_chars=250)
+    with pytest.raises(ProtocolError) as err:
+        conversation.add_from_client(_text_item("big", "x" * 101))
+    assert err.value.code == "item_too_large" and "--max-realtime-item-chars" in err.value.message
+    assert conversation.items == []  # refused whole
+    for name in ("a", "b"):
+        conversation.add_from_client(_text_item(name, "y" * 100))
+    with pytest.raises(ProtocolError) as err:
+        conversation.add_from_client(_text_item("c", "z" * 51))  # 251 > 250
+    assert err.value.code == "conversation_too_large"
+    assert [i.id for i in conversation.items] == ["a", "b"]
+    conversation.add_from_client(_text_item("c", "z" * 50))  # exactly the bound
+    assert conversation.chars() == 250
+
+
+def test_session_items_make_room_by_dropping_the_oldest():
+    conversation = Conversation(max_item_chars=100, max_chars=250)
+    for name in ("a", "b"):
+        conversation.add_from_client(_text_item(name, "y" * 100))
+    answer = Item(id="r", role="assistant", content=[{"type": "output_text", "text": "w" * 120}])
+    assert conversation.add(answer) == "b"
+    assert [i.id for i in conversation.items] == ["b", "r"]  # "a" went: 220 <= 250
+    assert conversation.chars() == 220

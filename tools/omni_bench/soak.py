@@ -1,14 +1,16 @@
-"""`omni-bench soak`: requests under injected faults, bounded in count and time, loopback only.
+"""`omni-bench soak`: mixed load under injected faults, bounded in count or time, loopback only.
 
-A server on the repository takes N speech requests at concurrency C while a chaos loop SIGKILLs
-or SIGSTOPs a random stage process every few seconds (a SIGSTOPped one stays frozen: the
-supervisor's heartbeats must find and kill it). Reported: requests ok and failed by status and
-error code; per fault, its kind, its victim and the time until /health said "ok" again; and
-processes, /dev/shm segments, descriptors, run directories and RSS of the server's run before
-and after, and what of its run is left once it stopped (every fault must be recovered and
-nothing may leak).
+A server on the repository takes requests at concurrency C, taken in turn from the mix (speech,
+transcription, chat, omni, realtime sessions: the embedded repository's models) for N requests
+or for `--duration-s`, while a chaos loop SIGKILLs or SIGSTOPs a random stage process every few
+seconds (a SIGSTOPped one stays frozen: the supervisor's heartbeats must find and kill it).
+Reported: requests by kind, status and error code; per fault, its kind, its victim and the time
+until /health said "ok" again; every process's RSS slope (MB/min, psutil, one series per
+process: a restarted one starts a new one); and processes, /dev/shm segments, descriptors and
+run directories of the server's run before and after, and what of it is left once it stopped.
 
-    omni-bench soak [--repo repository] [--requests 1000] [--concurrency 8] [--faults 10]
+    omni-bench soak [--repo repository] [--requests 1000 | --duration-s 1800] [--concurrency 8]
+                    [--faults 10] [--mix speech,transcription,chat,omni,realtime]
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import itertools
 import os
 import random
 import signal
@@ -27,12 +30,12 @@ from pathlib import Path
 
 import aiohttp
 
+from omni_bench import soak_mix as mix
 from omni_bench.harness import tables
 from omni_bench.harness.server import OmniServer, run_segments
-from omni_bench.harness.timing import closed_loop
+from omni_bench.rss import RssSampler
 from omni_server.compiler import compile_repository
 
-TEXT = "The quick brown fox jumps over the lazy dog."
 RECOVERY_TIMEOUT_S = 60.0
 
 
@@ -73,24 +76,30 @@ class Resources:
         )
 
 
-async def _load(url: str, requests: int, concurrency: int, outcomes: collections.Counter) -> None:
-    body = {"model": "tts-1", "voice": "alloy", "input": TEXT, "response_format": "pcm"}
+async def _load(url: str, args, outcomes: collections.Counter) -> None:
+    """Closed loop: each of `concurrency` workers sends its next request as soon as its last
+    one ended, the kinds in turn, until `requests` were sent or `duration_s` passed."""
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(timeout=timeout) as http:
+        clip = await mix.speech_clip(http, url)  # the transcription requests' audio
+        counter = itertools.count()
+        deadline = time.monotonic() + args.duration_s if args.duration_s else None
 
-        async def one(_: int) -> None:
-            try:
-                async with http.post(f"{url}/v1/audio/speech", json=body) as r:
-                    if r.status == 200:
-                        await r.read()  # a stream cut midway raises here
-                        outcomes["200 ok"] += 1
-                    else:
-                        code = (await r.json()).get("error", {}).get("code")
-                        outcomes[f"{r.status} {code}"] += 1
-            except (aiohttp.ClientError, TimeoutError) as err:
-                outcomes[f"cut: {type(err).__name__}"] += 1
+        async def worker() -> None:
+            while True:
+                n = next(counter)
+                if deadline is None and n >= args.requests:
+                    return
+                if deadline is not None and time.monotonic() >= deadline:
+                    return
+                kind = args.mix[n % len(args.mix)]
+                try:
+                    outcome = await mix.REQUESTS[kind](http, url, clip)
+                except (aiohttp.ClientError, TimeoutError) as err:
+                    outcome = f"cut: {type(err).__name__}"
+                outcomes[f"{kind} {outcome}"] += 1
 
-        await closed_loop(range(requests), concurrency, one)
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
 
 
 async def _chaos(
@@ -133,29 +142,71 @@ async def run(args) -> str:
     await server.start()
     outcomes: collections.Counter[str] = collections.Counter()
     faults: list[Fault] = []
+    assert server.pid is not None
+    server_pid = server.pid
+    rss = RssSampler(
+        lambda: {
+            "server": server_pid,
+            **{names[p.instance]: p.pid for p in server.see_stage_processes()},
+        }
+    )
     try:
         before = Resources.of(server)
+        rss.start(args.rss_interval)
         done = asyncio.Event()
         chaos = asyncio.create_task(_chaos(server, names, args, faults, done))
         started = time.monotonic()
-        await asyncio.wait_for(
-            _load(server.url, args.requests, args.concurrency, outcomes), args.timeout_s
-        )
+        await asyncio.wait_for(_load(server.url, args, outcomes), args.timeout_s)
         wall = time.monotonic() - started
         done.set()
         await chaos
+        await rss.stop()
         after = Resources.of(server)
     finally:
         await server.stop()
     left = server.left
     recovered = [f.recovered_s for f in faults if f.recovered_s is not None]
     nan = float("nan")
+    server_errors = sum(n for k, n in outcomes.items() if k.split()[1].startswith("5"))
     lines = [
-        f"{args.requests} speech requests at concurrency {args.concurrency} in {wall:.0f} s, "
-        f"{len(faults)} faults ({args.fault_interval:g} s apart, seed {args.seed})",
+        f"{sum(outcomes.values())} requests ({', '.join(args.mix)}) at concurrency "
+        f"{args.concurrency} in {wall:.0f} s, {len(faults)} faults "
+        f"({args.fault_interval:g} s apart, seed {args.seed})",
         "",
         *tables.header(["outcome", "requests"], "lr"),
         *(tables.row([k, v]) for k, v in sorted(outcomes.items())),
+        "",
+        f"5xx answers: {server_errors} (a request bound to a killed or frozen process fails "
+        "with 500 or a cut stream; with --faults 0 any is unexpected)",
+        "",
+        *tables.header(
+            [
+                "process",
+                "pid",
+                "samples",
+                "minutes",
+                "first MiB",
+                "last MiB",
+                "MB/min",
+                "2nd half MB/min",
+            ],
+            "lrrrrrrr",
+        ),
+        *(
+            tables.row(
+                [
+                    series.name,
+                    series.pid,
+                    len(series.samples),
+                    f"{series.span_s / 60:.1f}",
+                    f"{series.mib(0):.0f}",
+                    f"{series.mib(-1):.0f}",
+                    _slope(series.slope_mb_per_min()),
+                    _slope(series.late_slope_mb_per_min()),
+                ]
+            )
+            for series in rss.series()
+        ),
         "",
         *tables.header(["fault", "victim", "detected in s", "recovered in s"], "llrr"),
         *(tables.row([f.kind, f.victim, _s(f.detected_s), _s(f.recovered_s)]) for f in faults),
@@ -185,6 +236,10 @@ async def run(args) -> str:
     return "\n".join(lines)
 
 
+def _slope(mb_per_min: float | None) -> str:
+    return "- (under a minute)" if mb_per_min is None else f"{mb_per_min:+.2f}"
+
+
 def _s(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.2f}"
 
@@ -197,10 +252,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--faults", type=int, default=10)
     parser.add_argument("--fault-interval", type=float, default=3.0, help="seconds between faults")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--duration-s",
+        type=float,
+        default=0,
+        help="run the load this long instead of --requests requests (0: by count)",
+    )
+    parser.add_argument(
+        "--mix",
+        default=",".join(mix.REQUESTS),
+        help=f"request kinds, sent in turn ({','.join(mix.REQUESTS)}; the embedded models)",
+    )
+    parser.add_argument(
+        "--rss-interval", type=float, default=5.0, help="seconds between RSS readings"
+    )
     parser.add_argument("--timeout-s", type=float, default=3600, help="bound on the whole load")
     args = parser.parse_args(argv)
-    if args.requests < 1 or args.concurrency < 1 or args.faults < 0:
-        parser.error("--requests and --concurrency must be >= 1, --faults >= 0")
+    if args.requests < 1 or args.concurrency < 1 or args.faults < 0 or args.duration_s < 0:
+        parser.error("--requests and --concurrency must be >= 1, --faults and --duration-s >= 0")
+    args.mix = [k.strip() for k in args.mix.split(",") if k.strip()]
+    unknown = [k for k in args.mix if k not in mix.REQUESTS]
+    if unknown or not args.mix:
+        parser.error(f"--mix: unknown kind(s) {unknown}; kinds: {', '.join(mix.REQUESTS)}")
+    if args.rss_interval <= 0:
+        parser.error("--rss-interval must be positive")
+    args.timeout_s = max(args.timeout_s, args.duration_s + 120)
     print(asyncio.run(run(args)))
     return 0
 

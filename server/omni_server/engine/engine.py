@@ -220,6 +220,20 @@ class Engine:
         self._pending.append(self._event(seq, [], ""))
         return True
 
+    def finish(self, request_id: str) -> bool:
+        """End a request now as its max_tokens would (finish_reason "length"), with the text
+        it has (held-back stop-string lookahead included); its KV blocks are freed at once
+        and its final event comes out of the next `step()`. False if unknown or done."""
+        seq = self._sequences.pop(request_id, None)
+        if seq is None:
+            return False
+        self.batcher.finish(seq)
+        seq.finish_reason = FinishReason.LENGTH
+        if seq.detokenizer is not None:
+            seq.text += seq.detokenizer.flush()
+        self._pending.append(self._event(seq, [], self._take_text(seq, final=True)))
+        return True
+
     def has_work(self) -> bool:
         return self.batcher.has_work() or bool(self._pending)
 

@@ -24,7 +24,12 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from omni_server.engine.errors import CheckpointError
-from omni_server.engine.tokenizer import ChatTemplateError, _byte_decoder, _raise_template_error
+from omni_server.engine.tokenizer import (
+    ChatTemplateError,
+    _byte_decoder,
+    _raise_template_error,
+    encode_releasing_gil,
+)
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -69,6 +74,10 @@ class HFTokenizer:
                 self._token_bytes[i] = bytes(decoder[c] for c in token)
             else:
                 self._token_bytes[i] = self._tokenizer.decode([i]).encode()
+        self.max_token_chars = max(
+            max((len(b) for b in self._token_bytes), default=1),
+            max((len(added[i].content) for i in self.special_ids), default=1),
+        )
         self.chat_template = _chat_template(folder, settings)
         self._template = None
         if self.chat_template is not None:
@@ -81,8 +90,7 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, no special tokens added; special-token text maps to its one id."""
-        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids
-        return ids
+        return encode_releasing_gil(self._tokenizer, text)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         text: str = self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -40,6 +40,14 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(printable, chars, strict=True)}
 
 
+def encode_releasing_gil(tokenizer: Tokenizer, text: str) -> list[int]:
+    """`text`'s ids, no special tokens added. `Tokenizer.encode` holds the GIL for the whole
+    text (seconds for a megabyte on a busy core: no other thread of the process runs meanwhile,
+    a stage's heartbeat included); `encode_batch` releases it while Rust works."""
+    ids: list[int] = tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+    return ids
+
+
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered by the model's chat template (message says why)."""
 
@@ -50,6 +58,9 @@ class TextTokenizer(Protocol):
 
     vocab_size: int
     eos_token_ids: frozenset[int]
+    # the most characters one token stands for (special tokens' text included): a text of
+    # more than max_tokens * max_token_chars characters cannot fit in max_tokens tokens
+    max_token_chars: int
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -102,6 +113,9 @@ class GGUFTokenizer:
             b"" if i in self.special_ids else bytes(decoder[c] for c in tok if c in decoder)
             for i, tok in enumerate(tokens)
         ]
+        # a byte-level token's string has one character per byte, and a UTF-8 character is
+        # at least one byte; a special token's string is its text
+        self.max_token_chars = max(len(t) for t in tokens)
         template = metadata.get("tokenizer.chat_template")
         self.chat_template: str | None = template
         self._template = None
@@ -112,7 +126,7 @@ class GGUFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token text (e.g. `<|im_start|>`) maps to its one id."""
-        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids
+        ids = encode_releasing_gil(self._tokenizer, text)
         if self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids

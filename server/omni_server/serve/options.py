@@ -20,6 +20,14 @@ MAX_INPUT_CHARS = 4096  # OpenAI's limit, counted after NFKC normalization here
 # bound below is a bound. 1024 s lets the longest input through at speed 1.
 ESTIMATE_CHARS_PER_SECOND = 4.0
 MAX_AUDIO_SECONDS = MAX_INPUT_CHARS / ESTIMATE_CHARS_PER_SECOND
+# Realtime (docs/realtime.md#bounds). A session holds at most its conversation's characters
+# (UCS-4 at worst: 4 bytes each) and 120 s of uncommitted audio (float32 at 16 kHz, 7.5 MiB), so
+# the defaults bound it at about 8.5 MiB, and all sessions together at 16 times that. An item
+# over 32768 characters cannot fit the embedded thinker's 8192-token context anyway (about 4
+# characters a token in English); the conversation keeps 8 such items.
+MAX_REALTIME_SESSIONS = 16
+MAX_REALTIME_ITEM_CHARS = 32_768
+MAX_REALTIME_CONVERSATION_CHARS = 262_144
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,11 @@ class ServeOptions:
     max_in_flight: int = 8
     max_queued: int = 32
     queue_timeout_s: float = 30.0  # a queued request that gets no place by then is a 429
+    # realtime: sessions open at once (more are refused with 429 before the upgrade), one
+    # conversation item's characters, and a whole conversation's
+    max_realtime_sessions: int = MAX_REALTIME_SESSIONS
+    max_realtime_item_chars: int = MAX_REALTIME_ITEM_CHARS
+    max_realtime_conversation_chars: int = MAX_REALTIME_CONVERSATION_CHARS
     # connections
     header_timeout_s: float = 10.0  # from a connection's first byte of a request to its blank line
     body_timeout_s: float = 30.0  # to read a whole request body
@@ -50,7 +63,15 @@ class ServeOptions:
     max_custom_voices: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_input_chars", "max_in_flight", "max_custom_voices"):
+        for name in (
+            "max_body_bytes",
+            "max_input_chars",
+            "max_in_flight",
+            "max_realtime_sessions",
+            "max_realtime_item_chars",
+            "max_realtime_conversation_chars",
+            "max_custom_voices",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1; got {getattr(self, name)}")
         if self.max_queued < 0:
@@ -65,6 +86,11 @@ class ServeOptions:
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive; got {getattr(self, name)}")
+        if self.max_realtime_item_chars > self.max_realtime_conversation_chars:
+            raise ValueError(
+                "max_realtime_item_chars must not exceed max_realtime_conversation_chars; got "
+                f"{self.max_realtime_item_chars} > {self.max_realtime_conversation_chars}"
+            )
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be 0 or more; got {self.shutdown_grace_s}")
         if self.api_key is not None and not self.api_key.strip():

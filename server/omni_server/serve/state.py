@@ -9,6 +9,7 @@ from aiohttp import web
 
 from omni_server.compiler.plan import Plan
 from omni_server.serve.options import ServeOptions
+from omni_server.serve.realtime_sessions import OpenSessions
 
 if TYPE_CHECKING:
     from omni_server.pipeline import Runtime
@@ -31,6 +32,8 @@ class ServerState:
     # request path -> its own body limit, for routes that read more than `max_body_bytes`
     # (uploads); the Content-Length check (body.py) uses it
     body_limits: dict[str, int] = field(default_factory=dict)
+    # the realtime sessions open now (bounded by options.max_realtime_sessions)
+    realtime_sessions: OpenSessions = field(default_factory=OpenSessions)
 
     @property
     def max_body_bytes(self) -> int:  # aiohttp's client_max_size; bigger bodies get 413

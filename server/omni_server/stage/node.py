@@ -160,7 +160,9 @@ class StageNode:
         self._early_credits: collections.OrderedDict[int, int] = collections.OrderedDict()
         self.deadlines: StageDeadlines | None = None
         if timeout_s is not None and isinstance(executor, ComputeExecutor):
-            self.deadlines = StageDeadlines(timeout_s, executor, self._timed_out, self._overran)
+            self.deadlines = StageDeadlines(
+                timeout_s, executor, self._timed_out, self._overran, self.scheduler.finish
+            )
 
     # ---- inputs (event-loop thread) --------------------------------------------------------
 

@@ -1,5 +1,12 @@
 """A session's conversation: ordered items (user / assistant / system messages) that become the
-thinker's context on every response."""
+thinker's context on every response.
+
+Bounded three ways (docs/realtime.md#bounds): at most MAX_ITEMS items, one client item at most
+`max_item_chars` characters and the whole conversation at most `max_chars`. A client's item over
+either bound is refused (an `error` event naming the bound, the conversation unchanged); the
+session's own items (a turn's transcript, an answer: bounded by 120 s of audio and
+`max_output_tokens`) make room by dropping the oldest items, as the item count does.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +33,12 @@ class Item:
             str(part.get("text") or part.get("transcript") or "") for part in self.content
         )
 
+    def chars(self) -> int:
+        return sum(
+            len(str(part.get("text") or "")) + len(str(part.get("transcript") or ""))
+            for part in self.content
+        )
+
     def ga(self) -> dict[str, Any]:
         return {
             "id": self.id,
@@ -44,18 +57,49 @@ class Item:
 
 
 class Conversation:
-    def __init__(self) -> None:
+    def __init__(self, *, max_item_chars: int, max_chars: int) -> None:
         self.items: list[Item] = []
+        self.max_item_chars = max_item_chars
+        self.max_chars = max_chars
+
+    def chars(self) -> int:
+        """Characters of every item's text (what the thinker would read, and what it holds)."""
+        return sum(item.chars() for item in self.items)
+
+    def add_from_client(self, item: Item, previous_item_id: str | None = None) -> str | None:
+        """A `conversation.item.create`: refused whole when over a bound (nothing changes)."""
+        size = item.chars()
+        if size > self.max_item_chars:
+            raise ProtocolError(
+                f"the item has {size} characters; an item may have at most "
+                f"{self.max_item_chars} (--max-realtime-item-chars)",
+                code="item_too_large",
+                param="item.content",
+            )
+        total = self.chars() + size
+        if total > self.max_chars:
+            raise ProtocolError(
+                f"the conversation would hold {total} characters; it may hold at most "
+                f"{self.max_chars} (--max-realtime-conversation-chars): delete items first "
+                "(conversation.item.delete)",
+                code="conversation_too_large",
+                param="item.content",
+            )
+        return self.add(item, previous_item_id)
 
     def add(self, item: Item, previous_item_id: str | None = None) -> str | None:
-        """Insert after `previous_item_id` (at the end when None); returns the id before it."""
+        """Insert after `previous_item_id` (at the end when None); returns the id before it.
+        The oldest other items go while the conversation is over a bound."""
         if previous_item_id is None:
             index = len(self.items)
         else:
             index = self._index(previous_item_id, "previous_item_id") + 1
         self.items.insert(index, item)
-        if len(self.items) > MAX_ITEMS:
-            del self.items[0]
+        total = self.chars()
+        while len(self.items) > 1 and (len(self.items) > MAX_ITEMS or total > self.max_chars):
+            oldest = 1 if self.items[0] is item else 0
+            total -= self.items[oldest].chars()
+            del self.items[oldest]
         position = self.items.index(item)
         return self.items[position - 1].id if position > 0 else None
 

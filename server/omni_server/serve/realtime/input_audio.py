@@ -82,6 +82,11 @@ class InputAudio:
             for found in self._tracker.push(float(probability))
         ]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of uncommitted audio held (at most MAX_BUFFER_S at 16 kHz float32: 7.5 MiB)."""
+        return int(self._pending.nbytes)
+
     def take(self, utterance: Utterance) -> np.ndarray:
         """The utterance's audio; the buffer keeps only what came after it."""
         start = max(0, round((utterance.start - self._pending_start_s) * VAD_RATE))

@@ -152,12 +152,16 @@ class ResponseRun:
             await self._stream(part)
         except PipelineError as err:
             if self._cancelled is None:
+                # a stage that refused the input (the conversation over the thinker's context:
+                # `context_length_exceeded`) is the client's to fix, as HTTP's 400 is
+                refused = err.code == "invalid_request"
                 error: dict[str, Any] = {
-                    "type": "server_error",
-                    "code": err.code,
+                    "type": "invalid_request_error" if refused else "server_error",
+                    "code": (err.error_code or "invalid_value") if refused else err.code,
                     "message": err.message,
                 }
-                await events.send({"type": "error", "error": {**error, "param": None}})
+                param = err.param if refused else None
+                await events.send({"type": "error", "error": {**error, "param": param}})
                 return "failed", {"type": "failed", "error": error}
             # else our own abort ended the pipeline request
         if self._cancelled is not None:

@@ -34,8 +34,13 @@ from omni_server.serve.realtime.events import ServerEvents
 from omni_server.serve.realtime.input_audio import VAD_RATE, InputAudio, wav
 from omni_server.serve.realtime.protocol import MAX_EVENT_BYTES, ProtocolError
 from omni_server.serve.realtime.response_run import ResponseRun
+from omni_server.serve.realtime_sessions import RETRY_AFTER_S
 from omni_server.serve.state import STATE, ServerState
 from omni_server.serve.transcription_request import asr_inputs
+
+# Events (or their audio) longer than this are parsed and decoded on a worker thread: about
+# 1.3 s of PCM16 at 24 kHz in base64, a few milliseconds of the loop's time.
+OFF_LOOP_CHARS = 64 << 10
 
 
 async def realtime(request: web.Request) -> web.WebSocketResponse:
@@ -48,13 +53,29 @@ async def realtime(request: web.Request) -> web.WebSocketResponse:
     ws = web.WebSocketResponse(
         max_msg_size=MAX_EVENT_BYTES, heartbeat=30.0, protocols=("realtime",)
     )
-    await ws.prepare(request)
+    # the place is taken before the upgrade: a client over the bound costs no session (no
+    # await between the check and the add, so two connects cannot both take the last place)
+    limit, sessions = state.options.max_realtime_sessions, state.realtime_sessions
+    if len(sessions) >= limit:
+        raise ApiError(
+            429,
+            f"{limit} realtime sessions are open, the most this server holds at once "
+            f"(--max-realtime-sessions); retry after {RETRY_AFTER_S} s",
+            code="rate_limit_exceeded",
+            type="requests",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
     beta = request.headers.get("OpenAI-Beta", "").startswith("realtime")
     session = Session(state, model, ws, beta=beta)
+    sessions.add(session)
     try:
+        await ws.prepare(request)
         await session.run()
     finally:
-        await session.close()
+        try:
+            await session.close()
+        finally:
+            sessions.discard(session)
     return ws
 
 
@@ -94,7 +115,11 @@ class Session:
             self.config.temperature = model.sampling.temperature
         if model.sampling.max_tokens is not None:
             self.config.max_output_tokens = model.sampling.max_tokens
-        self.conversation = Conversation()
+        options = state.options
+        self.conversation = Conversation(
+            max_item_chars=options.max_realtime_item_chars,
+            max_chars=options.max_realtime_conversation_chars,
+        )
         self._asr = _task_model(state.plan, "transcription")
         self._text_model = _text_model(state.plan, model)
         self._response: ResponseRun | None = None
@@ -102,6 +127,16 @@ class Session:
         self._transcripts: dict[str, asyncio.Task[None]] = {}  # item id -> its transcription
         self._tasks: set[asyncio.Task[Any]] = set()
         self._input = InputAudio(self.config)
+
+    @property
+    def input_audio(self) -> InputAudio:
+        """The uncommitted audio and its detector (replaced by a new format or detector)."""
+        return self._input
+
+    def held_bytes(self) -> int:
+        """What the session holds between events, at most: its conversation's characters (4
+        bytes each at worst) and its uncommitted audio. Both are bounded (docs/realtime.md)."""
+        return 4 * self.conversation.chars() + self._input.nbytes
 
     # ---- the socket ------------------------------------------------------------------------
 
@@ -127,7 +162,13 @@ class Session:
 
     async def _receive(self, data: str) -> None:
         try:
-            event = json.loads(data)
+            # a big event (up to 16 MiB) is parsed off the event loop: other sessions and
+            # HTTP requests go on meanwhile; this session's events stay in order (one at a time)
+            event = (
+                await asyncio.to_thread(json.loads, data)
+                if len(data) > OFF_LOOP_CHARS
+                else (json.loads(data))
+            )
         except (json.JSONDecodeError, RecursionError):
             await self.events.send(
                 ProtocolError("the event is not valid JSON", code="invalid_json").event()
@@ -163,7 +204,14 @@ class Session:
     # ---- input audio and turns -------------------------------------------------------------
 
     async def _on_input_audio_buffer_append(self, event: dict[str, Any]) -> None:
-        for found in self._input.append(event.get("audio")):
+        raw, buffer = event.get("audio"), self._input
+        if isinstance(raw, str) and len(raw) > OFF_LOOP_CHARS:
+            # base64, resampling and VAD over seconds of audio run on a worker thread, so the
+            # loop keeps serving; the session awaits it, so nothing else touches `buffer`
+            heard = await asyncio.to_thread(buffer.append, raw)
+        else:
+            heard = buffer.append(raw)  # a microphone's 20-100 ms: cheaper than a thread hop
+        for found in heard:
             await self._on_vad(found)
 
     async def _on_vad(self, found: SpeechStarted | Utterance) -> None:
@@ -272,7 +320,7 @@ class Session:
             raw.get("id") if isinstance(raw, dict) and isinstance(raw.get("id"), str) else None
         )
         item = item_from_client(raw, item_id or self.ids.new("item"))
-        previous = self.conversation.add(item, event.get("previous_item_id"))
+        previous = self.conversation.add_from_client(item, event.get("previous_item_id"))
         await self.events.item_added(item, previous)
 
     async def _on_conversation_item_delete(self, event: dict[str, Any]) -> None:

@@ -7,8 +7,8 @@ event loop, each request's chunk streams out at once and a finished request comp
 join and leave between steps, so a new request never waits for a running one to finish.
 
 Invariants (beside the scheduler's):
-- add / abort / step run only on the compute thread, in that order within one cycle, so the
-  backend needs no locks;
+- add / abort / finish / step run only on the compute thread (abort, add, finish, step within
+  one cycle), so the backend needs no locks;
 - a request is in `_held` from its add() until it finished, failed, or its abort() ran: an
   aborted request's late outputs are dropped, and its abort() reaches the backend exactly once
   (freeing its KV cache at once);
@@ -41,6 +41,7 @@ class ARScheduler(Scheduler):
         self._joining: list[WorkItem] = []  # admitted, add() not yet called
         self._leaving: list[Request] = []  # aborted after add(): abort() not yet called
         self._held: dict[int, Request] = {}  # id(request) -> request the backend holds
+        self._finishing: list[Request] = []  # to end early: finish() not yet called
 
     @property
     def active_keys(self) -> frozenset[int]:
@@ -61,24 +62,35 @@ class ARScheduler(Scheduler):
             self._leaving.append(item.request)
             self._wakeup.set()
 
+    def finish(self, key: int) -> bool:
+        item = self._items.get(key)
+        if item is None or not self.calls.can_finish:
+            return False
+        self._finishing.append(item.request)
+        self._wakeup.set()
+        return True
+
     async def run(self) -> None:
         while True:
-            if not (self._joining or self._leaving or self._held):
+            if not (self._joining or self._leaving or self._held or self._finishing):
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             joining, self._joining = self._joining, []
             leaving, self._leaving = self._leaving, []
-            (refused, outputs), start, seconds = await self._compute(self._cycle, joining, leaving)
+            finishing, self._finishing = self._finishing, []
+            (refused, outputs), start, seconds = await self._compute(
+                self._cycle, joining, leaving, finishing
+            )
             for item, error in refused:
                 if self._items.pop(item.key, None) is not None:
                     self.callbacks.fail(item, error)
             self._report(outputs, start, seconds)
 
     def _cycle(
-        self, joining: list[WorkItem], leaving: list[Request]
+        self, joining: list[WorkItem], leaving: list[Request], finishing: list[Request]
     ) -> tuple[list[tuple[WorkItem, BaseException]], list[tuple[Request, Any]]]:
-        """Compute thread: leave, join, step."""
+        """Compute thread: leave, join, end early, step."""
         for request in leaving:
             if self._held.pop(id(request), None) is not None:
                 self.calls.abort(request)
@@ -90,6 +102,16 @@ class ARScheduler(Scheduler):
                 refused.append((item, exc))
                 continue
             self._held[id(item.request)] = item.request
+        ended: list[tuple[Request, Any]] = []
+        for request in finishing:  # its final output comes out of this cycle's step
+            if id(request) not in self._held:
+                continue
+            try:
+                self.calls.finish(request)
+            except Exception as exc:  # noqa: BLE001 - a failed finish fails its request alone
+                del self._held[id(request)]
+                self.calls.abort(request)
+                ended.append((request, exc))
         try:
             outputs: list[tuple[Request, Any]] = (
                 self.calls.ar_step(dict(self._held)) if self._held else []
@@ -105,7 +127,7 @@ class ARScheduler(Scheduler):
         for request, outcome in outputs:
             if not (isinstance(outcome, tuple) and outcome[0] == "chunk"):
                 self._held.pop(id(request), None)  # finished or failed: the backend let go
-        return refused, outputs
+        return refused, ended + outputs
 
     def _report(self, outputs: list[tuple[Request, Any]], start: float, seconds: float) -> None:
         """Event loop: stream chunks, complete or fail requests (aborted ones are dropped)."""

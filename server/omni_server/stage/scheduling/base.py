@@ -130,6 +130,12 @@ class Scheduler(abc.ABC):
     async def run(self) -> None:
         """The scheduling loop; runs until cancelled."""
 
+    def finish(self, key: int) -> bool:
+        """End request `key` early with what it has (its stage's timeout_s ran out), as its
+        own end would; False when this scheduler or its backend cannot (the request then
+        fails as timed out)."""
+        return False
+
     def wake(self) -> None:
         """Stream input arrived for an admitted request."""
         self._wakeup.set()

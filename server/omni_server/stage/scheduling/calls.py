@@ -101,6 +101,14 @@ class StageCalls:
     def abort(self, request: Request) -> None:
         self.backend.abort(request)
 
+    @property
+    def can_finish(self) -> bool:
+        """The backend may end a request early (an optional `finish(request)`)."""
+        return callable(getattr(self.backend, "finish", None))
+
+    def finish(self, request: Request) -> None:
+        guarded(self.backend.finish, request)
+
     def ar_step(self, requests: dict[int, Request]) -> list[tuple[Request, Outcome | Payload]]:
         """One engine step: (request, ("chunk", chunk) | outcome) for every request it moved.
 
