@@ -56,14 +56,14 @@ def document(state: ServerState) -> Schema:
         "/v1/audio/transcriptions": {"post": _transcription(plan)},
         "/v1/chat/completions": {"post": _chat(plan)},
         "/v1/realtime": {"get": _realtime(plan)},
-        "/v1/models": {"get": _get("list the served models", _json(_MODEL_LIST))},
+        "/v1/models": {"get": _get("list the served models", _media(_MODEL_LIST))},
         "/v1/models/{model}": {"get": _retrieve_model(plan)},
-        "/health": {"get": _get("readiness and health with detail", _json(_HEALTH), 503)},
-        "/health/live": {"get": _get("the HTTP server answers", _json(_STATUS))},
-        "/health/ready": {"get": _get("requests can be served", _json(_STATUS), 503)},
+        "/health": {"get": _get("readiness and health with detail", _media(_HEALTH), 503)},
+        "/health/live": {"get": _get("the HTTP server answers", _media(_STATUS))},
+        "/health/ready": {"get": _get("requests can be served", _media(_STATUS), 503)},
         "/metrics": {"get": _get("Prometheus metrics", {"text/plain": {"schema": _TEXT}})},
         "/": {"get": _get("the playground page", {"text/html": {"schema": _TEXT}}, 404)},
-        "/openapi.json": {"get": _get("this document", _json({"type": "object"}))},
+        "/openapi.json": {"get": _get("this document", _media({"type": "object"}))},
     }
     for path, operations in paths.items():
         for operation in operations.values():
@@ -212,7 +212,7 @@ def _realtime(plan: Plan) -> Schema:
 
 
 def _retrieve_model(plan: Plan) -> Schema:
-    operation = _get("one model, by id or alias", _json(_MODEL), 404)
+    operation = _get("one model, by id or alias", _media(_MODEL), 404)
     names = [name for model in plan.models.values() for name in (model.id, *model.aliases)]
     operation["parameters"] = [
         {"name": "model", "in": "path", "required": True, "schema": _names_or_string(names)}
@@ -230,6 +230,7 @@ def _post(summary: str, media: str, body: Schema, content: dict[str, Any]) -> Sc
 
 
 def _get(summary: str, content: dict[str, Any], *errors: int) -> Schema:
+    """`content` maps media types to their schema objects (what `_media` makes)."""
     responses: dict[str, Any] = {"200": {"description": summary, "content": content}}
     for status in errors:
         responses[str(status)] = _error_response("not found" if status == 404 else "not ready")
@@ -244,8 +245,14 @@ def _error_response(description: str) -> Schema:
     return {"description": description, **_json({"$ref": "#/components/schemas/Error"})}
 
 
+def _media(schema: Schema) -> dict[str, Any]:
+    """A response's `content`: one JSON body of `schema`."""
+    return {"application/json": {"schema": schema}}
+
+
 def _json(schema: Schema) -> dict[str, Any]:
-    return {"content": {"application/json": {"schema": schema}}}
+    """A response object's `content` field, to lay beside its description."""
+    return {"content": _media(schema)}
 
 
 _TEXT: Schema = {"type": "string"}
