@@ -50,7 +50,6 @@ class SampleBudget:
             self._held -= samples
 
 
-
 class BudgetedSamples:
     """Float32 samples written block by block into one array that grows as they arrive (no
     list of blocks to join), each growth taken from `budget` first, never past

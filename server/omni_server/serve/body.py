@@ -85,6 +85,7 @@ async def read_body(request: web.Request) -> bytes:
             f"the request body is not valid {encoding.strip().lower()} data, or its length "
             "or chunked framing is broken",
             code="invalid_body",
+            headers={hdrs.CONNECTION: "close"},
         ) from None
 
 

@@ -99,7 +99,12 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
     try:
         return await handler(request)
     except ApiError as error:
-        return error.response()
+        response = error.response()
+        if (error.headers or {}).get("Connection") == "close":
+            # the body was left unread because it is broken (or late, or too big): close
+            # without aiohttp's lingering read, which would only fail on it again
+            response.force_close()
+        return response
     except web.HTTPException as exc:
         return _http_error(request, exc)
     except Exception:  # a bug: the client still gets OpenAI's shape, the log the traceback

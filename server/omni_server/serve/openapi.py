@@ -32,7 +32,8 @@ _DOOR = {
     "401": "missing or wrong API key (only with --api-key)",
     "403": "a foreign Origin, or a foreign Host on a loopback server",
     "413": "the body is over the size limit",
-    "415": "a Content-Encoding other than identity, gzip, deflate",
+    "415": "a JSON route's body not sent as application/json, or a Content-Encoding other "
+    "than identity, gzip, deflate",
 }
 _POST_ERRORS = {
     "400": "invalid request (the message and `param` name the field)",
@@ -206,7 +207,7 @@ def _realtime(plan: Plan) -> Schema:
             "101": {"description": "switching to the WebSocket protocol"},
             "400": _error_response("not a WebSocket upgrade request"),
             "404": _error_response("no realtime model, or not this one"),
-            "503": _error_response("the pipeline is not ready"),
+            "503": _error_response("the pipeline is not ready", retry_after=True),
         },
     }
 
@@ -233,16 +234,25 @@ def _get(summary: str, content: dict[str, Any], *errors: int) -> Schema:
     """`content` maps media types to their schema objects (what `_media` makes)."""
     responses: dict[str, Any] = {"200": {"description": summary, "content": content}}
     for status in errors:
-        responses[str(status)] = _error_response("not found" if status == 404 else "not ready")
+        responses[str(status)] = _error_response(
+            "not found" if status == 404 else "not ready", retry_after=status == 503
+        )
     return {"summary": summary, "responses": responses}
 
 
 def _errors(statuses: dict[str, str]) -> dict[str, Any]:
-    return {status: _error_response(text) for status, text in statuses.items()}
+    return {
+        status: _error_response(text, retry_after=status == "503")
+        for status, text in statuses.items()
+    }
 
 
-def _error_response(description: str) -> Schema:
-    return {"description": description, **_json({"$ref": "#/components/schemas/Error"})}
+def _error_response(description: str, *, retry_after: bool = False) -> Schema:
+    """An error's response object; a 503's (`retry_after`) also documents Retry-After."""
+    response = {"description": description, **_json({"$ref": "#/components/schemas/Error"})}
+    if retry_after:
+        response["headers"] = {"Retry-After": _RETRY_AFTER}
+    return response
 
 
 def _media(schema: Schema) -> dict[str, Any]:
@@ -256,6 +266,10 @@ def _json(schema: Schema) -> dict[str, Any]:
 
 
 _TEXT: Schema = {"type": "string"}
+_RETRY_AFTER: Schema = {
+    "description": "seconds to wait before trying again",
+    "schema": {"type": "integer"},
+}
 _NULLABLE_STRING: Schema = {"type": ["string", "null"]}
 _ERROR: Schema = {
     "type": "object",
