@@ -124,3 +124,21 @@ async def test_every_503_carries_retry_after(app_client, stand_in_runtime, monke
     stopped = await client.post("/v1/audio/speech", json=SPEECH)
     assert stopped.status == 503 and (await stopped.json())["error"]["code"] == "not_ready"
     assert stopped.headers["Retry-After"] == str(UNAVAILABLE_RETRY_AFTER_S)
+
+
+def test_a_stage_at_its_work_bound_is_a_429_with_retry_after():
+    """A stage's refusal with code rate_limit_exceeded (the ASR decoder holding all the
+    decoded audio it allows, repository/asr_decode) is OpenAI's 429, as admission's; any
+    other refusal stays a 400."""
+    from omni_server.pipeline import PipelineError
+    from omni_server.serve.pipeline_call import request_error
+
+    busy = request_error(
+        PipelineError("holding 3600 s", code="invalid_request", error_code="rate_limit_exceeded")
+    )
+    assert busy.status == 429 and busy.code == "rate_limit_exceeded"
+    assert busy.type == "requests" and busy.headers == {"Retry-After": "1"}
+    bad = request_error(
+        PipelineError("no audio", code="invalid_request", error_code="invalid_audio", param="file")
+    )
+    assert bad.status == 400 and bad.code == "invalid_audio" and bad.param == "file"

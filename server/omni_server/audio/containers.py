@@ -41,7 +41,7 @@ def truncation(data: bytes, container: str) -> str | None:
 
 
 def _ogg(data: bytes) -> str | None:
-    pos, open_streams = 0, set()
+    pos, open_streams = 0, set[int]()
     while pos < len(data):
         if data[pos : pos + 4] != OGG_CAPTURE or pos + OGG_HEADER > len(data):
             if pos and not open_streams:
