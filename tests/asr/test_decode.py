@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import struct
 
 import av
 import numpy as np
@@ -106,3 +107,100 @@ def test_a_missing_file_fails_the_request_as_a_server_fault(decoder):
 def test_a_bad_limit_is_a_config_error(plan, limit):
     with pytest.raises(StageConfigError, match="max_audio_seconds"):
         load_stage(plan, "asr_decode", parameters={"max_audio_seconds": limit})
+
+
+def _wav_header_only(bits: int = 16, tag: int = 1, samples: int = 16000) -> bytes:
+    """A WAV of silence whose fmt chunk says `bits` per sample and format `tag`."""
+    pcm = bytes(samples * 2)
+    return (
+        struct.pack("<4sI4s", b"RIFF", 36 + len(pcm), b"WAVE")
+        + struct.pack("<4sIHHIIHH", b"fmt ", 16, tag, 1, 16000, 32000, 2, bits)
+        + struct.pack("<4sI", b"data", len(pcm))
+        + pcm
+    )
+
+
+@pytest.mark.parametrize(("bits", "tag"), [(255, 1), (16, 0x1234), (0, 1)])
+def test_a_wav_header_no_decoder_reads_is_invalid_audio(decoder, bits, tag):
+    """The probe's 255 bits per sample and unknown format tag: FFmpeg opens them without a
+    decoder (issue 27.5; was a 500 on a None codec)."""
+    refusal = _refusal(decoder, _wav_header_only(bits, tag))
+    assert "decod" in refusal.message
+
+
+def _tone_file(fmt: str, rate: int = 24000, seconds: float = 3.0) -> bytes:
+    return _encode(_tone(seconds, rate), rate, fmt)
+
+
+def _webm_opus(seconds: float = 3.0) -> bytes:
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="webm") as container:
+        stream = container.add_stream("libopus", rate=48000, layout="mono")
+        samples = (_tone(seconds, 48000) * 32767).astype(np.int16)
+        for start in range(0, samples.size, 960):
+            frame = av.AudioFrame.from_ndarray(
+                samples[None, start : start + 960], format="s16", layout="mono"
+            )
+            frame.sample_rate = 48000
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ["wav", "mp3", "flac", "opus", "aac", "webm"])
+def test_every_container_cut_short_is_invalid_audio(decoder, fmt):
+    """A file that ends before its container says it does is refused, whatever the format
+    (issue 27.6: a cut Ogg/Opus was heard in part with a 200)."""
+    data = _webm_opus() if fmt == "webm" else _tone_file(fmt)
+    assert _run(decoder, data)["duration"] == pytest.approx(3.0, abs=0.15)  # whole: heard
+    for cut in (0.5, 0.8):
+        refusal = _refusal(decoder, data[: int(len(data) * cut)])
+        assert "truncated" in refusal.message or "could not be decoded" in refusal.message
+
+
+def test_an_ogg_cut_at_a_page_boundary_is_truncated(decoder):
+    """Every page whole, the last without the end-of-stream flag: cut, not short."""
+    ogg = _tone_file("opus", 48000)
+    pages = [i for i in range(len(ogg)) if ogg.startswith(b"OggS", i)]
+    assert len(pages) > 3
+    refusal = _refusal(decoder, ogg[: pages[-2]])
+    assert "end-of-stream" in refusal.message
+
+
+def test_decoded_audio_across_requests_is_bounded(plan):
+    """Issue 27.9: the decoded samples this process holds, over every request, are at most
+    max_total_audio_seconds; a request past it is refused (the endpoint's 429) and nothing is
+    taken, and the budget comes back when the audio is freed."""
+    stage = load_stage(
+        plan, "asr_decode", parameters={"max_audio_seconds": 60, "max_total_audio_seconds": 90}
+    )
+    long_silence = _encode(np.zeros(50 * 16000, np.float32), 16000, "flac")
+    first = _run(stage, long_silence)
+    assert first["duration"] == pytest.approx(50.0, abs=0.1)
+    assert stage.budget.held >= 50 * 16000
+    [second] = stage.execute([Request(id="b", inputs={"file": long_silence, "options": {}})])
+    assert isinstance(second, InvalidRequest) and second.code == "rate_limit_exceeded"
+    assert "90 s across requests" in second.message
+    held = stage.budget.held
+    assert held < 60 * 16000  # the refused request took nothing
+    del first  # the audio's last reference: its budget comes back
+    assert stage.budget.held == 0
+    assert _run(stage, long_silence)["duration"] == pytest.approx(50.0, abs=0.1)
+
+
+def test_a_long_silent_flac_decodes_within_its_bound(decoder):
+    """A 10-minute silent FLAC (the probe's was 29) decodes whole; the array is the audio's
+    size (no joined copy of blocks)."""
+    flac = _encode(np.zeros(600 * 16000, np.float32), 16000, "flac")
+    out = _run(decoder, flac)
+    assert out["duration"] == pytest.approx(600.0, abs=0.1)
+    assert out["audio"].base is not None and out["audio"].base.size <= 601 * 16000
+
+
+def test_a_total_below_the_per_request_limit_is_a_config_error(plan):
+    with pytest.raises(StageConfigError, match="max_total_audio_seconds"):
+        load_stage(
+            plan, "asr_decode", parameters={"max_audio_seconds": 60, "max_total_audio_seconds": 30}
+        )

@@ -13,6 +13,7 @@ from tests.fixtures.serve_stand_in import LIBRARY_DETAIL
 from tests.serve.inline import SPEECH
 
 pytestmark = pytest.mark.timeout(60)
+JSON = {"Content-Type": "application/json"}
 
 
 async def error_of(response) -> dict:
@@ -67,7 +68,7 @@ async def test_a_pipeline_that_makes_no_audio_is_400_not_an_empty_200(app_client
 async def test_lone_surrogate_is_400(app_client):
     client = await app_client()
     body = b'{"model": "quiet", "voice": "hush", "input": "\\ud800 hello"}'
-    response = await client.post("/v1/audio/speech", data=body)
+    response = await client.post("/v1/audio/speech", data=body, headers=JSON)
     assert response.status == 400
     error = await error_of(response)
     assert error["param"] == "input" and "surrogate (U+D800)" in error["message"]
@@ -77,7 +78,7 @@ async def test_deeply_nested_json_is_400_invalid_json(app_client):
     client = await app_client()
     for depth in (1000, 100_000):
         body = b"[" * depth + b"]" * depth
-        response = await client.post("/v1/audio/speech", data=body)
+        response = await client.post("/v1/audio/speech", data=body, headers=JSON)
         assert response.status == 400
         error = await error_of(response)
         assert error["code"] == "invalid_json" and "nested too deeply" in error["message"]

@@ -40,7 +40,11 @@ def test_sigterm_during_a_stream_stops_cleanly(tmp_path):
             '{"model": "tts-1", "voice": "alloy", "response_format": "pcm", '
             f'"stream_format": "audio", "input": "{MANY_SENTENCES}"}}'
         ).encode()
-        request = urllib.request.Request(server.url + "/v1/audio/speech", data=body)
+        request = urllib.request.Request(
+            server.url + "/v1/audio/speech",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(request, timeout=60) as response:
                 response.read(1)

@@ -20,6 +20,7 @@ import httpx2 as httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from openapi_spec_validator import validate
 
 from omni_server.serve import create_app
 from omni_server.serve.chat_body import ChatBody
@@ -67,6 +68,25 @@ async def test_the_document_lists_exactly_the_app_routes(stand_in_runtime, aioht
     assert properties["stream_format"]["default"] == "audio"
     assert properties["seed"]["x-extension"] is True and "x-extension" not in properties["speed"]
     assert properties["input"]["maxLength"] == app[STATE].options.max_input_chars
+
+
+async def test_the_document_is_valid_openapi_3_1(stand_in_runtime):
+    """openapi-spec-validator reads the whole document (issue 27.11: five GET operations had
+    their response content wrapped twice); every response's content maps media types to
+    media objects, and every 503 documents its Retry-After header."""
+    from omni_server.serve.options import ServeOptions
+
+    for options in (ServeOptions(), ServeOptions(api_key="k")):
+        doc = document(create_app(stand_in_runtime, options=options)[STATE])
+        validate(doc)
+        for path, operations in doc["paths"].items():
+            for method, operation in operations.items():
+                for status, response in operation["responses"].items():
+                    where = (method, path, status)
+                    for media, item in response.get("content", {}).items():
+                        assert "/" in media and set(item) <= {"schema"}, where
+                    if status == "503":
+                        assert "Retry-After" in response["headers"], where
 
 
 @pytest.mark.parametrize(

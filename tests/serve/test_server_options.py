@@ -92,7 +92,7 @@ def test_stop_gives_requests_the_grace_period_then_cancels_them(keyed_server):
         request = urllib.request.Request(
             keyed_server.url + "/v1/audio/speech",
             data=body,
-            headers={"Authorization": f"Bearer {KEY}"},
+            headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
         )
         try:
             with urllib.request.urlopen(request, timeout=60) as response:

@@ -15,6 +15,7 @@ import socket
 import time
 
 import aiohttp
+import av
 import httpx2 as httpx
 import numpy as np
 import openai
@@ -256,6 +257,45 @@ def test_truncated_and_corrupt_files_are_400s(client, spoken, name, how):
         )
     assert info.value.body["code"] == "invalid_audio"
     assert info.value.body["param"] == "file"
+
+
+def _silent_flac(seconds: float) -> bytes:
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="flac") as container:
+        stream = container.add_stream("flac", rate=16000, layout="mono")
+        block = np.zeros((1, 16000 * 10), np.int16)
+        for _ in range(int(seconds // 10)):
+            frame = av.AudioFrame.from_ndarray(block, format="s16", layout="mono")
+            frame.sample_rate = 16000
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+    return buffer.getvalue()
+
+
+def test_a_long_silent_flac_is_heard_whole(client):
+    """Issue 27.9 scaled: 15 minutes of silence (a small upload, 58 MB decoded) is legal and
+    transcribes to nothing; the bounds it lives under are tests/asr/test_decode.py's."""
+    flac = _silent_flac(900)
+    assert len(flac) < 1_000_000
+    result = client.audio.transcriptions.create(
+        model="whisper-1", file=("long.flac", flac), response_format="verbose_json"
+    )
+    assert result.duration == pytest.approx(900, abs=0.5) and result.text == ""
+
+
+def test_a_truncated_opus_is_a_400_not_a_partial_transcript(client, spoken):
+    """Issue 27.6: an Ogg/Opus cut anywhere (here at a page boundary, every page whole) ends
+    without its end-of-stream page."""
+    opus = spoken["three.opus"]
+    pages = [i for i in range(len(opus)) if opus.startswith(b"OggS", i)]
+    for cut in (pages[len(pages) // 2], len(opus) * 2 // 3):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.audio.transcriptions.create(model="whisper-1", file=("a.opus", opus[:cut]))
+        assert (
+            info.value.body["code"] == "invalid_audio" and "truncated" in info.value.body["message"]
+        )
 
 
 def test_an_mp3_cut_at_a_frame_is_a_shorter_mp3(client, spoken):

@@ -57,26 +57,37 @@ class SileroVad:
     frame_samples = 512
     context_samples = 64
     state_shape = (1, 1, 128)  # the LSTM's h and c
+    slice_frames = 1875  # 60 s of audio a run
 
     def __init__(self) -> None:
         self._session = _silero_session()
 
     def probabilities(self, audio: np.ndarray) -> np.ndarray:
-        """One probability per frame; the last partial frame is zero-padded."""
+        """One probability per frame; the last partial frame is zero-padded.
+
+        The clip is read in slices of `slice_frames` (the LSTM's state carried across, so the
+        numbers are one run's): what a call allocates, here and in onnxruntime's arena, which
+        keeps its largest size, is a slice's, however long the clip."""
         audio = np.asarray(audio, dtype=np.float32).reshape(-1)
-        if audio.size == 0:
-            return np.zeros(0, np.float32)
         frames = -(-audio.size // self.frame_samples)
-        padded = np.zeros(frames * self.frame_samples, np.float32)
-        padded[: audio.size] = audio
-        windows = padded.reshape(frames, self.frame_samples)  # [F, 512]
-        context = np.zeros((frames, self.context_samples), np.float32)  # [F, 64]
-        context[1:] = windows[:-1, -self.context_samples :]
-        batch = np.concatenate([context, windows], axis=1)  # [F, 576]
         h = np.zeros(self.state_shape, np.float32)
         c = np.zeros(self.state_shape, np.float32)
-        out, _, _ = self._session.run(None, {"input": batch, "h": h, "c": c})
-        return np.asarray(out, np.float32).reshape(-1)
+        out = np.zeros(frames, np.float32)
+        step = self.slice_frames * self.frame_samples
+        for first in range(0, frames, self.slice_frames):
+            start = first * self.frame_samples
+            piece = audio[start : start + step]
+            count = -(-piece.size // self.frame_samples)
+            windows = np.zeros((count, self.frame_samples), np.float32)  # [F, 512]
+            windows.reshape(-1)[: piece.size] = piece
+            context = np.zeros((count, self.context_samples), np.float32)  # [F, 64]
+            context[1:] = windows[:-1, -self.context_samples :]
+            if start:  # the frame before the slice
+                context[0] = audio[start - self.context_samples : start]
+            batch = np.concatenate([context, windows], axis=1)  # [F, 576]
+            probs, h, c = self._session.run(None, {"input": batch, "h": h, "c": c})
+            out[first : first + count] = np.asarray(probs, np.float32).reshape(-1)
+        return out
 
     def stream(self) -> SileroStream:
         return SileroStream(self._session)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from omni_server.serve.errors import ApiError
 
 RETRY_AFTER_S = 1  # a place frees when one request finishes: usually well within a second
+RATE_LIMITED = "rate_limit_exceeded"  # OpenAI's code for a 429
 
 
 class RateLimited(ApiError):
@@ -28,7 +29,7 @@ class RateLimited(ApiError):
         super().__init__(
             429,
             message,
-            code="rate_limit_exceeded",
+            code=RATE_LIMITED,
             type="requests",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )

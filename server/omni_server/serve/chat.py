@@ -36,6 +36,7 @@ from typing import Any
 from aiohttp import web
 
 from omni_server.pipeline import PipelineError, RequestHandle
+from omni_server.serve.admission import RATE_LIMITED
 from omni_server.serve.body import read_json
 from omni_server.serve.chat_request import (
     AudioPart,
@@ -103,6 +104,8 @@ async def hear_audio_parts(state: ServerState, chat: ChatRequest) -> ChatRequest
             async with submitted(state, asr, asr_inputs(part.data)) as handle:
                 result = await handle.result()
         except PipelineError as exc:
+            if exc.code == "invalid_request" and exc.error_code == RATE_LIMITED:
+                raise request_error(exc) from exc  # the ASR is full now: 429, retry
             if exc.code == "invalid_request":  # the part is no usable audio: the caller's fault
                 raise ApiError(
                     400, f"'{part.param}': {exc.message}", param=part.param, code="invalid_audio"

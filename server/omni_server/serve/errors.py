@@ -17,6 +17,9 @@ log = logging.getLogger(__name__)
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
+# Every 503 says when to come back: a stage process that died is restarted in seconds (a warm
+# restart of the thinker ~8 s, docs/runtime.md), a starting server is ready in about as long.
+UNAVAILABLE_RETRY_AFTER_S = 5
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]  # what a middleware wraps
 
@@ -73,6 +76,8 @@ def error_response(
         "param": param,
         "code": code,
     }
+    if status == 503 and "Retry-After" not in (headers or {}):
+        headers = {**(headers or {}), "Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)}
     return web.json_response({"error": error}, status=status, headers=headers)
 
 
@@ -94,7 +99,12 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
     try:
         return await handler(request)
     except ApiError as error:
-        return error.response()
+        response = error.response()
+        if (error.headers or {}).get("Connection") == "close":
+            # the body was left unread because it is broken (or late, or too big): close
+            # without aiohttp's lingering read, which would only fail on it again
+            response.force_close()
+        return response
     except web.HTTPException as exc:
         return _http_error(request, exc)
     except Exception:  # a bug: the client still gets OpenAI's shape, the log the traceback

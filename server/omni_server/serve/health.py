@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from omni_server.serve.errors import error_response
+from omni_server.serve.errors import UNAVAILABLE_RETRY_AFTER_S, error_response
 from omni_server.serve.state import STATE
 
 
@@ -43,4 +43,8 @@ async def health(request: web.Request) -> web.Response:
         "detail": detail,
         "models": list(state.plan.models),
     }
-    return web.json_response(body, status=200 if healthy else 503)
+    if healthy:
+        return web.json_response(body)
+    return web.json_response(
+        body, status=503, headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)}
+    )

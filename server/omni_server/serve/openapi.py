@@ -35,7 +35,8 @@ _DOOR = {
     "401": "missing or wrong API key (only with --api-key)",
     "403": "a foreign Origin, or a foreign Host on a loopback server",
     "413": "the body is over the size limit",
-    "415": "a Content-Encoding other than identity, gzip, deflate",
+    "415": "a JSON route's body not sent as application/json, or a Content-Encoding other "
+    "than identity, gzip, deflate",
 }
 _POST_ERRORS = {
     "400": "invalid request (the message and `param` name the field)",
@@ -62,14 +63,14 @@ def document(state: ServerState) -> Schema:
         STREAM_INPUT_PATH: {"get": _stream_input(plan)},
         "/v1/audio/voices": {"get": _list_voices(plan), "post": _create_voice(state.voices)},
         "/v1/audio/voices/{voice}": {"delete": _delete_voice()},
-        "/v1/models": {"get": _get("list the served models", _json(_MODEL_LIST))},
+        "/v1/models": {"get": _get("list the served models", _media(_MODEL_LIST))},
         "/v1/models/{model}": {"get": _retrieve_model(plan)},
-        "/health": {"get": _get("readiness and health with detail", _json(_HEALTH), 503)},
-        "/health/live": {"get": _get("the HTTP server answers", _json(_STATUS))},
-        "/health/ready": {"get": _get("requests can be served", _json(_STATUS), 503)},
+        "/health": {"get": _get("readiness and health with detail", _media(_HEALTH), 503)},
+        "/health/live": {"get": _get("the HTTP server answers", _media(_STATUS))},
+        "/health/ready": {"get": _get("requests can be served", _media(_STATUS), 503)},
         "/metrics": {"get": _get("Prometheus metrics", {"text/plain": {"schema": _TEXT}})},
         "/": {"get": _get("the playground page", {"text/html": {"schema": _TEXT}}, 404)},
-        "/openapi.json": {"get": _get("this document", _json({"type": "object"}))},
+        "/openapi.json": {"get": _get("this document", _media({"type": "object"}))},
     }
     for path, operations in paths.items():
         for operation in operations.values():
@@ -212,7 +213,7 @@ def _realtime(plan: Plan) -> Schema:
             "101": {"description": "switching to the WebSocket protocol"},
             "400": _error_response("not a WebSocket upgrade request"),
             "404": _error_response("no realtime model, or not this one"),
-            "503": _error_response("the pipeline is not ready"),
+            "503": _error_response("the pipeline is not ready", retry_after=True),
         },
     }
 
@@ -243,7 +244,7 @@ def _stream_input(plan: Plan) -> Schema:
 
 
 def _list_voices(plan: Plan) -> Schema:
-    operation = _get("the voices of every speaking model, or of one", _json(_VOICE_LIST), 404)
+    operation = _get("the voices of every speaking model, or of one", _media(_VOICE_LIST), 404)
     names = [name for model in plan.models.values() for name in (model.id, *model.aliases)]
     operation["parameters"] = [
         {"name": "model", "in": "query", "required": False, "schema": _names_or_string(names)}
@@ -263,20 +264,20 @@ def _create_voice(voices: VoiceCatalog) -> Schema:
         "a custom voice from a reference clip and its transcript (models that clone)",
         "multipart/form-data",
         body,
-        _json(_VOICE)["content"],
+        _media(_VOICE),
     )
     operation["responses"]["413"] = _error_response("the clip is over the size limit")
     return operation
 
 
 def _delete_voice() -> Schema:
-    operation = _get("a custom voice deleted", _json(_VOICE_DELETED), 404)
+    operation = _get("a custom voice deleted", _media(_VOICE_DELETED), 404)
     operation["parameters"] = [{"name": "voice", "in": "path", "required": True, "schema": _TEXT}]
     return operation
 
 
 def _retrieve_model(plan: Plan) -> Schema:
-    operation = _get("one model, by id or alias", _json(_MODEL), 404)
+    operation = _get("one model, by id or alias", _media(_MODEL), 404)
     names = [name for model in plan.models.values() for name in (model.id, *model.aliases)]
     operation["parameters"] = [
         {"name": "model", "in": "path", "required": True, "schema": _names_or_string(names)}
@@ -294,25 +295,45 @@ def _post(summary: str, media: str, body: Schema, content: dict[str, Any]) -> Sc
 
 
 def _get(summary: str, content: dict[str, Any], *errors: int) -> Schema:
+    """`content` maps media types to their schema objects (what `_media` makes)."""
     responses: dict[str, Any] = {"200": {"description": summary, "content": content}}
     for status in errors:
-        responses[str(status)] = _error_response("not found" if status == 404 else "not ready")
+        responses[str(status)] = _error_response(
+            "not found" if status == 404 else "not ready", retry_after=status == 503
+        )
     return {"summary": summary, "responses": responses}
 
 
 def _errors(statuses: dict[str, str]) -> dict[str, Any]:
-    return {status: _error_response(text) for status, text in statuses.items()}
+    return {
+        status: _error_response(text, retry_after=status == "503")
+        for status, text in statuses.items()
+    }
 
 
-def _error_response(description: str) -> Schema:
-    return {"description": description, **_json({"$ref": "#/components/schemas/Error"})}
+def _error_response(description: str, *, retry_after: bool = False) -> Schema:
+    """An error's response object; a 503's (`retry_after`) also documents Retry-After."""
+    response = {"description": description, **_json({"$ref": "#/components/schemas/Error"})}
+    if retry_after:
+        response["headers"] = {"Retry-After": _RETRY_AFTER}
+    return response
+
+
+def _media(schema: Schema) -> dict[str, Any]:
+    """A response's `content`: one JSON body of `schema`."""
+    return {"application/json": {"schema": schema}}
 
 
 def _json(schema: Schema) -> dict[str, Any]:
-    return {"content": {"application/json": {"schema": schema}}}
+    """A response object's `content` field, to lay beside its description."""
+    return {"content": _media(schema)}
 
 
 _TEXT: Schema = {"type": "string"}
+_RETRY_AFTER: Schema = {
+    "description": "seconds to wait before trying again",
+    "schema": {"type": "integer"},
+}
 _NULLABLE_STRING: Schema = {"type": ["string", "null"]}
 _ERROR: Schema = {
     "type": "object",

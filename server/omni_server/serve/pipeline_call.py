@@ -32,6 +32,7 @@ from aiohttp import web
 from omni_server.compiler.plan import ModelSpec
 from omni_server.errors import OUT_OF_GPU_MEMORY
 from omni_server.pipeline import PipelineError, RequestHandle, Runtime
+from omni_server.serve.admission import RATE_LIMITED, RateLimited
 from omni_server.serve.body import ClientGone
 from omni_server.serve.errors import ApiError
 from omni_server.serve.metrics import RequestTrack
@@ -120,7 +121,11 @@ def pipeline_error(exc: PipelineError, request_id: str | None = None) -> ApiErro
 
 def request_error(exc: PipelineError, request_id: str | None = None) -> ApiError:
     """As `pipeline_error`, except that a stage's refusal of the input (`InvalidRequest`) is the
-    client's fault: 400 with the stage's message, OpenAI `code` and `param`."""
+    client's fault: 400 with the stage's message, OpenAI `code` and `param`; a refusal with
+    code `rate_limit_exceeded` (the stage holds all the work it allows now, e.g. the ASR's
+    decoded audio) is OpenAI's 429 with `Retry-After`, as admission's."""
+    if exc.code == "invalid_request" and exc.error_code == RATE_LIMITED:
+        return RateLimited(exc.message)
     if exc.code == "invalid_request":
         return ApiError(400, exc.message, param=exc.param, code=exc.error_code or "invalid_value")
     return pipeline_error(exc, request_id)

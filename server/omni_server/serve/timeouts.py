@@ -32,6 +32,7 @@ from aiohttp.http_exceptions import (
     LineTooLong,
     TransferEncodingError,
 )
+from aiohttp.web_protocol import RequestPayloadError
 
 from omni_server.serve.app import SERVER_NAME
 from omni_server.serve.errors import INVALID_REQUEST, SERVER_ERROR
@@ -90,6 +91,16 @@ class GuardedRequestHandler(web_protocol.RequestHandler):
             self._header_deadline.cancel()
             self._header_deadline = None
         super().connection_lost(exc)
+
+    def log_exception(self, *args: Any, **kwargs: Any) -> None:
+        """A body the client broke (bad gzip, cut chunked framing) surfacing after its
+        response, in aiohttp's read of the rest: the client's mistake, logged without a
+        traceback; everything else as aiohttp logs it."""
+        exc = kwargs.get("exc_info")
+        if isinstance(exc, RequestPayloadError | BadHttpMessage):
+            self.logger.debug("a request body was malformed: %s", type(exc).__name__)
+            return
+        super().log_exception(*args, **kwargs)
 
     def handle_error(
         self,

@@ -72,7 +72,10 @@ async def _read_upload(request: web.Request) -> Form:
         if request.transport is None or request.transport.is_closing():
             raise ClientGone() from exc
         raise ApiError(
-            400, "the request body's length or chunked framing is broken", code="invalid_body"
+            400,
+            "the request body's Content-Encoding, length or chunked framing is broken",
+            code="invalid_body",
+            headers={"Connection": "close"},
         ) from None
 
 

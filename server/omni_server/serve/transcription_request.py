@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from pydantic import BeforeValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
@@ -28,6 +29,9 @@ from omni_server.serve.validation import Between, RequestModel, parse
 MAX_FILE_BYTES = 25 * 1024 * 1024  # OpenAI's upload limit: 25 MB
 MAX_FIELD_BYTES = 64 * 1024  # a text field (the prompt is the longest: Whisper reads 224 tokens)
 MAX_PARTS = 64
+MAX_PART_HEADERS = 16  # a form part has two or three (Content-Disposition, Content-Type)
+MAX_HEADER_LINE = 8190  # aiohttp's line limit for a part header
+MAX_FILENAME_CHARS = 1024
 FORM_OVERHEAD_BYTES = 1024 * 1024  # boundaries, part headers and the text fields around the file
 READ_CHUNK = 64 * 1024
 
@@ -155,10 +159,10 @@ async def read_form(request: web.Request, max_file_bytes: int = MAX_FILE_BYTES) 
     while True:
         try:
             part = await reader.next()
-        except ValueError as err:  # aiohttp's parser: a broken boundary or part header
-            raise ApiError(
-                400, f"malformed multipart body: {err}", code="invalid_request"
-            ) from None
+        except LineTooLong:
+            raise _malformed(f"a part header is longer than {MAX_HEADER_LINE} bytes") from None
+        except (ValueError, BadHttpMessage):  # aiohttp's parser: a broken boundary or header
+            raise _malformed("a part's boundary or headers are broken") from None
         if part is None:
             return form
         if not isinstance(part, BodyPartReader):
@@ -166,7 +170,15 @@ async def read_form(request: web.Request, max_file_bytes: int = MAX_FILE_BYTES) 
         parts += 1
         if parts > MAX_PARTS:
             raise ApiError(400, f"more than {MAX_PARTS} form parts", code="invalid_request")
+        if len(part.headers) > MAX_PART_HEADERS:
+            raise _malformed(f"a part has more than {MAX_PART_HEADERS} headers")
         name = part.name or ""
+        if part.filename is not None and not _plain_text(part.filename, MAX_FILENAME_CHARS):
+            raise invalid_field(
+                "file",
+                f"the file's name must be at most {MAX_FILENAME_CHARS} characters with no "
+                "control characters",
+            )
         if name == "file":
             if form.file is not None:
                 raise invalid_field("file", "the form has more than one 'file' part")
@@ -187,11 +199,23 @@ async def read_form(request: web.Request, max_file_bytes: int = MAX_FILE_BYTES) 
 
 async def _read_part(part: BodyPartReader, limit: int, on_over) -> bytes:
     data = bytearray()
-    while chunk := await part.read_chunk(READ_CHUNK):
-        data += chunk
-        if len(data) > limit:
-            raise on_over()
+    try:
+        while chunk := await part.read_chunk(READ_CHUNK):
+            data += chunk
+            if len(data) > limit:
+                raise on_over()
+    except (ValueError, BadHttpMessage):  # the body ended inside the part: no closing boundary
+        raise _malformed("the body ends inside a part (no closing boundary)") from None
     return bytes(data)
+
+
+def _malformed(what: str) -> ApiError:
+    """400 for a form aiohttp's parser refuses; the message never echoes the client's bytes."""
+    return ApiError(400, f"malformed multipart body: {what}", code="invalid_request")
+
+
+def _plain_text(text: str, limit: int) -> bool:
+    return len(text) <= limit and not any(ord(c) < 0x20 or ord(c) == 0x7F for c in text)
 
 
 def _too_large(what: str, limit: int) -> ApiError:
