@@ -338,23 +338,40 @@ def write_audio_tokenizer(out: Path, size: str, codebook_size: int, seed: int) -
     return model
 
 
-def torchaudio_stand_in(folder: Path) -> Path:
+def torchaudio_stand_in(folder: Path, resample_with_soxr: bool = False) -> Path:
     """A stand-in `torchaudio` package under `folder` (returned: put it on PYTHONPATH), for a
     machine without a working torchaudio (this one: no wheel for torch 2.13).
 
     transformers refuses to build `HiggsAudioV2TokenizerModel` without torchaudio, which it uses
-    only to resample audio it *encodes* (reference voices). Writing random weights and decoding
-    codes never call it; the stand-in's resample raises, so nothing can silently use it."""
+    only to resample audio it *encodes* (reference voices, 24 kHz -> its semantic model's 16
+    kHz). Writing random weights and decoding codes never call it; by default the stand-in's
+    resample raises, so nothing can silently use it. `resample_with_soxr`: its resample is
+    soxr's instead (a different filter than torchaudio's, so codes of a clip differ from
+    those a real torchaudio gives; the same in every process that uses the stand-in), for
+    tests that encode reference voices here."""
     package = folder / "torchaudio"
     package.mkdir(parents=True, exist_ok=True)
     (package / "__init__.py").write_text(
-        '"""Stand-in (omni_bench.random_checkpoint): no audio I/O, no resampling."""\n'
+        '"""Stand-in (omni_bench.random_checkpoint): no audio I/O."""\n'
         "from . import functional\n__version__ = '2.11.0'\n"
     )
-    (package / "functional.py").write_text(
-        "def resample(*args, **kwargs):\n"
-        "    raise NotImplementedError('torchaudio stand-in: install torchaudio to encode audio')\n"
-    )
+    if resample_with_soxr:
+        (package / "functional.py").write_text(
+            '"""Stand-in: resample with soxr, NOT torchaudio\'s sinc filter."""\n'
+            "import numpy as np, soxr, torch\n"
+            "def resample(waveform, orig_freq, new_freq, **kwargs):\n"
+            "    x = waveform.detach().cpu().double().numpy()\n"
+            "    rows = x.reshape(-1, x.shape[-1])\n"
+            "    out = np.stack([soxr.resample(r, orig_freq, new_freq) for r in rows])\n"
+            "    out = torch.from_numpy(out.reshape(*x.shape[:-1], out.shape[-1]))\n"
+            "    return out.to(waveform.dtype).to(waveform.device)\n"
+        )
+    else:
+        (package / "functional.py").write_text(
+            "def resample(*args, **kwargs):\n"
+            "    raise NotImplementedError('torchaudio stand-in: install torchaudio to encode "
+            "audio')\n"
+        )
     meta = folder / "torchaudio-2.11.0.dist-info"
     meta.mkdir(exist_ok=True)
     (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: torchaudio\nVersion: 2.11.0\n")

@@ -80,7 +80,11 @@ class SpeechBody(RequestModel):
     # required, as at OpenAI: a request without one is a 400 naming `voice`, never the
     # model's default_voice (a client that forgot it would hear a voice it did not choose)
     voice: Voice = Field(description="one of the model's voices or voice_aliases")
-    instructions: Text | None = Field(None, description="accepted; no voice here acts on it")
+    instructions: Text | None = Field(
+        None,
+        description="how to speak; handed to the pipeline (Higgs Audio v2: the system message; "
+        "the embedded Piper voice ignores it)",
+    )
     response_format: ResponseFormat = "mp3"
     speed: Annotated[float, Between(MIN_SPEED, MAX_SPEED)] = 1.0
     stream_format: StreamFormat = DEFAULT_STREAM_FORMAT
@@ -90,6 +94,10 @@ class SpeechBody(RequestModel):
     )
     seed: Annotated[Integer, Between(0, MAX_SEED)] | None = extension(
         "the same seed gives bit-identical audio"
+    )
+    temperature: Annotated[float, Between(0.0, 2.0)] | None = extension(
+        "sampling temperature of a model that samples its audio (0: greedy); absent: the "
+        "model's default; the embedded Piper voice ignores it"
     )
     sample_rate: Annotated[Integer, Between(1, 2**31 - 1)] | None = extension(
         "the output sample rate; the format must support it"
@@ -106,6 +114,8 @@ class SpeechRequest:
     stream_format: str | None  # None: one whole response with a Content-Length ("stream": false)
     seed: int | None
     sample_rate: int | None
+    instructions: str | None = None
+    temperature: float | None = None
 
     @property
     def content_type(self) -> str:
@@ -123,6 +133,8 @@ class SpeechRequest:
                 seed=self.seed,
                 sample_rate=self.sample_rate,
             ),
+            "instructions": self.instructions,
+            "temperature": self.temperature,
         }
 
 
@@ -159,8 +171,8 @@ def parse_speech_request(
     """The rest of the request, for the model `speech_model` found, within `options`' bounds."""
     options = options or ServeOptions()
     fields = parse(SpeechBody, body)
-    # `instructions` is accepted and type-checked for OpenAI compatibility; the speech contract
-    # with the pipeline has no instructions field yet, so no voice can act on them
+    # `instructions` and `temperature` reach the entry stage beside the speech options; a
+    # voice that cannot act on them (the embedded Piper voice) ignores them
     text = _input_text(fields.input, options.max_input_chars)
     _check_audio_estimate(text, fields.speed, options.max_audio_seconds)
     return SpeechRequest(
@@ -172,6 +184,8 @@ def parse_speech_request(
         stream_format=_stream_format(fields),
         seed=fields.seed,
         sample_rate=_sample_rate(fields.sample_rate, fields.response_format),
+        instructions=fields.instructions,
+        temperature=fields.temperature,
     )
 
 
