@@ -334,8 +334,44 @@ def write_audio_tokenizer(out: Path, size: str, codebook_size: int, seed: int) -
     )
     torch.manual_seed(seed)
     model = HiggsAudioV2TokenizerModel(config)
+    # transformers initializes the codebooks to zeros (a trained model fills them): every code
+    # would decode alike and every clip encode to code 0. Unit-variance codebooks instead, so
+    # audio depends on its codes and clips encode to varied codes.
+    with torch.no_grad():
+        for quantizer in model.quantizer.quantizers:
+            quantizer.codebook.embed.normal_()
+            quantizer.codebook.embed_avg.copy_(quantizer.codebook.embed)
+            quantizer.codebook.cluster_size.fill_(1.0)
+        _scale_decoder(model)
     model.save_pretrained(out)
     return model
+
+
+def _scale_decoder(model: Any) -> None:
+    """transformers' init (std 0.02) leaves the decoder's output almost the same whatever the
+    codes (a test comparing audio would compare nothing). `1/sqrt(fan_in)` weights from the
+    codes to the waveform instead, zero biases, and the last layer scaled so random codes decode
+    to audio of RMS 0.1 (no clipping in 16-bit formats)."""
+    import torch
+
+    layers = [
+        m
+        for m in model.acoustic_decoder.modules()
+        if isinstance(m, torch.nn.Conv1d | torch.nn.ConvTranspose1d)
+    ]
+    for projection in [model.fc2, *(q.project_out for q in model.quantizer.quantizers)]:
+        projection.weight.normal_(0, projection.weight.shape[1] ** -0.5)
+    for layer in layers:
+        fan_in = layer.in_channels * layer.kernel_size[0]
+        if isinstance(layer, torch.nn.ConvTranspose1d):
+            fan_in //= layer.stride[0]
+        layer.weight.normal_(0, fan_in**-0.5)
+        if layer.bias is not None:
+            layer.bias.zero_()
+    codes = torch.randint(0, model.config.codebook_size, (1, model.config.num_quantizers, 50),
+                          generator=torch.Generator().manual_seed(0))  # fmt: skip
+    rms = model.decode(codes).audio_values.pow(2).mean().sqrt()
+    layers[-1].weight.mul_(0.1 / float(rms))
 
 
 def torchaudio_stand_in(folder: Path, resample_with_soxr: bool = False) -> Path:

@@ -97,6 +97,7 @@ class TTSEngine(StageBackend):
 
     def sampling(self, asked: dict[str, Any], max_frames: int) -> SamplingParams:
         temperature = asked.get("temperature")
+        window = int(self.defaults["ras_window"])  # 0: repetition-aware sampling off
         try:
             return SamplingParams(
                 temperature=float(self.defaults["temperature"] if temperature is None
@@ -105,8 +106,9 @@ class TTSEngine(StageBackend):
                 top_p=float(self.defaults["top_p"]),
                 seed=asked.get("seed"),
                 max_tokens=max_frames,
-                ras_window=int(self.defaults["ras_window"]),
-                ras_max_repeat=int(self.defaults["ras_max_repeat"]),
+                ras_window=window,
+                ras_max_repeat=int(self.defaults["ras_max_repeat"]) if window else 0,
+                ignore_eos=bool(self.defaults["ignore_eos"]),
             )  # fmt: skip
         except (TypeError, ValueError) as err:
             raise InvalidRequest(f"sampling: {err}", param="temperature") from err
@@ -154,4 +156,5 @@ DEFAULTS: dict[str, Any] = {
     "ras_window": 7,
     "ras_max_repeat": 2,
     "max_audio_seconds": 120.0,
+    "ignore_eos": False,
 }

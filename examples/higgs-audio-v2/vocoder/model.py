@@ -48,8 +48,8 @@ log = logging.getLogger("omni_server.examples.higgs.vocoder")
 SIZES = (
     ("first_chunk_frames", 4, 1),
     ("chunk_frames", 16, 1),
-    ("context_frames", 8, 0),
-    ("lookahead_frames", 4, 0),
+    ("context_frames", 12, 0),
+    ("lookahead_frames", 10, 0),
 )
 
 
