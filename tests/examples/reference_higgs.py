@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 from transformers import HiggsAudioV2ForConditionalGeneration, HiggsAudioV2Processor
@@ -26,13 +27,13 @@ def main(folder: str, cases_path: str, out_path: str, max_frames: str) -> None:
     processor = HiggsAudioV2Processor.from_pretrained(folder)
     model = HiggsAudioV2ForConditionalGeneration.from_pretrained(folder).eval()
     results = []
-    for case in json.loads(open(cases_path).read()):
+    for case in json.loads(Path(cases_path).read_text()):
         text = processor.apply_chat_template(
             case["conversation"], add_generation_prompt=True, tokenize=False
         )
         audio = None
         if case["clip"] is not None:
-            samples, rate = decode(open(case["clip"], "rb").read())
+            samples, rate = decode(Path(case["clip"]).read_bytes())
             assert rate == 24000, rate
             audio = [samples]
         inputs = processor(text=text, audio=audio, sampling_rate=24000, return_tensors="pt")

@@ -267,7 +267,7 @@ def test_formats_speed_and_models(higgs_server: ServerProcess) -> None:
     seconds = len(pcm) / 2 / 24000
     assert seconds > 0.3
     for fmt in ("mp3", "opus", "aac", "flac", "wav"):
-        status, body, headers = speech(higgs_server, input=text, response_format=fmt)
+        status, body, _ = speech(higgs_server, input=text, response_format=fmt)
         assert status == 200, body[:300]
         clip = decode(body, fmt)
         assert clip.sample_rate in (24000, 48000), fmt  # opus decodes at 48 kHz
