@@ -121,7 +121,8 @@ def delayed(codes: np.ndarray, bos: int, eos: int) -> list[list[int]]:
     for j in range(k):
         out[: j + 1, j] = bos
         out[j + 1 : j + 1 + n, j] = codes[:, j]
-    return out.tolist()  # type: ignore[no-any-return]
+    frames: list[list[int]] = out.tolist()
+    return frames
 
 
 @dataclass
