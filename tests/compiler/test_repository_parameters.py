@@ -12,10 +12,12 @@ from omni_server.compiler.errors import RepositoryError
 from omni_server.compiler.render import config_toml
 from tests.helpers.repo import make_repo, toml
 
-STAGES = {"only": toml("""
+STAGES = {
+    "only": toml("""
     backend = "B"
     terminal = true
-""")}
+""")
+}
 MODEL = toml("""
     [models.m]
     entry = "only"
@@ -28,12 +30,15 @@ def repo(tmp_path: Path, extra: str = "") -> Path:
 
 
 def test_the_table_is_read_overridden_and_printed(tmp_path: Path) -> None:
-    root = repo(tmp_path, toml("""
+    root = repo(
+        tmp_path,
+        toml("""
         [parameters]
         checkpoint = "/models/a"
         [parameters.codec]
         rate = 24000
-    """))
+    """),
+    )
     plan = compile_repository(root)
     assert plan.parameters == {"checkpoint": "/models/a", "codec": {"rate": 24000}}
     plan = compile_repository(
