@@ -89,6 +89,9 @@ class StageContext:
     process_group: Any = None  # torch.distributed group of the TP ranks, None without TP
     engine: Mapping[str, Any] = field(default_factory=dict)  # the stage's [engine] table
     gpu_memory_fraction: float | None = None  # the share of the GPU this stage budgets
+    # repository.toml's [parameters]: what every stage of the repository shares (a checkpoint
+    # folder, say); the stage's own [parameters] are `parameters`
+    repository_parameters: Mapping[str, Any] = field(default_factory=dict)
     # the runtime's weight sharing (gpu/weights.py); None: every replica loads its own
     weight_sharing: Any = field(default=None, repr=False, compare=False)
 

@@ -334,27 +334,80 @@ def write_audio_tokenizer(out: Path, size: str, codebook_size: int, seed: int) -
     )
     torch.manual_seed(seed)
     model = HiggsAudioV2TokenizerModel(config)
+    # transformers initializes the codebooks to zeros (a trained model fills them): every code
+    # would decode alike and every clip encode to code 0. Unit-variance codebooks instead, so
+    # audio depends on its codes and clips encode to varied codes.
+    with torch.no_grad():
+        for quantizer in model.quantizer.quantizers:
+            quantizer.codebook.embed.normal_()
+            quantizer.codebook.embed_avg.copy_(quantizer.codebook.embed)
+            quantizer.codebook.cluster_size.fill_(1.0)
+        _scale_decoder(model)
     model.save_pretrained(out)
     return model
 
 
-def torchaudio_stand_in(folder: Path) -> Path:
+def _scale_decoder(model: Any) -> None:
+    """transformers' init (std 0.02) leaves the decoder's output almost the same whatever the
+    codes (a test comparing audio would compare nothing). `1/sqrt(fan_in)` weights from the
+    codes to the waveform instead, zero biases, and the last layer scaled so random codes decode
+    to audio of RMS 0.1 (no clipping in 16-bit formats)."""
+    import torch
+
+    layers = [
+        m
+        for m in model.acoustic_decoder.modules()
+        if isinstance(m, torch.nn.Conv1d | torch.nn.ConvTranspose1d)
+    ]
+    for projection in [model.fc2, *(q.project_out for q in model.quantizer.quantizers)]:
+        projection.weight.normal_(0, projection.weight.shape[1] ** -0.5)
+    for layer in layers:
+        fan_in = layer.in_channels * layer.kernel_size[0]
+        if isinstance(layer, torch.nn.ConvTranspose1d):
+            fan_in //= layer.stride[0]
+        layer.weight.normal_(0, fan_in**-0.5)
+        if layer.bias is not None:
+            layer.bias.zero_()
+    codes = torch.randint(0, model.config.codebook_size, (1, model.config.num_quantizers, 50),
+                          generator=torch.Generator().manual_seed(0))  # fmt: skip
+    rms = model.decode(codes).audio_values.pow(2).mean().sqrt()
+    layers[-1].weight.mul_(0.1 / float(rms))
+
+
+def torchaudio_stand_in(folder: Path, resample_with_soxr: bool = False) -> Path:
     """A stand-in `torchaudio` package under `folder` (returned: put it on PYTHONPATH), for a
     machine without a working torchaudio (this one: no wheel for torch 2.13).
 
     transformers refuses to build `HiggsAudioV2TokenizerModel` without torchaudio, which it uses
-    only to resample audio it *encodes* (reference voices). Writing random weights and decoding
-    codes never call it; the stand-in's resample raises, so nothing can silently use it."""
+    only to resample audio it *encodes* (reference voices, 24 kHz -> its semantic model's 16
+    kHz). Writing random weights and decoding codes never call it; by default the stand-in's
+    resample raises, so nothing can silently use it. `resample_with_soxr`: its resample is
+    soxr's instead (a different filter than torchaudio's, so codes of a clip differ from
+    those a real torchaudio gives; the same in every process that uses the stand-in), for
+    tests that encode reference voices here."""
     package = folder / "torchaudio"
     package.mkdir(parents=True, exist_ok=True)
     (package / "__init__.py").write_text(
-        '"""Stand-in (omni_bench.random_checkpoint): no audio I/O, no resampling."""\n'
+        '"""Stand-in (omni_bench.random_checkpoint): no audio I/O."""\n'
         "from . import functional\n__version__ = '2.11.0'\n"
     )
-    (package / "functional.py").write_text(
-        "def resample(*args, **kwargs):\n"
-        "    raise NotImplementedError('torchaudio stand-in: install torchaudio to encode audio')\n"
-    )
+    if resample_with_soxr:
+        (package / "functional.py").write_text(
+            '"""Stand-in: resample with soxr, NOT torchaudio\'s sinc filter."""\n'
+            "import numpy as np, soxr, torch\n"
+            "def resample(waveform, orig_freq, new_freq, **kwargs):\n"
+            "    x = waveform.detach().cpu().double().numpy()\n"
+            "    rows = x.reshape(-1, x.shape[-1])\n"
+            "    out = np.stack([soxr.resample(r, orig_freq, new_freq) for r in rows])\n"
+            "    out = torch.from_numpy(out.reshape(*x.shape[:-1], out.shape[-1]))\n"
+            "    return out.to(waveform.dtype).to(waveform.device)\n"
+        )
+    else:
+        (package / "functional.py").write_text(
+            "def resample(*args, **kwargs):\n"
+            "    raise NotImplementedError('torchaudio stand-in: install torchaudio to encode "
+            "audio')\n"
+        )
     meta = folder / "torchaudio-2.11.0.dist-info"
     meta.mkdir(exist_ok=True)
     (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: torchaudio\nVersion: 2.11.0\n")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_server.compiler import graph, placement
-from omni_server.compiler.descriptor import check_unique, parse_stage
+from omni_server.compiler.descriptor import check_unique, freeze, parse_stage
 from omni_server.compiler.errors import RepositoryError
 from omni_server.compiler.files import RawRepository, load_repository
 from omni_server.compiler.overrides import apply_overrides
@@ -87,6 +87,7 @@ def _compile(raw: RawRepository) -> Plan:
     return Plan(
         repository=raw.root,
         server=server,
+        parameters=freeze(_table(raw, "parameters")),
         stages=FrozenMap(stages),
         models=FrozenMap(models),
         processes=FrozenMap(processes),

@@ -89,7 +89,7 @@ def parse_stage(rs: RawStage) -> StageSpec:
         name=rs.name,
         directory=rs.directory,
         backend=_backend(rs, fail),
-        parameters=_freeze(_value(data, "parameters")),
+        parameters=freeze(_value(data, "parameters")),
         process=process,
         gpu=gpu,
         tp_size=tp_size,
@@ -183,7 +183,7 @@ def _engine(data: dict[str, Any]) -> EngineSpec | None:
     table = data["engine"]
     return EngineSpec(
         max_total_tokens=field_value(table, ENGINE_FIELDS, "max_total_tokens"),
-        settings=_freeze(table),
+        settings=freeze(table),
     )
 
 
@@ -238,10 +238,10 @@ def _names_or_ints(value: int | list[int] | None) -> tuple[int, ...]:
     return (value,) if isinstance(value, int) else tuple(value)
 
 
-def _freeze(value: Any) -> Any:
+def freeze(value: Any) -> Any:
     """TOML tables -> FrozenMap, arrays -> tuples: a plan's parameters are read-only."""
     if isinstance(value, dict):
-        return FrozenMap({k: _freeze(v) for k, v in value.items()})
+        return FrozenMap({k: freeze(v) for k, v in value.items()})
     if isinstance(value, list):
-        return tuple(_freeze(v) for v in value)
+        return tuple(freeze(v) for v in value)
     return value

@@ -11,6 +11,8 @@ value passes. Paths mirror the files:
     --stages.<stage>.engine.<field>      its [engine]; `--stages.<stage>.max_total_tokens` too
     --stages.<stage>.sampling.<field>    its [sampling] (a request's defaults; no shorthand)
     --stages.<stage>.parameters.<key>    its free-form [parameters] (value read as TOML)
+    --parameters.<key>                   repository.toml's free-form [parameters], which every
+                                         stage's backend sees (value read as TOML)
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from omni_server.compiler.schema import (
 )
 
 ORIGIN = "command line"
-ROOTS = ("stages", "processes", "models", "server")
+ROOTS = ("stages", "processes", "models", "server", "parameters")
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,11 @@ def _apply(raw: RawRepository, ov: Override) -> str:
     root = parts[0]
     if root not in ROOTS:
         _fail(ov, f"unknown path; valid roots: {', '.join(ROOTS)}")
+    if root == "parameters":
+        if len(parts) < 2 or not all(parts[1:]):
+            _fail(ov, "expected --parameters.<key>[.<key>...] <value>")
+        _set_free(_table(raw.data, "parameters"), parts[1:], ov)
+        return ov.path
     if root == "server":
         if len(parts) != 2:
             _fail(ov, "expected --server.<field>; fields: " + ", ".join(SERVER_FIELDS))
@@ -115,10 +122,7 @@ def _apply_stage(data: dict[str, Any], stage: str, rest: list[str], ov: Override
     """Set one stage override; returns its path inside stage.toml."""
     head = rest[0]
     if head == "parameters" and len(rest) >= 2:
-        table = _table(data, "parameters")
-        for key in rest[1:-1]:
-            table = _table(table, key)
-        table[rest[-1]] = parse_free(ov.text)
+        _set_free(_table(data, "parameters"), rest[1:], ov)
         return ".".join(rest)
     if head in STAGE_TABLES and len(rest) == 2:
         _set(_table(data, head), rest[1], STAGE_TABLES[head], ov, stage)
@@ -139,6 +143,13 @@ def _apply_stage(data: dict[str, Any], stage: str, rest: list[str], ov: Override
     valid += [*SCHEDULER_FIELDS, *ENGINE_FIELDS, "scheduler.<f>", "engine.<f>", "sampling.<f>"]
     valid += ["parameters.<key>"]
     _fail(ov, "unknown stage field; valid: " + ", ".join(valid), stage=stage)
+
+
+def _set_free(table: dict[str, Any], keys: list[str], ov: Override) -> None:
+    """A free-form [parameters] key (nested tables created): the value read as TOML."""
+    for key in keys[:-1]:
+        table = _table(table, key)
+    table[keys[-1]] = parse_free(ov.text)
 
 
 def _set(

@@ -224,6 +224,9 @@ class Plan:
     processes: Mapping[str, ProcessSpec]
     instances: tuple[ProcessInstance, ...]
     edges: tuple[Edge, ...]
+    # repository.toml's free-form [parameters]: every stage's backend sees them
+    # (StageContext.repository_parameters), e.g. the checkpoint folder all stages load from
+    parameters: Mapping[str, Any] = EMPTY
 
     def process_of(self, stage: str) -> ProcessSpec:
         return self.processes[self.stages[stage].process]

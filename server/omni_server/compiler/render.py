@@ -23,7 +23,7 @@ _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
 def config_dict(plan: Plan) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "server": {
             "mps": str(plan.server.mps),
             "weight_share": "on" if plan.server.weight_share else "off",
@@ -41,6 +41,9 @@ def config_dict(plan: Plan) -> dict[str, Any]:
         },
         "stages": {s.name: _stage(s) for s in plan.stages.values()},
     }
+    if plan.parameters:
+        out["parameters"] = _thaw(plan.parameters)
+    return out
 
 
 def config_toml(plan: Plan) -> str:

@@ -364,8 +364,9 @@ PROCESS_FIELDS = _fields(
 )
 
 # repository.toml's top-level tables: [server] holds SERVER_FIELDS; [models.<id>] and
-# [processes.<name>] hold one table of MODEL_FIELDS / PROCESS_FIELDS per entry.
-REPOSITORY_TABLES = ("server", "models", "processes")
+# [processes.<name>] hold one table of MODEL_FIELDS / PROCESS_FIELDS per entry; [parameters] is
+# free-form, handed to every stage's backend (`context.repository_parameters`).
+REPOSITORY_TABLES = ("server", "models", "processes", "parameters")
 
 
 def field_value(data: Mapping[str, Any], fields: Mapping[str, Field], name: str) -> Any:

@@ -27,7 +27,7 @@ from omni_server.pipeline import PipelineError, RequestHandle
 from omni_server.serve.body import read_json
 from omni_server.serve.errors import STREAM_STARTED, ApiError
 from omni_server.serve.metrics import RequestTrack
-from omni_server.serve.pipeline_call import ApiCall, ContractError, pipeline_error, respond
+from omni_server.serve.pipeline_call import ApiCall, ContractError, request_error, respond
 from omni_server.serve.responses import write_within
 from omni_server.serve.speech_request import (
     PCM_SAMPLE_RATE,
@@ -80,7 +80,9 @@ async def _answer(
         if not whole and not tail and response is None:
             _nothing_spoken(result)
     except PipelineError as exc:
-        error = pipeline_error(exc, handle.id)
+        # a stage's refusal of the input (InvalidRequest: the prompt over the model's context,
+        # say) is the client's 400, as for chat; other failures are 5xx
+        error = request_error(exc, handle.id)
         if response is None:
             log.warning("speech request %s failed: %s", handle.id, exc.message)
             raise error from exc

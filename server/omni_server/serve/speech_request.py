@@ -81,7 +81,11 @@ class SpeechBody(RequestModel):
     # required, as at OpenAI: a request without one is a 400 naming `voice`, never the
     # model's default_voice (a client that forgot it would hear a voice it did not choose)
     voice: Voice = Field(description="one of the model's voices or voice_aliases")
-    instructions: Text | None = Field(None, description="accepted; no voice here acts on it")
+    instructions: Text | None = Field(
+        None,
+        description="how to speak; handed to the pipeline (Higgs Audio v2: the system message; "
+        "the embedded Piper voice ignores it)",
+    )
     response_format: ResponseFormat = "mp3"
     speed: Annotated[float, Between(MIN_SPEED, MAX_SPEED)] = 1.0
     stream_format: StreamFormat = DEFAULT_STREAM_FORMAT
@@ -91,6 +95,10 @@ class SpeechBody(RequestModel):
     )
     seed: Annotated[Integer, Between(0, MAX_SEED)] | None = extension(
         "the same seed gives bit-identical audio"
+    )
+    temperature: Annotated[float, Between(0.0, 2.0)] | None = extension(
+        "sampling temperature of a model that samples its audio (0: greedy); absent: the "
+        "model's default; the embedded Piper voice ignores it"
     )
     sample_rate: Annotated[Integer, Between(1, 2**31 - 1)] | None = extension(
         "the output sample rate; the format must support it"
@@ -108,6 +116,8 @@ class SpeechRequest:
     seed: int | None
     sample_rate: int | None
     reference: dict[str, Any] | None = None  # a custom voice's clip (docs/voices.md)
+    instructions: str | None = None
+    temperature: float | None = None
 
     @property
     def content_type(self) -> str:
@@ -126,6 +136,8 @@ class SpeechRequest:
                 sample_rate=self.sample_rate,
                 reference=self.reference,
             ),
+            "instructions": self.instructions,
+            "temperature": self.temperature,
         }
 
 
@@ -172,8 +184,8 @@ def parse_speech_request(
     `voices` adds the custom voices (without it, the model's declared voices only)."""
     options = options or ServeOptions()
     fields = parse(SpeechBody, body)
-    # `instructions` is accepted and type-checked for OpenAI compatibility; the speech contract
-    # with the pipeline has no instructions field yet, so no voice can act on them
+    # `instructions` and `temperature` reach the entry stage beside the speech options; a
+    # voice that cannot act on them (the embedded Piper voice) ignores them
     text = _input_text(fields.input, options.max_input_chars)
     _check_audio_estimate(text, fields.speed, options.max_audio_seconds)
     voice = choose_voice(fields.voice, model, voices, "voice")
@@ -187,6 +199,8 @@ def parse_speech_request(
         stream_format=_stream_format(fields),
         seed=fields.seed,
         sample_rate=_sample_rate(fields.sample_rate, fields.response_format),
+        instructions=fields.instructions,
+        temperature=fields.temperature,
     )
 
 

@@ -128,6 +128,7 @@ class StageHost:
             process_group=self._process_group,
             engine=dict(spec.engine.settings) if spec.engine else {},
             gpu_memory_fraction=spec.gpu_memory_fraction if device is not None else None,
+            repository_parameters=dict(self.plan.parameters),
             weight_sharing=self._weight_sharing,
         )
 

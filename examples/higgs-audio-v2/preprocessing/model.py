@@ -1,0 +1,133 @@
+"""Preprocessing: an OpenAI speech request -> the conversation the reference processor renders.
+
+Inputs: the speech contract (docs/voice.md: text, voice, speed, seed, response_format, stream,
+sample_rate) and `instructions`, `temperature` (docs/serving.md). The conversation is the one
+bosonai documents for TTS: the system message (the request's `instructions`, else the stage's
+`system`) with the scene description inside the system turn, then the text. A voice with a clip
+is cloned as the reference does it: its transcript as a user turn and its clip as the
+assistant's audio answer come before the text.
+
+Voices: every voice of the model (repository.toml) but the default one is a clip in voices/
+(`<name>.wav`, 24 kHz mono or any rate and channels the decoder reads) with its transcript
+(`<name>.txt`); the default voice has no clip (the model's own speaker). `VoiceLibrary.lookup`
+is the one place a voice name becomes (clip path, transcript): a store of cloned voices plugs in
+there. Out: {"conversation", "prompt_text", "voice": {"name", "clip", "transcript"}, "sampling",
+"encoding"} to the audio encoder.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omni_server.audio.higgs_codec import HiggsCheckpointError, open_checkpoint
+from omni_server.backend import InvalidRequest, StageBackend, StageConfigError, StageContext
+from omni_server.engine import ChatTemplateError, HFTokenizer
+
+
+@dataclass(frozen=True)
+class Voice:
+    name: str
+    clip: Path | None  # None: the model's own speaker, no reference audio in the prompt
+    transcript: str | None
+
+
+class VoiceLibrary:
+    """Voice name -> its reference clip and transcript, from the repository's voices/ folder."""
+
+    def __init__(self, folder: Path, names: list[str], default: str | None) -> None:
+        self.voices: dict[str, Voice] = {}
+        for name in names:
+            if name == default:
+                self.voices[name] = Voice(name, None, None)
+                continue
+            clip, text = folder / f"{name}.wav", folder / f"{name}.txt"
+            if not clip.is_file() or not text.is_file():
+                raise StageConfigError(
+                    f"voice {name!r}: {folder} needs {clip.name} and {text.name} (a reference "
+                    "clip and its transcript)"
+                )
+            transcript = text.read_text(encoding="utf-8").strip()
+            if not transcript:
+                raise StageConfigError(f"voice {name!r}: {text} is empty")
+            self.voices[name] = Voice(name, clip, transcript)
+
+    def lookup(self, name: str) -> Voice:
+        voice = self.voices.get(name)
+        if voice is None:  # the server checked the name against the model's voices
+            raise InvalidRequest(
+                f"unknown voice {name!r}; voices: {', '.join(self.voices)}", param="voice"
+            )
+        return voice
+
+
+class Preprocessing(StageBackend):
+    def initialize(self, context: StageContext) -> None:
+        try:
+            checkpoint = open_checkpoint(context.repository_parameters)
+        except HiggsCheckpointError as err:
+            raise StageConfigError(str(err)) from err
+        self.tokenizer = HFTokenizer(checkpoint.folder)
+        self.system = str(context.parameters.get("system", ""))
+        self.scene = str(context.parameters.get("scene", ""))
+        model = _speech_model(context.repository)
+        self.voices = VoiceLibrary(
+            context.repository / "voices", list(model.get("voices", [])), model.get("default_voice")
+        )
+
+    def execute(self, requests: list[Any]) -> list[dict[str, Any]]:
+        return [self._one(request.inputs) for request in requests]
+
+    def _one(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        text = inputs.get("text")
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidRequest("'input' is empty", param="input")
+        voice = self.voices.lookup(str(inputs.get("voice")))
+        conversation = self.conversation(text, voice, inputs.get("instructions"))
+        try:
+            prompt_text = self.tokenizer.apply_chat_template(conversation)
+        except ChatTemplateError as err:
+            raise InvalidRequest(str(err), param="input") from err
+        return {
+            "conversation": conversation,
+            "prompt_text": prompt_text,
+            "voice": {
+                "name": voice.name,
+                "clip": None if voice.clip is None else str(voice.clip),
+                "transcript": voice.transcript,
+            },
+            "sampling": {"temperature": inputs.get("temperature"), "seed": inputs.get("seed")},
+            "encoding": {
+                "format": inputs.get("response_format", "pcm"),
+                "stream": bool(inputs.get("stream", True)),
+                "sample_rate": inputs.get("sample_rate"),
+                "speed": float(inputs.get("speed", 1.0)),
+            },
+        }
+
+    def conversation(self, text: str, voice: Voice, instructions: Any) -> list[dict[str, Any]]:
+        system = instructions if isinstance(instructions, str) and instructions else self.system
+        messages: list[dict[str, Any]] = [_turn("system", system)]
+        if self.scene:
+            messages.append(_turn("scene", self.scene))
+        if voice.clip is not None:
+            messages.append(_turn("user", voice.transcript or ""))
+            messages.append({"role": "assistant", "content": [{"type": "audio", "url": "voice"}]})
+        messages.append(_turn("user", text))
+        return messages
+
+
+def _turn(role: str, text: str) -> dict[str, Any]:
+    return {"role": role, "content": [{"type": "text", "text": text}]}
+
+
+def _speech_model(repository: Path) -> dict[str, Any]:
+    """The repository's speech model (its voices): this repository serves one."""
+    with (repository / "repository.toml").open("rb") as f:
+        models = tomllib.load(f).get("models", {})
+    speech = [m for m in models.values() if "speech" in m.get("tasks", [])]
+    if len(speech) != 1:
+        raise StageConfigError("repository.toml must declare exactly one speech model")
+    return dict(speech[0])

@@ -1,0 +1,397 @@
+"""examples/higgs-audio-v2 served end to end on a tiny random checkpoint (the writer's, in this
+module's tmp dir), against transformers' reference (tests/examples/reference_higgs.py):
+
+- greedy: the frames the engine emits equal `HiggsAudioV2ForConditionalGeneration.generate(
+  do_sample=False)` for the same text, voice and instructions (the reference processor builds
+  its prompt and encodes the voice's clip); the served waveform matches the processor's decode
+  of those frames (all at once) at >= 30 dB SNR, streamed and whole;
+- seeded sampling reproducible and independent of the batch: 8 concurrent requests of
+  different lengths each equal their run alone;
+- a cloned voice's encoder runs once; an unknown voice is a 400 naming the voices; the six
+  formats, speed, /v1/models; abort mid-stream frees the request's KV and stops the vocoder;
+- bad input: empty input, an unsupported format, a prompt over the context (400), and at start
+  (exit 1, one line naming the folder): no checkpoint, a missing folder, another model_type,
+  a config whose shapes disagree with the weights.
+
+Real processes throughout (the runtime's, or `omni-server`). Stand-in, labelled: this machine
+has no torchaudio wheel for its torch, and transformers will not build the audio tokenizer
+without it; the stage processes and the reference see `torchaudio_stand_in(...,
+resample_with_soxr=True)` (omni_bench.random_checkpoint), whose resample (24 -> 16 kHz for the
+semantic encoder of a clip) is soxr's. Both sides use the same stand-in, so the clip's codes
+agree; with a real torchaudio it is not used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from omni_server.audio import decode
+from tests.helpers.server import ROOT, ServerProcess
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+REPO = ROOT / "examples" / "higgs-audio-v2"
+MODEL = "higgs-audio-v2"
+SYSTEM = "Generate audio following instruction."
+SCENE = "Audio is recorded from a quiet room."
+CLONED = "joe"
+TEXTS = [
+    "The sun rises in the east.",
+    "Hello there, how are you doing on this fine day?",
+    "It may not be a holiday, but it's the best day of the year. Hooray!",
+]
+MIN_SNR_DB = 30.0
+MAX_FRAMES = 150  # both sides stop there (6 s of audio at 25 frames a second)
+# the reference's greedy: ras_win_len=None, max_new_tokens=MAX_FRAMES
+GREEDY = ["--stages.tts_engine.parameters.ras_window", "0",
+          "--stages.tts_engine.parameters.max_audio_seconds", str(MAX_FRAMES / 25)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from omni_bench.random_checkpoint import write_higgs_audio_v2
+
+    return write_higgs_audio_v2(tmp_path_factory.mktemp("ckpt") / "higgs", "tiny", seed=5)
+
+
+@pytest.fixture(scope="module")
+def stand_in(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    from omni_bench.random_checkpoint import has_torchaudio, torchaudio_stand_in
+
+    if has_torchaudio():
+        return []
+    return [str(torchaudio_stand_in(tmp_path_factory.mktemp("ta"), resample_with_soxr=True))]
+
+
+@contextlib.contextmanager
+def python_path(paths: list[str]) -> Iterator[None]:
+    """Processes started inside see `paths` first (the stand-in); restored after."""
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [before])])
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
+def conversation(text: str, voice: str | None, system: str = SYSTEM) -> list[dict[str, Any]]:
+    """The reference's TTS conversation, as the pipeline's preprocessing documents it."""
+
+    def turn(role: str, value: str) -> dict[str, Any]:
+        return {"role": role, "content": [{"type": "text", "text": value}]}
+
+    messages = [turn("system", system), turn("scene", SCENE)]
+    if voice is not None:
+        transcript = (REPO / "voices" / f"{voice}.txt").read_text().strip()
+        messages += [
+            turn("user", transcript),
+            {"role": "assistant", "content": [{"type": "audio", "url": "voice"}]},
+        ]
+    return [*messages, turn("user", text)]
+
+
+CASES = [
+    (TEXTS[0], "higgs", None),
+    (TEXTS[1], CLONED, None),
+    (TEXTS[2], "higgs", "Speak slowly and warmly."),
+]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path, stand_in: list[str], tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """transformers' frames and waveform for each of CASES (one child process)."""
+    folder = tmp_path_factory.mktemp("reference")
+    cases = [
+        {
+            "conversation": conversation(
+                text, None if voice == "higgs" else voice, system or SYSTEM
+            ),
+            "clip": None if voice == "higgs" else str(REPO / "voices" / f"{voice}.wav"),
+        }
+        for text, voice, system in CASES
+    ]
+    (folder / "cases.json").write_text(json.dumps(cases))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*stand_in, *sys.path])}
+    run = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("reference_higgs.py")), str(checkpoint),
+         str(folder / "cases.json"), str(folder / "out.json"), str(MAX_FRAMES)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads((folder / "out.json").read_text())
+
+
+def snr_db(reference: np.ndarray, served: np.ndarray) -> float:
+    assert len(served) == len(reference), (len(served), len(reference))
+    noise = float(np.sum((reference - served) ** 2))
+    return float("inf") if noise == 0 else 10 * np.log10(float(np.sum(reference**2)) / noise)
+
+
+def inputs(text: str, voice: str, **fields: Any) -> dict[str, Any]:
+    """The speech endpoint's pipeline inputs (SpeechRequest.pipeline_inputs)."""
+    return {
+        "text": text,
+        "voice": voice,
+        "speed": 1.0,
+        "seed": None,
+        "response_format": "pcm",
+        "stream": True,
+        "sample_rate": None,
+        "instructions": None,
+        "temperature": 0.0,
+        **fields,
+    }
+
+
+async def served(runtime: Any, model: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    """One request through the runtime: its body and the vocoder's result."""
+    body = bytearray()
+    async with runtime.submit(model, fields) as handle:
+        async for chunk in handle:
+            body += chunk["audio"]
+        result = await handle.result()
+    return {**result, "body": bytes(body)}
+
+
+async def test_greedy_frames_and_audio_equal_transformers_and_seeds_hold(
+    checkpoint: Path, stand_in: list[str], reference: list[dict[str, Any]]
+) -> None:
+    """Through the runtime's real processes: greedy frames identical to the reference and the
+    streamed pcm within 30 dB of its decode; then seeded sampling, alone, again, and as one of
+    8 concurrent requests of different lengths."""
+    from omni_server.compiler import compile_repository
+    from tests.helpers.runtime import running
+
+    overrides = ["--parameters.checkpoint", str(checkpoint), *GREEDY,
+                 "--stages.vocoder.parameters.return_frames", "true"]  # fmt: skip
+    plan = compile_repository(REPO, overrides)
+    model = plan.models[MODEL]
+    with python_path(stand_in):
+        async with running(plan) as runtime:
+            for (text, voice, system), expected in zip(CASES, reference, strict=True):
+                got = await served(runtime, model, inputs(text, voice, instructions=system))
+                assert got["generated"] == expected["frames"], (text, voice)
+                wave = decode(got["body"], "pcm").samples
+                assert snr_db(np.array(expected["audio"], np.float32), wave) >= MIN_SNR_DB
+                assert got["frames"] * 960 == len(wave)
+            assert len({len(r["frames"]) for r in reference}) > 1  # of different lengths
+            assert reference[0]["frames"] != reference[2]["frames"]  # instructions matter
+
+            sampled = [
+                inputs(TEXTS[i % 3] * (1 + i % 2), "higgs" if i % 2 else CLONED,
+                       temperature=1.0, seed=100 + i)
+                for i in range(8)
+            ]  # fmt: skip
+            alone = [(await served(runtime, model, s))["generated"] for s in sampled]
+            again = (await served(runtime, model, sampled[0]))["generated"]
+            other = (await served(runtime, model, {**sampled[0], "seed": 7}))["generated"]
+            together = await asyncio.gather(*(served(runtime, model, s) for s in sampled))
+    assert again == alone[0] and other != alone[0]
+    assert [r["generated"] for r in together] == alone
+    assert len({len(frames) for frames in alone}) > 1
+
+
+@pytest.fixture(scope="module")
+def higgs_server(
+    checkpoint: Path, stand_in: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with python_path(stand_in):
+        server = ServerProcess.start(REPO, log, "--parameters.checkpoint", str(checkpoint), *GREEDY)
+    with server:
+        yield server
+
+
+def speech(server: ServerProcess, **body: Any) -> tuple[int, bytes, dict[str, str]]:
+    import urllib.error
+    import urllib.request
+
+    payload = {"model": "tts-1", "voice": "alloy", "temperature": 0, **body}
+    request = urllib.request.Request(
+        server.url + "/v1/audio/speech",
+        data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return response.status, response.read(), dict(response.headers)
+    except urllib.error.HTTPError as err:
+        return err.code, err.read(), dict(err.headers)
+
+
+def test_served_audio_matches_the_reference_streamed_and_whole(
+    higgs_server: ServerProcess, reference: list[dict[str, Any]]
+) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=higgs_server.url + "/v1", api_key="unused")
+    for (text, voice, system), expected in zip(CASES, reference, strict=True):
+        want = np.array(expected["audio"], np.float32)
+        extra = {} if system is None else {"instructions": system}
+        streamed = client.audio.speech.create(
+            model="tts-1", voice=voice, input=text, response_format="pcm",
+            extra_body={"temperature": 0}, **extra,
+        ).content  # fmt: skip
+        assert snr_db(want, decode(streamed, "pcm").samples) >= MIN_SNR_DB
+        status, whole, headers = speech(
+            higgs_server, input=text, voice=voice, response_format="wav", stream=False, **extra
+        )
+        assert status == 200 and int(headers["Content-Length"]) == len(whole)
+        clip = decode(whole, "wav")
+        assert clip.sample_rate == 24000
+        assert snr_db(want, clip.samples) >= MIN_SNR_DB
+
+
+def test_formats_speed_and_models(higgs_server: ServerProcess) -> None:
+    # seeded sampling (the same audio every time), the longest of a few answers: the random
+    # model's greedy answers end after a few frames
+    seeded = {"temperature": 1.0, "seed": 3}
+    answers = [
+        (len(speech(higgs_server, input=t, voice=v, response_format="pcm", **seeded)[1]), t, v)
+        for t in TEXTS
+        for v in ("higgs", CLONED)
+    ]
+    size, text, voice = max(answers)
+    seconds = size / 2 / 24000
+    assert seconds > 0.3, answers
+    for fmt in ("mp3", "opus", "aac", "flac", "wav"):
+        status, body, _ = speech(
+            higgs_server, input=text, voice=voice, response_format=fmt, **seeded
+        )
+        assert status == 200, body[:300]
+        clip = decode(body, fmt)
+        assert clip.sample_rate in (24000, 48000), fmt  # opus decodes at 48 kHz
+        assert abs(clip.seconds - seconds) < 0.1, (fmt, clip.seconds, seconds)
+    status, fast, _ = speech(
+        higgs_server, input=text, voice=voice, response_format="pcm", speed=2.0, **seeded
+    )
+    assert status == 200
+    assert abs(len(fast) / 2 / 24000 - seconds / 2) < 0.05 * seconds + 0.05
+    status, listing = higgs_server.get_json("/v1/models")
+    [entry] = [m for m in listing["data"] if m["id"] == MODEL]
+    assert entry["voices"] == ["higgs", CLONED] and entry["default_voice"] == "higgs"
+
+
+def test_voice_clone_encodes_once_and_unknown_voice_is_400(higgs_server: ServerProcess) -> None:
+    for text in TEXTS:
+        status, body, _ = speech(higgs_server, input=text, voice=CLONED, response_format="pcm")
+        assert status == 200 and body
+    assert len(re.findall(rf"encoded voice {CLONED}:", higgs_server.log())) == 1
+    status, body, _ = speech(higgs_server, input="Hi there", voice="nobody")
+    assert status == 400
+    error = json.loads(body)["error"]
+    assert error["param"] == "voice" and "higgs" in error["message"] and CLONED in error["message"]
+
+
+def test_bad_requests_are_400(higgs_server: ServerProcess) -> None:
+    cases = [
+        ({"input": ""}, "input"),
+        ({"input": "Hello", "response_format": "ogg"}, "response_format"),
+        ({"input": "Hello", "temperature": 3}, "temperature"),
+        # the tiny model's context is 1024 tokens; 1920 characters its tokenizer never saw
+        # (it was trained on a few sentences) are more
+        ({"input": "Quizzical jackdaws vex my big sphinx of quartz. " * 40}, "input"),
+    ]
+    for body, param in cases:
+        status, answer, _ = speech(higgs_server, **body)
+        assert status == 400, (body, answer[:300])
+        assert json.loads(answer)["error"]["param"] == param
+    error = json.loads(speech(higgs_server, **cases[-1][0])[1])["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert speech(higgs_server, input="Still serving.")[0] == 200
+
+
+def test_abort_mid_stream_frees_the_kv_and_stops_the_vocoder(
+    checkpoint: Path, stand_in: list[str], tmp_path: Path
+) -> None:
+    """Every request runs to the context (ignore_eos): the client leaves after its first bytes."""
+    import http.client
+
+    overrides = ["--parameters.checkpoint", str(checkpoint),
+                 "--stages.tts_engine.parameters.ignore_eos", "true"]  # fmt: skip
+    with python_path(stand_in):
+        server = ServerProcess.start(REPO, tmp_path / "server.log", *overrides)
+    with server:
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+        body = json.dumps({"model": "tts-1", "voice": CLONED, "input": TEXTS[0],
+                           "response_format": "pcm"})  # fmt: skip
+        connection.request("POST", "/v1/audio/speech", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200
+        assert response.read1(4096)
+        connection.close()  # mid-stream: the request has hundreds of frames to go
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "vocoder: stopped" not in server.log():
+            time.sleep(0.2)
+        log = server.log()
+        freed = re.search(r"tts_engine: aborted \S+; KV blocks free (\d+)/(\d+)", log)
+        assert freed is not None, log[-3000:]
+        assert freed.group(1) == freed.group(2)  # every block back: the only request left
+        stopped = re.search(r"vocoder: stopped \S+ after (\d+) columns \((\d+) streams", log)
+        assert stopped is not None and stopped.group(2) == "0", log[-3000:]
+        assert speech(server, input="Hi", response_format="pcm")[0] == 200
+
+
+def start_error(checkpoint: Path | None, stand_in: list[str]) -> str:
+    """omni-server on the example exits 1 with one ERROR line and no traceback: that line."""
+    command = [sys.executable, "-m", "omni_server", "--repo", str(REPO), "--port", "0"]
+    if checkpoint is not None:
+        command += ["--parameters.checkpoint", str(checkpoint)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*stand_in, *sys.path])}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1, done.stderr[-3000:]
+    return errors[0]
+
+
+def test_a_wrong_checkpoint_is_exit_1_with_one_line(
+    checkpoint: Path, stand_in: list[str], tmp_path: Path
+) -> None:
+    assert "--parameters.checkpoint DIR" in start_error(None, stand_in)
+    missing = tmp_path / "nowhere"
+    assert f"checkpoint {missing}: no such folder" in start_error(missing, stand_in)
+    other = tmp_path / "other"
+    shutil.copytree(checkpoint, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    line = start_error(other, stand_in)
+    assert str(other) in line and "model_type is 'llama'" in line
+    mismatched = tmp_path / "mismatched"
+    shutil.copytree(checkpoint, mismatched)
+    config = json.loads((mismatched / "config.json").read_text())
+    config["intermediate_size"] += 32
+    (mismatched / "config.json").write_text(json.dumps(config))
+    line = start_error(mismatched, stand_in)
+    assert str(mismatched) in line and "config.json implies" in line
+
+
+def test_repository_resolves_with_its_topology() -> None:
+    from omni_server.compiler import compile_repository
+    from omni_server.compiler.render import topology_text
+
+    plan = compile_repository(REPO, ["--parameters.checkpoint", "/models/higgs"])
+    assert plan.parameters == {"checkpoint": "/models/higgs"}
+    text = topology_text(plan)
+    for line in ("tts_frontend : preprocessing, audio_encoder", "pipeline     : tts_engine",
+                 "vocoder      : vocoder"):  # fmt: skip
+        assert line in text
