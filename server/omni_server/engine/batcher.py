@@ -77,8 +77,10 @@ class Batcher:
         budget = self.config.max_step_tokens - sum(
             self.cost.decode(seq.num_computed) for seq in decodes
         )
-        if decodes:
-            budget = min(budget, self.prefill_beside_decodes)
+        if decodes:  # a running stream's step at most about doubles while prompts prefill
+            budget = min(
+                budget, max(self.prefill_beside_decodes, self.config.max_step_tokens - budget)
+            )
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
         prefilling += self._admit(budget)
         # Shortest remainder first (then arrival): a short prompt never waits behind a long one.
@@ -89,10 +91,11 @@ class Batcher:
         for seq in prefilling:
             start, remaining = seq.num_computed, seq.num_tokens - seq.num_computed
             n = self.cost.fit(start, remaining, budget)
+            floor = min(remaining, self.allocator.block_size)
             if seq is oldest:
-                n = max(n, min(remaining, self.allocator.block_size))
-            if n == 0:
-                continue
+                n = max(n, floor)
+            if n < floor:
+                continue  # no slivers: a prompt advances by a block at least, or waits
             prefills.append(PrefillWork(seq, start, n))
             budget -= self.cost.chunk(start, n)
         if not decodes and not prefills:

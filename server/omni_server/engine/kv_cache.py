@@ -111,12 +111,8 @@ class KVCache:
     def block_matrix(self, tables: list[list[int]], width: int) -> torch.Tensor:
         """[B, width] int32 (CPU): each table's first `width` blocks, 0 past its end (the paged
         decode kernel reads a request's entries only up to its context)."""
-        out = torch.zeros(len(tables), width, dtype=torch.int32)
-        for row, table in enumerate(tables):
-            used = min(len(table), width)
-            if used:
-                out[row, :used] = torch.tensor(table[:used], dtype=torch.int32)
-        return out
+        rows = [table[:width] + [0] * (width - len(table)) for table in tables]
+        return torch.tensor(rows, dtype=torch.int32).view(len(tables), width)  # one copy
 
     def slot_of(self, table: list[int], position: int) -> int:
         """The cache slot of `position` in a request whose block table is `table`."""

@@ -72,6 +72,9 @@ def paged_decode_attention(
     blocks_per_tile = max(1, 64 // block_size)  # a tile of >= 64 keys: enough work per step
     tile = blocks_per_tile * block_size
     partition = max(tile, PARTITION // tile * tile)
+    # A small batch spreads its contexts over more programs (the H200 has 132 SMs).
+    while partition > tile and b * num_kv_heads * -(-(width * block_size) // partition) < 128:
+        partition = max(tile, partition // 2 // tile * tile)
     num_partitions = -(-(width * block_size) // partition)
     out = torch.empty_like(q)
     scale = head_dim**-0.5

@@ -12,8 +12,10 @@ K from the model's shape: its matmul FLOPs per token (2 x the weights a token mu
 over the attention FLOPs per key (4 x layers x heads x head_dim: q.k and p.v), times how
 efficient the device's attention is against its matmuls: the CPU's gathered SDPA ran at a fifth
 of its matmuls' FLOP rate in the measurement above (K ~ 770 keys for SmolLM2, against a FLOP
-ratio of ~3900); on CUDA the paged kernels are taken at the FLOP ratio. EngineConfig's
-`attention_keys_per_token` pins K.
+ratio of ~3900). On an H200 (bf16, a 512-token chunk at context 0 / 3584 / 7168): the 1.2B
+shape measured K = 1638 against a FLOP ratio of 18856 (the chunk's gathered, masked SDPA), so
+CUDA takes a tenth; SmolLM2's chunks there are launch-bound (K measured 8733), for which a
+tenth only errs towards smaller chunks. EngineConfig's `attention_keys_per_token` pins K.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import math
 from omni_server.engine.config import LlamaShape
 
 # Attention's FLOP efficiency against the matmuls', per device type (see the docstring).
-ATTENTION_EFFICIENCY = {"cpu": 0.2, "cuda": 1.0}
+ATTENTION_EFFICIENCY = {"cpu": 0.2, "cuda": 0.1}
 
 
 def keys_per_token(shape: LlamaShape, device_type: str) -> int:
