@@ -17,6 +17,8 @@ from omni_server.engine import (
     TokenEvent,
 )
 from omni_server.engine.batcher import StepBatch
+from omni_server.engine.config import SMOLLM2_135M
+from omni_server.engine.step_cost import StepCost, keys_per_token
 
 
 def _prompt(n: int, offset: int = 0) -> list[int]:
@@ -133,39 +135,100 @@ def test_abort_of_a_waiting_request(make_tiny_engine: Callable[..., Engine]) -> 
     assert out["a"][-1].finish_reason is FinishReason.LENGTH
 
 
-def test_long_prefill_is_chunked_beside_running_decodes(
-    make_tiny_engine: Callable[..., Engine],
-) -> None:
-    engine = make_tiny_engine(max_total_tokens=512, max_step_tokens=48, max_batch_size=4)
-    short = GenerationRequest("short", _prompt(5), _params(30))
-    long = GenerationRequest("long", _prompt(300, offset=1), _params(5, seed=1))
+def _recording(engine: Engine) -> list[StepBatch]:
+    """Every batch the engine's batcher builds (observed, not changed)."""
     batches: list[StepBatch] = []
     schedule = engine.batcher.next_batch
 
-    def recording_schedule() -> StepBatch | None:  # observe, do not change
+    def recording_schedule() -> StepBatch | None:
         batch = schedule()
         if batch is not None:
             batches.append(batch)
         return batch
 
     engine.batcher.next_batch = recording_schedule  # type: ignore[method-assign]
+    return batches
+
+
+def _cost(engine: Engine, batch: StepBatch) -> tuple[float, float]:
+    """(decode cost, prefill cost) of a batch in the batcher's units."""
+    cost = engine.batcher.cost
+    decodes = sum(cost.decode(seq.num_computed) for seq in batch.decodes)
+    return decodes, sum(cost.chunk(w.start, w.length) for w in batch.prefills)
+
+
+def test_long_prefill_is_chunked_by_cost_beside_running_decodes(
+    make_tiny_engine: Callable[..., Engine],
+) -> None:
+    # Issue 27.2: a long prompt must not stall a running stream. Its chunks are bounded by their
+    # attention's cost (a token at context c weighs 1 + c / 64 here), not their length, and
+    # every step that carries one also carries the stream's next token.
+    engine = make_tiny_engine(
+        max_total_tokens=512, max_step_tokens=48, max_batch_size=4, attention_keys_per_token=64
+    )
+    assert engine.batcher.prefill_beside_decodes == 32  # the CPU's default
+    short = GenerationRequest("short", _prompt(5), _params(60))
+    long = GenerationRequest("long", _prompt(300, offset=1), _params(5, seed=1))
+    batches = _recording(engine)
     out: dict[str, list[TokenEvent]] = {"short": [], "long": []}
     engine.add(short)
-    steps_with_long_prefill = 0
+    chunks: list[tuple[int, int]] = []  # the long prompt's (start, length) while short decodes
     while engine.has_work():
         events = engine.step()
         if len(out["short"]) == 1 and not out["long"]:
             engine.add(long)  # joins while short is decoding
-        prefilling_long = any(w.seq.request_id == "long" for w in batches[-1].prefills)
-        if prefilling_long:
-            steps_with_long_prefill += 1
-            assert "short" in {e.request_id for e in events} or out["short"][-1].finished
+        batch = batches[-1]
+        work = [w for w in batch.prefills if w.seq.request_id == "long"]
+        if work and not out["short"][-1].finished:
+            assert "short" in {e.request_id for e in events}  # the stream got its token
+            chunks.append((work[0].start, work[0].length))
+            decode_cost, prefill_cost = _cost(engine, batch)
+            assert prefill_cost <= 32 or work[0].length <= 16  # the bound, or the 1-block floor
+            assert decode_cost + prefill_cost <= 48 or work[0].length <= 16
         for e in events:
             out[e.request_id].append(e)
-    assert all(b.num_tokens <= 48 for b in batches)
-    assert steps_with_long_prefill == -(-300 // 47)  # 47 prompt tokens a step beside 1 decode
+    assert sum(n for _, n in chunks) == 300  # short decoded through the whole prefill
+    lengths = [n for _, n in chunks]
+    assert lengths == sorted(lengths, reverse=True)  # longer context, shorter chunks
+    assert lengths[0] >= 2 * lengths[-1]  # a token-count budget would keep them equal
     assert _ids(out["long"]) == _alone(make_tiny_engine, long)
     assert _ids(out["short"]) == _alone(make_tiny_engine, short)
+
+
+def test_short_prompt_is_not_held_behind_a_long_prefill(
+    make_tiny_engine: Callable[..., Engine],
+) -> None:
+    # Issue 27.2: a new 4-token chat waited for a 7.8k-token prompt's whole prefill. Now it is
+    # admitted and prefilled in the next step while the long prompt keeps advancing.
+    engine = make_tiny_engine(
+        max_total_tokens=512, max_step_tokens=48, max_batch_size=4, attention_keys_per_token=64
+    )
+    stream = GenerationRequest("stream", _prompt(5), _params(80))
+    long = GenerationRequest("long", _prompt(400, offset=1), _params(3, seed=1))
+    chat = GenerationRequest("chat", _prompt(4, offset=2), _params(3, seed=2))
+    batches = _recording(engine)
+    engine.add(stream)
+    engine.add(long)
+    out: dict[str, list[TokenEvent]] = {"stream": [], "long": [], "chat": []}
+    long_done: list[int] = []  # prompt tokens of long computed after each step
+    while engine.has_work():
+        events = engine.step()
+        long_work = [w for w in batches[-1].prefills if w.seq.request_id == "long"]
+        if long_work:
+            long_done.append(long_work[0].start + long_work[0].length)
+        if len(long_done) == 3:
+            engine.add(chat)  # arrives while the long prompt is mid-prefill
+        for e in events:
+            out[e.request_id].append(e)
+        if len(out["chat"]) == 1 and len(out["chat"][0].token_ids) == 1:
+            assert not out["long"]  # chat's first token came while long was still prefilling
+            assert long_done[-1] < 400
+            chat_first_at = len(long_done)
+    assert chat_first_at == 4  # the very next step after it arrived
+    assert long_done == sorted(set(long_done)) and long_done[-1] == 400  # long always advanced
+    assert len(_ids(out["stream"])) == 80
+    for request in (stream, long, chat):
+        assert _ids(out[request.request_id]) == _alone(make_tiny_engine, request)
 
 
 def test_engine_config_from_table_errors() -> None:
@@ -182,6 +245,34 @@ def test_engine_config_from_table_errors() -> None:
         EngineConfig.from_table({"max_step_tokens": 8, "max_batch_size": 8})
     with pytest.raises(ValueError, match="cuda_graphs must be true or false"):
         EngineConfig.from_table({"cuda_graphs": "yes"})
+    with pytest.raises(ValueError, match=r"engine\.attention_keys_per_token must be a positive"):
+        EngineConfig.from_table({"attention_keys_per_token": 0})
+    with pytest.raises(ValueError, match=r"engine\.max_prefill_beside_decodes must be a positive"):
+        EngineConfig.from_table({"max_prefill_beside_decodes": "all"})
+    with pytest.raises(ValueError, match=r"engine\.decode_attention must be one of"):
+        EngineConfig.from_table({"decode_attention": "flash"})
+
+
+def test_decode_attention_paged_needs_cuda(make_tiny_engine: Callable[..., Engine]) -> None:
+    with pytest.raises(ValueError, match="'paged' needs a CUDA device and Triton"):
+        make_tiny_engine(decode_attention="paged")
+    assert not make_tiny_engine().runner.paged  # "auto" on the CPU: the gathered SDPA path
+
+
+def test_step_cost_fits_the_budget_exactly() -> None:
+    cost = StepCost(keys=100)
+    assert cost.chunk(0, 10) == 10 + 55 / 100
+    assert cost.decode(99) == 2.0  # 100 keys: one more unit
+    for start, remaining, budget in [(0, 1000, 48), (300, 1000, 48), (5000, 10, 48), (0, 5, 999)]:
+        n = cost.fit(start, remaining, budget)
+        assert cost.chunk(start, n) <= budget
+        assert n == remaining or cost.chunk(start, n + 1) > budget
+    assert cost.fit(0, 10, 0) == 0
+    # the embedded SmolLM2 on the CPU: attention a fifth as efficient as its matmuls
+    assert 700 < keys_per_token(SMOLLM2_135M, "cpu") < 850
+    assert keys_per_token(SMOLLM2_135M, "cuda") == pytest.approx(
+        keys_per_token(SMOLLM2_135M, "cpu") / 2, rel=0.01
+    )
 
 
 def test_finish_ends_a_request_as_its_length_limit_would(

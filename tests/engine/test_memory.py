@@ -110,11 +110,12 @@ def test_graph_static_bytes_counts_every_bucket() -> None:
     def blocks(n: int) -> int:
         return -(-n // 512) * 512
 
-    expected = sum(
-        blocks(b * 100 * 4) + 4 * blocks(b * 8) + blocks(b * 256 * 8) + blocks(b * 256)
-        for b in (1, 2)
-    )
-    assert graph_static_bytes(vocab_size=100, max_batch_size=2, max_seq_len=256) == expected
+    common = {b: blocks(b * 100 * 4) + blocks(3 * b * 8) + blocks(b * 8) for b in (1, 2)}
+    gathered = sum(common[b] + blocks(b * 256 * 8) + blocks(b * 256) for b in (1, 2))
+    paged = sum(common[b] + blocks(b * 16 * 4) + blocks(b * 4) for b in (1, 2))
+    assert graph_static_bytes(100, 2, 256, paged=False, block_size=16) == gathered
+    assert graph_static_bytes(100, 2, 256, paged=True, block_size=16) == paged
+    assert paged < gathered  # the table is L / block_size int32s, not L int64 slots + a mask
 
 
 # ---- the engine's configuration and the CPU path -----------------------------------------

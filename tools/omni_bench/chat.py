@@ -16,6 +16,8 @@ Peers (transformers LlamaForCausalLM on the same weights, dense, same dtype/devi
   hf-batch    `generate` on c left-padded prompts at once
 On CUDA also the floor: one captured decode-graph replay per batch size, and the HBM floor
 (weights + KV bytes read per step / 4.8 TB/s, H200).
+`--long-prompt N`: a running stream and a short chat beside one long prompt instead
+(chat_long_prompt.py: the stream's pace during the prefill, the chat's time to first token).
 """
 
 from __future__ import annotations
@@ -251,7 +253,9 @@ def cache_comparison(
 
 def build_engine(args: argparse.Namespace, max_c: int) -> tuple[Engine, list[list[int]]]:
     config = EngineConfig(
-        max_total_tokens=max(8192, max_c * (args.prompt_tokens + args.new_tokens + 64)),
+        max_total_tokens=max(
+            8192, max_c * (args.prompt_tokens + args.new_tokens + 64), args.long_prompt + 4096
+        ),
         max_batch_size=max(max_c, 1),
         max_step_tokens=max(args.max_step_tokens, max_c + 64),
         dtype=args.dtype,
@@ -342,6 +346,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="also run the top level with paged blocks vs fixed max_seq_len slots",
     )
+    p.add_argument(
+        "--long-prompt",
+        type=int,
+        default=0,
+        help="instead: a stream and a short chat beside a prompt of N tokens (chat_long_prompt)",
+    )
     p.add_argument("--json", default=None, help="also write the result here")
     return p.parse_args(argv)
 
@@ -351,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     levels = [int(c) for c in args.concurrency.split(",")]
+    if args.long_prompt:
+        from omni_bench import chat_long_prompt
+
+        return chat_long_prompt.main(*build_engine(args, 4), args)
     shape = SHAPES[args.random_shape] if args.random_shape else SMOLLM2_135M
     engine, prompts = build_engine(args, max(levels))
     hf = None if args.no_peer else load_hf(args, shape)

@@ -21,7 +21,14 @@ its tensor-parallel group, handed to `Engine.from_random(..., tp=)`) and `Memory
 """
 
 from omni_server.engine.audio_frames import AudioSpec
-from omni_server.engine.config import LLAMA_1B, SHAPES, SMOLLM2_135M, EngineConfig, LlamaShape
+from omni_server.engine.config import (
+    LLAMA_1B,
+    LLAMA_3B,
+    SHAPES,
+    SMOLLM2_135M,
+    EngineConfig,
+    LlamaShape,
+)
 from omni_server.engine.engine import Engine
 from omni_server.engine.errors import CheckpointError, ContextLengthExceeded
 from omni_server.engine.gguf_weights import load_gguf, smollm2_gguf_path
@@ -34,6 +41,7 @@ from omni_server.engine.tokenizer import ChatTemplateError, GGUFTokenizer, Incre
 
 __all__ = [
     "LLAMA_1B",
+    "LLAMA_3B",
     "SHAPES",
     "SMOLLM2_135M",
     "AudioSpec",

@@ -16,14 +16,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from omni_server.engine.paged_decode import paged_decode_attention
+
 
 @dataclass
 class DecodeGroup:
-    """The first `num_seqs` tokens of the batch: one new token per request, batched together."""
+    """The first `num_seqs` tokens of the batch: one new token per request, batched together.
+
+    Either form, never both: the gathered one (CPU: torch SDPA's numbers) or the paged one
+    (CUDA with Triton: paged_decode.py reads each request's blocks, nothing gathered or padded).
+    """
 
     num_seqs: int
-    kv_slots: torch.Tensor  # [B, L] int64: cache slots of each request's context (0-padded)
-    kv_mask: torch.Tensor  # [B, 1, 1, L] bool: True where slot is part of that context
+    kv_slots: torch.Tensor | None = None  # [B, L] int64: slots of each context (0-padded)
+    kv_mask: torch.Tensor | None = None  # [B, 1, 1, L] bool: True where slot is in that context
+    block_tables: torch.Tensor | None = None  # [B, W] int32: each request's KV blocks
+    context_lens: torch.Tensor | None = None  # [B] int32: keys each request attends to
+    block_size: int = 0  # tokens per block (with block_tables)
 
 
 @dataclass
@@ -61,7 +70,14 @@ def paged_attention(
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     decode = batch.decode
-    if decode is not None and decode.num_seqs:
+    if decode is not None and decode.block_tables is not None:
+        assert decode.context_lens is not None
+        b = decode.num_seqs
+        out[:b] = paged_decode_attention(
+            q[:b], k_cache, v_cache, decode.block_tables, decode.context_lens, decode.block_size
+        )
+    elif decode is not None and decode.num_seqs:
+        assert decode.kv_slots is not None and decode.kv_mask is not None
         b = decode.num_seqs
         qd = q[:b].view(b, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
         kd = _gather(k_cache, decode.kv_slots).transpose(1, 2)  # [B, Hkv, L, D]

@@ -1,9 +1,14 @@
 """Continuous batching: which requests run in the next forward, and how many tokens each.
 
-Every step builds one batch under `max_step_tokens`: first one decode token for every running
-request whose prompt is done (oldest first), then prefill chunks: running requests still
-prefilling, then waiting requests admitted in arrival order. A long prompt is thus cut into chunks
-and decodes never wait behind it.
+Every step builds one batch whose cost (step_cost.py: a token weighs 1 + its context / K, so
+attention over a long context counts) stays under `max_step_tokens`: first one decode token for
+every running request whose prompt is done (oldest first), then prefill chunks. While requests
+decode, the chunks together cost at most `max_prefill_beside_decodes`, so a long prompt is cut
+into chunks that shrink as its context grows and the running streams keep their pace. Waiting
+requests are admitted in arrival order; prompts then prefill shortest remainder first, so a
+short chat arriving during a long prompt's prefill gets its first token in the next step, and
+the long prompt takes what the budget leaves (the oldest prompt advances by one block at
+least every step, so none starves).
 
 KV admission: a waiting request is admitted only when blocks for all its current tokens are free
 (its prefill then never needs more); it waits otherwise (head of line: later arrivals do not
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 from omni_server.engine.config import EngineConfig
 from omni_server.engine.kv_cache import BlockAllocator
 from omni_server.engine.sequence import Sequence, Status
+from omni_server.engine.step_cost import StepCost
 
 
 @dataclass
@@ -45,9 +51,17 @@ class StepBatch:
 
 
 class Batcher:
-    def __init__(self, config: EngineConfig, allocator: BlockAllocator) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        allocator: BlockAllocator,
+        cost: StepCost,
+        prefill_beside_decodes: int,
+    ) -> None:
         self.config = config
         self.allocator = allocator
+        self.cost = cost
+        self.prefill_beside_decodes = prefill_beside_decodes
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # ordered by arrival
         self.num_preemptions = 0
@@ -60,14 +74,39 @@ class Batcher:
 
     def next_batch(self) -> StepBatch | None:
         decodes = self._decodes()
-        budget = self.config.max_step_tokens - len(decodes)
+        budget = self.config.max_step_tokens - sum(
+            self.cost.decode(seq.num_computed) for seq in decodes
+        )
+        if decodes:  # a running stream's step at most about doubles while prompts prefill
+            budget = min(
+                budget, max(self.prefill_beside_decodes, self.config.max_step_tokens - budget)
+            )
+        prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
+        prefilling += self._admit(budget)
+        # Shortest remainder first (then arrival): a short prompt never waits behind a long one.
+        prefilling.sort(key=lambda s: (s.num_tokens - s.num_computed, s.arrival))
+        # The oldest prompt advances every step, by one block at least, whatever the budget.
+        oldest = min(prefilling, key=lambda s: s.arrival, default=None)
         prefills: list[PrefillWork] = []
-        for seq in self.running:
-            remaining = seq.num_tokens - seq.num_computed
-            if remaining > 1 and budget > 0:
-                n = min(remaining, budget)
-                prefills.append(PrefillWork(seq, seq.num_computed, n))
-                budget -= n
+        for seq in prefilling:
+            start, remaining = seq.num_computed, seq.num_tokens - seq.num_computed
+            n = self.cost.fit(start, remaining, budget)
+            floor = min(remaining, self.allocator.block_size)
+            if seq is oldest:
+                n = max(n, floor)
+            if n < floor:
+                continue  # no slivers: a prompt advances by a block at least, or waits
+            prefills.append(PrefillWork(seq, start, n))
+            budget -= self.cost.chunk(start, n)
+        if not decodes and not prefills:
+            return None
+        return StepBatch(decodes, prefills)
+
+    def _admit(self, budget: float) -> list[Sequence]:
+        """Waiting requests that join now, in arrival order: while KV blocks for all their
+        tokens are free, the batch has room, and the prompts admitted so far leave budget (a
+        running prompt's prefill does not hold new ones back: they prefill first)."""
+        admitted: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
             seq = self.waiting[0]
             need = self.allocator.new_blocks(seq.block_table, seq.num_tokens)
@@ -77,12 +116,9 @@ class Batcher:
             self.allocator.allocate(seq.block_table, seq.num_tokens)
             seq.status = Status.RUNNING
             self._insert_running(seq)
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            prefills.append(PrefillWork(seq, seq.num_computed, n))
-            budget -= n
-        if not decodes and not prefills:
-            return None
-        return StepBatch(decodes, prefills)
+            admitted.append(seq)
+            budget -= self.cost.chunk(seq.num_computed, seq.num_tokens - seq.num_computed)
+        return admitted
 
     def _decodes(self) -> list[Sequence]:
         decodes: list[Sequence] = []

@@ -98,7 +98,27 @@ LLAMA_1B = LlamaShape(
 # The KV budget in tokens when nothing sizes it (the CPU, or a GPU stage without a fraction).
 DEFAULT_MAX_TOTAL_TOKENS = 16384
 
-SHAPES: dict[str, LlamaShape] = {"smollm2-135m": SMOLLM2_135M, "llama-1b": LLAMA_1B}
+# Llama-3.2-3B's decoder: the backbone of Higgs Audio v2 (its text shape, without the audio
+# head and DualFFN), for the engine's speed at the size of the Higgs tts_engine.
+LLAMA_3B = LlamaShape(
+    vocab_size=128256,
+    hidden_size=3072,
+    intermediate_size=8192,
+    num_layers=28,
+    num_heads=24,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=131072,
+)
+
+SHAPES: dict[str, LlamaShape] = {
+    "smollm2-135m": SMOLLM2_135M,
+    "llama-1b": LLAMA_1B,
+    "llama-3b": LLAMA_3B,
+}
+DECODE_ATTENTION = ("auto", "paged", "gather")
 
 
 @dataclass(frozen=True)
@@ -109,14 +129,25 @@ class EngineConfig:
                       sized from gpu_memory_fraction on a GPU (memory.py), else
                       DEFAULT_MAX_TOTAL_TOKENS.
     max_batch_size:   most requests in one step (running requests, prefilling or decoding).
-    max_step_tokens:  token budget of one forward (decode tokens first, prefill chunks fill the
-                      rest), so a long prompt is prefilled in chunks and never stalls decodes.
+    max_step_tokens:  budget of one forward, in tokens weighted by their attention's cost
+                      (step_cost.py): decode tokens first, prefill chunks fill the rest, so a
+                      long prompt is prefilled in chunks whose cost, not length, is bounded.
     max_seq_len:      longest prompt + completion of one request; None = the model's context,
                       clamped to max_total_tokens so one request alone always fits.
     block_size:       tokens per KV block (paged cache).
     dtype, device:    "float32" | "bfloat16" | "float16"; "cpu" | "cuda" | "cuda:N".
     cuda_graphs:      capture decode steps in CUDA graphs per padded batch-size bucket (CUDA only).
     compile:          torch.compile the model's forward (optional; off by default).
+    attention_keys_per_token: the context length at which one token's attention costs as much
+                      as its matmuls (step_cost.py): a token at position p counts 1 + p / K
+                      of the step budgets. None: from the model's shape and the device.
+    max_prefill_beside_decodes: the budget of a step's prefill chunks while requests decode
+                      (in the same units), so running streams keep their pace while a long
+                      prompt prefills. None: 32 on the CPU (a chunk of 32 tokens costs about
+                      two decode steps of SmolLM2 there), max_step_tokens on CUDA.
+    decode_attention: "auto" | "paged" | "gather": decode attention over the block tables by
+                      a Triton kernel (paged_decode.py; "auto" picks it on CUDA where Triton
+                      imports) or by gathering each context and torch matmuls (the CPU's).
     gpu_memory_fraction: the stage's share of its GPU (not an [engine] key: the stage's own
                       field, which the backend passes on). On a GPU it sizes the KV cache, or
                       checks a given max_total_tokens against it; ignored on the CPU.
@@ -131,6 +162,9 @@ class EngineConfig:
     device: str = "cpu"
     cuda_graphs: bool = True
     compile: bool = False
+    attention_keys_per_token: int | None = None
+    max_prefill_beside_decodes: int | None = None
+    decode_attention: str = "auto"
     gpu_memory_fraction: float | None = None
 
     def __post_init__(self) -> None:
@@ -140,6 +174,12 @@ class EngineConfig:
             if value is None and name == "max_total_tokens":
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"engine.{name} must be a positive integer, got {value!r}")
+        for name in ("attention_keys_per_token", "max_prefill_beside_decodes"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value <= 0
+            ):
                 raise ValueError(f"engine.{name} must be a positive integer, got {value!r}")
         if self.max_seq_len is not None and (
             not isinstance(self.max_seq_len, int) or self.max_seq_len <= 1
@@ -163,6 +203,11 @@ class EngineConfig:
             or not 0 < fraction <= 1
         ):
             raise ValueError(f"gpu_memory_fraction must be a number in (0, 1], got {fraction!r}")
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ValueError(
+                f"engine.decode_attention must be one of {list(DECODE_ATTENTION)}, got "
+                f"{self.decode_attention!r}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"engine.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.device, str) or not (

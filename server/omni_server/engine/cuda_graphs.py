@@ -4,8 +4,11 @@ A decode step of a small model is launch-bound on a GPU (~25 kernels a layer): r
 captured graph removes the per-kernel CPU cost. Shapes in a graph are fixed, so a step of B
 requests with longest context L runs the graph of the smallest bucket (b >= B, l >= L):
 
-  padded rows:     token 0 at position 0, K/V written to the scratch block 0, attending to slot 0
-  padded context:  slots beyond a request's context point at slot 0 and are masked out
+  padded rows:     token 0 at position 0, K/V written to the scratch block 0; paged: context 0
+                   (the kernel writes zeros), gathered: attending to slot 0
+  padded context:  paged: nothing (the kernel reads each request's blocks up to its context;
+                   the bucket bounds the block table's width and so the kernel's grid);
+                   gathered: slots beyond a request's context point at slot 0, masked out
 
 Batch buckets 1, 2, 4, 8, then steps of 8 up to max_batch_size; context buckets powers of two
 from 256 up to max_seq_len. Graphs are captured lazily on first use (or all at once by
@@ -55,6 +58,7 @@ class CapturedGraph:
     graph: torch.cuda.CUDAGraph
     batch: ForwardBatch  # static input buffers the graph reads
     logits: torch.Tensor  # [b, V] static output
+    rows: torch.Tensor  # [3, b] int64: batch.input_ids, positions, slot_mapping are its rows
 
 
 class DecodeGraphs:
@@ -64,9 +68,11 @@ class DecodeGraphs:
         cache: KVCache,
         max_batch_size: int,
         max_seq_len: int,
+        paged: bool = False,  # decode attention by the paged kernel (block tables, no gather)
         forward: Callable[..., torch.Tensor] | None = None,  # e.g. the torch.compile'd forward
     ) -> None:
         self.model = model
+        self.paged = paged
         self.forward = forward or model.forward
         self.cache = cache
         self.device = next(model.parameters()).device
@@ -86,27 +92,37 @@ class DecodeGraphs:
         ids: list[int],
         positions: list[int],
         slot_mapping: list[int],
-        kv_slots: torch.Tensor,  # [B, L] CPU
+        tables: list[list[int]],  # [B] each request's block table
         context: list[int],  # [B] context length of each request (L = max)
         audio_codes: list[list[int]] | None = None,  # [B][K]: an audio model's decode frames
     ) -> torch.Tensor:  # [B, V] float32 ([B, K * C] frame logits for an audio model)
-        n, length = kv_slots.shape
+        n, length = len(ids), max(context)
         b, bucket = bucket_for(n, self.batch_buckets), bucket_for(length, self.context_buckets)
         g = self.graph_for(b, bucket)
         s = g.batch
         assert s.decode is not None
-        s.input_ids.zero_()
-        s.positions.zero_()
-        s.slot_mapping.zero_()
-        s.decode.kv_slots.zero_()
-        s.decode.kv_mask.zero_()
-        s.decode.kv_mask[:, 0, 0, 0] = True  # padded rows attend to the scratch slot (no NaN)
-        s.input_ids[:n].copy_(torch.tensor(ids), non_blocking=True)
-        s.positions[:n].copy_(torch.tensor(positions), non_blocking=True)
-        s.slot_mapping[:n].copy_(torch.tensor(slot_mapping), non_blocking=True)
-        s.decode.kv_slots[:n, :length].copy_(kv_slots, non_blocking=True)
-        mask = torch.arange(length).unsqueeze(0) < torch.tensor(context).unsqueeze(1)  # [B, L]
-        s.decode.kv_mask[:n, 0, 0, :length].copy_(mask, non_blocking=True)
+        # Token rows as one [3, b] copy; padded rows: token 0 at position 0 into slot 0.
+        rows = torch.zeros(3, b, dtype=torch.int64)
+        rows[:, :n] = torch.tensor([ids, positions, slot_mapping], dtype=torch.int64)
+        g.rows.copy_(rows, non_blocking=True)
+        if self.paged:
+            assert s.decode.block_tables is not None and s.decode.context_lens is not None
+            width = -(-length // self.cache.block_size)
+            lens = torch.zeros(b, dtype=torch.int32)
+            lens[:n] = torch.tensor(context, dtype=torch.int32)  # padded rows: 0, write zeros
+            s.decode.context_lens.copy_(lens, non_blocking=True)
+            # Entries past a request's context are never read: only the live part travels.
+            table = self.cache.block_matrix(tables, width)
+            s.decode.block_tables[:n, :width].copy_(table, non_blocking=True)
+        else:
+            assert s.decode.kv_slots is not None and s.decode.kv_mask is not None
+            kv_slots = self.cache.slot_matrix(tables, length)
+            s.decode.kv_slots.zero_()
+            s.decode.kv_mask.zero_()
+            s.decode.kv_mask[:, 0, 0, 0] = True  # padded rows attend to the scratch slot
+            s.decode.kv_slots[:n, :length].copy_(kv_slots, non_blocking=True)
+            mask = torch.arange(length).unsqueeze(0) < torch.tensor(context).unsqueeze(1)
+            s.decode.kv_mask[:n, 0, 0, :length].copy_(mask, non_blocking=True)
         if s.audio_codes is not None:  # padded rows embed frame 0 (their output is unused)
             assert audio_codes is not None, "an audio model's decode step carries its frames"
             s.audio_codes.zero_()
@@ -121,14 +137,26 @@ class DecodeGraphs:
         if key in self.graphs:
             return self.graphs[key]
         dev = self.device
-        mask = torch.zeros(b, 1, 1, length, dtype=torch.bool, device=dev)
-        mask[:, 0, 0, 0] = True
+        rows = torch.zeros(3, b, dtype=torch.int64, device=dev)  # one copy a step fills all
+        if self.paged:
+            width = -(-length // self.cache.block_size)
+            decode = DecodeGroup(
+                b,
+                block_tables=torch.zeros(b, width, dtype=torch.int32, device=dev),
+                context_lens=torch.ones(b, dtype=torch.int32, device=dev),  # capture: slot 0
+                block_size=self.cache.block_size,
+            )
+        else:
+            mask = torch.zeros(b, 1, 1, length, dtype=torch.bool, device=dev)
+            mask[:, 0, 0, 0] = True
+            slots = torch.zeros(b, length, dtype=torch.int64, device=dev)
+            decode = DecodeGroup(b, slots, mask)
         static = ForwardBatch(
-            input_ids=torch.zeros(b, dtype=torch.int64, device=dev),
-            positions=torch.zeros(b, dtype=torch.int64, device=dev),
-            slot_mapping=torch.zeros(b, dtype=torch.int64, device=dev),
+            input_ids=rows[0],
+            positions=rows[1],
+            slot_mapping=rows[2],
             logits_indices=torch.arange(b, device=dev),
-            decode=DecodeGroup(b, torch.zeros(b, length, dtype=torch.int64, device=dev), mask),
+            decode=decode,
             prefills=[],
         )
         audio = self.model.audio
@@ -149,6 +177,6 @@ class DecodeGraphs:
             logits = self.forward(static, self.cache.k, self.cache.v)
         if self.pool is None:
             self.pool = graph.pool()
-        captured = CapturedGraph(graph, static, logits)
+        captured = CapturedGraph(graph, static, logits, rows)
         self.graphs[key] = captured
         return captured

@@ -41,6 +41,7 @@ from omni_server.engine.sequence import (
     Sequence,
     TokenEvent,
 )
+from omni_server.engine.step_cost import StepCost, keys_per_token
 from omni_server.engine.tokenizer import GGUFTokenizer, TextTokenizer
 from omni_server.engine.workspace import plan_kv_cache
 
@@ -70,7 +71,12 @@ class Engine:
         self.max_seq_len = min(
             limit, model.shape.max_position_embeddings, self.cache.capacity_tokens
         )
-        self.batcher = Batcher(config, self.cache.allocator)
+        device_type = device.type
+        keys = config.attention_keys_per_token or keys_per_token(model.shape, device_type)
+        beside = config.max_prefill_beside_decodes or (
+            min(32, config.max_step_tokens) if device_type == "cpu" else config.max_step_tokens
+        )
+        self.batcher = Batcher(config, self.cache.allocator, StepCost(keys), beside)
         self.runner = ModelRunner(model, self.cache, config, self.max_seq_len)
         # set: every step emits one frame of K codes a request (audio_frames.py), not a token
         self.audio: AudioSpec | None = model.audio

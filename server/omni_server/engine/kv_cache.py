@@ -107,3 +107,13 @@ class KVCache:
             padded[row, :used] = torch.tensor(table[:used], dtype=torch.int64)
         slots = padded.unsqueeze(-1) * bs + torch.arange(bs)  # [B, nblocks, bs]
         return slots.view(len(tables), -1)[:, :length]
+
+    def block_matrix(self, tables: list[list[int]], width: int) -> torch.Tensor:
+        """[B, width] int32 (CPU): each table's first `width` blocks, 0 past its end (the paged
+        decode kernel reads a request's entries only up to its context)."""
+        rows = [table[:width] + [0] * (width - len(table)) for table in tables]
+        return torch.tensor(rows, dtype=torch.int32).view(len(tables), width)  # one copy
+
+    def slot_of(self, table: list[int], position: int) -> int:
+        """The cache slot of `position` in a request whose block table is `table`."""
+        return table[position // self.block_size] * self.block_size + position % self.block_size

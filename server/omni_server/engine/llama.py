@@ -16,9 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omni_server.engine import fused
 from omni_server.engine.attention import ForwardBatch, paged_attention
 from omni_server.engine.audio_frames import AudioSpec
 from omni_server.engine.config import Llama3RopeScaling, LlamaShape
+from omni_server.engine.paged_decode import available as fused_kernels
 from omni_server.engine.parallel import SINGLE, TensorParallel
 
 
@@ -29,6 +31,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, C]
+        if x.dtype != torch.float32 and x.is_cuda and fused_kernels() and x.stride(-1) == 1:
+            return fused.rms_norm(x, self.weight, self.eps)  # the 4 kernels below in one
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel
         # Normalize in float32, then scale in the model dtype, as transformers does.
@@ -93,6 +97,10 @@ class Attention(nn.Module):
         t = x.shape[0]
         q_size, kv_size, _ = self.split
         qkv = self.wqkv(x)  # [T, (H + 2 Hkv) D]
+        if qkv.is_cuda and fused_kernels():  # RoPE and both cache writes in one kernel
+            q = fused.rope_kv(qkv, rope, batch.slot_mapping, k_cache, v_cache, self.num_heads)
+            out = paged_attention(q, k_cache, v_cache, batch)
+            return self.tp.all_reduce(self.wo(out.view(t, -1)))
         # Q and K heads rotated in one call: [T, H + Hkv, D]
         qk = apply_rope(qkv[:, : q_size + kv_size].view(t, -1, self.head_dim), rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
@@ -115,7 +123,10 @@ class MLP(nn.Module):
         self.w_down = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, C]
-        gate, up = self.w_gate_up(x).split(self.intermediate, dim=-1)  # [T, I] each
+        gate_up = self.w_gate_up(x)  # [T, 2I]
+        if gate_up.is_cuda and fused_kernels():
+            return self.tp.all_reduce(self.w_down(fused.silu_mul(gate_up)))
+        gate, up = gate_up.split(self.intermediate, dim=-1)  # [T, I] each
         return self.tp.all_reduce(self.w_down(F.silu(gate) * up))
 
 

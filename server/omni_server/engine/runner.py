@@ -9,8 +9,9 @@ from omni_server.engine.attention import DecodeGroup, ForwardBatch, PrefillChunk
 from omni_server.engine.batcher import StepBatch
 from omni_server.engine.config import EngineConfig
 from omni_server.engine.cuda_graphs import DecodeGraphs
-from omni_server.engine.kv_cache import KVCache
+from omni_server.engine.kv_cache import KVCache, blocks_for
 from omni_server.engine.llama import Llama
+from omni_server.engine.paged_decode import use_paged
 from omni_server.engine.sequence import Sequence
 
 
@@ -22,13 +23,14 @@ class ModelRunner:
         self.cache = cache
         self.device = next(model.parameters()).device
         self.forward = model.forward
+        self.paged = use_paged(config.decode_attention, self.device)
         compiled = torch.compile(model.forward, dynamic=True) if config.compile else None
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs and self.device.type == "cuda":
             # Compiled code only inside the graphs: fixed shapes per bucket, one compile each;
             # the mixed prefill steps (varying chunk lists) stay eager.
             self.graphs = DecodeGraphs(
-                model, cache, config.max_batch_size, max_seq_len, forward=compiled
+                model, cache, config.max_batch_size, max_seq_len, self.paged, forward=compiled
             )
         elif compiled is not None:
             self.forward = compiled
@@ -40,17 +42,16 @@ class ModelRunner:
         positions = [seq.num_computed for seq in decodes]
         ids = [seq.token_ids[pos] for seq, pos in zip(decodes, positions, strict=True)]
         context = [pos + 1 for pos in positions]
-        length = max(context, default=0)
-        kv_slots = self.cache.slot_matrix([seq.block_table for seq in decodes], length)
-        rows = torch.arange(len(decodes))
-        slot_mapping = kv_slots[rows, torch.tensor(positions, dtype=torch.int64)].tolist()
+        tables = [seq.block_table for seq in decodes]
+        slot_of = self.cache.slot_of
+        slot_mapping = [slot_of(t, pos) for t, pos in zip(tables, positions, strict=True)]
         audio = self.model.audio is not None
         if not batch.prefills and self.graphs is not None and decodes:
             # every generated position of an audio model is a frame: a decode is audio only
             frames = None
             if audio:
                 frames = [seq.frames[pos] for seq, pos in zip(decodes, positions, strict=True)]
-            logits = self.graphs.run(ids, positions, slot_mapping, kv_slots, context, frames)
+            logits = self.graphs.run(ids, positions, slot_mapping, tables, context, frames)
             return logits, list(decodes)
 
         sampled: list[Sequence] = list(decodes)
@@ -70,10 +71,7 @@ class ModelRunner:
                 logits_indices.append(first + n - 1)
 
         dev = self.device
-        decode = None
-        if decodes:
-            mask = torch.arange(length).unsqueeze(0) < torch.tensor(context).unsqueeze(1)
-            decode = DecodeGroup(len(decodes), kv_slots.to(dev), mask[:, None, None, :].to(dev))
+        decode = self._decode_group(tables, context) if decodes else None
         fwd = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
@@ -85,6 +83,20 @@ class ModelRunner:
         if audio:
             self._audio_rows(fwd, batch)
         return self.forward(fwd, self.cache.k, self.cache.v), sampled
+
+    def _decode_group(self, tables: list[list[int]], context: list[int]) -> DecodeGroup:
+        """The decode rows' attention inputs: block tables for the paged kernel, else the
+        gathered slots of each context padded to the longest, with its mask."""
+        dev, length = self.device, max(context)
+        if self.paged:
+            width = blocks_for(length, self.cache.block_size)
+            table = self.cache.block_matrix(tables, width).to(dev)
+            lens = torch.tensor(context, dtype=torch.int32).to(dev)
+            return DecodeGroup(len(tables), block_tables=table, context_lens=lens,
+                               block_size=self.cache.block_size)  # fmt: skip
+        kv_slots = self.cache.slot_matrix(tables, length)
+        mask = torch.arange(length).unsqueeze(0) < torch.tensor(context).unsqueeze(1)
+        return DecodeGroup(len(tables), kv_slots.to(dev), mask[:, None, None, :].to(dev))
 
     def _audio_rows(self, fwd: ForwardBatch, batch: StepBatch) -> None:
         """Mark the batch's frame positions (decodes first, then each chunk: the flat order)."""

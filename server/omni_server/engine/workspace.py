@@ -5,8 +5,9 @@ Profile forwards through the real model, against a scratch cache of two blocks (
 repeat slots: the gathers still allocate their full size), each at the largest shape a step can
 take:
 
-  mixed:   max_batch_size - 1 decodes at context max_seq_len (the padded gather of a batch
-           whose longest request is max_seq_len) + one prefill chunk filling max_step_tokens
+  mixed:   max_batch_size - 1 decodes at context max_seq_len (gathered: the padded gather of
+           a batch whose longest request is max_seq_len; paged: the kernel's partial results)
+           + one prefill chunk filling max_step_tokens
            that ends at max_seq_len (its causal mask and context gather), then sampling every
            row with top-p (a sort over the vocabulary);
   prefill: one chunk of max_step_tokens tokens ending at max_seq_len;
@@ -36,6 +37,7 @@ from omni_server.engine.cuda_graphs import batch_buckets, context_buckets
 from omni_server.engine.kv_cache import KVCache
 from omni_server.engine.llama import Llama
 from omni_server.engine.memory import KVBudget, check_pinned, size_kv_cache
+from omni_server.engine.paged_decode import use_paged
 from omni_server.engine.sampling import SamplingParams, sample
 
 log = logging.getLogger("omni_server.engine")
@@ -103,28 +105,38 @@ def measure_workspace(model: Llama, config: EngineConfig, max_seq_len: int) -> W
     decodes = batch - 1
     chunk = min(config.max_step_tokens - decodes, max_seq_len)
     prefill_len = min(config.max_step_tokens, max_seq_len)
+    paged = use_paged(config.decode_attention, device)
     with torch.inference_mode():
-        mixed = _peak(device, _step, model, scratch, decodes, chunk, max_seq_len)
-        prefill = _peak(device, _step, model, scratch, 0, prefill_len, max_seq_len)
-        decode = _peak(device, _step, model, scratch, batch, 0, max_seq_len)
+        mixed = _peak(device, _step, model, scratch, decodes, chunk, max_seq_len, paged)
+        prefill = _peak(device, _step, model, scratch, 0, prefill_len, max_seq_len, paged)
+        decode = _peak(device, _step, model, scratch, batch, 0, max_seq_len, paged)
     del scratch
     graphs = 0
     if config.cuda_graphs and device.type == "cuda":
-        statics = graph_static_bytes(model.shape.vocab_size, batch, max_seq_len)
+        statics = graph_static_bytes(
+            model.shape.vocab_size, batch, max_seq_len, paged, config.block_size
+        )
         graphs = decode + statics + _side_stream_workspace(device, config.torch_dtype)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return Workspace(mixed, prefill, decode, graphs)
 
 
-def graph_static_bytes(vocab_size: int, max_batch_size: int, max_seq_len: int) -> int:
+def graph_static_bytes(
+    vocab_size: int, max_batch_size: int, max_seq_len: int, paged: bool, block_size: int
+) -> int:
     """What every decode graph keeps for the engine's life: its float32 logits [b, V] (in the
-    graph pool) and its static inputs (cuda_graphs.py: four [b] int64, [b, L] int64 slots, a
-    [b, 1, 1, L] bool mask)."""
+    graph pool) and its static inputs (cuda_graphs.py: [3, b] int64 rows, [b] int64 logit
+    rows; paged: a [b, L / block] int32 table and [b] int32 lengths; gathered: [b, L] int64
+    slots and a [b, 1, 1, L] bool mask)."""
     total = 0
     for b in batch_buckets(max_batch_size):
         for length in context_buckets(max_seq_len):
-            sizes = [b * vocab_size * 4, *([b * 8] * 4), b * length * 8, b * length]
+            sizes = [b * vocab_size * 4, 3 * b * 8, b * 8]
+            if paged:
+                sizes += [b * -(-length // block_size) * 4, b * 4]
+            else:
+                sizes += [b * length * 8, b * length]
             total += sum(-(-s // _SMALL_BLOCK) * _SMALL_BLOCK for s in sizes)
     return total
 
@@ -156,6 +168,7 @@ def _step(
     decodes: int,
     chunk: int,
     context: int,
+    paged: bool,
 ) -> None:
     """One forward of `decodes` decode tokens at `context` and one prefill chunk of `chunk`
     tokens ending at `context`, then sampling of every row that would sample."""
@@ -164,7 +177,13 @@ def _step(
     tokens = decodes + chunk
     start = context - chunk
     decode = None
-    if decodes:
+    if decodes and paged:  # the kernel reads block 0 over and over: no gather to allocate
+        width = -(-context // scratch.block_size)
+        table = torch.zeros(decodes, width, dtype=torch.int32, device=dev)
+        lens = torch.full((decodes,), context, dtype=torch.int32, device=dev)
+        decode = DecodeGroup(decodes, block_tables=table, context_lens=lens,
+                             block_size=scratch.block_size)  # fmt: skip
+    elif decodes:
         slots = torch.zeros(decodes, context, dtype=torch.int64, device=dev)
         kv_mask = torch.ones(decodes, 1, 1, context, dtype=torch.bool, device=dev)
         decode = DecodeGroup(decodes, slots, kv_mask)
