@@ -19,6 +19,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve import Application
 
@@ -42,7 +43,10 @@ class PipelineReplica:
         plan = compile_repository(repo, list(overrides))
         self.server = PrivateServer(plan, options or ServeOptions())
         await self.server.start()
-        self.forwarder = Forwarder(serve.get_replica_context().replica_id.unique_id)
+        self.forwarder = Forwarder(
+            serve.get_replica_context().replica_id.unique_id,
+            ray.get_runtime_context().get_node_id(),
+        )
         self.forwarder.open(str(self.server.socket_path))
 
     def __serve_build_asgi_app__(self) -> Forwarder:

@@ -4,8 +4,9 @@ replica goes, unchanged, to the replica's private aiohttp server (private_server
 There is no second API here. Status, headers and body bytes come back as the server wrote
 them, chunk by chunk as they arrive (a streamed speech response's first bytes leave as soon as
 the voice makes them); the door (key, origin, host), the bounds and OpenAI's error JSON are the
-server's own. Only hop-by-hop headers, which describe one connection, are not copied, and one
-header is added: `X-Omni-Replica`, which replica answered. A response cut by the server (a
+server's own. Not copied: hop-by-hop headers, which describe one connection, and `Date` and
+`Server`, which the proxy's HTTP server writes itself. Added: `X-Omni-Replica` and
+`X-Omni-Node`, the replica that answered and its Ray node. A response cut by the server (a
 stream whose pipeline failed) is cut here too: the exception ends the ASGI response without
 its final chunk, which the proxy passes on as a broken stream.
 
@@ -29,7 +30,8 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-REPLICA_HEADER = b"x-omni-replica"
+REPLICA_HEADER = b"x-omni-replica"  # the Serve replica that answered
+NODE_HEADER = b"x-omni-node"  # the Ray node it runs on
 # RFC 9110 7.6.1: headers of one connection, never forwarded by a proxy
 HOP_BY_HOP = frozenset(
     {
@@ -54,6 +56,7 @@ HANDSHAKE = frozenset(
         b"sec-websocket-accept",
     }
 )
+OWN_HEADERS = frozenset({b"date", b"server", REPLICA_HEADER, NODE_HEADER})
 WS_MAX_MESSAGE_BYTES = 16 << 20  # the server bounds what clients send; this bounds its own
 POLICY_VIOLATION = 1008
 
@@ -62,8 +65,8 @@ class Forwarder:
     """An ASGI app forwarding to the aiohttp server on `socket_path` (set before the first
     request, by the replica once its server listens)."""
 
-    def __init__(self, replica_id: str) -> None:
-        self.replica_id = replica_id.encode()
+    def __init__(self, replica_id: str, node_id: str) -> None:
+        self.added = [(REPLICA_HEADER, replica_id.encode()), (NODE_HEADER, node_id.encode())]
         self.socket_path: str | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -110,12 +113,13 @@ class Forwarder:
             allow_redirects=False,
             compress=None,
         ) as upstream:
+            # Date and Server: the proxy's HTTP server writes its own (two would be sent)
             out = [
                 (k.lower(), v)
                 for k, v in upstream.raw_headers
-                if k.lower() not in HOP_BY_HOP and k.lower() != REPLICA_HEADER
+                if k.lower() not in HOP_BY_HOP | OWN_HEADERS
             ]
-            out.append((REPLICA_HEADER, self.replica_id))
+            out.extend(self.added)
             await send({"type": "http.response.start", "status": upstream.status, "headers": out})
             # iter_any: each chunk as it arrives, never waiting to fill a buffer; a stream the
             # server cut raises ClientPayloadError here, which cuts this response too
@@ -146,7 +150,7 @@ class Forwarder:
                 {
                     "type": "websocket.accept",
                     "subprotocol": upstream.protocol,
-                    "headers": [(REPLICA_HEADER, self.replica_id)],
+                    "headers": self.added,
                 }
             )
             await _pump(receive, send, upstream)
