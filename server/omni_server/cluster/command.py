@@ -2,7 +2,8 @@
 SIGTERM (docs/scaling.md).
 
 Connects to the cluster at `address` (`auto`: the one this machine belongs to; `ray://...`
-through Ray Client), or starts a local one when there is none; starts Serve's HTTP proxy on
+through Ray Client; default RAY_ADDRESS), or starts a local one (with at least the CPUs its
+replicas ask for); starts Serve's HTTP proxy on
 host:port; deploys the repository's pipeline replicas; logs `omni-server ready on ...` once
 every replica is up. On a stop signal the application is deleted (its replicas drain and reap
 their processes); a cluster this command started is shut down with it.
@@ -11,6 +12,8 @@ their processes); a cluster this command started is shut down with it.
 from __future__ import annotations
 
 import logging
+import math
+import os
 import signal
 import threading
 from collections.abc import Sequence
@@ -20,7 +23,8 @@ import ray
 from ray import serve
 
 from omni_server.cluster.deployment import pipeline_app
-from omni_server.cluster.resources import Scaling
+from omni_server.cluster.resources import Scaling, actor_options
+from omni_server.compiler.compiler import compile_repository
 from omni_server.serve.access import LOOPBACK_NAMES, loopback_hosts
 from omni_server.serve.options import ServeOptions
 
@@ -57,8 +61,17 @@ def run(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     app = pipeline_app(repo, overrides, door_options(options, host), scaling)
-    started_cluster = not ray.is_initialized() and address is None
-    ray.init(address=address, logging_level=logging.WARNING)
+    started_cluster = address is None and not os.environ.get("RAY_ADDRESS")
+    if started_cluster:
+        # A local cluster gets the CPUs its replicas ask for even on a small machine: Ray's
+        # CPUs are accounting, and the stage processes are mostly waiting for requests.
+        replicas = scaling.num_replicas or scaling.max_replicas
+        wanted = math.ceil(actor_options(compile_repository(repo, list(overrides)))["num_cpus"])
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, wanted * replicas), logging_level=logging.WARNING
+        )
+    else:
+        ray.init(address=address, logging_level=logging.WARNING)
     try:
         serve.start(http_options={"host": host, "port": port})
         try:
