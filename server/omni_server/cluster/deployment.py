@@ -14,6 +14,7 @@ replica's requests and reaps its processes as SIGTERM does for `omni-server`.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
@@ -32,6 +33,7 @@ from omni_server.serve.options import ServeOptions
 log = logging.getLogger(__name__)
 
 DEPLOYMENT_NAME = "omni-pipeline"
+API_KEY_ENV = "OMNI_SERVER_API_KEY"
 
 
 @serve.deployment(name=DEPLOYMENT_NAME)
@@ -90,7 +92,8 @@ def build_app(args: Mapping[str, Any]) -> Application:
 
     `args` (the config's `args:` or `serve run ... key=value`): `repo` (required), `overrides`
     (a list of strings as on the command line, or one string split on spaces), `num_replicas`
-    or `autoscale` ("MIN:MAX"), and any ServeOptions field (`api_key`, `max_in_flight`, ...).
+    or `autoscale` ("MIN:MAX"), and any ServeOptions field (`api_key`, `max_in_flight`, ...);
+    without `api_key`, OMNI_SERVER_API_KEY of the process building the app is the key.
     The config file's own `deployments:` entries still override what this sets."""
     values = dict(args)
     if "repo" not in values:
@@ -109,6 +112,8 @@ def build_app(args: Mapping[str, Any]) -> Application:
             f"unknown args for omni-server's Serve app: {', '.join(unknown)}; "
             f"known: repo, overrides, num_replicas, autoscale, {', '.join(sorted(known))}"
         )
+    if "api_key" not in values and os.environ.get(API_KEY_ENV):
+        values["api_key"] = os.environ[API_KEY_ENV]  # as omni-server: the variable, not argv
     options = ServeOptions(**_typed_options(values))
     return pipeline_app(repo, overrides, options, scaling)
 
