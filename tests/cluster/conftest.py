@@ -36,6 +36,12 @@ OVERRIDES = ("--processes.voice.num_replicas", "1")
 API_KEY = "cluster-test-key"
 APP = "omni"
 NODE_CPUS = 3  # one replica's plan: voice, thinker, asr
+ENVIRONMENT = {
+    "TMPDIR": "",  # set to the run's private directory
+    # Serve's proxy sends every request to a replica on its own node while that one has room;
+    # with the one proxy of this cluster, the worker's replica would then see no traffic
+    "RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING": "0",
+}
 
 
 def _free_port() -> int:
@@ -78,15 +84,14 @@ class ServedCluster:
 @pytest.fixture(scope="module")
 def served() -> Iterator[ServedCluster]:
     root = Path(tempfile.mkdtemp(prefix="rb24-", dir="/tmp"))  # short: Ray's socket paths
-    saved = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = str(root)  # inherited by the raylets, their workers, the stages
+    saved = {name: os.environ.get(name) for name in ENVIRONMENT}
+    os.environ.update(ENVIRONMENT, TMPDIR=str(root))  # the raylets, their workers, the stages
     tempfile.tempdir = None  # re-read TMPDIR
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": NODE_CPUS, "temp_dir": str(root / "ray")},
-    )
+    cluster = Cluster()
     handle = ServedCluster(cluster, "", root, None)
     try:
+        # no dashboard: a dozen processes less on two cores, and no fixed port (8265) to share
+        cluster.add_node(num_cpus=NODE_CPUS, temp_dir=str(root / "ray"), include_dashboard=False)
         handle.worker = cluster.add_node(num_cpus=NODE_CPUS)
         ray.init(address=cluster.address, logging_level="WARNING")
         port = _free_port()
@@ -106,9 +111,10 @@ def served() -> Iterator[ServedCluster]:
         try:
             handle.shutdown()  # the last test has done it already, and checked what is left
         finally:
-            if saved is None:
-                os.environ.pop("TMPDIR", None)
-            else:
-                os.environ["TMPDIR"] = saved
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
             tempfile.tempdir = None
             shutil.rmtree(root, ignore_errors=True)
