@@ -15,7 +15,10 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -124,6 +127,17 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     texts = load_dataset(args.dataset)
     print(machine_line(), file=sys.stderr)
+    # Ray's session files and the servers' run directories in a directory of this run's own:
+    # another Ray on this machine (another user's, another bench's) is never touched
+    private = tempfile.mkdtemp(prefix="obr-", dir="/tmp")
+    os.environ["TMPDIR"] = private
+    try:
+        return _run(args, texts)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, texts: list[str]) -> int:
     targets = asyncio.run(compare(args.repo, texts, parse_levels(args.concurrency), args.requests))
     print(_table(targets))
     result: dict = {"targets": targets}
