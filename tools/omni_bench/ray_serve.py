@@ -30,6 +30,7 @@ from omni_bench.speech import DEFAULT_DATASET, bench, load_dataset, parse_levels
 from omni_bench.targets import OpenAISpeechTarget
 
 SMALL = ("--processes.voice.num_replicas", "1")  # one voice per pipeline: 2 cores here
+READY_TIMEOUT_S = 900.0  # a shared 2-core machine can take minutes to load the stages
 
 
 def _ray_server(repo: Path, args: list[str]) -> ChildServer:
@@ -38,7 +39,7 @@ def _ray_server(repo: Path, args: list[str]) -> ChildServer:
         "omni-server ray",
         lambda port: [*command, "--port", str(port), *args],
         "/health/ready",
-        ready_timeout_s=400.0,
+        ready_timeout_s=READY_TIMEOUT_S,
     )
 
 
@@ -49,12 +50,12 @@ def _target(url: str, name: str) -> OpenAISpeechTarget:
 
 
 async def compare(repo: Path, texts: list[str], levels: list[int], requests: int) -> list[dict]:
-    direct = OmniServer(repo, SMALL)
+    direct = OmniServer(repo, SMALL, ready_timeout_s=READY_TIMEOUT_S)
     served = _ray_server(repo, [*SMALL, "--num-replicas", "1"])
     async with contextlib.AsyncExitStack() as stack:
         for server in (direct, served):
             stack.push_async_callback(server.stop)
-            await server.start()
+        await asyncio.gather(direct.start(), served.start())  # both load at once: minutes here
         results = await bench(
             [_target(direct.url, "direct"), _target(served.url, "ray-serve")],
             texts,

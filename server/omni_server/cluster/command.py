@@ -67,8 +67,11 @@ def run(
         # CPUs are accounting, and the stage processes are mostly waiting for requests.
         replicas = scaling.num_replicas or scaling.max_replicas
         wanted = math.ceil(actor_options(compile_repository(repo, list(overrides)))["num_cpus"])
+        # no dashboard for a local trial run: a dozen processes and a fixed port (8265) less
         ray.init(
-            num_cpus=max(os.cpu_count() or 1, wanted * replicas), logging_level=logging.WARNING
+            num_cpus=max(os.cpu_count() or 1, wanted * replicas),
+            include_dashboard=False,
+            logging_level=logging.WARNING,
         )
     else:
         ray.init(address=address, logging_level=logging.WARNING)
