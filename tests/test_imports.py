@@ -53,7 +53,12 @@ FORBIDDEN = {
     "compiler": {"pipeline", "stage", "serve", "wire", "gpu", "engine"},  # pure
     "engine": {"pipeline", "stage", "serve", "wire", "gpu", "compiler"},
     "serve": {"stage", "wire", "gpu"},  # HTTP reaches the pipeline through Runtime
+    # Ray Serve replicas reuse the server's app and Runtime; only the command line imports it
+    "cluster": {"stage", "wire", "gpu", "engine"},
 }
+for _room_name, _forbidden in FORBIDDEN.items():
+    if _room_name != "cluster":
+        _forbidden.add("cluster")  # Ray is an extra: no room of the server depends on it
 # the in-process pipeline: the one module of the pipeline room that imports the stage room
 INLINE = "omni_server.pipeline.inline"
 

@@ -4,6 +4,9 @@
                                                                      serve the repository
     omni-server config resolve --repo DIR [--show config|topology] [--format toml|json]
                 [overrides...]                                       print what would run
+    omni-server ray --repo DIR [--address ADDR] [--host H] [--port P]
+                [--num-replicas N | --autoscale MIN:MAX] [serve options] [overrides...]
+                                                     serve it on a Ray cluster (Ray Serve)
 
 Overrides are dotted paths into the repository's files (`--stages.tts.max_batch_size 8`),
 typed by the schema; see docs/repository.md. Every invalid repository ends with exit code 2
@@ -250,6 +253,76 @@ def _list(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
+def _ray_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="omni-server ray",
+        usage="%(prog)s --repo DIR [--address ADDR] [--host HOST] [--port PORT]\n"
+        "       [--num-replicas N | --autoscale MIN:MAX] [options] [overrides ...]",
+        description="Serve a model repository on a Ray cluster through Ray Serve: every Serve\n"
+        "replica runs one whole pipeline (the stage processes the repository declares, with\n"
+        "the CPUs and GPUs its plan needs), Serve's HTTP proxy on HOST:PORT serves the same\n"
+        "API as omni-server. Connects to the cluster at --address, or starts a local one.\n"
+        "Logs 'omni-server ready on ...' once every replica is up; SIGINT / SIGTERM stop it\n"
+        "(exit 0). Invalid repositories or options exit 2; a failed deployment exits 1.\n"
+        "Needs the ray extra: pip install 'omni-server[ray]'. See docs/scaling.md.",
+        epilog=OVERRIDES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument("--repo", required=True, metavar="DIR", help="the repository folder")
+    parser.add_argument(
+        "--address",
+        default=None,
+        metavar="ADDR",
+        help="the Ray cluster: 'auto' (the one this machine belongs to), HOST:PORT of its head, "
+        "or ray://HOST:10001; default: RAY_ADDRESS, else a new local cluster",
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address Serve's proxy binds (127.0.0.1)"
+    )
+    parser.add_argument("--port", type=int, default=8000, help="port Serve's proxy binds (8000)")
+    scaling = parser.add_mutually_exclusive_group()
+    scaling.add_argument(
+        "--num-replicas", type=int, default=1, metavar="N", help="pipeline replicas (1)"
+    )
+    scaling.add_argument(
+        "--autoscale",
+        metavar="MIN:MAX",
+        help="autoscale between MIN and MAX replicas on ongoing requests, aiming at "
+        "--max-in-flight per replica",
+    )
+    _add_serve_options(parser)
+    return parser
+
+
+def _ray(args: list[str]) -> int:
+    parser = _ray_parser()
+    opts, overrides = parser.parse_known_args(args)
+    options = _serve_options(opts)
+    compile_repository(opts.repo, overrides)  # every repository error before Ray starts
+    try:
+        command = importlib.import_module("omni_server.cluster.command")
+        resources = importlib.import_module("omni_server.cluster.resources")
+    except ModuleNotFoundError as e:
+        if e.name is None or not e.name.startswith("ray"):
+            raise
+        print("omni-server ray needs Ray Serve: pip install 'omni-server[ray]'", file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        if opts.autoscale is not None:
+            scaling = resources.Scaling.parse_autoscale(opts.autoscale)
+        elif opts.num_replicas < 1:
+            raise ValueError(f"--num-replicas must be at least 1; got {opts.num_replicas}")
+        else:
+            scaling = resources.Scaling(num_replicas=opts.num_replicas)
+    except ValueError as e:
+        parser.error(str(e))
+    result = command.run(
+        opts.repo, overrides, options, scaling, address=opts.address, host=opts.host, port=opts.port
+    )
+    return int(result)
+
+
 def _resolve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omni-server config resolve",
@@ -287,6 +360,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 return EXIT_INVALID
             return _resolve(args[2:])
+        if args[:1] == ["ray"]:
+            return _ray(args[1:])
         return _serve(args)
     except RepositoryError as e:
         print(f"omni-server: {e}", file=sys.stderr)

@@ -7,6 +7,7 @@
     omni-bench transcribe the transcription endpoint against faster-whisper (omni_bench.transcribe)
     omni-bench realtime   voice-to-voice latency by hop, barge-in (omni_bench.realtime)
     omni-bench soak       requests under SIGKILL / SIGSTOP chaos: recovery, leaks (omni_bench.soak)
+    omni-bench ray-serve  Ray Serve path vs direct server, autoscaling (omni_bench.ray_serve)
     omni-bench gpu-mps    two GPU stages on one GPU, MPS off and on (omni_bench.gpu_mps)
     omni-bench gpu-share  replicas' GPU memory and start, sharing off/on (omni_bench.gpu_share)
     omni-bench gpu-tp     the engine's decode at TP=1 and TP=2 over NCCL (omni_bench.gpu_tp)
@@ -31,6 +32,7 @@ SUBCOMMANDS = {
     "transcribe": ("omni_bench.transcribe", "transcription RTF and throughput vs faster-whisper"),
     "realtime": ("omni_bench.realtime", "voice-to-voice latency over /v1/realtime, by hop"),
     "soak": ("omni_bench.soak", "requests under injected process faults: recovery and leaks"),
+    "ray-serve": ("omni_bench.ray_serve", "Ray Serve path vs direct: TTFA, throughput, autoscale"),
     "gpu-mps": ("omni_bench.gpu_mps", "two GPU stages on one GPU: MPS off vs on"),
     "gpu-share": ("omni_bench.gpu_share", "GPU memory and start of replicas, sharing off/on"),
     "gpu-tp": ("omni_bench.gpu_tp", "engine decode tok/s at TP=1 vs TP=2 (NCCL)"),

@@ -1,0 +1,102 @@
+"""`omni-server ray`: serve a repository on a Ray cluster through Ray Serve until SIGINT or
+SIGTERM (docs/scaling.md).
+
+Connects to the cluster at `address` (`auto`: the one this machine belongs to; `ray://...`
+through Ray Client; default RAY_ADDRESS), or starts a local one (with at least the CPUs its
+replicas ask for); starts Serve's HTTP proxy on
+host:port; deploys the repository's pipeline replicas; logs `omni-server ready on ...` once
+every replica is up. On a stop signal the application is deleted (its replicas drain and reap
+their processes); a cluster this command started is shut down with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import threading
+from collections.abc import Sequence
+from dataclasses import replace
+
+import ray
+from ray import serve
+
+from omni_server.cluster.deployment import pipeline_app
+from omni_server.cluster.resources import Scaling, actor_options
+from omni_server.compiler.compiler import compile_repository
+from omni_server.serve.access import LOOPBACK_NAMES, loopback_hosts
+from omni_server.serve.options import ServeOptions
+
+log = logging.getLogger("omni_server")
+
+APP_NAME = "omni-server"
+
+
+def door_options(options: ServeOptions, host: str) -> ServeOptions:
+    """As `omni-server` does for its own socket: a proxy bound to loopback accepts only
+    loopback names in Host (and `allowed_hosts`)."""
+    hosts = loopback_hosts(host)
+    if options.allowed_hosts is not None:
+        hosts = (hosts or LOOPBACK_NAMES) | options.allowed_hosts
+    return replace(options, allowed_hosts=hosts) if hosts is not None else options
+
+
+def run(
+    repo: str,
+    overrides: Sequence[str],
+    options: ServeOptions,
+    scaling: Scaling,
+    *,
+    address: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+) -> int:
+    """0 after a clean stop; 1 when the application could not be deployed."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    app = pipeline_app(repo, overrides, door_options(options, host), scaling)
+    started_cluster = address is None and not os.environ.get("RAY_ADDRESS")
+    if started_cluster:
+        # A local cluster gets the CPUs its replicas ask for even on a small machine: Ray's
+        # CPUs are accounting, and the stage processes are mostly waiting for requests.
+        replicas = scaling.num_replicas or scaling.max_replicas
+        wanted = math.ceil(actor_options(compile_repository(repo, list(overrides)))["num_cpus"])
+        # no dashboard for a local trial run: a dozen processes and a fixed port (8265) less
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, wanted * replicas),
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+        )
+    else:
+        ray.init(address=address, logging_level=logging.WARNING)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        try:
+            serve.run(app, name=APP_NAME, route_prefix="/")
+        except RuntimeError as exc:  # a replica that cannot start (Serve's deploy failure)
+            log.error("the application failed to deploy: %s", exc)
+            return 1
+        log.info(
+            "omni-server ready on http://%s:%d (Ray Serve, %s)", host, port, _replicas(scaling)
+        )
+        stop.wait()
+        log.info("omni-server stopping")
+        serve.delete(APP_NAME)
+        if started_cluster:
+            serve.shutdown()
+    finally:
+        ray.shutdown()
+    log.info("omni-server stopped")
+    return 0
+
+
+def _replicas(scaling: Scaling) -> str:
+    if scaling.num_replicas is not None:
+        return f"{scaling.num_replicas} replica{'s' if scaling.num_replicas != 1 else ''}"
+    return f"autoscaling {scaling.min_replicas}..{scaling.max_replicas} replicas"
