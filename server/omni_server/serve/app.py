@@ -21,6 +21,7 @@ from omni_server.serve import (
     health,
     models,
     openapi,
+    repository_api,
     speech,
     transcription,
     transcription_request,
@@ -36,14 +37,14 @@ from omni_server.serve.realtime import realtime
 from omni_server.serve.state import STATE, ServerState
 
 if TYPE_CHECKING:
-    from omni_server.pipeline import Runtime
+    from omni_server.pipeline import ModelControl, Runtime
 
 STATIC_DIR = Path(__file__).parent / "static"
 SERVER_NAME = "omni-server"  # the Server header: no versions for a scanner to match
 
 
 def create_app(
-    runtime: Runtime,
+    runtime: Runtime | ModelControl,
     *,
     plan: Plan | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
@@ -63,7 +64,7 @@ def create_app(
     )
     state = ServerState(
         runtime=runtime,
-        plan=plan if plan is not None else runtime.plan,
+        fixed_plan=plan,
         metrics=metrics,
         options=options,
         admission=admission,
@@ -95,6 +96,7 @@ def create_app(
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/", _playground)
     app.router.add_get("/openapi.json", openapi.serve_openapi)
+    repository_api.add_routes(app)
     return app
 
 
