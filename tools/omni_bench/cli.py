@@ -12,6 +12,7 @@
     omni-bench gpu-tp     the engine's decode at TP=1 and TP=2 over NCCL (omni_bench.gpu_tp)
     omni-bench gpu-handoff  a CUDA tensor between two stage processes (omni_bench.gpu_handoff)
     omni-bench gpu-memory   the engine's KV cache sized from a GPU fraction (omni_bench.gpu_memory)
+    omni-bench reload     a model reload's time to serving and extra memory (omni_bench.reload)
 
 Each subcommand module exposes `main(argv) -> int`; modules load only when their subcommand
 runs, so one benchmark's heavy imports never slow another.
@@ -35,6 +36,7 @@ SUBCOMMANDS = {
     "gpu-tp": ("omni_bench.gpu_tp", "engine decode tok/s at TP=1 vs TP=2 (NCCL)"),
     "gpu-handoff": ("omni_bench.gpu_handoff", "a CUDA tensor from stage to stage, one GPU"),
     "gpu-memory": ("omni_bench.gpu_memory", "KV cache sized from a GPU fraction: the terms, peaks"),
+    "reload": ("omni_bench.reload", "model reload: time to serving, memory of both versions"),
     "random-checkpoint": ("omni_bench.random_checkpoint", "random-weight HF checkpoint folders"),
 }
 

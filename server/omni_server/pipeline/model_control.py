@@ -25,6 +25,7 @@ in any loop turn sees one consistent set. Control calls run one at a time (`_loc
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -380,7 +381,7 @@ class ModelControl:
         tasks = []
         for gen in [g for g in self._live if g not in used and g.runtime.ready]:
             task = asyncio.get_running_loop().create_task(
-                gen.drain(self._drain_timeout_s, on_stopped=lambda g=gen: self._gone(g))
+                gen.drain(self._drain_timeout_s, on_stopped=functools.partial(self._gone, gen))
             )
             self._draining.add(task)
             task.add_done_callback(self._draining.discard)
