@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-from omni_server.compiler.plan import Plan
+from omni_server.compiler.plan import FrozenMap, ModelSpec, Plan, ServerOptions
 
 from .runtime import Runtime
 
@@ -75,3 +77,31 @@ class Generation:
         if on_stopped is not None:
             on_stopped()
         return left
+
+
+def served_plan(repository: Path, serving: Mapping[str, Generation]) -> Plan:
+    """One read-only plan of the served models (what /v1/models, the endpoints and the
+    OpenAPI document read): each served model with its generation's stages and processes."""
+    stages: dict[str, Any] = {}
+    processes: dict[str, Any] = {}
+    models: dict[str, ModelSpec] = {}
+    instances: list[Any] = []
+    edges: list[Any] = []
+    server = None
+    for gen in dict.fromkeys(serving.values()):
+        stages.update(gen.plan.stages)
+        processes.update(gen.plan.processes)
+        instances.extend(gen.plan.instances)
+        edges.extend(gen.plan.edges)
+        server = server or gen.plan.server
+    for model, gen in serving.items():
+        models[model] = gen.plan.models[model]
+    return Plan(
+        repository=repository,
+        server=server or ServerOptions(),
+        stages=FrozenMap(stages),
+        models=FrozenMap(models),
+        processes=FrozenMap(processes),
+        instances=tuple(instances),
+        edges=tuple(edges),
+    )

@@ -28,7 +28,7 @@ import asyncio
 import functools
 import json
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -37,12 +37,12 @@ from typing import Any
 from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.errors import RepositoryError
 from omni_server.compiler.partition import fingerprint, groups, subplan
-from omni_server.compiler.plan import FrozenMap, ModelSpec, Plan, ServerOptions
+from omni_server.compiler.plan import ModelSpec, Plan
 from omni_server.envelope import Payload
 from omni_server.errors import PipelineError
 
 from .coordinator import RequestHandle
-from .generation import Generation
+from .generation import Generation, served_plan
 from .runtime import Health, Runtime
 
 log = logging.getLogger(__name__)
@@ -113,10 +113,11 @@ class ModelControl:
         self._draining: set[asyncio.Task[int]] = set()
         self._lock = asyncio.Lock()
         self._poller: asyncio.Task[None] | None = None
+        self._calls: set[asyncio.Future[None]] = set()  # load / unload calls under way
         self._state = "new"
         self._repo_plan: Plan | None = None
         self._first_plan = plan
-        self.plan = _merged(Path(repository), {})
+        self.plan = served_plan(Path(repository), {})
 
     # ---- what the serving layer reads (as of a Runtime) ---------------------------------------
 
@@ -216,6 +217,9 @@ class ModelControl:
         (dotted repository paths -> values) overrides fields for this model's loads until its
         next load. Raises ControlError."""
         self._allowed("load")
+        await self._shielded(self._load(name, config))
+
+    async def _load(self, name: str, config: Mapping[str, Any] | None) -> None:
         async with self._lock:
             known = self._repo_plan.model(name) if self._repo_plan is not None else None
             key = known.id if known is not None else name
@@ -236,6 +240,9 @@ class ModelControl:
         with it): new requests get 404, running ones finish, then processes no served model
         uses stop. Returns once they have."""
         self._allowed("unload")
+        await self._shielded(self._unload(name, unload_dependents))
+
+    async def _unload(self, name: str, unload_dependents: bool) -> None:
         async with self._lock:
             plan = self._repo_plan
             model = check_model(plan, name, control=True) if plan is not None else name
@@ -258,18 +265,29 @@ class ModelControl:
                 self._status[m] = ModelStatus(ModelState.UNAVAILABLE, "unloaded")
 
     async def stop(self) -> None:
-        """Stop every generation (requests still running fail as unavailable); idempotent."""
+        """Stop every generation (requests still running fail as unavailable); idempotent. A
+        load under way is cancelled (its new generation stops itself)."""
         self._state = "stopped"
-        if self._poller is not None:
-            self._poller.cancel()
-            await asyncio.gather(self._poller, return_exceptions=True)
+        calls = [*self._calls, *([self._poller] if self._poller is not None else [])]
+        for task in calls:
+            task.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
         self._serving = {}
-        self.plan = _merged(self.repository, {})
+        self.plan = served_plan(self.repository, {})
         await asyncio.gather(*(gen.runtime.stop() for gen in self._live), return_exceptions=True)
         await asyncio.gather(*self._draining, return_exceptions=True)
         self._live.clear()
 
     # ---- inside ----------------------------------------------------------------------------
+
+    async def _shielded(self, call: Coroutine[Any, Any, None]) -> None:
+        """Run a control call to its end even when its caller is cancelled (an HTTP client
+        that leaves, a client timeout): a reload half done is not undone for that. `stop()`
+        cancels it."""
+        task = asyncio.ensure_future(call)
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
+        await asyncio.shield(task)
 
     def _allowed(self, call: str) -> None:
         if self.mode is not ControlMode.EXPLICIT:
@@ -377,7 +395,7 @@ class ModelControl:
         order = list(self._repo_plan.models) if self._repo_plan is not None else []
         serving = dict(sorted(serving.items(), key=lambda mg: _position(order, mg[0])))
         self._serving = serving
-        self.plan = _merged(self.repository, serving)
+        self.plan = served_plan(self.repository, serving)
         tasks = []
         for gen in [g for g in self._live if g not in used and g.runtime.ready]:
             task = asyncio.get_running_loop().create_task(
@@ -448,34 +466,6 @@ def config_overrides(config: Mapping[str, Any]) -> tuple[str, ...]:
         text = value if isinstance(value, str) else json.dumps(value)
         out.append(f"--{path}={text}")
     return tuple(out)
-
-
-def _merged(repository: Path, serving: Mapping[str, Generation]) -> Plan:
-    """One read-only plan of the served models (what /v1/models, the endpoints and the
-    OpenAPI document read): each served model with its generation's stages and processes."""
-    stages: dict[str, Any] = {}
-    processes: dict[str, Any] = {}
-    models: dict[str, ModelSpec] = {}
-    instances: list[Any] = []
-    edges: list[Any] = []
-    server = None
-    for gen in dict.fromkeys(serving.values()):
-        stages.update(gen.plan.stages)
-        processes.update(gen.plan.processes)
-        instances.extend(gen.plan.instances)
-        edges.extend(gen.plan.edges)
-        server = server or gen.plan.server
-    for model, gen in serving.items():
-        models[model] = gen.plan.models[model]
-    return Plan(
-        repository=repository,
-        server=server or ServerOptions(),
-        stages=FrozenMap(stages),
-        models=FrozenMap(models),
-        processes=FrozenMap(processes),
-        instances=tuple(instances),
-        edges=tuple(edges),
-    )
 
 
 def _position(order: list[str], model: str) -> int:
