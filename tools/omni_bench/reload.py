@@ -94,10 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     for model in [m for m in args.models.split(",") if m]:
         if model not in GROUP_STAGES:
             parser.error(f"--models: one of {', '.join(GROUP_STAGES)}; got {model!r}")
-        results = asyncio.run(_measure(model, args.rounds))
-        for key in ("serving_s", "drained_s"):
+        try:
+            results = asyncio.run(_measure(model, args.rounds))
+        except RuntimeError as exc:  # a load that failed (say, past the start timeout): a row
+            print(f"{model}: {exc}")
+            rows.append([model, "failed", "", "", "", ""])
+            continue
+        for key in ("serving_s", "drained_s", "before", "peak"):
             values = [r[key] for r in results]
-            print(f"{model} {key}: {', '.join(f'{v:.2f}' for v in values)}")
+            print(f"{model} {key}: {', '.join(f'{v:.2f}' for v in values)}", flush=True)
         rows.append(
             [
                 model,
@@ -117,4 +122,5 @@ def main(argv: list[str] | None = None) -> int:
         "extra RSS both MiB",
     ]
     print(table(headers, rows))
-    return 0
+    print(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    return 0 if all(r[1] != "failed" for r in rows) else 1
