@@ -65,8 +65,12 @@ async def _round(server: OmniServer, repo: Path, model: str, n: int) -> dict[str
         serving_s = time.monotonic() - started
         if response.status != 200:  # the memory of the attempt still counts
             print(f"load {model}: {response.status} {await response.text()}", flush=True)
-            return {"serving_s": float("nan"), "drained_s": float("nan"), "before": before,
-                    "peak": peak}
+            return {
+                "serving_s": float("nan"),
+                "drained_s": float("nan"),
+                "before": before,
+                "peak": peak,
+            }
         while any(Path(f"/proc/{pid}").exists() for pid in old):
             peak = max(peak, _rss_mib([p.pid for p in stage_processes(server.pid)]))
             await asyncio.sleep(SAMPLE_S)
