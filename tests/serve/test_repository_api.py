@@ -154,3 +154,17 @@ async def test_none_mode_refuses_load_and_unload(control, aiohttp_client):
     # none mode is served by a plain Runtime (server.py); ModelControl refuses the same way
     with pytest.raises(Exception, match="not allowed in model control mode 'none'"):
         await fixed.load("first")
+
+
+async def test_a_loads_config_lasts_until_the_models_next_load(control, aiohttp_client):
+    client = await aiohttp_client(create_app(control))
+    body = {"parameters": {"config": '{"stages.a.parameters.tone": 3}'}}  # JSON text, as Triton
+    assert (await client.post("/v2/repository/models/first/load", json=body)).status == 200
+    assert control.plan.stages["a"].parameters == {"tone": 3}
+    version = control.generations()["first"]
+    assert (await client.post("/v2/repository/models/second/load")).status == 200
+    assert control.plan.stages["a"].parameters == {"tone": 3}  # another model's load keeps it
+    assert control.generations()["first"] == version  # and does not touch its group
+    assert (await client.post("/v2/repository/models/first/load")).status == 200
+    assert control.plan.stages["a"].parameters == {}  # the files again
+    assert control.generations()["first"] > version

@@ -214,8 +214,8 @@ class ModelControl:
 
     async def load(self, name: str, config: Mapping[str, Any] | None = None) -> None:
         """Load or reload `name` (and its group) from the files as they are now; `config`
-        (dotted repository paths -> values) overrides fields for this model's loads until its
-        next load. Raises ControlError."""
+        (dotted repository paths -> values) overrides fields for this load, and stays applied
+        while other models load, until this model's next load. Raises ControlError."""
         self._allowed("load")
         await self._shielded(self._load(name, config))
 
@@ -223,13 +223,13 @@ class ModelControl:
         async with self._lock:
             known = self._repo_plan.model(name) if self._repo_plan is not None else None
             key = known.id if known is not None else name
-            overrides = dict(self._load_overrides)
+            # a load without a config reads this model's fields from the files again
+            overrides = {m: o for m, o in self._load_overrides.items() if m != key}
             if config is not None:
                 overrides[key] = config_overrides(config)
             plan = await self._compile(overrides.values(), key)
             model = check_model(plan, name, control=True)
-            if config is not None:
-                self._load_overrides[model] = overrides[key]
+            self._load_overrides = overrides
             wanted = set(self._serving) | {model}
             failures = await self._reconcile(plan, wanted)
             if model in failures:
