@@ -194,7 +194,28 @@ class AsyncOmniClient:
         """`GET /health`: the server's status JSON; an `APIError` while it is not ready."""
         return await self._json(protocol.HEALTH)
 
+    async def repository_index(self, *, ready: bool = False) -> list[dict[str, Any]]:
+        """Every model of the server's repository (`POST /v2/repository/index`): dicts with
+        `name`, `state` (READY, UNAVAILABLE, LOADING, UNLOADING), `reason`, and `version`
+        while loaded; `ready`: only READY ones."""
+        return await self._json(protocol.repository_index(ready=ready))
+
+    async def load_model(self, name: str, config: dict[str, Any] | None = None) -> None:
+        """Load or reload `name` (an atomic swap: returns once the new version serves);
+        `config` overrides repository fields for it ({"stages.s.parameters.k": 1}). An
+        `APIError` (400, 404, 500 with the reason) when it fails; the old version serves on."""
+        await self._call(protocol.load_model(name, config))
+
+    async def unload_model(self, name: str, *, unload_dependents: bool = False) -> None:
+        """Unload `name` once its running requests finished (with `unload_dependents`, every
+        model sharing a stage with it too)."""
+        await self._call(protocol.unload_model(name, unload_dependents=unload_dependents))
+
     # -- transport -----------------------------------------------------------------------------
+
+    async def _call(self, request: protocol.Request) -> None:
+        async with self._send(request) as response:
+            await response.aread()
 
     @asynccontextmanager
     async def _send(self, request: protocol.Request) -> AsyncIterator[httpx2.Response]:

@@ -1,6 +1,6 @@
 """The `omni-client` command line: speak (to a file, stdout, a PCM stream, a batch), transcribe
 (whole, or streamed as it is heard), talk (one spoken turn over the realtime WebSocket),
-models, health.
+models (and the model repository API: index, load, unload), health.
 
 Exit status: 0 success; 1 the server failed or could not be reached (HTTP 5xx, connection
 refused or broken, timeout); 2 the command or request was wrong (bad arguments, HTTP 4xx such
@@ -209,8 +209,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     stream.set_defaults(run=run_speak_stream, parser=stream)
 
-    models = commands.add_parser("models", parents=[connection], help="list the served models")
+    models = commands.add_parser(
+        "models",
+        parents=[connection],
+        help="list the served models; the repository index; load, reload, unload",
+        description="List the served models (GET /v1/models), or use the server's model\n"
+        "repository API (Triton's; load and unload need --model-control-mode explicit):\n"
+        "  omni-client models --index [--ready]        every model and its state\n"
+        "  omni-client models --load NAME [--config JSON]   load or reload (atomic swap)\n"
+        "  omni-client models --unload NAME [--unload-dependents]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     models.add_argument("--json", action="store_true", help="print the full model objects")
+    control = models.add_mutually_exclusive_group()
+    control.add_argument(
+        "--index", action="store_true", help="print the repository index: name state version"
+    )
+    control.add_argument("--load", metavar="NAME", help="load or reload this model")
+    control.add_argument("--unload", metavar="NAME", help="unload this model (it drains first)")
+    models.add_argument("--ready", action="store_true", help="--index: only READY models")
+    models.add_argument(
+        "--config",
+        metavar="JSON",
+        help="--load: repository fields for this load, e.g. '{\"stages.acoustic.parameters."
+        "length_scale\": 1.2}'",
+    )
+    models.add_argument(
+        "--unload-dependents",
+        action="store_true",
+        help="--unload: also every model sharing a stage with it",
+    )
     models.set_defaults(run=run_models, parser=models)
 
     health = commands.add_parser(
@@ -298,6 +326,14 @@ def _write_text(text: str, output: str | None) -> None:
 
 
 def run_models(args: argparse.Namespace) -> int:
+    if args.config is not None and args.load is None:
+        args.parser.error("--config goes with --load")
+    if args.unload_dependents and args.unload is None:
+        args.parser.error("--unload-dependents goes with --unload")
+    if args.ready and not args.index:
+        args.parser.error("--ready goes with --index")
+    if args.index or args.load or args.unload:
+        return _run_control(args)
     with _client(args) as client:
         models = client.models()
     if args.json:
@@ -305,6 +341,33 @@ def run_models(args: argparse.Namespace) -> int:
     else:
         for model in models:
             print(model["id"])
+    return 0
+
+
+def _run_control(args: argparse.Namespace) -> int:
+    config = None
+    if args.config is not None:
+        try:
+            config = json.loads(args.config)
+        except json.JSONDecodeError as e:
+            args.parser.error(f"--config is not JSON: {e.msg}")
+        if not isinstance(config, dict):
+            args.parser.error("--config must be a JSON object of field -> value")
+    with _client(args) as client:
+        if args.load:
+            client.load_model(args.load, config)
+            print(f"{args.load}: loaded")
+        elif args.unload:
+            client.unload_model(args.unload, unload_dependents=args.unload_dependents)
+            print(f"{args.unload}: unloaded")
+        else:
+            index = client.repository_index(ready=args.ready)
+            if args.json:
+                print(json.dumps(index, indent=2))
+            for entry in [] if args.json else index:
+                version = entry.get("version", "-")
+                reason = f"  {entry['reason']}" if entry.get("reason") else ""
+                print(f"{entry['name']}\t{entry['state']}\t{version}{reason}")
     return 0
 
 

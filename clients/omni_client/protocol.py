@@ -1,6 +1,7 @@
 """What both clients share, apart from sending it: defaults, the URL and headers, the API's
-requests (speech, transcription, discovery), the decoding of answers (JSON, transcripts, SSE
-events), whole PCM samples, formats and file extensions. No I/O happens here."""
+requests (speech, transcription, discovery, model control), the decoding of answers (JSON,
+transcripts, SSE events), whole PCM samples, formats and file extensions. No I/O happens
+here."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+from urllib.parse import quote
 
 from omni_client.errors import OmniError, OmniUsageError
 
@@ -84,6 +86,22 @@ class Request:
 
 MODELS = Request("GET", "/v1/models")
 HEALTH = Request("GET", "/health")
+
+
+# Triton's model repository API (server: --model-control-mode explicit for load / unload)
+def repository_index(*, ready: bool = False) -> Request:
+    return Request("POST", "/v2/repository/index", json={"ready": ready})
+
+
+def load_model(name: str, config: dict[str, Any] | None = None) -> Request:
+    """Load or reload `name`; `config`: dotted repository fields -> values for this load."""
+    body: dict[str, Any] = {"parameters": {"config": config}} if config else {}
+    return Request("POST", f"/v2/repository/models/{quote(name, safe='')}/load", json=body)
+
+
+def unload_model(name: str, *, unload_dependents: bool = False) -> Request:
+    body = {"parameters": {"unload_dependents": unload_dependents}}
+    return Request("POST", f"/v2/repository/models/{quote(name, safe='')}/unload", json=body)
 
 
 def speech_request(

@@ -20,6 +20,7 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.errors import RepositoryError
@@ -50,7 +51,8 @@ def _serve_parser() -> argparse.ArgumentParser:
         usage="%(prog)s --repo DIR [--host HOST] [--port PORT] [options] [overrides ...]\n"
         "       %(prog)s config resolve --help",
         description="Serve a model repository over an OpenAI-compatible HTTP API (speech:\n"
-        "POST /v1/audio/speech; GET /v1/models, /health, /metrics, / the playground),\n"
+        "POST /v1/audio/speech; GET /v1/models, /health, /metrics, / the playground;\n"
+        "POST /v2/repository/... Triton's model repository API),\n"
         "running the pipeline its stage folders declare. Logs 'omni-server ready on ...'\n"
         "once every stage has started; SIGINT / SIGTERM stop it (exit 0). Invalid\n"
         "repositories exit with code 2 and one line naming the file, stage and field; a port\n"
@@ -95,6 +97,36 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> None:
         metavar="LIST",
         help="comma-separated Host names to accept besides the loopback ones; bound to "
         "loopback, any other name is refused (DNS rebinding)",
+    )
+    control = parser.add_argument_group("model control (docs/serving.md#model-control)")
+    control.add_argument(
+        "--model-control-mode",
+        choices=("none", "explicit", "poll"),
+        default="none",
+        help="none: serve every model for the server's life (default); explicit: load the "
+        "--load-model models, then load / reload / unload on POST /v2/repository/models/"
+        "NAME/load|unload; poll: reload what changed in the repository every "
+        "--repository-poll-secs (for development)",
+    )
+    control.add_argument(
+        "--load-model",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="explicit mode: a model to load at start (repeatable; '*' alone: every model; "
+        "none by default)",
+    )
+    control.add_argument(
+        "--repository-poll-secs",
+        type=float,
+        default=15.0,
+        metavar="S",
+        help="poll mode: seconds between scans of the repository (15)",
+    )
+    control.add_argument(
+        "--disable-repository-api",
+        action="store_true",
+        help="leave out the /v2/repository/ routes (index, load, unload)",
     )
     bounds = parser.add_argument_group("bounds (per request, per model)")
     bounds.add_argument(
@@ -224,6 +256,7 @@ def _serve_options(opts: argparse.Namespace) -> ServeOptions:
     try:
         return ServeOptions(
             api_key=opts.api_key,
+            repository_api=not opts.disable_repository_api,
             metrics_need_key=not opts.metrics_open,
             allowed_origins=tuple(_list(opts.allowed_origins)),
             allowed_hosts=frozenset(h.lower() for h in hosts) if hosts else None,
@@ -389,11 +422,38 @@ def _resolve(args: list[str]) -> int:
 def _serve(args: list[str]) -> int:
     opts, overrides = _serve_parser().parse_known_args(args)
     options = _serve_options(opts)
+    _check_control(opts)
     plan = compile_repository(opts.repo, overrides)
-    return _start_server(plan, opts.host, opts.port, options)
+    for name in opts.load_model:
+        if name != "*" and plan.model(name) is None:
+            raise RepositoryError(
+                f"no model '{name}' in the repository; models: {', '.join(plan.models)}",
+                file=plan.repository / "repository.toml",
+                field="--load-model",
+            )
+    control = {
+        "model_control": opts.model_control_mode,
+        "load_models": tuple(opts.load_model),
+        "poll_s": opts.repository_poll_secs,
+        "overrides": tuple(overrides),
+    }
+    return _start_server(plan, opts.host, opts.port, options, control)
 
 
-def _start_server(plan: Plan, host: str, port: int, options: ServeOptions) -> int:
+def _check_control(opts: argparse.Namespace) -> None:
+    """The model control flags agree (as Triton's); exit 2 naming the flag otherwise."""
+    parser = _serve_parser()
+    if opts.load_model and opts.model_control_mode != "explicit":
+        parser.error("--load-model needs --model-control-mode explicit")
+    if "*" in opts.load_model and len(opts.load_model) > 1:
+        parser.error("--load-model '*' loads every model and must be the only --load-model")
+    if not opts.repository_poll_secs > 0:
+        parser.error(f"--repository-poll-secs must be above 0; got {opts.repository_poll_secs:g}")
+
+
+def _start_server(
+    plan: Plan, host: str, port: int, options: ServeOptions, control: dict[str, Any]
+) -> int:
     try:
         server = importlib.import_module("omni_server.server")
     except ModuleNotFoundError as e:
@@ -401,5 +461,5 @@ def _start_server(plan: Plan, host: str, port: int, options: ServeOptions) -> in
             raise  # a missing dependency of the server, not a missing server
         print("omni-server: serving is not built yet", file=sys.stderr)
         return EXIT_INVALID
-    result = server.serve(plan, host=host, port=port, options=options)
+    result = server.serve(plan, host=host, port=port, options=options, **control)
     return int(result or 0)

@@ -14,12 +14,13 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from aiohttp import web
 
 from omni_server.compiler.plan import Plan
-from omni_server.pipeline import Runtime
+from omni_server.pipeline import ControlMode, ModelControl, Runtime
 from omni_server.serve import create_app, log_throttle
 from omni_server.serve.access import LOOPBACK_NAMES, loopback_hosts
 from omni_server.serve.options import ServeOptions
@@ -30,12 +31,24 @@ log = logging.getLogger("omni_server")
 
 
 def serve(
-    plan: Plan, host: str = "127.0.0.1", port: int = 8000, options: ServeOptions | None = None
+    plan: Plan,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    options: ServeOptions | None = None,
+    *,
+    model_control: str = "none",
+    load_models: Sequence[str] = (),
+    poll_s: float = 15.0,
+    overrides: Sequence[str] = (),
 ) -> int:
     """Serve `plan` on http://host:port until a stop signal; 0 after a clean stop, 1 if the
     port cannot be bound or the pipeline fails to start. Bound to a loopback address, only
     loopback names (and `options.allowed_hosts`) are accepted in `Host`; bound elsewhere, any
-    name is, unless `options.allowed_hosts` lists them."""
+    name is, unless `options.allowed_hosts` lists them.
+
+    `model_control` "explicit" or "poll" serves through `ModelControl` (models loaded,
+    reloaded and unloaded while serving; `load_models` and `poll_s` as its `load` and
+    `poll_s`); the repository is compiled again with `overrides` on every load."""
     if not logging.getLogger().handlers:
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -47,16 +60,31 @@ def serve(
         hosts = (hosts or LOOPBACK_NAMES) | options.allowed_hosts
     if hosts is not None:
         options = replace(options, allowed_hosts=hosts)
-    return asyncio.run(_serve(plan, host, port, options))
+    if model_control == ControlMode.NONE:
+        return asyncio.run(_serve(lambda: Runtime(plan), host, port, options))
+
+    def control() -> ModelControl:
+        return ModelControl(
+            plan.repository,
+            plan=plan,
+            overrides=overrides,
+            mode=ControlMode(model_control),
+            load=load_models,
+            poll_s=poll_s,
+        )
+
+    return asyncio.run(_serve(control, host, port, options))
 
 
-async def _serve(plan: Plan, host: str, port: int, options: ServeOptions) -> int:
+async def _serve(
+    make_runtime: Callable[[], Runtime | ModelControl], host: str, port: int, options: ServeOptions
+) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    runtime = Runtime(plan)
+    runtime = make_runtime()
     app = create_app(runtime, options=options)
     runner = make_runner(app, options)
     await runner.setup()
@@ -70,7 +98,7 @@ async def _serve(plan: Plan, host: str, port: int, options: ServeOptions) -> int
         bound = _bound_port(runner, port)
         if not await _start_runtime(runtime, stop):
             return 1 if not stop.is_set() else 0
-        models = ", ".join(plan.models) or "none"
+        models = ", ".join(runtime.plan.models) or "none"
         log.info("omni-server ready on http://%s:%d (models: %s)", host, bound, models)
         await stop.wait()
         log.info("omni-server stopping")
@@ -84,7 +112,7 @@ async def _serve(plan: Plan, host: str, port: int, options: ServeOptions) -> int
     return 0
 
 
-async def _start_runtime(runtime: Runtime, stop: asyncio.Event) -> bool:
+async def _start_runtime(runtime: Runtime | ModelControl, stop: asyncio.Event) -> bool:
     """Start the runtime unless a stop signal comes first; False when it did not start."""
     starting = asyncio.ensure_future(runtime.start())
     stopping = asyncio.ensure_future(stop.wait())

@@ -226,3 +226,19 @@ def test_transcript_stream_needs_one_done_event_last() -> None:
     cut.check(delta)
     with pytest.raises(OmniError, match=r"without transcript\.text\.done"):
         cut.finish()
+
+
+def test_model_control_requests_are_tritons() -> None:
+    index = protocol.repository_index(ready=True)
+    assert (index.method, index.path, index.json) == (
+        "POST",
+        "/v2/repository/index",
+        {"ready": True},
+    )
+    load = protocol.load_model("a b/c", {"stages.s.parameters.k": 2})
+    assert load.path == "/v2/repository/models/a%20b%2Fc/load"  # a name is one path segment
+    assert load.json == {"parameters": {"config": {"stages.s.parameters.k": 2}}}
+    assert protocol.load_model("m").json == {}
+    unload = protocol.unload_model("m", unload_dependents=True)
+    assert unload.path == "/v2/repository/models/m/unload"
+    assert unload.json == {"parameters": {"unload_dependents": True}}

@@ -21,6 +21,7 @@ from omni_server.serve import (
     health,
     models,
     openapi,
+    repository_api,
     speech,
     speech_stream,
     transcription,
@@ -40,14 +41,14 @@ from omni_server.serve.voice_catalog import VoiceCatalog
 from omni_server.serve.voice_store import VoiceStore
 
 if TYPE_CHECKING:
-    from omni_server.pipeline import Runtime
+    from omni_server.pipeline import ModelControl, Runtime
 
 STATIC_DIR = Path(__file__).parent / "static"
 SERVER_NAME = "omni-server"  # the Server header: no versions for a scanner to match
 
 
 def create_app(
-    runtime: Runtime,
+    runtime: Runtime | ModelControl,
     *,
     plan: Plan | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
@@ -67,17 +68,17 @@ def create_app(
         options.queue_timeout_s,
         on_queue=metrics.queue_length,
     )
-    plan = plan if plan is not None else runtime.plan
     store = VoiceStore(options.data_dir) if options.data_dir is not None else None
     state = ServerState(
         runtime=runtime,
-        plan=plan,
+        fixed_plan=plan,
         metrics=metrics,
         options=options,
         admission=admission,
         lifecycle=lifecycle,
         created=int(time.time()),
-        voices=VoiceCatalog(plan, store),
+        # the plan as the state has it when asked (`state` is bound by then)
+        voices=VoiceCatalog(lambda: state.plan, store),
     )
     # Outermost first: the door (host, origin), then errors as OpenAI JSON (CORS headers go on
     # those too), the key, the body's declared size and encoding, and the in-flight accounting
@@ -109,6 +110,7 @@ def create_app(
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/", _playground)
     app.router.add_get("/openapi.json", openapi.serve_openapi)
+    repository_api.add_routes(app)
     return app
 
 

@@ -19,6 +19,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from omni_server.compiler.plan import Plan
+from omni_server.serve import repository_api
 from omni_server.serve.access import OPEN_PATHS
 from omni_server.serve.chat_body import ChatBody
 from omni_server.serve.speech_request import SpeechBody
@@ -72,6 +73,8 @@ def document(state: ServerState) -> Schema:
         "/": {"get": _get("the playground page", {"text/html": {"schema": _TEXT}}, 404)},
         "/openapi.json": {"get": _get("this document", _media({"type": "object"}))},
     }
+    if options.repository_api:
+        paths.update(repository_api.openapi_paths())  # Triton's repository API
     for path, operations in paths.items():
         for operation in operations.values():
             if path in OPEN_PATHS:

@@ -38,6 +38,8 @@ class ServeOptions:
     allowed_origins: tuple[str, ...] = ()  # CORS: exact origins, or "*"; () sends no CORS headers
     # Host header names accepted when bound to loopback (DNS rebinding); None: any Host
     allowed_hosts: frozenset[str] | None = None
+    # POST /v2/repository/...: Triton's model repository API (serve/repository_api.py)
+    repository_api: bool = True
     # work per request
     max_body_bytes: int = MAX_BODY_BYTES
     max_input_chars: int = MAX_INPUT_CHARS

@@ -31,7 +31,7 @@ from aiohttp import web
 
 from omni_server.compiler.plan import ModelSpec
 from omni_server.errors import OUT_OF_GPU_MEMORY
-from omni_server.pipeline import PipelineError, RequestHandle, Runtime
+from omni_server.pipeline import ModelControl, PipelineError, RequestHandle, Runtime
 from omni_server.serve.admission import RATE_LIMITED, RateLimited
 from omni_server.serve.body import ClientGone
 from omni_server.serve.errors import ApiError
@@ -53,7 +53,7 @@ class ContractError(PipelineError):
         super().__init__(message, code="stage_failed")
 
 
-def require_ready(runtime: Runtime, model: ModelSpec) -> None:
+def require_ready(runtime: Runtime | ModelControl, model: ModelSpec) -> None:
     """503 unless the runtime takes requests of `model`: started, and every process the model's
     stages use has a live replica (a process of another model being down does not matter)."""
     if not runtime.ready:

@@ -12,7 +12,7 @@ from omni_server.serve.options import ServeOptions
 from omni_server.serve.realtime_sessions import OpenSessions
 
 if TYPE_CHECKING:
-    from omni_server.pipeline import Runtime
+    from omni_server.pipeline import ModelControl, Runtime
     from omni_server.serve.admission import Admission
     from omni_server.serve.lifecycle import Lifecycle
     from omni_server.serve.metrics import ServerMetrics
@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ServerState:
-    runtime: Runtime
-    plan: Plan
+    # a Runtime (one fixed plan) or ModelControl (models loaded and swapped while serving)
+    runtime: Runtime | ModelControl
+    fixed_plan: Plan | None  # a plan given to create_app; None: the runtime's, as it is now
     metrics: ServerMetrics
     options: ServeOptions
     admission: Admission  # per-model places in the pipeline and the queue for them
@@ -34,6 +35,11 @@ class ServerState:
     body_limits: dict[str, int] = field(default_factory=dict)
     # the realtime sessions open now (bounded by options.max_realtime_sessions)
     realtime_sessions: OpenSessions = field(default_factory=OpenSessions)
+
+    @property
+    def plan(self) -> Plan:
+        """The served models now: under model control this changes with every load."""
+        return self.fixed_plan if self.fixed_plan is not None else self.runtime.plan
 
     @property
     def max_body_bytes(self) -> int:  # aiohttp's client_max_size; bigger bodies get 413

@@ -11,6 +11,7 @@ its transcript (docs/voices.md, "The cloning seam").
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +31,15 @@ class VoiceChoice:
 
 
 class VoiceCatalog:
-    def __init__(self, plan: Plan | None, store: VoiceStore | None = None) -> None:
-        self.plan, self.store = plan, store
+    def __init__(
+        self, plan: Plan | Callable[[], Plan] | None, store: VoiceStore | None = None
+    ) -> None:
+        # a callable: the plan as it is now (model control swaps it while the server runs)
+        self._plan, self.store = plan, store
+
+    @property
+    def plan(self) -> Plan | None:
+        return self._plan() if callable(self._plan) else self._plan
 
     @classmethod
     def declared_only(cls) -> VoiceCatalog:

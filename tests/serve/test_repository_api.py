@@ -1,0 +1,170 @@
+"""The repository API's HTTP side: Triton's shapes, OpenAI's error JSON, the option that turns
+it off. Model control runs over inline runtimes of the stand-in stage (real compiler, real
+runtime, real app; no stage processes: their side is tests/serve/test_model_control_server.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_server.pipeline import ControlMode, ModelControl, Runtime
+from omni_server.serve import create_app
+from omni_server.serve.options import ServeOptions
+from tests.fixtures import FIXTURES
+from tests.helpers.repo import make_repo, toml
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+async def control(tmp_path):
+    stage = toml("""
+        backend = "StandIn"
+        terminal = true
+        [scheduler]
+        kind = "stream"
+        """)
+    root = make_repo(
+        tmp_path / "repo",
+        stages={"a": stage, "b": stage},
+        repository=toml("""
+            [models.first]
+            entry = "a"
+            tasks = ["speech"]
+            aliases = ["one"]
+            voices = ["v"]
+            [models.second]
+            entry = "b"
+            tasks = ["speech"]
+            voices = ["v"]
+            """),
+        models={"a": FIXTURES / "serve_stand_in.py", "b": FIXTURES / "serve_stand_in.py"},
+    )
+    control = ModelControl(
+        root,
+        mode=ControlMode.EXPLICIT,
+        load=["first"],
+        runtime=lambda plan: Runtime(plan, inline=True),
+    )
+    await control.start()
+    yield control
+    await control.stop()
+
+
+async def test_index_load_unload_round_trip(control, aiohttp_client):
+    client = await aiohttp_client(create_app(control))
+    response = await client.post("/v2/repository/index")
+    assert response.status == 200
+    assert await response.json() == [
+        {"name": "first", "state": "READY", "version": "1", "reason": ""},
+        {"name": "second", "state": "UNAVAILABLE", "reason": "not loaded"},
+    ]
+    models = await (await client.get("/v1/models")).json()
+    assert [m["id"] for m in models["data"]] == ["first"]
+
+    response = await client.post("/v2/repository/models/second/load", json={})
+    assert (response.status, await response.read()) == (200, b"")
+    models = await (await client.get("/v1/models")).json()
+    assert [m["id"] for m in models["data"]] == ["first", "second"]
+    ready = await (await client.post("/v2/repository/index", json={"ready": True})).json()
+    assert [e["name"] for e in ready] == ["first", "second"]
+
+    speech = {"model": "second", "input": "hello", "voice": "v", "response_format": "pcm"}
+    response = await client.post("/v1/audio/speech", json=speech)
+    assert response.status == 200 and len(await response.read()) == 3 * 480
+
+    response = await client.post(  # by alias, as every endpoint takes it
+        "/v2/repository/models/one/unload", json={"parameters": {"unload_dependents": False}}
+    )
+    assert response.status == 200
+    response = await client.post("/v1/audio/speech", json={**speech, "model": "first"})
+    assert response.status == 404
+    assert (await response.json())["error"]["code"] == "model_not_found"
+    index = await (await client.post("/v2/repository/index")).json()
+    assert index[0] == {"name": "first", "state": "UNAVAILABLE", "reason": "unloaded"}
+    health = await (await client.get("/health")).json()
+    assert health["models"] == ["second"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v2/repository/index", b"[1]", 400, None),
+        ("/v2/repository/index", b"{not json", 400, None),
+        ("/v2/repository/index", b'{"ready": "yes"}', 400, "ready"),
+        ("/v2/repository/index", b'{"repository_name": "other"}', 404, "repository_name"),
+        (
+            "/v2/repository/models/first/load",
+            b'{"parameters": {"config": "{"}}',
+            400,
+            "parameters.config",
+        ),
+        (
+            "/v2/repository/models/first/load",
+            b'{"parameters": {"config": "[1]"}}',
+            400,
+            "parameters.config",
+        ),
+        ("/v2/repository/models/first/load", b'{"parameters": {"nope": 1}}', 400, None),
+        ("/v2/repository/models/nope/load", b"", 404, None),
+        ("/v2/repository/models/nope/unload", b"", 404, None),
+    ],
+)
+async def test_bad_calls_get_openai_errors(control, aiohttp_client, path, body, status, param):
+    client = await aiohttp_client(create_app(control))
+    response = await client.post(path, data=body, headers={"Content-Type": "application/json"})
+    assert response.status == status
+    error = (await response.json())["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param
+
+
+async def test_a_bad_config_override_is_the_compilers_400(control, aiohttp_client):
+    client = await aiohttp_client(create_app(control))
+    body = {"parameters": {"config": {"stages.a.no_such_field": 1}}}
+    response = await client.post("/v2/repository/models/first/load", json=body)
+    assert response.status == 400
+    error = (await response.json())["error"]
+    assert error["code"] == "invalid_repository"
+    assert "no_such_field" in error["message"]
+    index = await (await client.post("/v2/repository/index")).json()
+    assert index[0]["state"] == "READY" and "no_such_field" in index[0]["reason"]
+
+
+async def test_the_api_can_be_disabled_and_the_key_guards_it(control, aiohttp_client):
+    off = await aiohttp_client(create_app(control, options=ServeOptions(repository_api=False)))
+    assert (await off.post("/v2/repository/index")).status == 404
+    doc = await (await off.get("/openapi.json")).json()
+    assert not [p for p in doc["paths"] if p.startswith("/v2/")]
+
+    keyed = await aiohttp_client(create_app(control, options=ServeOptions(api_key="k" * 24)))
+    assert (await keyed.post("/v2/repository/index")).status == 401
+    response = await keyed.post(
+        "/v2/repository/index", headers={"Authorization": "Bearer " + "k" * 24}
+    )
+    assert response.status == 200
+    doc = await (await keyed.get("/openapi.json")).json()
+    assert "401" in doc["paths"]["/v2/repository/models/{model}/load"]["post"]["responses"]
+
+
+async def test_none_mode_refuses_load_and_unload(control, aiohttp_client):
+    fixed = ModelControl(control.repository, mode=ControlMode.NONE)
+    # none mode is served by a plain Runtime (server.py); ModelControl refuses the same way
+    with pytest.raises(Exception, match="not allowed in model control mode 'none'"):
+        await fixed.load("first")
+
+
+async def test_a_loads_config_lasts_until_the_models_next_load(control, aiohttp_client):
+    client = await aiohttp_client(create_app(control))
+    body = {"parameters": {"config": '{"stages.a.parameters.tone": 3}'}}  # JSON text, as Triton
+    assert (await client.post("/v2/repository/models/first/load", json=body)).status == 200
+    assert control.plan.stages["a"].parameters == {"tone": 3}
+    version = control.generations()["first"]
+    assert (await client.post("/v2/repository/models/second/load")).status == 200
+    assert control.plan.stages["a"].parameters == {"tone": 3}  # another model's load keeps it
+    assert control.generations()["first"] == version  # and does not touch its group
+    assert (await client.post("/v2/repository/models/first/load")).status == 200
+    assert control.plan.stages["a"].parameters == {}  # the files again
+    assert control.generations()["first"] > version
