@@ -41,7 +41,7 @@ from omni_server.compiler.plan import ModelSpec, Plan
 from omni_server.envelope import Payload
 from omni_server.errors import PipelineError
 
-from .coordinator import RequestHandle
+from .coordinator import RequestHandle, StageObserver
 from .generation import Generation, served_plan
 from .runtime import Health, Runtime
 
@@ -99,7 +99,7 @@ class ModelControl:
         self.repository = Path(repository)
         self.mode = mode
         self.poll_s = poll_s
-        self.stage_observers: list[Callable[[str, float, float], None]] = []
+        self.stage_observers: list[StageObserver] = []
         self.supervision_observers: list[Callable[[str, str, str], None]] = []
         self._overrides = tuple(overrides)
         self._load_overrides: dict[str, tuple[str, ...]] = {}  # model -> its last load's
@@ -435,9 +435,9 @@ class ModelControl:
                 if failures:
                     log.error("repository poll: %s", "; ".join(sorted(set(failures.values()))))
 
-    def _stage_observed(self, stage: str, queue_s: float, compute_s: float) -> None:
+    def _stage_observed(self, stage: str, queue_s: float, compute_s: float, lead_s: float) -> None:
         for observer in self.stage_observers:
-            observer(stage, queue_s, compute_s)
+            observer(stage, queue_s, compute_s, lead_s)
 
     def _supervision_observed(self, event: str, subject: str, detail: str) -> None:
         for observer in self.supervision_observers:
