@@ -241,7 +241,7 @@ def _stream_input(plan: Plan) -> Schema:
             "101": {"description": "switching to the WebSocket protocol"},
             "400": _error_response("a bad setting, or not a WebSocket upgrade request"),
             "404": _error_response("unknown model"),
-            "503": _error_response("the pipeline is not ready"),
+            "503": _error_response("the pipeline is not ready", retry_after=True),
         },
     }
 

@@ -150,6 +150,9 @@ def _operation(
             "description": why,
             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
         }
+        if status == "503":  # every 503 says when to come back (serve/errors.py)
+            seconds = {"description": "seconds to wait", "schema": {"type": "integer"}}
+            responses[status]["headers"] = {"Retry-After": seconds}
     operation: dict[str, Any] = {
         "summary": summary,
         "tags": ["model repository (Triton)"],
