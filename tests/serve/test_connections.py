@@ -25,6 +25,7 @@ def post(body: bytes, *headers: str, length: int | None = None) -> bytes:
         "POST /v1/audio/speech HTTP/1.1",
         "Host: 127.0.0.1",
         "Connection: close",
+        "Content-Type: application/json",  # speech takes JSON bodies only (415 otherwise)
         f"Content-Length: {len(body) if length is None else length}",
         *headers,
     ]
@@ -106,6 +107,7 @@ async def test_a_chunked_body_is_cut_off_at_the_limit_not_at_its_declared_chunk(
     async with serving(max_body_bytes=1000, body_timeout_s=60) as port:
         chunked = (
             b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n10000000\r\n" + b"x" * 2000
         )  # a 256 MiB chunk announced; 2000 bytes of it sent
         status, _, body = await exchange(port, chunked)

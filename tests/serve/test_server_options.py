@@ -161,6 +161,7 @@ def test_the_official_client_sees_429_as_a_rate_limit(tmp_path):
         body = json.dumps(fields).encode()
         holder.sendall(
             b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\n"
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )

@@ -30,9 +30,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from omni_server.engine import SHAPES, Engine, EngineConfig, GenerationRequest, SamplingParams
-from omni_server.engine.cuda_graphs import bucket_for
-from omni_server.engine.llama import Llama, apply_rope
+from omni_server.engine import (
+    SHAPES,
+    Engine,
+    EngineConfig,
+    GenerationRequest,
+    Llama,
+    SamplingParams,
+    apply_rope,
+    bucket_for,
+)
 
 HBM_BYTES_PER_S = 4.8e12
 

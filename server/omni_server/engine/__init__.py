@@ -17,7 +17,9 @@ an `AudioSpec`) emits one frame of codes a step in `TokenEvent.audio_frames`.
 This package's exports are its public API (the modules inside may change): besides the above,
 `SHAPES` (the named Llama shapes for random-weight runs), `TensorParallel` (a rank's place in
 its tensor-parallel group, handed to `Engine.from_random(..., tp=)`) and `MemoryBudgetError`
-(a GPU memory fraction the engine cannot honour).
+(a GPU memory fraction the engine cannot honour); for benchmarks that build a reference step
+beside the engine's, the model `Llama`, its `apply_rope`, and `bucket_for` (the CUDA graph
+batch bucket a batch size replays).
 """
 
 from omni_server.engine.audio_frames import AudioSpec
@@ -29,10 +31,12 @@ from omni_server.engine.config import (
     EngineConfig,
     LlamaShape,
 )
+from omni_server.engine.cuda_graphs import bucket_for
 from omni_server.engine.engine import Engine
 from omni_server.engine.errors import CheckpointError, ContextLengthExceeded
 from omni_server.engine.gguf_weights import load_gguf, smollm2_gguf_path
 from omni_server.engine.hf_tokenizer import HFTokenizer
+from omni_server.engine.llama import Llama, apply_rope
 from omni_server.engine.memory import MemoryBudgetError
 from omni_server.engine.parallel import TensorParallel
 from omni_server.engine.sampling import SamplingParams
@@ -55,11 +59,14 @@ __all__ = [
     "GenerationRequest",
     "HFTokenizer",
     "IncrementalDetokenizer",
+    "Llama",
     "LlamaShape",
     "MemoryBudgetError",
     "SamplingParams",
     "TensorParallel",
     "TokenEvent",
+    "apply_rope",
+    "bucket_for",
     "load_gguf",
     "smollm2_gguf_path",
 ]
