@@ -18,12 +18,16 @@ from typing import Any
 import aiohttp
 import pytest
 
+from omni_bench.wer import word_error_rate
 from omni_server.serve import speech_stream
 from tests.serve.inline import MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 PATH = speech_stream.PATH
+# What Whisper tiny may mishear of the voice's words ("binary stream" came back once as "binary
+# screen"): the tests judge a sentence by its WER, not by an exact match.
+MAX_WER = 0.25
 
 
 async def _open(server, query: str = "model=tts-1&voice=alloy") -> tuple[Any, Any]:
@@ -86,7 +90,8 @@ async def test_each_sentence_is_spoken_before_the_text_ends(server, client):
         assert closing.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
         assert ws.close_code == 1000
     heard = _heard(client, audio + more, 24000)
-    assert "weather is lovely today" in heard and "tomorrow it will rain" in heard, heard
+    said = "The weather is lovely today. And tomorrow it will rain."
+    assert word_error_rate([said], [heard]) <= MAX_WER, heard
 
 
 async def test_binary_frames_at_the_asked_rate_and_flush(server, client):
@@ -99,7 +104,8 @@ async def test_binary_frames_at_the_asked_rate_and_flush(server, client):
         messages, audio = await _messages_until(ws, lambda e: e.get("isFinal") is True)
     assert [m for m in messages if "audio" in m] == []  # audio came as binary frames only
     assert audio
-    assert "hello from a binary stream" in _heard(client, audio, 16000)
+    heard = _heard(client, audio, 16000)
+    assert word_error_rate(["Hello from a binary stream"], [heard]) <= MAX_WER, heard
 
 
 async def test_bad_messages_get_an_error_and_the_stream_goes_on(server, client):
@@ -124,7 +130,8 @@ async def test_bad_messages_get_an_error_and_the_stream_goes_on(server, client):
         await ws.send_str(json.dumps({"text": "Still speaking.", "flush": True}))
         await ws.send_str(json.dumps({"text": ""}))
         _, audio = await _messages_until(ws, lambda e: e.get("isFinal") is True)
-    assert "still speaking" in _heard(client, audio, 24000)
+    heard = _heard(client, audio, 24000)
+    assert word_error_rate(["Still speaking."], [heard]) <= 0.5, heard
 
 
 async def test_cancel_drops_the_rest_and_the_stream_goes_on(server, client):
@@ -141,7 +148,8 @@ async def test_cancel_drops_the_rest_and_the_stream_goes_on(server, client):
         await ws.send_str(json.dumps({"text": ""}))
         _, audio = await _messages_until(ws, lambda e: e.get("isFinal") is True)
     heard = _heard(client, audio, 24000)
-    assert "goodbye now" in heard and "sentence number 29" not in heard, heard
+    assert word_error_rate(["Goodbye now."], [heard]) <= 0.5, heard
+    assert "29" not in heard and "twenty nine" not in heard, heard  # the story's last sentence
 
 
 async def test_bounds_and_refused_settings(server):
