@@ -153,6 +153,28 @@ async def test_speech_over_an_answer_cancels_it_in_every_stage(server, question_
     assert response.output[0].status == "incomplete"
 
 
+async def test_a_response_created_right_after_a_cancel_runs(server):
+    """`response.cancel` then `response.create` at once (what a barge-in followed by a short
+    turn does): the new response waits for the cancelled one's end instead of being refused."""
+    async with _client(server).realtime.connect(model=MODEL) as conn:
+        await _until(conn, "session.created")
+        await conn.session.update(session={"type": "realtime", "output_modalities": ["text"]})
+        await conn.conversation.item.create(
+            item={"type": "message", "role": "user", "content": [_text("Count to fifty.")]}
+        )
+        await conn.response.create(response={"max_output_tokens": 200})
+        await _until(conn, "response.output_text.delta")
+        await conn.response.cancel()
+        await conn.response.create(response={"max_output_tokens": 8})
+        first = await _until(conn, "response.done")
+        second = await _until(conn, "response.done")
+    assert [e for e in first + second if e.type == "error"] == []
+    assert first[-1].response.status == "cancelled"
+    assert second[-1].response.status in ("completed", "incomplete")
+    assert second[-1].response.id != first[-1].response.id
+    assert "response.created" in [e.type for e in second]
+
+
 async def test_g711_input_is_heard(server, question_pcm):
     samples = np.frombuffer(question_pcm, "<i2").astype(np.float32) / 32768
     encoder = rt_audio.Encoder(rt_audio.PCMU)

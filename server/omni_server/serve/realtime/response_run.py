@@ -73,7 +73,17 @@ class ResponseRun:
         self._handle: RequestHandle | None = None
         self.created = False  # response.created sent: the client knows this response's id
         self._cancelled: str | None = None
+        self._ended = asyncio.Event()  # set once run() has sent its last event
         self._usage = {"input_tokens": 0, "output_tokens": 0}
+
+    @property
+    def cancelling(self) -> bool:
+        """Asked to stop (barge-in, `response.cancel`): its abort is under way in the stages."""
+        return self._cancelled is not None
+
+    async def ended(self) -> None:
+        """Until run() has returned, its `.done` events (or its refusal) sent."""
+        await self._ended.wait()
 
     async def run(self) -> None:
         try:
@@ -84,8 +94,12 @@ class ResponseRun:
                 self._on_end(self)  # the place is free: the client may create the next one
         except ApiError as refusal:  # not ready, unavailable, or no free place: nothing ran
             await self.events.send(self._refused(refusal))
+            self._ended.set()
             return
-        await self._finish(*outcome)
+        try:
+            await self._finish(*outcome)
+        finally:
+            self._ended.set()
 
     async def cancel(self, reason: str, *, notify: bool = True) -> None:
         """Stop the answer in every stage (abort, not mute); run() then reports it cancelled.

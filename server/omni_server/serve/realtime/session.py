@@ -15,6 +15,7 @@ their model while they run, as HTTP requests do (serve/pipeline_call.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 from collections.abc import Awaitable, Callable
@@ -41,6 +42,9 @@ from omni_server.serve.transcription_request import asr_inputs
 # Events (or their audio) longer than this are parsed and decoded on a worker thread: about
 # 1.3 s of PCM16 at 24 kHz in base64, a few milliseconds of the loop's time.
 OFF_LOOP_CHARS = 64 << 10
+# How long a new response waits for a cancelled one to end (its abort crosses every stage; on a
+# loaded machine that is a few hundred milliseconds, not seconds).
+CANCEL_WAIT_S = 10.0
 
 
 async def realtime(request: web.Request) -> web.WebSocketResponse:
@@ -383,6 +387,14 @@ class Session:
         await self.events.send({"type": "output_audio_buffer.cleared", "response_id": response_id})
 
     async def _start_response(self, overrides: dict[str, Any], *, event_id: Any) -> None:
+        running = self._response
+        if running is not None and running.cancelling:
+            # A barge-in (or response.cancel) asked it to stop and its abort is still going
+            # through the stages: the turn's own response (or the client's next) waits for that
+            # response's `response.done` instead of being refused for it. Bounded: a run that
+            # does not end within the bound leaves the refusal below to say so.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(running.ended(), CANCEL_WAIT_S)
         if self._response is not None:
             raise ProtocolError(
                 "a response is in progress; cancel it first",
