@@ -168,9 +168,9 @@ def custom_voice(
 
 
 def post_voice(server: ServerProcess, clip: Path, transcript: str) -> dict[str, Any]:
-    import httpx
+    import httpx2
 
-    answer = httpx.post(
+    answer = httpx2.post(
         server.url + "/v1/audio/voices",
         data={"model": MODEL, "name": "Piper", "transcript": transcript},
         files={"file": (clip.name, clip.read_bytes(), "audio/wav")},
@@ -408,7 +408,7 @@ def test_a_custom_voice_clones_as_the_reference_encodes_once_and_deletes(
 ) -> None:
     """A voice made with POST: greedy speech in it (the `openai` client) is the reference's for
     its stored clip and transcript; a second request reuses its codes; DELETE, then a 400."""
-    import httpx
+    import httpx2
     from openai import BadRequestError, OpenAI
 
     voice = custom_voice["id"]
@@ -431,7 +431,7 @@ def test_a_custom_voice_clones_as_the_reference_encodes_once_and_deletes(
     # the prompt's clip: its codes with BOS, EOS and the delay pattern, as the processor's
     assert int(encoded[0]) + len(expected["frames"][0]) + 1 == expected["prompt_frames"]
 
-    answer = httpx.delete(f"{higgs_server.url}/v1/audio/voices/{voice}", timeout=30)
+    answer = httpx2.delete(f"{higgs_server.url}/v1/audio/voices/{voice}", timeout=30)
     assert answer.status_code == 200 and answer.json()["deleted"] is True
     with pytest.raises(BadRequestError) as refused:
         client.audio.speech.create(model=MODEL, voice=voice, input=CUSTOM_TEXT)

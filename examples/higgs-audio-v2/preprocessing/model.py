@@ -66,9 +66,9 @@ class VoiceLibrary:
 
     def lookup(self, name: str, reference: Mapping[str, Any] | None = None) -> Voice:
         if reference is not None:  # a custom voice: the server found it in its store
-            if reference.get("id") != name or not str(reference.get("transcript", "")).strip():
+            transcript = str(reference.get("transcript") or "").strip()
+            if reference.get("id") != name or not transcript:
                 raise ValueError(f"voice {name!r}: a reference without its id or transcript")
-            transcript = str(reference["transcript"]).strip()
             return Voice(name, Path(reference["path"]), transcript, custom=True)
         voice = self.voices.get(name)
         if voice is None:  # the server checked the name against the model's voices
