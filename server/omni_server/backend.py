@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omni_server.compiler.plan import ModelSpec
 from omni_server.envelope import Payload
 
 __all__ = [
@@ -92,6 +93,9 @@ class StageContext:
     # repository.toml's [parameters]: what every stage of the repository shares (a checkpoint
     # folder, say); the stage's own [parameters] are `parameters`
     repository_parameters: Mapping[str, Any] = field(default_factory=dict)
+    # the served models whose requests visit this stage, by id, as the server resolved them
+    # (command-line overrides included): their voices, default voice, language, aliases
+    models: Mapping[str, ModelSpec] = field(default_factory=dict)
     # the runtime's weight sharing (gpu/weights.py); None: every replica loads its own
     weight_sharing: Any = field(default=None, repr=False, compare=False)
 

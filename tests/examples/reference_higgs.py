@@ -6,7 +6,8 @@ will not build the audio tokenizer without one; tests/examples says which).
 
 Each case {"conversation", "clip" (a wav path or null)} -> {"frames": generated frames as
 `HiggsAudioV2ForConditionalGeneration.generate(do_sample=False, ras_win_len=None)` returns
-them after the prompt, "audio": `HiggsAudioV2Processor.decode` of them (24 kHz floats)}. The
+them after the prompt, "audio": `HiggsAudioV2Processor.decode` of them (24 kHz floats),
+"prompt": its token count, "prompt_frames": its reference clip's frames (0 without)}. The
 prompt is the processor's own: its chat template rendered, then `processor(text, audio)`,
 which encodes the clip with the audio tokenizer and expands the frame placeholders.
 """
@@ -49,7 +50,12 @@ def main(folder: str, cases_path: str, out_path: str, max_frames: str) -> None:
         with torch.inference_mode():
             wave = processor.decode(torch.tensor([generated]))
         results.append(
-            {"frames": generated, "audio": wave.float().reshape(-1).tolist(), "prompt": length}
+            {
+                "frames": generated,
+                "audio": wave.float().reshape(-1).tolist(),
+                "prompt": length,
+                "prompt_frames": prompt_frames,
+            }
         )
     with open(out_path, "w") as f:
         json.dump(results, f)

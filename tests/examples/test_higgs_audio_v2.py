@@ -9,6 +9,12 @@ module's tmp dir), against transformers' reference (tests/examples/reference_hig
   different lengths each equal their run alone;
 - a cloned voice's encoder runs once; an unknown voice is a 400 naming the voices; the six
   formats, speed, /v1/models; abort mid-stream frees the request's KV and stops the vocoder;
+- custom voices (POST /v1/audio/voices, a clip of the embedded Piper voice): spoken with the
+  `openai` client, the audio equals the reference's for the stored clip and its transcript;
+  the encoder runs once per voice; a voice whose clip vanished mid-request (a DELETE racing
+  it) fails that request with a 400, a deleted one is the 400 naming the voices;
+- the voices are the compiled plan's: the server runs a copy of the example with one more
+  clip in voices/ that only a command-line `--models.higgs-audio-v2.voices` lists;
 - bad input: empty input, an unsupported format, a prompt over the context (400), and at start
   (exit 1, one line naming the folder): no checkpoint, a missing folder, another model_type,
   a config whose shapes disagree with the weights.
@@ -92,21 +98,35 @@ def python_path(paths: list[str]) -> Iterator[None]:
             os.environ["PYTHONPATH"] = before
 
 
-def conversation(text: str, voice: str | None, system: str = SYSTEM) -> list[dict[str, Any]]:
-    """The reference's TTS conversation, as the pipeline's preprocessing documents it."""
+def conversation(
+    text: str, voice: str | None, system: str = SYSTEM, transcript: str | None = None
+) -> list[dict[str, Any]]:
+    """The reference's TTS conversation, as the pipeline's preprocessing documents it: a voice
+    of voices/ by name, or a custom voice's `transcript`."""
 
     def turn(role: str, value: str) -> dict[str, Any]:
         return {"role": role, "content": [{"type": "text", "text": value}]}
 
     messages = [turn("system", system), turn("scene", SCENE)]
-    if voice is not None:
+    if voice is not None and transcript is None:
         transcript = (REPO / "voices" / f"{voice}.txt").read_text().strip()
+    if transcript is not None:
         messages += [
             turn("user", transcript),
             {"role": "assistant", "content": [{"type": "audio", "url": "voice"}]},
         ]
     return [*messages, turn("user", text)]
 
+
+# the added voice's clips: what each says (the custom one is POSTed, the extra one sits in the
+# server's voices/ and only the command line lists it)
+CLIPS = {
+    "custom": "Custom voices are cloned from a short clip.",
+    "extra": "This voice is listed on the command line.",
+}
+EXTRA = "ada"
+VOICES = ["higgs", CLONED, EXTRA]  # the override's list
+CUSTOM_TEXT = TEXTS[0]  # spoken in the custom voice: CASES[0] says it in the model's own
 
 CASES = [
     (TEXTS[0], "higgs", None),
@@ -116,8 +136,60 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoint: Path, stand_in: list[str], tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    """transformers' frames and waveform for each of CASES (one child process)."""
+def piper_clips(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
+    """Clips of the embedded Piper voice at 24 kHz, as voices/joe.wav is, with their transcripts:
+    one a user adds with POST, one a voices/ clip that only an override lists."""
+    from omni_bench.inprocess import InProcessVoice
+
+    piper = InProcessVoice(ROOT / "repository")
+    folder = tmp_path_factory.mktemp("clips")
+    clips = {}
+    for name, transcript in CLIPS.items():
+        path = folder / f"{name}.wav"
+        speech = piper.speak(transcript, response_format="wav", sample_rate=24000, seed=1)
+        path.write_bytes(speech.body)
+        clips[name] = (path, transcript)
+    return clips
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("state") / "omni-server"  # the server makes it, 0700
+
+
+@pytest.fixture(scope="module")
+def custom_voice(
+    higgs_server: ServerProcess, piper_clips: dict[str, tuple[Path, str]], data_dir: Path
+) -> dict[str, Any]:
+    """A voice added with POST /v1/audio/voices: its entry, with the clip the server stored."""
+    clip, transcript = piper_clips["custom"]
+    entry = post_voice(higgs_server, clip, transcript)
+    return {**entry, "clip": data_dir / "voices" / f"{entry['id']}.wav", "transcript": transcript}
+
+
+def post_voice(server: ServerProcess, clip: Path, transcript: str) -> dict[str, Any]:
+    import httpx2
+
+    answer = httpx2.post(
+        server.url + "/v1/audio/voices",
+        data={"model": MODEL, "name": "Piper", "transcript": transcript},
+        files={"file": (clip.name, clip.read_bytes(), "audio/wav")},
+        timeout=60,
+    )
+    assert answer.status_code == 200, answer.text
+    entry: dict[str, Any] = answer.json()
+    return entry
+
+
+@pytest.fixture(scope="module")
+def references(
+    checkpoint: Path,
+    stand_in: list[str],
+    custom_voice: dict[str, Any],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> list[dict[str, Any]]:
+    """transformers' frames and waveform for each of CASES, then for the custom voice's stored
+    clip and transcript (one child process)."""
     folder = tmp_path_factory.mktemp("reference")
     cases = [
         {
@@ -128,6 +200,14 @@ def reference(checkpoint: Path, stand_in: list[str], tmp_path_factory: pytest.Te
         }
         for text, voice, system in CASES
     ]
+    cases.append(
+        {
+            "conversation": conversation(
+                CUSTOM_TEXT, custom_voice["id"], transcript=custom_voice["transcript"]
+            ),
+            "clip": str(custom_voice["clip"]),
+        }
+    )
     (folder / "cases.json").write_text(json.dumps(cases))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*stand_in, *sys.path])}
     run = subprocess.run(
@@ -136,7 +216,13 @@ def reference(checkpoint: Path, stand_in: list[str], tmp_path_factory: pytest.Te
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads((folder / "out.json").read_text())
+    out: list[dict[str, Any]] = json.loads((folder / "out.json").read_text())
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(references: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return references[: len(CASES)]
 
 
 def snr_db(reference: np.ndarray, served: np.ndarray) -> float:
@@ -211,11 +297,25 @@ async def test_greedy_frames_and_audio_equal_transformers_and_seeds_hold(
 
 @pytest.fixture(scope="module")
 def higgs_server(
-    checkpoint: Path, stand_in: list[str], tmp_path_factory: pytest.TempPathFactory
+    checkpoint: Path,
+    stand_in: list[str],
+    piper_clips: dict[str, tuple[Path, str]],
+    data_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[ServerProcess]:
+    """The example served as shipped, but from a copy whose voices/ holds one more clip
+    (EXTRA) that repository.toml does not list: the command line's `voices` does."""
+    repo = tmp_path_factory.mktemp("repo") / REPO.name
+    shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns("__pycache__"))
+    clip, transcript = piper_clips["extra"]
+    shutil.copy(clip, repo / "voices" / f"{EXTRA}.wav")
+    (repo / "voices" / f"{EXTRA}.txt").write_text(transcript + "\n")
     log = tmp_path_factory.mktemp("server") / "server.log"
     with python_path(stand_in):
-        server = ServerProcess.start(REPO, log, "--parameters.checkpoint", str(checkpoint), *GREEDY)
+        server = ServerProcess.start(
+            repo, log, "--parameters.checkpoint", str(checkpoint), *GREEDY,
+            "--data-dir", str(data_dir), f"--models.{MODEL}.voices", ",".join(VOICES),
+        )  # fmt: skip
     with server:
         yield server
 
@@ -287,7 +387,7 @@ def test_formats_speed_and_models(higgs_server: ServerProcess) -> None:
     assert abs(len(fast) / 2 / 24000 - seconds / 2) < 0.05 * seconds + 0.05
     status, listing = higgs_server.get_json("/v1/models")
     [entry] = [m for m in listing["data"] if m["id"] == MODEL]
-    assert entry["voices"] == ["higgs", CLONED] and entry["default_voice"] == "higgs"
+    assert entry["voices"] == VOICES and entry["default_voice"] == "higgs"
 
 
 def test_voice_clone_encodes_once_and_unknown_voice_is_400(higgs_server: ServerProcess) -> None:
@@ -299,6 +399,73 @@ def test_voice_clone_encodes_once_and_unknown_voice_is_400(higgs_server: ServerP
     assert status == 400
     error = json.loads(body)["error"]
     assert error["param"] == "voice" and "higgs" in error["message"] and CLONED in error["message"]
+
+
+def test_a_custom_voice_clones_as_the_reference_encodes_once_and_deletes(
+    higgs_server: ServerProcess,
+    custom_voice: dict[str, Any],
+    references: list[dict[str, Any]],
+) -> None:
+    """A voice made with POST: greedy speech in it (the `openai` client) is the reference's for
+    its stored clip and transcript; a second request reuses its codes; DELETE, then a 400."""
+    import httpx2
+    from openai import BadRequestError, OpenAI
+
+    voice = custom_voice["id"]
+    expected = references[len(CASES)]
+    assert expected["frames"] != references[0]["frames"]  # the clip matters: same text
+    status, listing = higgs_server.get_json(f"/v1/audio/voices?model={MODEL}")
+    assert status == 200
+    assert [v["id"] for v in listing["data"]] == [*VOICES, voice]
+
+    client = OpenAI(base_url=higgs_server.url + "/v1", api_key="unused")
+    want = np.array(expected["audio"], np.float32)
+    for _ in range(2):
+        pcm = client.audio.speech.create(
+            model=MODEL, voice=voice, input=CUSTOM_TEXT, response_format="pcm",
+            extra_body={"temperature": 0},
+        ).content  # fmt: skip
+        assert snr_db(want, decode(pcm, "pcm").samples) >= MIN_SNR_DB
+    encoded = re.findall(rf"encoded voice {voice}: (\d+) frames", higgs_server.log())
+    assert len(encoded) == 1  # once for both requests
+    # the prompt's clip: its codes with BOS, EOS and the delay pattern, as the processor's
+    assert int(encoded[0]) + len(expected["frames"][0]) + 1 == expected["prompt_frames"]
+
+    answer = httpx2.delete(f"{higgs_server.url}/v1/audio/voices/{voice}", timeout=30)
+    assert answer.status_code == 200 and answer.json()["deleted"] is True
+    with pytest.raises(BadRequestError) as refused:
+        client.audio.speech.create(model=MODEL, voice=voice, input=CUSTOM_TEXT)
+    error = refused.value.body
+    assert isinstance(error, dict) and error["param"] == "voice", error
+    assert voice in error["message"] and all(v in error["message"] for v in VOICES)
+
+
+def test_a_custom_voice_gone_mid_request_fails_it_with_a_400(
+    higgs_server: ServerProcess, piper_clips: dict[str, tuple[Path, str]], data_dir: Path
+) -> None:
+    """The clip vanishes between the server's look-up and the encoder's read, as when a DELETE
+    races the request: here the file is removed by hand, so the store still lists the voice
+    when the request arrives. That request fails cleanly; the server serves on."""
+    clip, transcript = piper_clips["custom"]
+    voice = post_voice(higgs_server, clip, transcript)["id"]
+    (data_dir / "voices" / f"{voice}.wav").unlink()
+    status, body, _ = speech(higgs_server, input=CUSTOM_TEXT, voice=voice, response_format="pcm")
+    assert status == 400, body[:300]
+    error = json.loads(body)["error"]
+    assert error["param"] == "voice" and error["code"] == "voice_not_found", error
+    assert voice in error["message"] and "deleted" in error["message"]
+    assert speech(higgs_server, input="Still serving.", response_format="pcm")[0] == 200
+
+
+def test_a_voice_only_the_command_line_lists_is_served(higgs_server: ServerProcess) -> None:
+    """`--models.higgs-audio-v2.voices` adds EXTRA (its clip in voices/): the preprocessing
+    stage knows it from the compiled plan, not from repository.toml."""
+    status, listing = higgs_server.get_json("/v1/models")
+    [entry] = [m for m in listing["data"] if m["id"] == MODEL]
+    assert entry["voices"] == VOICES
+    status, body, _ = speech(higgs_server, input=TEXTS[1], voice=EXTRA, response_format="pcm")
+    assert status == 200 and body
+    assert len(re.findall(rf"encoded voice {EXTRA}:", higgs_server.log())) == 1
 
 
 def test_bad_requests_are_400(higgs_server: ServerProcess) -> None:

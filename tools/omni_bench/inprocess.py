@@ -38,6 +38,8 @@ def load_stage(
             repository=plan.repository,
             stage_dir=spec.directory,
             replica=replica,
+            repository_parameters=dict(plan.parameters),
+            models=plan.models_through(spec.name),
         )
     )
     return backend

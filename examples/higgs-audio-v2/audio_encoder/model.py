@@ -3,8 +3,11 @@ prompt's token ids.
 
 The clip is read (PyAV), mixed to mono and resampled to 24 kHz (soxr), then encoded by
 `HiggsAudioV2TokenizerModel.encode` as the reference processor encodes it; its codes, with
-the stream BOS / EOS around them and the delay pattern, are the prompt's audio frames. The codes
-are cached per clip (path, size, modification time), so a voice's encoder runs once. The
+the stream BOS / EOS around them and the delay pattern, are the prompt's audio frames. The
+frames are cached, so a voice's encoder runs once: a custom voice's (POST /v1/audio/voices) by
+its id, as its clip never changes under it; a voices/ clip's by path, size and modification
+time (an operator may replace the file). The cache holds `max_cached_voices`, least recently
+used out first. A custom voice deleted while its request ran has lost its clip: a 400. The
 prompt's `<|AUDIO_OUT|>` becomes one frame token a frame (the processor's expansion: n - 7
 audio tokens, then 7 delay tokens) and the text is tokenized without added special tokens
 (the template writes its own BOS).
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +57,10 @@ class AudioEncoder(StageBackend):
         codes = int(self.codec.config.codebook_size)
         self.bos, self.eos = codes, codes + 1  # the model's stream BOS / EOS (config.json)
         self.max_clip_seconds = float(context.parameters.get("max_clip_seconds", 30.0))
-        self._cache: dict[tuple[str, int, int], list[list[int]]] = {}
+        self.max_cached_voices = int(context.parameters.get("max_cached_voices", 128))
+        if self.max_cached_voices < 1:
+            raise StageConfigError(f"max_cached_voices: {self.max_cached_voices}; at least 1")
+        self._cache: OrderedDict[tuple[Any, ...], list[list[int]]] = OrderedDict()
         self._lock = threading.Lock()
         self.encoded = 0  # encoder runs (a voice's first request, or its clip changed)
 
@@ -65,7 +72,9 @@ class AudioEncoder(StageBackend):
         text = inputs["prompt_text"]
         frames = None
         if voice["clip"] is not None:
-            frames = self.voice_frames(Path(voice["clip"]), voice["name"])
+            frames = self.voice_frames(
+                Path(voice["clip"]), voice["name"], custom=bool(voice.get("custom"))
+            )
             n, k = len(frames), self.num_codebooks
             if text.count(AUDIO_OUT) != 1:
                 raise InvalidRequest("the prompt must hold one reference voice", param="voice")
@@ -78,18 +87,34 @@ class AudioEncoder(StageBackend):
             "voice": voice["name"],
         }
 
-    def voice_frames(self, clip: Path, name: str) -> list[list[int]]:
-        """The clip's prompt frames (BOS, codes, EOS, delay pattern), encoded once per clip."""
-        stat = clip.stat()
-        key = (str(clip), stat.st_size, stat.st_mtime_ns)
+    def voice_frames(self, clip: Path, name: str, *, custom: bool) -> list[list[int]]:
+        """The clip's prompt frames (BOS, codes, EOS, delay pattern), encoded once per voice."""
+        key: tuple[Any, ...]
+        if custom:
+            key = ("custom", name)
+        else:
+            stat = clip.stat()
+            key = ("clip", str(clip), stat.st_size, stat.st_mtime_ns)
         with self._lock:
             cached = self._cache.get(key)
-        if cached is not None:
-            return cached
-        codes = self.encode(clip)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                return cached
+        try:
+            codes = self.encode(clip)
+        except FileNotFoundError as err:
+            if not custom:
+                raise  # a voices/ clip gone from the repository: the server's fault
+            raise InvalidRequest(
+                f"voice {name!r} was deleted while this request ran (its clip is gone)",
+                param="voice",
+                code="voice_not_found",
+            ) from err
         frames = delayed(codes, self.bos, self.eos)
         with self._lock:
             self._cache[key] = frames
+            while len(self._cache) > self.max_cached_voices:
+                self._cache.popitem(last=False)
             self.encoded += 1
         log.info("audio_encoder: encoded voice %s: %d frames (encoder runs: %d)",
                  name, len(codes), self.encoded)  # fmt: skip

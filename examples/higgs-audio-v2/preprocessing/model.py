@@ -7,40 +7,50 @@ bosonai documents for TTS: the system message (the request's `instructions`, els
 is cloned as the reference does it: its transcript as a user turn and its clip as the
 assistant's audio answer come before the text.
 
-Voices: every voice of the model (repository.toml) but the default one is a clip in voices/
-(`<name>.wav`, 24 kHz mono or any rate and channels the decoder reads) with its transcript
-(`<name>.txt`); the default voice has no clip (the model's own speaker). `VoiceLibrary.lookup`
-is the one place a voice name becomes (clip path, transcript): a store of cloned voices plugs in
-there. Out: {"conversation", "prompt_text", "voice": {"name", "clip", "transcript"}, "sampling",
-"encoding"} to the audio encoder.
+Voices: the declared voices of the models whose requests come here (`context.models`: the
+compiled plan's, so `--models.<id>.voices` overrides count) and the custom voices users add
+(POST /v1/audio/voices: this stage declares `voice_cloning`). A declared voice other than a
+model's `default_voice` is a clip in voices/ (`<name>.wav`, 24 kHz mono or any rate and
+channels the decoder reads) with its transcript (`<name>.txt`); the default voice has no clip
+(the model's own speaker). A custom voice arrives with its request as the speech contract's
+`reference` (docs/voices.md: its stored clip's path and its transcript). `VoiceLibrary.lookup`
+is the one place a voice becomes (clip path, transcript). Out: {"conversation", "prompt_text",
+"voice": {"name", "clip", "transcript", "custom"}, "sampling", "encoding"} to the audio encoder.
 """
 
 from __future__ import annotations
 
-import tomllib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omni_server.audio.higgs_codec import HiggsCheckpointError, open_checkpoint
 from omni_server.backend import InvalidRequest, StageBackend, StageConfigError, StageContext
+from omni_server.compiler import ModelSpec
 from omni_server.engine import ChatTemplateError, HFTokenizer
 
 
 @dataclass(frozen=True)
 class Voice:
-    name: str
+    name: str  # the speech contract's `voice`: a declared voice, or a custom voice's id
     clip: Path | None  # None: the model's own speaker, no reference audio in the prompt
     transcript: str | None
+    # made with POST /v1/audio/voices: its clip never changes under its id (the audio encoder
+    # caches its codes by id), and may vanish when the voice is deleted mid-request
+    custom: bool = False
 
 
 class VoiceLibrary:
-    """Voice name -> its reference clip and transcript, from the repository's voices/ folder."""
+    """Voice name -> its reference clip and transcript: the declared voices of `models` from
+    `folder`, checked once at start; a custom voice from its request's `reference`."""
 
-    def __init__(self, folder: Path, names: list[str], default: str | None) -> None:
+    def __init__(self, folder: Path, models: Iterable[ModelSpec]) -> None:
+        models = list(models)
+        own = {m.default_voice for m in models if m.default_voice is not None}
         self.voices: dict[str, Voice] = {}
-        for name in names:
-            if name == default:
+        for name in dict.fromkeys(v for m in models for v in m.voices):  # in order, once
+            if name in own:
                 self.voices[name] = Voice(name, None, None)
                 continue
             clip, text = folder / f"{name}.wav", folder / f"{name}.txt"
@@ -54,7 +64,12 @@ class VoiceLibrary:
                 raise StageConfigError(f"voice {name!r}: {text} is empty")
             self.voices[name] = Voice(name, clip, transcript)
 
-    def lookup(self, name: str) -> Voice:
+    def lookup(self, name: str, reference: Mapping[str, Any] | None = None) -> Voice:
+        if reference is not None:  # a custom voice: the server found it in its store
+            transcript = str(reference.get("transcript") or "").strip()
+            if reference.get("id") != name or not transcript:
+                raise ValueError(f"voice {name!r}: a reference without its id or transcript")
+            return Voice(name, Path(reference["path"]), transcript, custom=True)
         voice = self.voices.get(name)
         if voice is None:  # the server checked the name against the model's voices
             raise InvalidRequest(
@@ -72,10 +87,7 @@ class Preprocessing(StageBackend):
         self.tokenizer = HFTokenizer(checkpoint.folder)
         self.system = str(context.parameters.get("system", ""))
         self.scene = str(context.parameters.get("scene", ""))
-        model = _speech_model(context.repository)
-        self.voices = VoiceLibrary(
-            context.repository / "voices", list(model.get("voices", [])), model.get("default_voice")
-        )
+        self.voices = VoiceLibrary(context.repository / "voices", context.models.values())
 
     def execute(self, requests: list[Any]) -> list[dict[str, Any]]:
         return [self._one(request.inputs) for request in requests]
@@ -84,7 +96,7 @@ class Preprocessing(StageBackend):
         text = inputs.get("text")
         if not isinstance(text, str) or not text.strip():
             raise InvalidRequest("'input' is empty", param="input")
-        voice = self.voices.lookup(str(inputs.get("voice")))
+        voice = self.voices.lookup(str(inputs.get("voice")), inputs.get("reference"))
         conversation = self.conversation(text, voice, inputs.get("instructions"))
         try:
             prompt_text = self.tokenizer.apply_chat_template(conversation)
@@ -97,6 +109,7 @@ class Preprocessing(StageBackend):
                 "name": voice.name,
                 "clip": None if voice.clip is None else str(voice.clip),
                 "transcript": voice.transcript,
+                "custom": voice.custom,
             },
             "sampling": {"temperature": inputs.get("temperature"), "seed": inputs.get("seed")},
             "encoding": {
@@ -121,13 +134,3 @@ class Preprocessing(StageBackend):
 
 def _turn(role: str, text: str) -> dict[str, Any]:
     return {"role": role, "content": [{"type": "text", "text": text}]}
-
-
-def _speech_model(repository: Path) -> dict[str, Any]:
-    """The repository's speech model (its voices): this repository serves one."""
-    with (repository / "repository.toml").open("rb") as f:
-        models = tomllib.load(f).get("models", {})
-    speech = [m for m in models.values() if "speech" in m.get("tasks", [])]
-    if len(speech) != 1:
-        raise StageConfigError("repository.toml must declare exactly one speech model")
-    return dict(speech[0])

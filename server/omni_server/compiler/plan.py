@@ -242,6 +242,10 @@ class Plan:
         timeout = self.server.stage_timeout_s if own is None else own
         return timeout or None
 
+    def models_through(self, stage: str) -> dict[str, ModelSpec]:
+        """The served models whose requests visit `stage`, by id (StageContext.models)."""
+        return {m.id: m for m in self.models.values() if stage in m.stages}
+
     def instances_of(self, process: str) -> tuple[ProcessInstance, ...]:
         return tuple(i for i in self.instances if i.process == process)
 

@@ -129,6 +129,7 @@ class StageHost:
             engine=dict(spec.engine.settings) if spec.engine else {},
             gpu_memory_fraction=spec.gpu_memory_fraction if device is not None else None,
             repository_parameters=dict(self.plan.parameters),
+            models=self.plan.models_through(spec.name),
             weight_sharing=self._weight_sharing,
         )
 
