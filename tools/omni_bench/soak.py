@@ -156,7 +156,10 @@ async def run(args) -> str:
         done = asyncio.Event()
         chaos = asyncio.create_task(_chaos(server, names, args, faults, done))
         started = time.monotonic()
-        await asyncio.wait_for(_load(server.url, args, outcomes), args.timeout_s)
+        try:
+            await asyncio.wait_for(_load(server.url, args, outcomes), args.timeout_s)
+        except TimeoutError:  # requests still out were cancelled: reported, not lost
+            outcomes["(load) stopped by --timeout-s, requests in flight cancelled"] += 1
         wall = time.monotonic() - started
         done.set()
         await chaos

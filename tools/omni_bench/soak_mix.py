@@ -2,7 +2,11 @@
 one request and returns its outcome ("200 ok", "<status> <code>", "realtime <status>").
 
 A body is read whole (a stream cut midway raises: the soak counts it as cut); a realtime
-request is one session: a text item, one spoken answer (up to `response.done`), then close.
+request is one session: a text item, one spoken answer (up to `response.done`), then close. A
+refused `response.create` (no admission place, a model restarting) gets an `error` event and no
+`response.done`: that ends the session too, as "realtime error <code>". Every server event is
+awaited at most EVENT_TIMEOUT_S: a session that hears nothing for that long is counted as cut
+(what the soak is there to find), never waited on forever.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import aiohttp
 
 TEXT = "The quick brown fox jumps over the lazy dog."
 QUESTION = "Name a primary color."
+EVENT_TIMEOUT_S = 120.0  # as the HTTP kinds' whole-request bound
 
 
 async def speech_clip(http: aiohttp.ClientSession, url: str) -> bytes:
@@ -86,12 +91,15 @@ async def realtime(http: aiohttp.ClientSession, url: str, clip: bytes) -> str:
         await ws.send_str(json.dumps({"type": "conversation.item.create", "item": item}))
         await ws.send_str(json.dumps({"type": "response.create"}))
         audio = 0
-        async for message in ws:
+        while True:
+            message = await ws.receive(timeout=EVENT_TIMEOUT_S)  # TimeoutError: counted as cut
             if message.type != aiohttp.WSMsgType.TEXT:
                 break
             event = json.loads(message.data)
             if event["type"] == "response.output_audio.delta":
                 audio += len(base64.b64decode(event["delta"]))
+            elif event["type"] == "error":
+                return f"realtime error {event['error'].get('code')}"
             elif event["type"] == "response.done":
                 status = event["response"]["status"]
                 return f"realtime {status}" + (
