@@ -80,10 +80,12 @@ class Batcher:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def next_batch(self, now: float = 0.0) -> StepBatch | None:
-        """The next step's work; `now` (the engine's clock) dates listeners' deadlines."""
+    def next_batch(self, now: float = 0.0, margin_s: float | None = None) -> StepBatch | None:
+        """The next step's work. `now` (the engine's clock) dates listeners' deadlines; a lead
+        under `margin_s` (default: the step clock's) is urgent."""
         if self.plays_media() and not self._everyone_fits():
-            return deadline_order.ordered_batch(self, now, self.steps.margin_s)
+            margin = self.steps.margin_s if margin_s is None else margin_s
+            return deadline_order.ordered_batch(self, now, margin)
         decodes = self._decodes()
         budget = self.config.max_step_tokens - sum(
             self.cost.decode(seq.num_computed) for seq in decodes

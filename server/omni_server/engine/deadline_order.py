@@ -100,8 +100,10 @@ def ordered_batch(batcher: Batcher, now: float, margin_s: float) -> StepBatch | 
             room = budget
             if urgent_cost:  # beside urgent decodes a prompt takes the plain batch's share
                 room = min(room, max(batcher.prefill_beside_decodes, urgent_cost) - prefill_cost)
-            n = cost.fit(start, remaining, room)
-            if n < min(remaining, allocator.block_size):
+            n, floor = cost.fit(start, remaining, room), min(remaining, allocator.block_size)
+            if n < floor and not prefills:
+                n = floor  # the first prompt in order advances by a block at least: no starving
+            if n < floor:
                 continue  # no slivers: a prompt advances by a block at least, or waits
             if seq.status is Status.WAITING:
                 if blocked or not _may_admit(batcher, seq, now):
