@@ -170,3 +170,14 @@ def test_the_margin_is_the_step_clocks():
     assert batcher.steps.margin_s == MARGIN_FLOOR_S
     batcher.steps.record(0.2)
     assert batcher.steps.margin_s == pytest.approx(0.4)
+
+
+def test_playback_order_false_keeps_the_plain_order_for_media_requests():
+    batcher = _batcher(max_batch_size=2)
+    batcher.config = EngineConfig(max_total_tokens=1024, max_batch_size=2, playback_order=False)
+    _request(batcher, "far", 8, lead=6.0)
+    _request(batcher, "near", 8, lead=2.0)
+    _request(batcher, "new", 20)
+    assert _names(batcher.next_batch(NOW, margin_s=0.1)) == (["far", "near"], [])
+    with pytest.raises(ValueError, match="engine.playback_order must be true or false"):
+        EngineConfig.from_table({"playback_order": "no"})

@@ -83,7 +83,7 @@ class Batcher:
     def next_batch(self, now: float = 0.0, margin_s: float | None = None) -> StepBatch | None:
         """The next step's work. `now` (the engine's clock) dates listeners' deadlines; a lead
         under `margin_s` (default: the step clock's) is urgent."""
-        if self.plays_media() and not self._everyone_fits():
+        if self.config.playback_order and self.plays_media() and not self._everyone_fits():
             margin = self.steps.margin_s if margin_s is None else margin_s
             return deadline_order.ordered_batch(self, now, margin)
         decodes = self._decodes()
