@@ -179,5 +179,5 @@ def test_playback_order_false_keeps_the_plain_order_for_media_requests():
     _request(batcher, "near", 8, lead=2.0)
     _request(batcher, "new", 20)
     assert _names(batcher.next_batch(NOW, margin_s=0.1)) == (["far", "near"], [])
-    with pytest.raises(ValueError, match="engine.playback_order must be true or false"):
+    with pytest.raises(ValueError, match=r"engine\.playback_order must be true or false"):
         EngineConfig.from_table({"playback_order": "no"})

@@ -25,36 +25,16 @@ above runs unchanged.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 from omni_server.engine import deadline_order
 from omni_server.engine.config import EngineConfig
 from omni_server.engine.kv_cache import BlockAllocator
 from omni_server.engine.sequence import Sequence, Status
+from omni_server.engine.step_batch import PrefillWork, StepBatch
 from omni_server.engine.step_cost import StepCost
 from omni_server.playback import StepClock
 
-
-@dataclass
-class PrefillWork:
-    seq: Sequence
-    start: int  # first position computed this step (== seq.num_computed)
-    length: int
-
-    @property
-    def completes_prompt(self) -> bool:
-        """After this chunk every token is computed: sample the next one."""
-        return self.start + self.length == self.seq.num_tokens
-
-
-@dataclass
-class StepBatch:
-    decodes: list[Sequence]  # one token each, at position seq.num_computed
-    prefills: list[PrefillWork]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decodes) + sum(p.length for p in self.prefills)
+__all__ = ["Batcher", "PrefillWork", "StepBatch"]
 
 
 class Batcher:

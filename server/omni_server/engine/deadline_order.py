@@ -31,16 +31,33 @@ What the order changes against the plain batch:
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections import deque
+from typing import Protocol
 
+from omni_server.engine.config import EngineConfig
+from omni_server.engine.kv_cache import BlockAllocator
 from omni_server.engine.sequence import Sequence, Status
-
-if TYPE_CHECKING:
-    from omni_server.engine.batcher import Batcher, StepBatch
+from omni_server.engine.step_batch import PrefillWork, StepBatch
+from omni_server.engine.step_cost import StepCost
 
 # A running request this far ahead of its listener may give its row to a new one (admission
 # past max_batch_size running requests); seconds, so a stream with less keeps its row.
 SLACK_S = 1.0
+
+
+class Batcher(Protocol):
+    """What the order reads and moves of the batcher (batcher.py) it fills a step for."""
+
+    config: EngineConfig
+    allocator: BlockAllocator
+    cost: StepCost
+    prefill_beside_decodes: int
+    waiting: deque[Sequence]
+    running: list[Sequence]
+
+    def admit(self, seq: Sequence) -> None: ...
+
+    def preempt(self, seq: Sequence) -> None: ...
 
 
 def check_playback_seconds(seconds: object) -> None:
@@ -68,8 +85,6 @@ def rank(seq: Sequence, now: float, margin_s: float) -> tuple[int, float, int]:
 
 def ordered_batch(batcher: Batcher, now: float, margin_s: float) -> StepBatch | None:
     """The next step's batch filled in playback order (the module docstring)."""
-    from omni_server.engine.batcher import PrefillWork, StepBatch
-
     config, allocator, cost = batcher.config, batcher.allocator, batcher.cost
     order = sorted([*batcher.running, *batcher.waiting], key=lambda s: rank(s, now, margin_s))
     rows, budget = config.max_batch_size, float(config.max_step_tokens)

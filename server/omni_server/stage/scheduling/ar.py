@@ -178,7 +178,7 @@ class ARScheduler(Scheduler):
                 self.callbacks.chunk(item, outcome[1])
             else:
                 del self._items[item.key]
-                playback = self._playback.pop(item.key, None)
-                if playback is not None:
-                    item.min_lead_s = playback.min_lead
+                ended = self._playback.pop(item.key, None)
+                if ended is not None:
+                    item.min_lead_s = ended.min_lead
                 self.callbacks.complete(item, outcome[0], outcome[1])
