@@ -99,6 +99,28 @@ def test_urgent_streams_step_first_and_cap_the_prefill_beside_them():
     assert prefills == [("new", 16)] and decodes == ["dry", "far"]
 
 
+@pytest.mark.parametrize(("lead", "chunk"), [(6.0, 60), (0.3, 20)])
+def test_a_prefill_stretches_the_step_only_as_far_as_the_tightest_lead_allows(lead, chunk):
+    """No started stream gets a frame before the step ends: with a cost unit measured at
+    10 ms, a stream 0.3 s ahead (margin 0.1 s) lets the step take 20 units, one 6 s ahead
+    all of the prompt."""
+    batcher = _batcher(max_batch_size=2, max_step_tokens=64, beside=8)
+    batcher.unit_s = 0.01
+    _request(batcher, "ahead", 8, lead=lead)
+    _request(batcher, "new", 60)
+    [(name, length)] = _names(batcher.next_batch(NOW, margin_s=0.1))[1]
+    assert name == "new" and abs(length - chunk) <= 1  # (0.3 - 0.1) / 0.01, give or take a ulp
+
+
+def test_the_engine_measures_what_a_cost_unit_takes():
+    batcher = _batcher()
+    seq = _request(batcher, "a", 8, lead=1.0)
+    seq.num_computed += 1  # the engine advanced it, then records the step
+    batcher.record_step(0.2, StepBatch([seq], []))
+    assert batcher.unit_s == pytest.approx(0.2)  # one decode: one unit (keys are huge here)
+    assert batcher.steps.margin_s == pytest.approx(0.4)
+
+
 def test_late_streams_go_earliest_deadline_first_and_before_new_requests():
     batcher = _batcher(max_batch_size=2)
     _request(batcher, "ok", 8, lead=3.0)

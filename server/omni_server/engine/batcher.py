@@ -32,7 +32,7 @@ from omni_server.engine.kv_cache import BlockAllocator
 from omni_server.engine.sequence import Sequence, Status
 from omni_server.engine.step_batch import PrefillWork, StepBatch
 from omni_server.engine.step_cost import StepCost
-from omni_server.playback import StepClock
+from omni_server.playback import STEP_SMOOTHING, StepClock
 
 __all__ = ["Batcher", "PrefillWork", "StepBatch"]
 
@@ -53,6 +53,7 @@ class Batcher:
         self.running: list[Sequence] = []  # ordered by arrival
         self.num_preemptions = 0
         self.steps = StepClock()  # the engine records each step's time: the urgency margin
+        self.unit_s: float | None = None  # seconds a cost unit takes (moving average)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -110,6 +111,21 @@ class Batcher:
             admitted.append(seq)
             budget -= self.cost.chunk(seq.num_computed, seq.num_tokens - seq.num_computed)
         return admitted
+
+    def record_step(self, seconds: float, batch: StepBatch) -> None:
+        """The engine's measure of a step it ran: the urgency margin and the seconds a cost
+        unit takes (what a longer prefill would add to a step: deadline_order.py)."""
+        self.steps.record(seconds)
+        units = sum(self.cost.decode(s.num_computed - 1) for s in batch.decodes) + sum(
+            self.cost.chunk(p.start, p.length) for p in batch.prefills
+        )
+        if units > 0:
+            unit_s = seconds / units
+            self.unit_s = (
+                unit_s
+                if self.unit_s is None
+                else self.unit_s + STEP_SMOOTHING * (unit_s - self.unit_s)
+            )
 
     def admit(self, seq: Sequence) -> None:
         """A waiting request joins the running ones, with KV blocks for all its tokens."""

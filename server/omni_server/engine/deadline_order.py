@@ -15,8 +15,10 @@ changes. When not, the step is filled in this order (lower first; ties: the olde
 
 What the order changes against the plain batch:
 - a prompt's prefill is held to `max_prefill_beside_decodes` only beside urgent (rank 0)
-  decodes: streams with lead absorb a longer step, so a new request's first frame comes in one
-  or two steps instead of one small chunk a step;
+  decodes; otherwise it may take what the step's budget leaves, up to what the tightest stream
+  can absorb: no started stream gets a frame before the step ends, so the step may cost at most
+  (its lead - the margin) / the measured seconds a cost unit takes (Batcher.record_step). A new
+  request's first frame then comes in one or two steps instead of one small chunk a step;
 - a request with lead sits out the step when rows or budget run out before its turn; it keeps
   its KV blocks and comes back when its lead falls under the margin (nothing starves: urgent
   requests outrank everything, and every lead shrinks while it waits);
@@ -52,6 +54,7 @@ class Batcher(Protocol):
     allocator: BlockAllocator
     cost: StepCost
     prefill_beside_decodes: int
+    unit_s: float | None  # measured seconds one cost unit takes a step (None: none yet)
     waiting: deque[Sequence]
     running: list[Sequence]
 
@@ -93,6 +96,7 @@ def ordered_batch(batcher: Batcher, now: float, margin_s: float) -> StepBatch | 
     chosen: set[int] = set()  # id(seq) of those in this batch
     preempted: set[int] = set()  # preempted in this step: they wait for the next
     urgent_cost = prefill_cost = 0.0
+    absorb = _absorbable(batcher, now, margin_s)
     blocked = False  # a waiting request found no KV: later arrivals do not overtake it
     for seq in order:
         if rows == 0:
@@ -112,9 +116,10 @@ def ordered_batch(batcher: Batcher, now: float, margin_s: float) -> StepBatch | 
                 urgent_cost += step_cost
         else:
             start, remaining = seq.num_computed, seq.num_tokens - seq.num_computed
-            room = budget
-            if urgent_cost:  # beside urgent decodes a prompt takes the plain batch's share
-                room = min(room, max(batcher.prefill_beside_decodes, urgent_cost) - prefill_cost)
+            # beside urgent decodes a prompt takes the plain batch's share; else what the
+            # tightest listener's lead lets the step cost (at least that share)
+            share = urgent_cost if urgent_cost else absorb
+            room = min(budget, max(batcher.prefill_beside_decodes, share) - prefill_cost)
             n, floor = cost.fit(start, remaining, room), min(remaining, allocator.block_size)
             if n < floor and not prefills:
                 n = floor  # the first prompt in order advances by a block at least: no starving
@@ -138,6 +143,21 @@ def ordered_batch(batcher: Batcher, now: float, margin_s: float) -> StepBatch | 
     if not decodes and not prefills:
         return None
     return StepBatch(decodes, prefills)
+
+
+def _absorbable(batcher: Batcher, now: float, margin_s: float) -> float:
+    """The cost a step may have before the tightest started stream's listener runs out (its
+    lead less the margin, over the measured seconds a cost unit takes); inf: no stream has
+    started, or no step was measured yet."""
+    leads = [
+        s.playback.lead(now)
+        for s in batcher.running
+        if s.playback is not None and s.playback.started
+    ]
+    unit_s = batcher.unit_s
+    if not leads or not unit_s:  # None, or steps too short to measure (an injected clock)
+        return math.inf
+    return (min(leads) - margin_s) / unit_s
 
 
 def _room_to_decode(

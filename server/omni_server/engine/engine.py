@@ -277,7 +277,7 @@ class Engine:
         events += self._sample(batch, logits, sampled)
         if media:
             done = self._now()
-            self.batcher.steps.record(done - start)
+            self.batcher.record_step(done - start, batch)
             for seq in sampled:  # each produced one frame (token) of media: its listener's lead
                 if seq.playback is not None and seq.playback_seconds is not None:
                     seq.playback.produced(seq.playback_seconds, done)
