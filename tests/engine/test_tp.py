@@ -30,7 +30,7 @@ CONFIG = EngineConfig(max_total_tokens=1024, max_batch_size=8, max_step_tokens=6
 
 def _requests(media: bool = False) -> list[GenerationRequest]:
     """Greedy and seeded-sampled requests; prompts longer than max_step_tokens are chunked.
-    media: each token plays 40 ms (the playback-aware order applies when a step is full)."""
+    media: each token plays 1 s (the playback-aware order applies when a step is full)."""
     return [
         GenerationRequest(
             f"r{i}",
@@ -38,7 +38,7 @@ def _requests(media: bool = False) -> list[GenerationRequest]:
             SamplingParams(
                 temperature=0.0 if i % 2 == 0 else 0.8, seed=i, max_tokens=12, ignore_eos=True
             ),
-            playback_seconds=0.04 if media else None,
+            playback_seconds=1.0 if media else None,
         )
         for i in range(4)
     ]
@@ -54,7 +54,7 @@ def rank_main(
 ) -> None:
     """One rank (a child process): prints its KV heads and tokens as JSON. gpu: NCCL on
     cuda:rank, else gloo on the CPU. media: media requests, 2 rows a step, and rank 1's clock
-    running 100 times as fast as rank 0's (on its own it would find every stream late)."""
+    running 1000 times as fast as rank 0's (on its own it would find every stream late)."""
     import torch.distributed as dist
 
     from omni_server.stage.tp import init_process_group
@@ -66,7 +66,7 @@ def rank_main(
     if media:
         config = dataclasses.replace(config, max_batch_size=2)
     engine = Engine.from_random(SPLITTABLE, config, seed=5, tp=tp)
-    engine.clock = lambda: time.monotonic() * (1 + 99 * rank)  # rank 1's runs 100x as fast
+    engine.clock = lambda: time.monotonic() * (1 + 999 * rank)  # rank 1's runs 1000x as fast
     tokens = _tokens(engine, bool(media))
     print(json.dumps({"heads": engine.cache.k[0].shape[1], "tokens": tokens}), flush=True)
     dist.barrier(group=control)
@@ -127,7 +127,7 @@ def test_tp2_over_gloo_samples_the_tokens_of_tp1() -> None:
 @pytest.mark.slow  # two torch processes
 def test_tp2_ranks_order_media_requests_by_rank_0s_clock() -> None:
     """4 media requests, 2 rows a step: the playback-aware order decides who steps by the
-    clock, and rank 1's runs 100x as fast; both read rank 0's, so they build the same batches
+    clock, and rank 1's runs 1000x as fast; both read rank 0's, so they build the same batches
     (a mismatch fails the all-reduce) and sample the tokens of one unsharded engine."""
     torch.set_num_threads(1)
     config = dataclasses.replace(CONFIG, max_batch_size=2)
