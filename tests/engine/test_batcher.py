@@ -140,8 +140,8 @@ def _recording(engine: Engine) -> list[StepBatch]:
     batches: list[StepBatch] = []
     schedule = engine.batcher.next_batch
 
-    def recording_schedule() -> StepBatch | None:
-        batch = schedule()
+    def recording_schedule(now: float = 0.0) -> StepBatch | None:
+        batch = schedule(now)
         if batch is not None:
             batches.append(batch)
         return batch

@@ -371,3 +371,69 @@ def test_kv_cache_sized_from_a_fraction_on_gpu(higgs_dir: Path, base: Engine) ->
     assert engine.memory is not None and engine.cache.capacity_tokens > 512
     request = GenerationRequest("g", prompt(base, TEXTS[1]), greedy())
     assert frames(engine.generate([request])["g"]) == frames(make(base).generate([request])["g"])
+
+
+FRAME_S = 0.04  # 25 frames a second
+STEP_S = 0.01  # the injected clock advances this much a step: frames at 4x real time
+
+
+class SteppedClock:
+    """The engine's clock, moved by the test (STEP_S a step): leads without wall time."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _stream(name: str, text: str, base: Engine, frames: int, seed: int, media: bool = True):  # type: ignore[no-untyped-def]
+    params = SamplingParams(temperature=1.0, seed=seed, max_tokens=frames, ignore_eos=True)
+    seconds = FRAME_S if media else None
+    return GenerationRequest(name, prompt(base, text), params, playback_seconds=seconds)
+
+
+def _run(engine: Engine, clock: SteppedClock, late: GenerationRequest, join_at: int):  # type: ignore[no-untyped-def]
+    """Step until done, adding `late` at step `join_at`: (frames, times) per request."""
+    out: dict[str, list[list[int]]] = {}
+    times: dict[str, list[float]] = {}
+    step = 0
+    while engine.has_work() or step <= join_at:
+        if step == join_at:
+            engine.add(late)
+        clock.now += STEP_S
+        for event in engine.step():
+            out.setdefault(event.request_id, []).extend(event.audio_frames)
+            times.setdefault(event.request_id, []).append(clock.now)
+        step += 1
+    return out, times
+
+
+def test_a_new_requests_first_frame_does_not_wait_behind_streams_far_ahead(base: Engine) -> None:
+    """A full batch (2 rows, 2 streams seconds ahead of their listeners): a third request's
+    first frame comes at once instead of when a stream ends, every stream still gets each frame
+    before its listener needs it, every request gets all its frames, and seeded frames are
+    those of the request alone (sitting a step out changes nothing but when it runs)."""
+    texts = TEXTS[:3]
+
+    def serve(media: bool) -> tuple[dict[str, list[list[int]]], dict[str, list[float]], int]:
+        engine = make(base, max_batch_size=2, max_step_tokens=256)
+        clock = SteppedClock()
+        engine.clock = clock
+        for i in range(2):
+            engine.add(_stream(f"s{i}", texts[i], base, 160, seed=i, media=media))
+        late = _stream("late", texts[2], base, 60, seed=7, media=media)
+        out, times = _run(engine, clock, late, join_at=60)  # the streams are ~1.6 s ahead
+        return out, times, round((times["late"][0] - times["s0"][0]) / STEP_S)
+
+    out, times, late_first = serve(media=True)
+    plain_out, _, plain_first = serve(media=False)
+    assert late_first <= 62  # joined at step 60: its prefill and first frame in the next steps
+    assert plain_first > 150  # the plain order: it waited for a running stream to end
+    for name, expected in (("s0", 160), ("s1", 160), ("late", 60)):
+        assert len(out[name]) == expected, name  # none starved
+        first = times[name][0]
+        for k, at in enumerate(times[name][1:], start=1):
+            # frame k+1 is due when the listener has played the k before it
+            assert at <= first + k * FRAME_S + 1e-9, (name, k)
+        assert out[name] == plain_out[name], name

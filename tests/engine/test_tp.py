@@ -1,5 +1,6 @@
 """Tensor parallelism of the engine's Llama: two ranks over gloo (CPU, float32) sample the very
-tokens one unsharded engine samples; shapes the ranks cannot split are refused by name."""
+tokens one unsharded engine samples (also with media requests ordered by the ranks' clocks,
+made to disagree: they order by rank 0's); shapes the ranks cannot split are refused by name."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -26,8 +28,9 @@ pytestmark = pytest.mark.timeout(180)
 CONFIG = EngineConfig(max_total_tokens=1024, max_batch_size=8, max_step_tokens=64)
 
 
-def _requests() -> list[GenerationRequest]:
-    """Greedy and seeded-sampled requests; prompts longer than max_step_tokens are chunked."""
+def _requests(media: bool = False) -> list[GenerationRequest]:
+    """Greedy and seeded-sampled requests; prompts longer than max_step_tokens are chunked.
+    media: each token plays 1 s (the playback-aware order applies when a step is full)."""
     return [
         GenerationRequest(
             f"r{i}",
@@ -35,19 +38,23 @@ def _requests() -> list[GenerationRequest]:
             SamplingParams(
                 temperature=0.0 if i % 2 == 0 else 0.8, seed=i, max_tokens=12, ignore_eos=True
             ),
+            playback_seconds=1.0 if media else None,
         )
         for i in range(4)
     ]
 
 
-def _tokens(engine: Engine) -> dict[str, list[int]]:
-    out = engine.generate(_requests())
+def _tokens(engine: Engine, media: bool = False) -> dict[str, list[int]]:
+    out = engine.generate(_requests(media))
     return {rid: [t for e in events for t in e.token_ids] for rid, events in out.items()}
 
 
-def rank_main(rank: int, size: int, port: int, gpu: int = 0, dtype: str = "float32") -> None:
+def rank_main(
+    rank: int, size: int, port: int, gpu: int = 0, dtype: str = "float32", media: str = ""
+) -> None:
     """One rank (a child process): prints its KV heads and tokens as JSON. gpu: NCCL on
-    cuda:rank, else gloo on the CPU."""
+    cuda:rank, else gloo on the CPU. media: media requests, 2 rows a step, and rank 1's clock
+    running 1000 times as fast as rank 0's (on its own it would find every stream late)."""
     import torch.distributed as dist
 
     from omni_server.stage.tp import init_process_group
@@ -56,8 +63,12 @@ def rank_main(rank: int, size: int, port: int, gpu: int = 0, dtype: str = "float
     group, control = init_process_group(rank, size, port, rank if gpu else None)
     tp = TensorParallel(rank, size, group)
     config = _config(gpu, dtype, rank)
+    if media:
+        config = dataclasses.replace(config, max_batch_size=2)
     engine = Engine.from_random(SPLITTABLE, config, seed=5, tp=tp)
-    print(json.dumps({"heads": engine.cache.k[0].shape[1], "tokens": _tokens(engine)}), flush=True)
+    engine.clock = lambda: time.monotonic() * (1 + 999 * rank)  # rank 1's runs 1000x as fast
+    tokens = _tokens(engine, bool(media))
+    print(json.dumps({"heads": engine.cache.k[0].shape[1], "tokens": tokens}), flush=True)
     dist.barrier(group=control)
     # Tearing a group down can abort() (gloo, the peer gone) or hang (NCCL after graph capture):
     # both ranks are done here, so leave without the teardown.
@@ -76,15 +87,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_ranks(size: int, gpu: int = 0, dtype: str = "float32") -> list[dict[str, Any]]:
+def _run_ranks(
+    size: int, gpu: int = 0, dtype: str = "float32", media: str = ""
+) -> list[dict[str, Any]]:
     port = _free_port()
     code = (
         "import sys; from tests.engine.test_tp import rank_main; "
-        "rank_main(*map(int, sys.argv[1:5]), sys.argv[5])"
+        "rank_main(*map(int, sys.argv[1:5]), sys.argv[5], sys.argv[6])"
     )
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", code, str(rank), str(size), str(port), str(gpu), dtype],
+            [sys.executable, "-c", code, str(rank), str(size), str(port), str(gpu), dtype, media],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -109,6 +122,18 @@ def test_tp2_over_gloo_samples_the_tokens_of_tp1() -> None:
         assert got["heads"] == SPLITTABLE.num_kv_heads // 2, f"rank {rank} caches its heads only"
         assert got["tokens"] == expected, f"rank {rank}"
     assert len({t for tokens in expected.values() for t in tokens}) > 4  # not one repeated token
+
+
+@pytest.mark.slow  # two torch processes
+def test_tp2_ranks_order_media_requests_by_rank_0s_clock() -> None:
+    """4 media requests, 2 rows a step: the playback-aware order decides who steps by the
+    clock, and rank 1's runs 1000x as fast; both read rank 0's, so they build the same batches
+    (a mismatch fails the all-reduce) and sample the tokens of one unsharded engine."""
+    torch.set_num_threads(1)
+    config = dataclasses.replace(CONFIG, max_batch_size=2)
+    expected = _tokens(Engine.from_random(SPLITTABLE, config, seed=5), media=True)
+    for rank, got in enumerate(_run_ranks(2, media="media")):
+        assert got["tokens"] == expected, f"rank {rank}"
 
 
 @pytest.mark.gpu2

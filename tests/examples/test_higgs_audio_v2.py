@@ -46,6 +46,7 @@ import numpy as np
 import pytest
 
 from omni_server.audio import decode
+from tests.helpers.metrics import samples, value
 from tests.helpers.server import ROOT, ServerProcess
 
 transformers = pytest.importorskip("transformers")
@@ -388,6 +389,11 @@ def test_formats_speed_and_models(higgs_server: ServerProcess) -> None:
     status, listing = higgs_server.get_json("/v1/models")
     [entry] = [m for m in listing["data"] if m["id"] == MODEL]
     assert entry["voices"] == VOICES and entry["default_voice"] == "higgs"
+    # the tts_engine says how long a frame plays: each request's smallest lead over its
+    # listener is observed there, as a stream stage's (the vocoder's chunks say nothing)
+    metrics = samples(higgs_server.metrics())
+    assert value(metrics, "omni_stage_stream_lead_seconds_count", stage="tts_engine") > 0
+    assert value(metrics, "omni_stage_stream_lead_seconds_count", stage="vocoder") == 0
 
 
 def test_voice_clone_encodes_once_and_unknown_voice_is_400(higgs_server: ServerProcess) -> None:

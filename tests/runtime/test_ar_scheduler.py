@@ -1,10 +1,12 @@
 """The "ar" scheduler (continuous batching): requests join and leave a running batch between
-steps, a refused request fails alone with the backend's 400-kind error, and an abort reaches the
-backend at once while the others go on."""
+steps, a refused request fails alone with the backend's 400-kind error, an abort reaches the
+backend at once while the others go on, and a backend whose chunks are media has each request's
+lead over its listener reported."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
@@ -133,3 +135,37 @@ async def test_timeout_s_ends_a_request_early_where_the_backend_can(tmp_path, in
     assert result["finish_reason"] == "length"
     assert result["count"] == len(chunks) > 0  # every chunk sent before the end, then the end
     assert timed_out.value.code == "timeout"
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["process", "inline"])
+async def test_a_media_backends_leads_are_reported_with_the_timings(tmp_path, inline):
+    """A backend with `playback_seconds` has each request's smallest lead over a listener
+    playing from its first chunk reported with its timings (what /metrics observes as
+    omni_stage_stream_lead_seconds; below zero is an underrun); a plain one reports none."""
+    make_repo(
+        tmp_path,
+        {"player": AR.replace("Counter", "Player"), "counter": AR},
+        toml("""
+            [models.plays]
+            entry = "player"
+            tasks = ["chat"]
+            [models.plain]
+            entry = "counter"
+            tasks = ["chat"]
+        """),
+        {"player": FIXTURES / "ar_stages.py", "counter": FIXTURES / "ar_stages.py"},
+    )
+    leads: dict[str, list[float]] = {}
+    async with running(compile_repository(tmp_path), inline=inline) as runtime:
+        runtime.stage_observers.append(
+            lambda stage, q, c, lead: leads.setdefault(stage, []).append(lead)
+        )
+        plays, plain = runtime.plan.models["plays"], runtime.plan.models["plain"]
+        await asyncio.wait_for(runtime.submit(plays, {"n": 4, "plays": 30.0}).result(), 30)
+        await asyncio.wait_for(runtime.submit(plays, {"n": 4, "plays": 0.001}).result(), 30)
+        await asyncio.wait_for(runtime.submit(plain, {"n": 4}).result(), 30)
+    ahead, behind = leads["player"]
+    # its smallest lead: after its first chunk (30 s of audio), less the time until the second
+    assert 0 < ahead < 30
+    assert behind < 0  # 1 ms a chunk, 5 ms a step: the listener ran dry
+    assert math.isnan(leads["counter"][0])

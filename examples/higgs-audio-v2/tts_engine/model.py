@@ -7,6 +7,11 @@ the vocoder: {"frames": [[K codes]]} a step (delay pattern and stream BOS / EOS 
 the reference's generate() returns them); the first also carries "encoding", the last
 "finish_reason" and "usage". The stage streams only (no `next`): the vocoder ends the request.
 
+Playback-aware order: every frame plays 1/25 s, which the engine is told per request (it then
+orders a full batch by the listeners' deadlines: new requests' first frames first, streams far
+ahead yield; engine/deadline_order.py) and the stage by `playback_seconds` (each request's lead
+in /metrics, as a stream stage's).
+
 Sampling: the request's `temperature` (0: greedy) and `seed`, else the stage's parameters;
 top-k / top-p and repetition-aware sampling from the parameters. An abort frees the request's
 KV blocks at once (logged with the cache's free blocks).
@@ -84,6 +89,7 @@ class TTSEngine(StageBackend):
             prompt,
             self.sampling(inputs.get("sampling") or {}, max(1, min(self.max_frames, room))),
             audio_codes=inputs.get("audio_codes"),
+            playback_seconds=1 / FRAMES_PER_SECOND,
         )
         try:
             self.engine.add(generation)
@@ -112,6 +118,10 @@ class TTSEngine(StageBackend):
             )  # fmt: skip
         except (TypeError, ValueError) as err:
             raise InvalidRequest(f"sampling: {err}", param="temperature") from err
+
+    def playback_seconds(self, chunk: dict[str, Any]) -> float:
+        """How long a chunk's frames play (the delay pattern's edge frames count as whole)."""
+        return len(chunk["frames"]) / FRAMES_PER_SECOND
 
     def step(self) -> list[StepOutput]:
         outputs = []

@@ -211,6 +211,11 @@ ENGINE_FIELDS = _fields(
     Field("dtype", Kind.ENUM, "weights and KV cache", choices=("float32", "bfloat16", "float16")),
     Field("cuda_graphs", Kind.BOOL, "capture decode steps in CUDA graphs (GPU stages)"),
     Field("compile", Kind.BOOL, "torch.compile the model's forward"),
+    Field(
+        "playback_order",
+        Kind.BOOL,
+        "a full step is ordered by media requests' listener deadlines (false: the plain order)",
+    ),
 )
 
 # A request's sampling defaults: what the stage that reads a chat request's sampling fields (a

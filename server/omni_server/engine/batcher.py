@@ -15,39 +15,26 @@ KV admission: a waiting request is admitted only when blocks for all its current
 overtake it). A decode that needs a new block when none is free preempts the newest running
 request (frees its blocks, back to the head of the queue, recomputed on readmission); because one
 request alone always fits (max_seq_len <= capacity), the oldest always progresses.
+
+Playback-aware order: when a request's output is media (`playback_seconds`) and the step cannot
+hold everyone, deadline_order.py fills it instead: urgent streams, then new requests' prefill
+and first frame, then the rest by their listeners' deadlines. When everyone fits, the batch
+above runs unchanged.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
+from omni_server.engine import deadline_order
 from omni_server.engine.config import EngineConfig
 from omni_server.engine.kv_cache import BlockAllocator
 from omni_server.engine.sequence import Sequence, Status
+from omni_server.engine.step_batch import PrefillWork, StepBatch
 from omni_server.engine.step_cost import StepCost
+from omni_server.playback import STEP_SMOOTHING, StepClock
 
-
-@dataclass
-class PrefillWork:
-    seq: Sequence
-    start: int  # first position computed this step (== seq.num_computed)
-    length: int
-
-    @property
-    def completes_prompt(self) -> bool:
-        """After this chunk every token is computed: sample the next one."""
-        return self.start + self.length == self.seq.num_tokens
-
-
-@dataclass
-class StepBatch:
-    decodes: list[Sequence]  # one token each, at position seq.num_computed
-    prefills: list[PrefillWork]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decodes) + sum(p.length for p in self.prefills)
+__all__ = ["Batcher", "PrefillWork", "StepBatch"]
 
 
 class Batcher:
@@ -65,6 +52,8 @@ class Batcher:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # ordered by arrival
         self.num_preemptions = 0
+        self.steps = StepClock()  # the engine records each step's time: the urgency margin
+        self.unit_s: float | None = None  # seconds a cost unit takes (moving average)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -72,7 +61,12 @@ class Batcher:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def next_batch(self) -> StepBatch | None:
+    def next_batch(self, now: float = 0.0, margin_s: float | None = None) -> StepBatch | None:
+        """The next step's work. `now` (the engine's clock) dates listeners' deadlines; a lead
+        under `margin_s` (default: the step clock's) is urgent."""
+        if self.config.playback_order and self.plays_media() and not self._everyone_fits():
+            margin = self.steps.margin_s if margin_s is None else margin_s
+            return deadline_order.ordered_batch(self, now, margin)
         decodes = self._decodes()
         budget = self.config.max_step_tokens - sum(
             self.cost.decode(seq.num_computed) for seq in decodes
@@ -113,12 +107,57 @@ class Batcher:
             if not self.allocator.can_allocate(need):
                 break  # KV full: wait for a request to finish
             self.waiting.popleft()
-            self.allocator.allocate(seq.block_table, seq.num_tokens)
-            seq.status = Status.RUNNING
-            self._insert_running(seq)
+            self.admit(seq)
             admitted.append(seq)
             budget -= self.cost.chunk(seq.num_computed, seq.num_tokens - seq.num_computed)
         return admitted
+
+    def record_step(self, seconds: float, batch: StepBatch) -> None:
+        """The engine's measure of a step it ran: the urgency margin and the seconds a cost
+        unit takes (what a longer prefill would add to a step: deadline_order.py)."""
+        self.steps.record(seconds)
+        units = sum(self.cost.decode(s.num_computed - 1) for s in batch.decodes) + sum(
+            self.cost.chunk(p.start, p.length) for p in batch.prefills
+        )
+        if units > 0:
+            unit_s = seconds / units
+            self.unit_s = (
+                unit_s
+                if self.unit_s is None
+                else self.unit_s + STEP_SMOOTHING * (unit_s - self.unit_s)
+            )
+
+    def admit(self, seq: Sequence) -> None:
+        """A waiting request joins the running ones, with KV blocks for all its tokens."""
+        self.allocator.allocate(seq.block_table, seq.num_tokens)
+        seq.status = Status.RUNNING
+        self._insert_running(seq)
+
+    def plays_media(self) -> bool:
+        """Some request's output is media: the playback-aware order may apply."""
+        return any(s.playback is not None for s in (*self.running, *self.waiting))
+
+    def _everyone_fits(self) -> bool:
+        """The plain batch would hold every request whole this step: every running request
+        decodes or finishes its prompt, every waiting one is admitted and prefills all of it."""
+        if len(self.running) + len(self.waiting) > self.config.max_batch_size:
+            return False
+        decoding = [s for s in self.running if s.num_tokens - s.num_computed == 1]
+        prompts = [s for s in (*self.running, *self.waiting) if s.num_tokens - s.num_computed > 1]
+        blocks = sum(
+            self.allocator.new_blocks(s.block_table, s.num_tokens)
+            for s in (*decoding, *self.waiting)
+        )
+        if not self.allocator.can_allocate(blocks):
+            return False
+        decode_cost = sum(self.cost.decode(s.num_computed) for s in decoding)
+        budget = self.config.max_step_tokens - decode_cost
+        if decoding:
+            budget = min(budget, max(self.prefill_beside_decodes, decode_cost))
+        prefill_cost = sum(
+            self.cost.chunk(s.num_computed, s.num_tokens - s.num_computed) for s in prompts
+        )
+        return prefill_cost <= budget
 
     def _decodes(self) -> list[Sequence]:
         decodes: list[Sequence] = []

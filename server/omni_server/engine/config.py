@@ -128,7 +128,9 @@ class EngineConfig:
     max_total_tokens: KV cache capacity in tokens, over all requests; allocated once. None:
                       sized from gpu_memory_fraction on a GPU (memory.py), else
                       DEFAULT_MAX_TOTAL_TOKENS.
-    max_batch_size:   most requests in one step (running requests, prefilling or decoding).
+    max_batch_size:   most requests in one step (running requests, prefilling or decoding;
+                      media requests ahead of their listeners may hold KV beyond it while
+                      sitting a step out: deadline_order.py).
     max_step_tokens:  budget of one forward, in tokens weighted by their attention's cost
                       (step_cost.py): decode tokens first, prefill chunks fill the rest, so a
                       long prompt is prefilled in chunks whose cost, not length, is bounded.
@@ -148,6 +150,9 @@ class EngineConfig:
     decode_attention: "auto" | "paged" | "gather": decode attention over the block tables by
                       a Triton kernel (paged_decode.py; "auto" picks it on CUDA where Triton
                       imports) or by gathering each context and torch matmuls (the CPU's).
+    playback_order:   order a step that cannot hold everyone by the listeners' deadlines of
+                      media requests (GenerationRequest.playback_seconds; deadline_order.py).
+                      False: the plain order for every request (a peer to measure against).
     gpu_memory_fraction: the stage's share of its GPU (not an [engine] key: the stage's own
                       field, which the backend passes on). On a GPU it sizes the KV cache, or
                       checks a given max_total_tokens against it; ignored on the CPU.
@@ -165,6 +170,7 @@ class EngineConfig:
     attention_keys_per_token: int | None = None
     max_prefill_beside_decodes: int | None = None
     decode_attention: str = "auto"
+    playback_order: bool = True
     gpu_memory_fraction: float | None = None
 
     def __post_init__(self) -> None:
@@ -191,7 +197,7 @@ class EngineConfig:
                 f"engine.max_batch_size ({self.max_batch_size}): decodes take one token each "
                 "and prefill needs the rest"
             )
-        for name in ("cuda_graphs", "compile"):
+        for name in ("cuda_graphs", "compile", "playback_order"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"engine.{name} must be true or false, got {getattr(self, name)!r}"

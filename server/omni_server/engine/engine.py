@@ -6,19 +6,23 @@
         for event in engine.step(): ...                 # TokenEvent per request that advanced
 
 `step()` is schedule -> run -> sample -> postprocess. Requests join (`add`) and leave (`abort`,
-finishing) between steps. Not thread-safe by design: the stage's scheduler loop calls all three
-from its one compute thread. `abort` frees the request's KV blocks at once; its final event
-(finish_reason "abort") comes out of the next `step()`.
+finishing) between steps. `clock` (time.monotonic unless a test injects one) dates a media
+request's output for the playback-aware order (deadline_order.py). Not thread-safe by design:
+the stage's scheduler loop calls all three from its one compute thread. `abort` frees the
+request's KV blocks at once; its final event (finish_reason "abort") comes out of the next
+`step()`.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from omni_server.engine import deadline_order
 from omni_server.engine.audio_frames import AudioSpec, DelayState, redraw_repeats, sample_frames
 from omni_server.engine.batcher import Batcher, StepBatch
 from omni_server.engine.config import EngineConfig, LlamaShape
@@ -50,12 +54,20 @@ WeightSource = Callable[[str, Callable[[], Mapping[str, torch.Tensor]]], Mapping
 
 
 class Engine:
-    def __init__(self, model: Llama, config: EngineConfig, tokenizer: TextTokenizer | None) -> None:
+    def __init__(
+        self,
+        model: Llama,
+        config: EngineConfig,
+        tokenizer: TextTokenizer | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
+        self.clock = clock
         self.model = model
         self.shape = model.shape
         self.tokenizer = tokenizer
         device = next(model.parameters()).device
+        self._device = device
         limit = config.max_seq_len or model.shape.max_position_embeddings
         # On a GPU with a memory fraction the budget sizes (or checks) the cache: workspace.py
         max_total_tokens, self.memory = plan_kv_cache(
@@ -188,6 +200,7 @@ class Engine:
         if request.params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
         self._check_audio(request)
+        deadline_order.check_playback_seconds(request.playback_seconds)
         asked = request.params.max_tokens
         if len(prompt) + (asked or 1) > self.max_seq_len:
             raise ContextLengthExceeded(len(prompt), asked, self.max_seq_len)
@@ -255,10 +268,29 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         events, self._pending = self._pending, []
-        batch = self.batcher.next_batch()
+        media = self.batcher.plays_media()  # the same on every TP rank: so are the clock reads
+        start = self._now() if media else 0.0
+        batch = self.batcher.next_batch(start)
         if batch is None:
             return events
         logits, sampled = self.runner.run(batch)
+        events += self._sample(batch, logits, sampled)
+        if media:
+            done = self._now()
+            self.batcher.record_step(done - start, batch)
+            for seq in sampled:  # each produced one frame (token) of media: its listener's lead
+                if seq.playback is not None and seq.playback_seconds is not None:
+                    seq.playback.produced(seq.playback_seconds, done)
+        return events
+
+    def _now(self) -> float:
+        """The clock, rank 0's on every TP rank (their batches must not differ)."""
+        return self.model.tp.first(self.clock(), self._device)
+
+    def _sample(
+        self, batch: StepBatch, logits: torch.Tensor, sampled: list[Sequence]
+    ) -> list[TokenEvent]:
+        events: list[TokenEvent] = []
         params, generators = [s.params for s in sampled], [s.generator for s in sampled]
         if self.audio is not None:
             masks = [_delay(s).next_masks(s.token_ids[-1]) for s in sampled]

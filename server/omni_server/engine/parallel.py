@@ -64,6 +64,17 @@ class TensorParallel:
         dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self.group)
         return int(box.item())
 
+    def first(self, value: float, device: torch.device) -> float:
+        """Rank 0's `value` on every rank (a collective: every rank calls it). The engine's
+        clock goes through it, so time-dependent scheduling decides alike on every rank."""
+        if self.size == 1:
+            return value
+        import torch.distributed as dist
+
+        box = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.broadcast(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return float(box.item())
+
     def check(self, shape: LlamaShape) -> None:
         """Refuse a shape whose heads or MLP cannot be split evenly over the ranks."""
         fields = {

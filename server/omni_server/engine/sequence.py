@@ -10,6 +10,7 @@ import torch
 from omni_server.engine.audio_frames import AudioSpec, DelayState
 from omni_server.engine.sampling import SamplingParams, make_generator
 from omni_server.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
+from omni_server.playback import Playback
 
 
 class FinishReason(enum.StrEnum):
@@ -32,6 +33,11 @@ class GenerationRequest:
     # Audio-frame models: the frames (K codes each) of the prompt's frame tokens, in order (a
     # reference voice, delay pattern applied as the reference processor builds it).
     audio_codes: list[list[int]] | None = None
+    # Media models: how long the media of one step's output plays (Higgs: a frame, 1/25 s).
+    # Set, the batcher orders this request by its listener's deadline when the step cannot
+    # hold everyone (deadline_order.py); None: no playback of its own (a thinker feeding a
+    # voice), the plain order.
+    playback_seconds: float | None = None
 
 
 @dataclass
@@ -85,6 +91,9 @@ class Sequence:
             self.delay = DelayState(audio, self.token_ids)
         # the frames in order (prompt's, then generated): repetition-aware sampling's window
         self.frame_history: list[list[int]] = list(self.frames.values())
+        # how far ahead of its listener its output is (None: it plays nothing itself)
+        self.playback_seconds = request.playback_seconds
+        self.playback = Playback() if request.playback_seconds is not None else None
 
     @property
     def num_tokens(self) -> int:

@@ -15,17 +15,26 @@ Invariants (beside the scheduler's):
 - an add() that raises fails that request alone (InvalidRequest: the caller's fault, a 400);
 - a step() out of GPU memory fails every request the backend holds and aborts them there (their
   KV freed); the loop goes on with the next requests (oom.py).
+
+Playback: a backend whose chunks are media says how long each plays (`playback_seconds(chunk)`,
+as a stream stage's: the Higgs TTS engine's frames). The scheduler then keeps each request's
+lead over a listener playing from its first chunk (omni_server.playback) and reports its
+smallest one with its timings: `omni_stage_stream_lead_seconds` and
+`omni_stage_stream_underruns_total` count it as they count a stream stage's. Who steps is the
+backend's batch to decide (the engine orders by the same leads: engine/deadline_order.py).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from typing import Any
 
 from omni_server.backend import Request
+from omni_server.playback import Playback
 
 from .base import Scheduler, StageCallbacks, WorkItem
-from .calls import StageCalls
+from .calls import BackendContractError, StageCalls
 from .oom import OutOfGPUMemory
 
 
@@ -42,6 +51,8 @@ class ARScheduler(Scheduler):
         self._leaving: list[Request] = []  # aborted after add(): abort() not yet called
         self._held: dict[int, Request] = {}  # id(request) -> request the backend holds
         self._finishing: list[Request] = []  # to end early: finish() not yet called
+        self._media = calls.plays_media  # chunks say how long they play: leads are kept
+        self._playback: dict[int, Playback] = {}  # key -> its listener's lead, from 1st chunk
 
     @property
     def active_keys(self) -> frozenset[int]:
@@ -54,6 +65,7 @@ class ARScheduler(Scheduler):
 
     def abort(self, key: int) -> None:
         item = self._items.pop(key, None)
+        self._playback.pop(key, None)
         if item is None:
             return
         if item in self._joining:
@@ -124,10 +136,24 @@ class ARScheduler(Scheduler):
                 self.calls.abort(request)
                 outputs.append((request, error))
             self._held.clear()
+        if self._media:
+            outputs = [self._timed(request, outcome) for request, outcome in outputs]
         for request, outcome in outputs:
             if not (isinstance(outcome, tuple) and outcome[0] == "chunk"):
                 self._held.pop(id(request), None)  # finished or failed: the backend let go
         return refused, ended + outputs
+
+    def _timed(self, request: Request, outcome: Any) -> tuple[Request, Any]:
+        """Compute thread: a chunk with the seconds it plays ("chunk", chunk, seconds); a
+        backend that answers nonsense fails that request (and lets go of it)."""
+        if not (isinstance(outcome, tuple) and outcome[0] == "chunk"):
+            return request, outcome
+        try:
+            return request, (*outcome, self.calls.playback_seconds(outcome[1]))
+        except BackendContractError as error:
+            if self._held.pop(id(request), None) is not None:
+                self.calls.abort(request)
+            return request, error
 
     def _report(self, outputs: list[tuple[Request, Any]], start: float, seconds: float) -> None:
         """Event loop: stream chunks, complete or fail requests (aborted ones are dropped)."""
@@ -143,9 +169,16 @@ class ARScheduler(Scheduler):
                 item.compute_s += seconds
             if isinstance(outcome, BaseException):
                 del self._items[item.key]
+                self._playback.pop(item.key, None)
                 self.callbacks.fail(item, outcome)
             elif outcome[0] == "chunk":
+                if self._media:
+                    playback = self._playback.setdefault(item.key, Playback())
+                    playback.produced(outcome[2], time.monotonic())
                 self.callbacks.chunk(item, outcome[1])
             else:
                 del self._items[item.key]
+                ended = self._playback.pop(item.key, None)
+                if ended is not None:
+                    item.min_lead_s = ended.min_lead
                 self.callbacks.complete(item, outcome[0], outcome[1])
