@@ -548,10 +548,9 @@ class CudaReceiver:
         not check out: nothing is opened."""
         rec = self._trec
         try:
-            _trec.decode(data, rec)
+            name, key = _trec.decode(data, rec)
         except _trec.BadRecord as exc:
             raise BadTensorRecord(str(exc)) from None
-        name = ffi.string(rec.pool).decode()
         pool = self._pools.get(name)
         if pool is None:
             pool = self._pools[name] = _OpenPool(name)
@@ -581,7 +580,7 @@ class CudaReceiver:
         self._packed = True
         if rec.flags & _trec.REQUIRES_GRAD:
             tensor.requires_grad_(True)
-        return (ffi.string(rec.key).decode() if rec.flags & _trec.KEYED else None), tensor
+        return (key if rec.flags & _trec.KEYED else None), tensor
 
     def mapped_at(self, pool: str) -> int:
         """The device address pool `pool` is mapped at in this process (opened at its first

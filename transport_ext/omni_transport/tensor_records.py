@@ -66,10 +66,19 @@ def record_bytes(ndim: int) -> int:
     return 168 + 16 * ndim + 2 * NAME_MAX
 
 
-def decode(data: bytes | memoryview, rec: Any) -> None:
-    """Parses and checks `data` into `rec`; BadRecord naming what is off."""
+def decode(data: bytes | memoryview, rec: Any) -> tuple[str, str]:
+    """Parses and checks `data` into `rec`: its (pool, key); BadRecord naming what is off."""
     if lib.omni_trec_decode(ffi.from_buffer(data), len(data), rec) != lib.OMNI_OK:
         raise _failed()
+    return names(rec)
+
+
+def names(rec: Any) -> tuple[str, str]:
+    """(pool, key) of a decoded record; BadRecord for a key that is not UTF-8."""
+    try:
+        return ffi.string(rec.pool).decode("ascii"), ffi.string(rec.key).decode()
+    except UnicodeDecodeError:
+        raise BadRecord("tensor record: its key is not UTF-8") from None
 
 
 def fields(rec: Any) -> dict[str, Any]:
@@ -84,8 +93,8 @@ def fields(rec: Any) -> dict[str, Any]:
         "shape": tuple(rec.shape[0:n]),
         "strides": tuple(rec.strides[0:n]),
         "flags": rec.flags,
-        "pool": ffi.string(rec.pool).decode(),
-        "key": ffi.string(rec.key).decode(),
+        "pool": names(rec)[0],
+        "key": names(rec)[1],
         "mem_handle": bytes(ffi.buffer(rec.mem_handle)),
         "event_handle": bytes(ffi.buffer(rec.event_handle)),
     }

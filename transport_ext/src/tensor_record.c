@@ -57,10 +57,14 @@ static void put64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
 static uint32_t get32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 static uint64_t get64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 
-static int bad_name(const char *s, size_t n, int allow_empty) {
-    if (n == 0) return !allow_empty;
-    for (size_t i = 0; i < n; i++)
-        if ((unsigned char)s[i] < 0x20 || s[i] == 0x7f || s[i] == '/') return 1;
+/* A pool name is a segment name: printable ASCII without '/'. A key is any text without
+ * control characters (its UTF-8 is checked by the Python side, which decodes it). */
+static int bad_name(const char *s, size_t n, int is_key) {
+    if (n == 0) return !is_key;
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c < 0x20 || c == 0x7f || (!is_key && (c > 0x7e || c == '/'))) return 1;
+    }
     return 0;
 }
 
