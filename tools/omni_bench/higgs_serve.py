@@ -49,7 +49,8 @@ def gpu_overrides(replicas: int, kv_tokens: int) -> list[str]:
         "--stages.audio_encoder.gpu", "0", "--stages.audio_encoder.gpu_memory_fraction", "0.05",
     ]  # fmt: skip
     if replicas > 1:
-        args += ["--server.mps", "on", "--stages.tts_engine.engine.max_total_tokens", str(kv_tokens)]
+        args += ["--server.mps", "on"]
+        args += ["--stages.tts_engine.engine.max_total_tokens", str(kv_tokens)]
     return args
 
 
@@ -66,7 +67,8 @@ def serve_args(args: argparse.Namespace, replicas: int) -> list[str]:
             "--server.weight_share", "on",
         ]  # fmt: skip
         if args.gpu:
-            out += ["--processes.pipeline.replica_devices", json.dumps([0] * replicas)]
+            devices = json.dumps([0] * replicas, separators=(",", ":"))
+            out += ["--processes.pipeline.replica_devices", devices]
         else:
             out += ["--stages.tts_engine.engine.max_total_tokens", str(args.kv_tokens)]
     if args.gpu:

@@ -555,10 +555,8 @@ class CudaReceiver:
         if pool is None:
             pool = self._pools[name] = _OpenPool(name)
         shared, slot = pool.shared, rec.slot
-        if slot < shared.slots:
-            event_handle = shared.event_handle(slot)
-        else:
-            event_handle = ffi.NULL  # refused by the slot check first
+        # a slot past the pool's is refused by the slot check before the handle is read
+        event_handle = shared.event_handle(slot) if slot < shared.slots else ffi.NULL
         ok = lib.omni_trec_check_block(rec, shared.nbytes, shared.slots, shared.base, event_handle)
         if ok != lib.OMNI_OK:
             raise BadTensorRecord(ffi.string(lib.omni_last_error()).decode(errors="replace"))

@@ -18,8 +18,23 @@ from omni_transport.errors import TransportError
 DTYPE_CODES = {
     name: code
     for code, name in enumerate(
-        "bool uint8 int8 int16 int32 int64 uint16 uint32 uint64 float16 bfloat16 float32 "
-        "float64 complex64 complex128".split()
+        (
+            "bool",
+            "uint8",
+            "int8",
+            "int16",
+            "int32",
+            "int64",
+            "uint16",
+            "uint32",
+            "uint64",
+            "float16",
+            "bfloat16",
+            "float32",
+            "float64",
+            "complex64",
+            "complex128",
+        )
     )
 }
 MAX_DIMS = lib.OMNI_TREC_MAX_DIMS
