@@ -33,10 +33,10 @@ step() {  # step NAME SECONDS COMMAND...: run it (bounded), log it, say its exit
   tail -n "${TAIL:-25}" "$OUT/$name.log"
 }
 
-step tests 180 python3 -m pytest -q -p no:cacheprovider -rs tests/transport/test_tensor_records.py \
+step tests 120 python3 -m pytest -q -p no:cacheprovider -rs tests/transport/test_tensor_records.py \
   tests/transport/test_cuda_ipc.py tests/runtime/test_cuda_packed.py tests/runtime/test_cuda_ipc.py \
   tests/transport/test_ring.py
-TAIL=12 step handoff 240 python3 -m omni_bench.gpu_handoff --compare --requests 200 --warmup 20 \
+TAIL=12 step handoff 150 python3 -m omni_bench.gpu_handoff --compare --requests 200 --warmup 20 \
   --rounds 2 --sizes-mib 1,64
 TAIL=16 step higgs "${HIGGS_S:-420}" python3 -m omni_bench.higgs_serve --checkpoint /tmp/higgs-full \
   --gpu --out /tmp/higgs-serve ${HIGGS_ARGS:-}
