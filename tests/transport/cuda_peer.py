@@ -46,18 +46,18 @@ def main() -> int:
                     continue
                 pool, _ = tensor_records.decode(msg, tensor_records.new())
                 views.append(tensor)
-                outbox.push(
-                    json.dumps(
-                        {
-                            "key": key,
-                            "dtype": str(tensor.dtype).removeprefix("torch."),
-                            "shape": list(tensor.shape),
-                            "sum": float(tensor.double().sum()),
-                            # zero-copy: the tensor is the block, in the opened pool
-                            "offset_seen": tensor.data_ptr() - rx.mapped_at(pool),
-                        }
-                    ).encode()
-                )
+                packed_reply = json.dumps(
+                    {
+                        "key": key,
+                        "dtype": str(tensor.dtype).removeprefix("torch."),
+                        "shape": list(tensor.shape),
+                        "sum": float(tensor.double().sum()),
+                        # zero-copy: the tensor is the block, in the opened pool
+                        "offset_seen": tensor.data_ptr() - rx.mapped_at(pool),
+                    }
+                ).encode()
+                del tensor  # `views` alone holds it: drop-views frees it
+                outbox.push(packed_reply)
                 continue
             trec = TensorRecord.from_bytes(msg)
             tensor = rx.open(trec)

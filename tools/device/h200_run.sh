@@ -6,8 +6,9 @@
 #   handoff  omni-bench gpu-handoff --compare: the crossing before / after, interleaved
 #   higgs    omni-bench higgs-serve --gpu: a full random checkpoint written here, the Higgs
 #            pipeline served and loaded at c = 1, 4, 16, 64, one replica against three
+#   profile  the fast path's crossing under cProfile (sender's send_data, receiver's loop)
 #   tier     the GPU test tier of docs/gpu.md (one H200)
-# STEPS="tests handoff" picks steps (default: all four). Only what reads $OUT's limits (8 files)
+# STEPS="tests handoff" picks steps (default: all five); TESTS the test files. Only what reads $OUT's limits (8 files)
 # lands there: the tables and the logs.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -15,7 +16,7 @@ OUT=${OUT:-/tmp/omni-h200-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/server:$PWD/tools:$PWD/clients:$PWD/transport_ext${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-STEPS=${STEPS:-tests handoff higgs tier}
+STEPS=${STEPS:-tests handoff profile higgs tier}
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
 echo "cores: $(nproc)  commit: $(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)"
 cmake -S . -B /tmp/omni-build -DCMAKE_BUILD_TYPE=Release >/dev/null \
@@ -33,11 +34,13 @@ step() {  # step NAME SECONDS COMMAND...: run it (bounded), log it, say its exit
   tail -n "${TAIL:-25}" "$OUT/$name.log"
 }
 
-step tests 120 python3 -m pytest -q -p no:cacheprovider -rs tests/transport/test_tensor_records.py \
-  tests/transport/test_cuda_ipc.py tests/runtime/test_cuda_packed.py tests/runtime/test_cuda_ipc.py \
-  tests/transport/test_ring.py
+TESTS=${TESTS:-tests/transport/test_tensor_records.py tests/transport/test_cuda_ipc.py \
+  tests/runtime/test_cuda_packed.py tests/runtime/test_cuda_ipc.py tests/transport/test_ring.py}
+step tests 120 python3 -m pytest -q -p no:cacheprovider -rs $TESTS
 TAIL=12 step handoff 150 python3 -m omni_bench.gpu_handoff --compare --requests 200 --warmup 20 \
   --rounds 2 --sizes-mib 1,64
+TAIL=60 step profile 90 python3 -m omni_bench.gpu_handoff --profile --requests 200 --warmup 20 \
+  --sizes-mib 1
 TAIL=16 step higgs "${HIGGS_S:-420}" python3 -m omni_bench.higgs_serve --checkpoint /tmp/higgs-full \
   --gpu --out /tmp/higgs-serve ${HIGGS_ARGS:-}
 cp /tmp/higgs-serve/higgs_serve.md /tmp/higgs-serve/higgs_serve.json "$OUT/" 2>/dev/null
