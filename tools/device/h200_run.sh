@@ -7,6 +7,7 @@
 #   higgs    omni-bench higgs-serve --gpu: a full random checkpoint written here, the Higgs
 #            pipeline served and loaded at c = 1, 4, 16, 64, one replica against three
 #   profile  the fast path's crossing under cProfile (sender's send_data, receiver's loop)
+#   spin1ms  the crossing again with a 1 ms hot-stream spin (what the wake-up costs)
 #   tier     the GPU test tier of docs/gpu.md (one H200)
 # STEPS="tests handoff" picks steps (default: all five); TESTS the test files. Only what reads $OUT's limits (8 files)
 # lands there: the tables and the logs.
@@ -41,10 +42,13 @@ TAIL=12 step handoff 150 python3 -m omni_bench.gpu_handoff --compare --requests 
   --rounds 2 --sizes-mib 1,64
 TAIL=60 step profile 90 python3 -m omni_bench.gpu_handoff --profile --requests 200 --warmup 20 \
   --sizes-mib 1
+# the crossing with a 1 ms hot spin against the path before: how much the wake-up costs
+OMNI_RING_HOT_SPIN_US=1000 TAIL=8 step spin1ms 90 python3 -m omni_bench.gpu_handoff --compare \
+  --requests 200 --warmup 20 --rounds 1 --sizes-mib 1
 TAIL=16 step higgs "${HIGGS_S:-420}" python3 -m omni_bench.higgs_serve --checkpoint /tmp/higgs-full \
   --gpu --out /tmp/higgs-serve ${HIGGS_ARGS:-}
 cp /tmp/higgs-serve/higgs_serve.md /tmp/higgs-serve/higgs_serve.json "$OUT/" 2>/dev/null
-step tier 300 python3 -m pytest -q -p no:cacheprovider -m "gpu or gpu2" -rs \
+step tier "${TIER_S:-300}" python3 -m pytest -q -p no:cacheprovider -m "gpu or gpu2" -rs \
   tests/transport/test_cuda_ipc.py tests/runtime/test_cuda_ipc.py tests/engine/test_cuda_graphs.py \
   tests/engine/test_paged_decode.py tests/engine/test_memory_gpu.py tests/runtime/test_oom.py \
   tests/runtime/test_gpu_start.py tests/runtime/test_mps.py tests/runtime/test_weight_share_gpu.py
