@@ -48,9 +48,11 @@ def gpu_overrides(replicas: int, kv_tokens: int) -> list[str]:
         "--stages.vocoder.gpu", "0", "--stages.vocoder.gpu_memory_fraction", "0.1",
         "--stages.audio_encoder.gpu", "0", "--stages.audio_encoder.gpu_memory_fraction", "0.05",
     ]  # fmt: skip
+    # the same KV cache for every replica count (weight sharing requires it pinned), so the
+    # memory columns compare like with like
+    args += ["--stages.tts_engine.engine.max_total_tokens", str(kv_tokens)]
     if replicas > 1:
         args += ["--server.mps", "on"]
-        args += ["--stages.tts_engine.engine.max_total_tokens", str(kv_tokens)]
     return args
 
 
@@ -203,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=2, help="requests per level: rounds x c")
     p.add_argument("--min-requests", type=int, default=8, help="at least this many per level")
     p.add_argument("--audio-seconds", type=float, default=6.0, help="audio per request (6)")
-    p.add_argument("--kv-tokens", type=int, default=65536, help="replicas: pinned KV tokens")
+    p.add_argument("--kv-tokens", type=int, default=65536, help="pinned KV tokens a replica")
     p.add_argument("--voice", default="higgs")
     p.add_argument("--dataset", type=Path, default=speech.DEFAULT_DATASET)
     p.add_argument("--ready-timeout", type=float, default=400.0, help="server start, seconds")
