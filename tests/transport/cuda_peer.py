@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import sys
 
-from omni_transport import Ring
-from omni_transport.cuda_ipc import CudaReceiver, TensorRecord
+from omni_transport import Ring, tensor_records
+from omni_transport.cuda_ipc import BadTensorRecord, CudaReceiver, TensorRecord
 
 
 def main() -> int:
@@ -16,6 +16,7 @@ def main() -> int:
     outbox = Ring.attach(sys.argv[2], role="producer")
     rx = CudaReceiver()
     held: list[TensorRecord] = []
+    views: list = []  # tensors of packed records: their blocks go back when these are freed
     try:
         while True:
             with inbox.pop(timeout=120) as rec:
@@ -31,6 +32,32 @@ def main() -> int:
                     pass
                 outbox.push(json.dumps(reply).encode())
                 held.clear()
+                continue
+            if msg == b"drop-views":
+                reply = {"dropped": len(views)}
+                views.clear()  # the deleters queue the blocks' release on the stream
+                outbox.push(json.dumps(reply).encode())
+                continue
+            if msg.startswith(b"OTR1"):  # a one-tensor record (export_packed)
+                try:
+                    key, tensor = rx.open_packed(msg)
+                except BadTensorRecord as exc:
+                    outbox.push(json.dumps({"error": str(exc)}).encode())
+                    continue
+                pool, _ = tensor_records.decode(msg, tensor_records.new())
+                views.append(tensor)
+                packed_reply = json.dumps(
+                    {
+                        "key": key,
+                        "dtype": str(tensor.dtype).removeprefix("torch."),
+                        "shape": list(tensor.shape),
+                        "sum": float(tensor.double().sum()),
+                        # zero-copy: the tensor is the block, in the opened pool
+                        "offset_seen": tensor.data_ptr() - rx.mapped_at(pool),
+                    }
+                ).encode()
+                del tensor  # `views` alone holds it: drop-views frees it
+                outbox.push(packed_reply)
                 continue
             trec = TensorRecord.from_bytes(msg)
             tensor = rx.open(trec)

@@ -266,3 +266,75 @@ def test_waiting_for_blocks_ends_when_their_consumer_dies(ring_name):
         to_peer.close()
         from_peer.close()
         pool.close()
+
+
+def _reap_until(pool: CudaPool, count: int) -> int:
+    """Blocks of packed views come back once the consumer's stream ran their release (a host
+    function): look until `count` came back, for a bounded while (no timing is asserted)."""
+    import time
+
+    got = 0
+    deadline = time.monotonic() + 30
+    while got < count and time.monotonic() < deadline:
+        got += pool.reap()
+        time.sleep(0.001)
+    return got
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.timeout(180)
+def test_a_packed_tensor_crosses_as_the_block_itself_and_returns_when_freed(ring_name):
+    import torch
+
+    mib = 1 << 20
+    pool = CudaPool(ring_name(), 8 * mib)
+    to_peer = Ring.create(ring_name(), mib, role="producer")
+    from_peer = Ring.create(ring_name(), mib, role="consumer")
+    proc = subprocess.Popen([sys.executable, str(PEER), to_peer.name, from_peer.name])
+
+    def ask(msg: bytes) -> dict:
+        to_peer.push(msg)
+        with from_peer.pop(timeout=120) as rec:
+            return json.loads(bytes(rec.header))
+
+    try:
+        # a tensor from outside the pool, written by a kernel still in flight: copied into a
+        # block on our stream, the consumer's stream waits on the slot's event
+        x = torch.randn(512, 1024, device="cuda").to(torch.bfloat16)
+        record = pool.export_packed(x, "frames")
+        assert len(record) < 400 and record[:4] == b"OTR1"
+        seen = ask(record)
+        assert seen["key"] == "frames" and seen["dtype"] == "bfloat16"
+        assert seen["shape"] == [512, 1024]
+        assert seen["sum"] == pytest.approx(float(x.double().sum()), rel=1e-9, abs=1e-6)
+        first_offset = seen["offset_seen"]
+
+        # the same bytes again (a replay): the block is opened already, refused
+        assert "not in flight" in ask(record)["error"]
+
+        # a bare tensor made in the pool (no copy); the first block is still held
+        y = pool.empty((256, 256), torch.float32)
+        y.fill_(1.5)
+        seen = ask(pool.export_packed(y))
+        assert seen["key"] is None and seen["sum"] == 1.5 * 256 * 256
+        assert seen["offset_seen"] != first_offset
+        assert pool.reap() == 0 and pool.in_flight == 2  # both views alive over there
+
+        # freed over there: both blocks come back, and the first block is handed out again
+        assert ask(b"drop-views") == {"dropped": 2}
+        assert _reap_until(pool, 2) == 2 and pool.in_flight == 0
+        z = torch.full((512, 1024), 3.0, device="cuda", dtype=torch.bfloat16)
+        seen = ask(pool.export_packed(z, "frames"))
+        assert seen["sum"] == 3.0 * 512 * 1024 and seen["offset_seen"] == first_offset
+        assert ask(b"drop-views") == {"dropped": 1}
+        assert _reap_until(pool, 1) == 1
+        to_peer.push(b"stop")
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        to_peer.close()
+        from_peer.close()
+        pool.close()

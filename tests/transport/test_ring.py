@@ -492,3 +492,46 @@ print(int(array.sum()), bytes(rec.header).decode())
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(sum(range(1000))), "h"]
+
+
+@pytest.mark.parametrize("hot_spin_us", [0.0, 500.0])
+async def test_pop_async_on_a_hot_stream_gets_every_record_in_order(pair, hot_spin_us):
+    """A thread pushes records a few hundred microseconds apart: with the hot-stream spin on
+    (records come while it spins) and off (each wait sleeps on the doorbell), every record
+    arrives once, in order; and a spin that finds nothing still ends in the doorbell wait."""
+    import threading
+    import time
+
+    producer, consumer = pair
+    consumer.hot_spin_us = hot_spin_us
+    assert consumer.hot_spin_us == hot_spin_us
+
+    def push_all() -> None:
+        for i in range(200):
+            producer.push(str(i).encode())
+            time.sleep(0.0002)
+
+    thread = threading.Thread(target=push_all)
+    thread.start()
+    got = []
+    for _ in range(200):
+        with await asyncio.wait_for(consumer.pop_async(), 10) as rec:
+            got.append(int(bytes(rec.header)))
+    thread.join()
+    assert got == list(range(200))
+
+    async def later() -> None:
+        await asyncio.sleep(0.05)  # past any spin: the consumer sleeps on the doorbell
+        producer.push(b"late")
+
+    task = asyncio.create_task(later())
+    with await asyncio.wait_for(consumer.pop_async(), 10) as rec:
+        assert bytes(rec.header) == b"late"
+    await task
+
+
+def test_hot_spin_is_bounded(pair):
+    _, consumer = pair
+    for bad in (-1.0, 1e5, float("nan")):
+        with pytest.raises(ValueError, match="hot_spin_us"):
+            consumer.hot_spin_us = bad

@@ -42,6 +42,7 @@ SUBCOMMANDS = {
     "gpu-step": ("omni_bench.gpu_step", "engine decode step vs naive static-cache graph, floor"),
     "reload": ("omni_bench.reload", "model reload: time to serving, memory of both versions"),
     "random-checkpoint": ("omni_bench.random_checkpoint", "random-weight HF checkpoint folders"),
+    "higgs-serve": ("omni_bench.higgs_serve", "Higgs Audio v2 served: TTFA, underrun, replicas"),
 }
 
 

@@ -1,7 +1,7 @@
 """A CUDA tensor handed from one stage process to the next on the same GPU, through the runtime
 at its default settings (a GPU machine).
 
-    omni-bench gpu-handoff [--requests 300] [--warmup 30] [--sizes-mib 1,64]
+    omni-bench gpu-handoff [--requests 300] [--warmup 30] [--sizes-mib 1,64] [--compare]
 
 Two stages on `cuda:0`, `make -> take`, each in its own process (and, for comparison, both in
 one process, where the tensor object is passed as it is). `make` fills a fresh tensor, waits for
@@ -16,13 +16,20 @@ runtime's `Endpoint` at its defaults (rings, the event-loop receiver sleeping on
 the CUDA lane): from the sender's `send_data` to the receiver's loop holding the decoded,
 usable tensor; inside it, the sender's encode (until `send_data` returns) and the receiver's
 side (the rest: the ring, the receiver's wake-up, its decode).
+
+`--compare` measures only the crossing, the one-tensor fast path (a C-encoded record, the
+pool's block handed on as a view, the hot-stream spin) against the path before it (pickle, a
+clone, the doorbell wake-up: OMNI_CUDA_PACKED=0 OMNI_RING_HOT_SPIN_US=0), interleaved in one
+run: `--rounds` alternations of `--requests` crossings each, per size.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing as mp
+import os
 import sys
 import tempfile
 import time
@@ -207,6 +214,45 @@ async def _cross(
     return out
 
 
+# the crossing before the one-tensor fast path: pickle + clone, doorbell wake-ups
+_BEFORE = {"OMNI_CUDA_PACKED": "0", "OMNI_RING_HOT_SPIN_US": "0"}
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Any:
+    """os.environ with `values` set (the spawned receiver inherits them), restored after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _compare(sizes: list[int], requests: int, warmup: int, rounds: int) -> list[str]:
+    rows = []
+    for nbytes in sizes:
+        res: dict[str, dict[str, list[float]]] = {}
+        for _ in range(rounds):  # interleaved: load on the machine falls on both alike
+            for name, env in (("before", _BEFORE), ("after", {})):
+                with _environment(env):
+                    one = asyncio.run(_cross(nbytes, requests, warmup))
+                for k, v in one.items():
+                    res.setdefault(name, {}).setdefault(k, []).extend(v)
+        for name, label in (
+            ("before", "pickle + clone, doorbell (before)"),
+            ("after", "packed record + view, hot spin"),
+        ):
+            cells = (_cell(res[name][k]) for k in ("crossing", "encode", "receiver"))
+            rows.append(tables.row([f"{nbytes >> 20} MiB", label, *cells]))
+            print(rows[-1], flush=True)
+    return rows
+
+
 def _cell(values: list[float]) -> str:
     return f"{percentile(values, 50):.0f} / {percentile(values, 90):.0f}"
 
@@ -219,6 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--profile", action="store_true", help="only the crossing, under cProfile (where it goes)"
     )
+    ap.add_argument(
+        "--compare",
+        action="store_true",
+        help="only the crossing: the one-tensor fast path against the path before it",
+    )
+    ap.add_argument("--rounds", type=int, default=2, help="--compare: alternations per size")
     args = ap.parse_args(argv)
     import torch
 
@@ -228,6 +280,20 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [0] + [int(float(s) * (1 << 20)) for s in args.sizes_mib.split(",")]
     if args.profile:
         asyncio.run(_cross(sizes[1], args.requests, args.warmup, profile=True))
+        return 0
+    if args.compare:
+        rows = _compare(sizes[1:], args.requests, args.warmup, args.rounds)
+        print()
+        print(
+            f"{torch.cuda.get_device_name()}: the crossing alone (sender's send_data to the "
+            f"receiver's loop holding the usable tensor), {args.rounds} x {args.requests} "
+            f"crossings per path after {args.warmup} warm-up each, interleaved; median / p90, "
+            "microseconds:"
+        )
+        print()
+        columns = ["tensor", "path", "crossing", "encode (sender)", "receiver"]
+        print("\n".join(tables.header(columns)))
+        print("\n".join(rows))
         return 0
     crossings = []
     for nbytes in sizes[1:]:

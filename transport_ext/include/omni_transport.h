@@ -13,7 +13,7 @@
 
 #define OMNI_API __attribute__((visibility("default")))
 
-#define OMNI_ABI_VERSION 6
+#define OMNI_ABI_VERSION 7
 
 enum {
     OMNI_OK = 0,
@@ -131,6 +131,10 @@ OMNI_API void omni_ring_disarm(omni_ring *r);
 /* Checks the peer (state flag, then liveness through the pidfd held since it was first seen
  * attached, or a claim that died before attaching): 1 when it closed or died, else 0. */
 OMNI_API int omni_ring_peer_gone(omni_ring *r);
+/* Consumer only. Spins (never sleeps) up to spin_ns for a record: OMNI_OK with it in rec,
+ * OMNI_EEMPTY when none came, OMNI_ECLOSED when the ring is drained and the producer is gone.
+ * For an event loop that keeps a hot stream off the doorbell's wake-up: bounded by spin_ns. */
+OMNI_API int omni_ring_spin_pop(omni_ring *r, uint64_t spin_ns, omni_record *rec);
 
 /* ---- CUDA IPC (driver API resolved with dlopen at run time) ---- */
 
@@ -154,5 +158,54 @@ OMNI_API int omni_cuda_ipc_open_event_handle(const uint8_t *handle64, uint64_t *
 OMNI_API int omni_cuda_stream_wait_event(uint64_t stream, uint64_t event);
 OMNI_API int omni_cuda_memcpy_dtod_async(uint64_t dst, uint64_t src, uint64_t nbytes,
                                          uint64_t stream);
+/* Once the work queued on stream so far is done, stores 0 (release order) to *state, from the
+ * driver's callback thread (cuLaunchHostFunc); if the driver refuses, after synchronizing the
+ * stream here. */
+OMNI_API int omni_cuda_release_after(uint64_t stream, uint32_t *state);
+/* Waits for all work of the current context (host functions included). */
+OMNI_API int omni_cuda_synchronize(void);
+
+/* ---- the one-tensor record (tensor_record.c: layout and checks) ---- */
+
+#define OMNI_TREC_MAX_DIMS 16
+#define OMNI_TREC_NAME_MAX 200
+#define OMNI_TREC_DTYPES 15 /* codes 0..14: bool uint8 int8 int16 int32 int64 uint16 uint32
+                               uint64 float16 bfloat16 float32 float64 complex64 complex128 */
+#define OMNI_TREC_REQUIRES_GRAD 1
+#define OMNI_TREC_KEYED 2 /* the message was {key: tensor}, not the bare tensor */
+
+typedef struct {
+    uint32_t device;
+    uint32_t slot;
+    uint64_t offset;   /* bytes into the pool, a multiple of 512 */
+    uint64_t nbytes;   /* shape x itemsize */
+    uint32_t dtype;    /* a code above */
+    uint32_t ndim;
+    uint32_t flags;    /* OMNI_TREC_REQUIRES_GRAD | OMNI_TREC_KEYED */
+    int64_t shape[OMNI_TREC_MAX_DIMS];
+    int64_t strides[OMNI_TREC_MAX_DIMS]; /* in elements */
+    uint8_t mem_handle[OMNI_IPC_HANDLE_BYTES];
+    uint8_t event_handle[OMNI_IPC_HANDLE_BYTES];
+    char pool[OMNI_TREC_NAME_MAX + 1];   /* NUL-terminated */
+    char key[OMNI_TREC_NAME_MAX + 1];    /* "" for a bare tensor, else its one dict key */
+} omni_trec;
+
+/* Bytes of dtype code's element; 0 for an unknown code. */
+OMNI_API int omni_trec_itemsize(uint32_t dtype);
+OMNI_API uint64_t omni_trec_size(const omni_trec *t);
+OMNI_API int omni_trec_encode(const omni_trec *t, uint8_t *out, uint64_t cap, uint64_t *len);
+/* 1 when buf starts like a tensor record (pickle never does): no other check. */
+OMNI_API int omni_trec_is_record(const uint8_t *buf, uint64_t len);
+/* Parses and checks buf (OMNI_EINVAL with the reason for anything off). */
+OMNI_API int omni_trec_decode(const uint8_t *buf, uint64_t len, omni_trec *t);
+/* The record names a block of this pool: slot, block bounds, both handles. */
+OMNI_API int omni_trec_check_block(const omni_trec *t, uint64_t pool_bytes, uint32_t slots,
+                                   const uint8_t *mem_handle, const uint8_t *event_handle);
+/* A DLPack DLManagedTensor (capsule "dltensor") over data + t->offset; its deleter stores 0 to
+ * *state (CUDA: once the work queued on stream is done) and decrements *live, which this call
+ * incremented. omni_trec_view_free runs that deleter, for a view no framework took. */
+OMNI_API int omni_trec_view(const omni_trec *t, uint64_t data, int cuda, uint64_t stream,
+                            uint32_t *state, uint64_t *live, void **out);
+OMNI_API void omni_trec_view_free(void *view);
 
 #endif

@@ -11,8 +11,9 @@ Shared state of a pool, in a named segment (omni_transport segment, mode 0600):
     offset 0     memory handle of the pool (64 B)
     offset 64    pool size (u64), device ordinal (u32), slot count (u32)
     offset 128   slot state, u32 per slot: 1 = in flight (producer stored it, release order,
-                 before pushing the record), 0 = free (consumer stored it, release order, after
-                 its GPU work on the tensor finished)
+                 before pushing the record), 2 = opened (a consumer of a packed record took it:
+                 a replay is refused), 0 = free (consumer stored it, release order, after its
+                 GPU work on the tensor finished)
     after that   IPC event handle per slot (64 B each), written by the producer before the
                  slot is first used
 
@@ -34,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from omni_transport import tensor_records as _trec
 from omni_transport._ffi import ffi, lib
 from omni_transport.errors import CudaUnavailable, TransportError, check, error_for
 from omni_transport.ring import Record, Ring
@@ -258,6 +260,13 @@ class CudaPool:
         self._free_slots = list(range(slots - 1, -1, -1))
         self._in_flight: dict[int, tuple[int, int]] = {}  # slot -> (offset, size)
         self._blocks: dict[int, tuple[int, int]] = {}  # data_ptr -> (offset, size)
+        # export_packed's record, its constant fields filled once
+        self._trec = _trec.new()
+        self._trec.device = device
+        _trec.set_name(self._trec, "pool", name)
+        ffi.memmove(self._trec.mem_handle, self._shared.base, _HANDLE)
+        self._trec_out = ffi.new("char[]", _trec.record_bytes(_trec.MAX_DIMS))
+        self._trec_len = ffi.new("uint64_t *")
 
     # ---- blocks ----
 
@@ -349,6 +358,41 @@ class CudaPool:
         """The record for a tensor made by empty() (no copy); any other CUDA tensor is first
         copied into a fresh block (one device-to-device copy). After this the block belongs to
         the consumer until it releases it: do not write the tensor again."""
+        tensor, slot, offset = self._export(tensor, timeout, peer_gone)
+        nbytes = tensor.numel() * tensor.element_size()
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        return TensorRecord(self.name, slot, offset, nbytes, dtype, tuple(tensor.shape))
+
+    def export_packed(self, tensor: Any, key: str | None = None, timeout: float = 0) -> bytes:
+        """export() as a one-tensor record (tensor_records: C-encoded, about 200 bytes, read by
+        CudaReceiver.open_packed): the message is the tensor, or {key: tensor} when `key` is
+        given. Raises BadTensorRecord for a tensor the record cannot carry (its dtype, more than
+        16 dims), before taking a block."""
+        rec = self._trec
+        dtype = _trec.DTYPE_CODES.get(str(tensor.dtype)[6:])
+        ndim = tensor.dim()
+        if dtype is None or ndim > _trec.MAX_DIMS:
+            raise BadTensorRecord(f"a {tensor.dtype} tensor of {ndim} dims has no packed record")
+        if key is not None:
+            _trec.set_name(rec, "key", key)
+        tensor, slot, offset = self._export(tensor, timeout, None)
+        rec.slot, rec.offset, rec.dtype, rec.ndim = slot, offset, dtype, ndim
+        rec.nbytes = tensor.numel() * tensor.element_size()
+        rec.shape[0:ndim] = tensor.shape
+        rec.strides[0:ndim] = tensor.stride()
+        rec.flags = (_trec.KEYED if key is not None else 0) | (
+            _trec.REQUIRES_GRAD if tensor.requires_grad else 0
+        )
+        if key is None:
+            rec.key = b"\0"
+        ffi.memmove(rec.event_handle, self._shared.event_handle(slot), _HANDLE)
+        return _trec.encode(rec, self._trec_out, self._trec_len)
+
+    def _export(
+        self, tensor: Any, timeout: float | None, peer_gone: Callable[[], bool] | None
+    ) -> tuple[Any, int, int]:
+        """(the tensor as it lies in its block, its slot, its block's offset), the block in
+        flight."""
         if not tensor.is_cuda:
             raise ValueError("export() takes a CUDA tensor; use push_arrays for host memory")
         made = self._blocks.pop(tensor.data_ptr(), None) if tensor.is_contiguous() else None
@@ -385,9 +429,7 @@ class CudaPool:
         check(lib.omni_cuda_event_record(event, stream))
         self._in_flight[slot] = block
         self._shared.set_state(slot, 1)  # ordered before the ring push that carries the record
-        nbytes = tensor.numel() * tensor.element_size()
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        return TensorRecord(self.name, slot, block[0], nbytes, dtype, tuple(tensor.shape))
+        return tensor, slot, block[0]
 
     def close(self) -> None:
         """Frees the pool. Consumers must have closed their receivers (their mapping of the
@@ -425,6 +467,7 @@ class _OpenPool:
         self.dptr = int(p[0])
         self.bytes = _pool_bytes(self.dptr, self.shared.nbytes)
         self.events: dict[int, int] = {}
+        self.live = ffi.new("uint64_t *")  # open_packed views not yet freed (their deleters)
         # (offset, nbytes, dtype, shape) -> the view of the pool there: blocks and shapes
         # repeat from message to message, and making a view is three torch calls
         self._views: dict[tuple[int, int, str, tuple[int, ...]], Any] = {}
@@ -455,6 +498,9 @@ class _OpenPool:
         lib.omni_segment_close(self.shared.seg)
 
 
+_kept: list[_OpenPool] = []  # pools closed by their receiver while views were alive
+
+
 class CudaReceiver:
     """Consumer side: opens each pool once, turns records into tensors, releases blocks."""
 
@@ -471,6 +517,8 @@ class CudaReceiver:
         # the recorded events that are free for reuse
         self._releasing: list[tuple[int, str, int]] = []  # (event, pool, slot)
         self._spare_events: list[int] = []
+        self._trec = _trec.new()  # open_packed's parsed record, reused
+        self._packed = False  # open_packed was used: close() waits for its releases
 
     def open(self, rec: TensorRecord) -> Any:
         """A tensor viewing the producer's block; work queued on the current stream after
@@ -489,6 +537,48 @@ class CudaReceiver:
         tensor = pool.view(rec)
         self._held.add((rec.pool, rec.slot))
         return tensor
+
+    def open_packed(self, data: bytes | memoryview) -> tuple[str | None, Any]:
+        """(key, tensor) of a record from CudaPool.export_packed (key None: the message was the
+        bare tensor). The tensor is a view of the producer's block, not a copy: work queued on
+        the current stream after this call sees the producer's writes, and the block goes back
+        once the tensor's storage is freed (every view of it) and the work queued on this
+        stream by then is done. Work on another stream must be waited for before the tensor
+        is dropped (torch's record_stream rule). BadTensorRecord for bytes or a block that do
+        not check out: nothing is opened."""
+        rec = self._trec
+        try:
+            name, key = _trec.decode(data, rec)
+        except _trec.BadRecord as exc:
+            raise BadTensorRecord(str(exc)) from None
+        pool = self._pools.get(name)
+        if pool is None:
+            pool = self._pools[name] = _OpenPool(name)
+        shared, slot = pool.shared, rec.slot
+        # a slot past the pool's is refused by the slot check before the handle is read
+        event_handle = shared.event_handle(slot) if slot < shared.slots else ffi.NULL
+        ok = lib.omni_trec_check_block(rec, shared.nbytes, shared.slots, shared.base, event_handle)
+        if ok != lib.OMNI_OK:
+            raise BadTensorRecord(ffi.string(lib.omni_last_error()).decode(errors="replace"))
+        if rec.device != shared.device:
+            raise BadTensorRecord(f"pool {name!r} is on cuda:{shared.device}, not {rec.device}")
+        # 1 -> 2 (opened): a record replayed for a block we hold is refused, not opened twice
+        if shared.state(slot) != 1:
+            raise BadTensorRecord(f"pool {name!r} slot {slot} is not in flight")
+        shared.set_state(slot, 2)
+        stream = _stream()
+        try:
+            check(lib.omni_cuda_stream_wait_event(stream, pool.event(slot)))
+            tensor = _trec.view(
+                rec, pool.dptr, cuda=True, stream=stream, state=shared.states + slot, live=pool.live
+            )
+        except BaseException:
+            shared.set_state(slot, 0)  # never used here: the producer may have it back
+            raise
+        self._packed = True
+        if rec.flags & _trec.REQUIRES_GRAD:
+            tensor.requires_grad_(True)
+        return (key if rec.flags & _trec.KEYED else None), tensor
 
     def mapped_at(self, pool: str) -> int:
         """The device address pool `pool` is mapped at in this process (opened at its first
@@ -554,8 +644,16 @@ class CudaReceiver:
         for event in self._spare_events:
             lib.omni_cuda_event_destroy(event)
         self._spare_events.clear()
+        if self._packed:  # the host functions that store freed slots' states have run
+            check(lib.omni_cuda_synchronize())
         for pool in self._pools.values():
-            pool.close()
+            if pool.live[0]:
+                # views still alive: their memory and their deleters' state words must stay
+                # mapped (until the process exits); the producer gets those blocks back when
+                # they are freed
+                _kept.append(pool)
+            else:
+                pool.close()
         self._pools.clear()
         if self._done[0]:
             lib.omni_cuda_event_destroy(self._done[0])

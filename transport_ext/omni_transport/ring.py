@@ -13,6 +13,7 @@ import math
 import os
 import secrets
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +26,12 @@ from omni_transport.errors import RingError, RingFull, error_for
 _LIVENESS_POLL_S = 0.05
 _BACKSTOP_S = 1.0
 _DEFAULT_SPIN_US = 20.0
+# pop_async on a hot stream (a record came within _HOT_S) spins this long before it sleeps on
+# the doorbell: an event loop's wake-up costs ~100 us, more than most gaps of a busy stream.
+# The loop is held for at most that long, once per record (a spin that finds nothing makes the
+# stream cold until its next record). OMNI_RING_HOT_SPIN_US sets the default (0: never spin).
+_DEFAULT_HOT_SPIN_US = 200.0
+_HOT_S = 0.002
 _INLINE_BUFS = lib.OMNI_RECORD_INLINE_BUFS  # buffers described by the pop call itself
 _INT64_MAX = (1 << 63) - 1
 
@@ -117,6 +124,9 @@ class Ring:
         self._bufs = ffi.new("void *[]", _INLINE_BUFS)  # push's argument arrays, reused
         self._lens = ffi.new("uint64_t[]", _INLINE_BUFS)
         self.spin_us = spin_us
+        self.hot_spin_us = float(os.environ.get("OMNI_RING_HOT_SPIN_US", _DEFAULT_HOT_SPIN_US))
+        self._last_record = 0  # monotonic ns of the last record popped (0: none yet)
+        self._hot = False  # pop_async may spin: a record came since its last fruitless spin
         if role is not None:
             self.claim(role)
 
@@ -167,6 +177,17 @@ class Ring:
             raise ValueError(f"spin_us {value}: give 0 .. 1e6 microseconds")
         self._spin_us = float(value)
         lib.omni_ring_set_spin_ns(self._handle(), int(value * 1000))
+
+    @property
+    def hot_spin_us(self) -> float:
+        return self._hot_spin_ns / 1000
+
+    @hot_spin_us.setter
+    def hot_spin_us(self, value: float) -> None:
+        """How long pop_async spins on a hot stream before it sleeps (0: never)."""
+        if not 0 <= value <= 1e4:  # also refuses NaN; 10 ms would starve the loop
+            raise ValueError(f"hot_spin_us {value}: give 0 .. 10000 microseconds")
+        self._hot_spin_ns = int(value * 1000)
 
     def claim(self, role: str) -> None:
         """Takes the 'producer' or 'consumer' side now (push / pop do it on first use)."""
@@ -235,9 +256,23 @@ class Ring:
         going to sleep, so a busy stream costs no system call per record."""
         while True:
             rec = self.try_pop()
+            if rec is None and self._hot and self._hot_spin_ns:
+                if time.monotonic_ns() - self._last_record < _HOT_S * 1e9:
+                    rec = self._spin_pop()
+                self._hot = rec is not None
             if rec is not None:
+                self._last_record = time.monotonic_ns()
+                self._hot = True
                 return rec
             await self._sleep_until_progress()
+
+    def _spin_pop(self) -> Record | None:
+        rc = lib.omni_ring_spin_pop(self._handle(), self._hot_spin_ns, self._rec)
+        if rc == lib.OMNI_EEMPTY:
+            return None
+        if rc != lib.OMNI_OK:
+            raise error_for(rc)
+        return self._record()
 
     async def push_async(self, header: bytes, buffers: Sequence[Any] = ()) -> None:
         """push() for asyncio: while the ring is full, waits on this side's doorbell (rung by

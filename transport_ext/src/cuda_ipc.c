@@ -46,6 +46,9 @@ static struct {
     CUresult (*cuIpcOpenEventHandle)(CUevent *, CUipcEventHandle);
     CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned);
     CUresult (*cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+    CUresult (*cuLaunchHostFunc)(CUstream, void (*)(void *), void *);
+    CUresult (*cuStreamSynchronize)(CUstream);
+    CUresult (*cuCtxSynchronize)(void);
 } cu;
 
 static pthread_once_t load_once = PTHREAD_ONCE_INIT;
@@ -96,6 +99,9 @@ static void load(void) {
     SYM(cuIpcOpenEventHandle, "cuIpcOpenEventHandle");
     SYM(cuStreamWaitEvent, "cuStreamWaitEvent");
     SYM(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2");
+    SYM(cuLaunchHostFunc, "cuLaunchHostFunc");
+    SYM(cuStreamSynchronize, "cuStreamSynchronize");
+    SYM(cuCtxSynchronize, "cuCtxSynchronize");
     CUresult rc = cu.cuInit(0);
     if (rc != 0) {
         snprintf(load_error, sizeof load_error, "CUDA unavailable: cuInit failed (CUresult %d)", rc);
@@ -202,3 +208,19 @@ int omni_cuda_memcpy_dtod_async(uint64_t dst, uint64_t src, uint64_t nbytes, uin
     CALL("cuMemcpyDtoDAsync",
          cu.cuMemcpyDtoDAsync(dst, src, nbytes, (CUstream)(uintptr_t)stream));
 }
+
+/* runs on the driver's callback thread, once the stream reached it: no CUDA calls here */
+static void store_free(void *state) { __atomic_store_n((uint32_t *)state, 0, __ATOMIC_RELEASE); }
+
+int omni_cuda_release_after(uint64_t stream, uint32_t *state) {
+    int r = ready();
+    CUstream s = (CUstream)(uintptr_t)stream;
+    if (r == OMNI_OK && cu.cuLaunchHostFunc(s, store_free, state) == 0) return OMNI_OK;
+    /* no callback (a context being torn down): wait here, then give the block back; a block
+     * must not stay taken for good, and no work of ours on it can run any more */
+    if (r == OMNI_OK) cu.cuStreamSynchronize(s);
+    store_free(state);
+    return OMNI_OK;
+}
+
+int omni_cuda_synchronize(void) { CALL("cuCtxSynchronize", cu.cuCtxSynchronize()); }

@@ -561,6 +561,22 @@ int omni_ring_pop(omni_ring *r, int64_t timeout_ns, omni_record *rec) {
     return parse_record(r, rec);
 }
 
+int omni_ring_spin_pop(omni_ring *r, uint64_t spin_ns, omni_record *rec) {
+    int rc = omni_ring_pop(r, 0, rec);
+    if (rc != OMNI_EEMPTY || !spin_ns) return rc;
+    int64_t start = omni_now_ns();
+    for (uint64_t i = 1;; i++) {
+        cpu_relax();
+        /* pairs with the producer's seq_cst store of head, as in pop */
+        if (load_acquire_u64(&r->ctl->side[OMNI_PRODUCER].pos) != r->local_pos)
+            return omni_ring_pop(r, 0, rec);
+        if ((i & 63) == 0) {
+            if (omni_now_ns() - start >= (int64_t)spin_ns) return omni_ring_pop(r, 0, rec);
+            sched_yield(); /* a runnable peer on this CPU gets it (see wait_ready) */
+        }
+    }
+}
+
 int omni_record_buffer(const omni_ring *r, const omni_record *rec, uint32_t i, uint64_t *off,
                        uint64_t *len) {
     /* from the validated copies only: never from the ring again */

@@ -6,6 +6,9 @@ the receiver rebuilds arrays over the received memory. Torch CPU tensors travel 
 (bfloat16 and other dtypes numpy lacks travel as same-sized integers and are viewed back), so a
 worker imports torch only when a tensor actually reaches it.
 
+A message that is one CUDA tensor towards a receiver on its GPU skips pickle: a C-encoded
+one-tensor record (`cuda_lane.open_packed`).
+
 CUDA tensors: to a receiver on the same GPU they cross as CUDA IPC records (`cuda.py`, the
 `cuda` lane given to encode()); otherwise they are copied to the host, and return to their GPU on
 the other side only if a stage there uses that GPU (never in the server process).
@@ -25,6 +28,9 @@ _WIDTH_VIEWS = {2: "int16", 1: "int8"}
 class CudaLane(Protocol):
     def export(self, tensor: Any) -> bytes | None:
         """A CUDA IPC record for `tensor`, or None to send it through the host."""
+
+    def export_packed(self, tensor: Any, key: str | None) -> bytes | None:
+        """The one-tensor record of the message `tensor` (or {key: tensor}), or None (pickle)."""
 
 
 class _Pickler(pickle.Pickler):
@@ -96,6 +102,10 @@ def encode(message: Any, cuda: CudaLane | None = None) -> tuple[bytes, list[memo
 
     `cuda`: the CUDA IPC lane towards the receiver, when it shares a GPU with this process.
     Raises Unencodable for a value pickle refuses."""
+    if cuda is not None:
+        packed = _one_cuda_tensor(message, cuda)
+        if packed is not None:
+            return packed, []
     buffers: list[pickle.PickleBuffer] = []
     out = io.BytesIO()
     try:
@@ -105,6 +115,28 @@ def encode(message: Any, cuda: CudaLane | None = None) -> tuple[bytes, list[memo
     return out.getvalue(), [b.raw() for b in buffers]
 
 
+def _one_cuda_tensor(message: Any, cuda: CudaLane) -> bytes | None:
+    """The fast path's record when the message is one CUDA tensor (bare, or {str: tensor})."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    key = None
+    if type(message) is dict and len(message) == 1:
+        ((key, message),) = message.items()
+        if type(key) is not str:
+            return None
+    if type(message) is not torch.Tensor or not message.is_cuda:
+        return None
+    return cuda.export_packed(message, key)
+
+
 def decode(header: bytes | memoryview, buffers: list[Any]) -> Any:
     """Rebuild a message; arrays in it alias `buffers`, which must outlive them."""
+    if header[:4] == _PACKED and not buffers:
+        from .cuda_lane import open_packed
+
+        return open_packed(header)
     return pickle.loads(header, buffers=buffers)
+
+
+_PACKED = b"OTR1"  # a one-tensor record (pickle protocol 5 starts with b"\x80\x05")

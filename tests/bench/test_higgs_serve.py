@@ -1,0 +1,46 @@
+"""`omni-bench higgs-serve`'s server command lines are valid overrides of the example
+repository: the GPU placement docs/models.md gives, and the replicated `pipeline` under MPS with
+shared weights, as `omni-server config resolve` compiles them (nothing starts; the served run
+itself is a device benchmark, run on the CPU by hand with the tiny checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from omni_bench import higgs_serve
+
+
+def _resolved(argv: list[str]) -> dict:
+    args = higgs_serve.build_parser().parse_args(argv)
+    args.levels = [1, 64]
+    overrides = higgs_serve.serve_args(args, int(args.replicas))
+    i = overrides.index("--max-in-flight")  # a server option, not a config override
+    assert overrides[i + 1] == "128"
+    del overrides[i : i + 2]
+    out = subprocess.run(
+        [sys.executable, "-m", "omni_server", "config", "resolve", "--repo",
+         str(higgs_serve.REPO), "--show", "config", "--format", "json", *overrides],
+        capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_the_gpu_placement_resolves(tmp_path, replicas):
+    config = _resolved(["--checkpoint", str(tmp_path), "--gpu", "--replicas", str(replicas)])
+    engine = config["stages"]["tts_engine"]
+    assert engine["gpu"] == [0] and engine["engine"]["dtype"] == "bfloat16"
+    assert engine["engine"]["max_total_tokens"] == 65536  # the same KV for every count
+    assert config["stages"]["vocoder"]["gpu"] == [0]
+    assert config["stages"]["tts_engine"]["parameters"]["ignore_eos"] is True
+    assert config["parameters"]["checkpoint"] == str(tmp_path)
+    pipeline = config["processes"]["pipeline"]
+    assert pipeline["num_replicas"] == replicas
+    if replicas > 1:
+        assert pipeline["replica_devices"] == [0] * replicas
+        assert config["server"]["mps"] == "on" and config["server"]["weight_share"] == "on"

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One call on the lent H200 (docs/gpu.md says how the call is made and which wheels travel):
+# build the C library, then each step in turn, each bounded by its own timeout so that one
+# hanging step leaves time for the others, each step's log in $OUT/<step>.log:
+#   tests    the one-tensor crossing's tests (CPU checks and the GPU crossings)
+#   handoff  omni-bench gpu-handoff --compare: the crossing before / after, interleaved
+#   higgs    omni-bench higgs-serve --gpu: a full random checkpoint written here, the Higgs
+#            pipeline served and loaded at c = 1, 4, 16, 64, one replica against three
+#   profile  the fast path's crossing under cProfile (sender's send_data, receiver's loop)
+#   spin1ms  the crossing again with a 1 ms hot-stream spin (what the wake-up costs)
+#   tier     the GPU test tier of docs/gpu.md (one H200)
+# STEPS="tests handoff" picks steps (default: all five); TESTS the test files. Only what reads $OUT's limits (8 files)
+# lands there: the tables and the logs.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/omni-h200-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD/server:$PWD/tools:$PWD/clients:$PWD/transport_ext${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+STEPS=${STEPS:-tests handoff profile higgs tier}
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
+echo "cores: $(nproc)  commit: $(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)"
+cmake -S . -B /tmp/omni-build -DCMAKE_BUILD_TYPE=Release >/dev/null \
+  && cmake --build /tmp/omni-build -j 16 2>&1 | grep -E "warning|error|Built target" || exit 1
+python3 -c "import omni_transport, torch, transformers; print('abi', omni_transport.abi_version(),
+  'torch', torch.__version__, 'transformers', transformers.__version__)"
+
+step() {  # step NAME SECONDS COMMAND...: run it (bounded), log it, say its exit code
+  local name=$1 limit=$2
+  shift 2
+  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
+  echo "== $name (at most ${limit} s) $(date -u +%T)"
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name rc=$? $(date -u +%T)"
+  tail -n "${TAIL:-25}" "$OUT/$name.log"
+}
+
+TESTS=${TESTS:-tests/transport/test_tensor_records.py tests/transport/test_cuda_ipc.py \
+  tests/runtime/test_cuda_packed.py tests/runtime/test_cuda_ipc.py tests/transport/test_ring.py}
+step tests 120 python3 -m pytest -q -p no:cacheprovider -rs $TESTS
+TAIL=12 step handoff 150 python3 -m omni_bench.gpu_handoff --compare --requests 200 --warmup 20 \
+  --rounds 2 --sizes-mib 1,64
+TAIL=60 step profile 90 python3 -m omni_bench.gpu_handoff --profile --requests 200 --warmup 20 \
+  --sizes-mib 1
+# the crossing with a 1 ms hot spin against the path before: how much the wake-up costs
+OMNI_RING_HOT_SPIN_US=1000 TAIL=8 step spin1ms 90 python3 -m omni_bench.gpu_handoff --compare \
+  --requests 200 --warmup 20 --rounds 1 --sizes-mib 1
+TAIL=16 step higgs "${HIGGS_S:-420}" python3 -m omni_bench.higgs_serve --checkpoint /tmp/higgs-full \
+  --gpu --out /tmp/higgs-serve ${HIGGS_ARGS:-}
+cp /tmp/higgs-serve/higgs_serve.md /tmp/higgs-serve/higgs_serve.json "$OUT/" 2>/dev/null
+step tier "${TIER_S:-300}" python3 -m pytest -q -p no:cacheprovider -m "gpu or gpu2" -rs \
+  tests/transport/test_cuda_ipc.py tests/runtime/test_cuda_ipc.py tests/engine/test_cuda_graphs.py \
+  tests/engine/test_paged_decode.py tests/engine/test_memory_gpu.py tests/runtime/test_oom.py \
+  tests/runtime/test_gpu_start.py tests/runtime/test_mps.py tests/runtime/test_weight_share_gpu.py
+echo "left: $(ls /dev/shm | grep -c '^omni-') /dev/shm segments, $(pgrep -fc omni_server) servers"

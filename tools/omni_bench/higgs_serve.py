@@ -1,0 +1,260 @@
+"""`omni-bench higgs-serve`: the Higgs Audio v2 pipeline (examples/higgs-audio-v2) served over
+HTTP and loaded with `omni-bench speech`, one replica of `pipeline` against several.
+
+    omni-bench higgs-serve --checkpoint DIR [--size full] [--gpu] [--concurrency 1,4,16,64]
+        [--replicas 1,3] [--audio-seconds 6] [--out DIR]
+
+The whole device run of issue 22's "Measure" in one command. A random checkpoint is written
+to DIR first when DIR has none (`random-checkpoint`, drawn on the GPU with --gpu). For each
+replica count, one server is started (`omni-server --repo examples/higgs-audio-v2
+--parameters.checkpoint DIR`, with --gpu the overrides docs/models.md gives: bf16, cuda:0,
+CUDA graphs, the vocoder and the audio encoder on the GPU; more than one replica: the
+`pipeline` process repeated on cuda:0 under MPS with its weights shared) and each
+concurrency level is a closed-loop `omni-bench speech` run against it (streamed pcm, the
+dataset's texts of one to three sentences, every request `--audio-seconds` of audio: random
+weights have no end of speech worth waiting for). Per level: TTFA p50/p95, RTF, audio seconds
+per second, requests per second, the share of streams that underrun; per server: the GPU's
+memory in use (nvidia-smi, peak while loaded). Tables to stdout and `OUT/higgs_serve.md`,
+everything in `OUT/higgs_serve.json` (each level's speech.json beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from omni_bench import speech
+from omni_bench.harness import tables
+from omni_bench.harness.server import OmniServer
+
+REPO = Path(__file__).resolve().parents[2] / "examples" / "higgs-audio-v2"
+
+
+def gpu_overrides(replicas: int, kv_tokens: int) -> list[str]:
+    """docs/models.md's placement on cuda:0; replicas share the GPU (fractions scaled down)."""
+    engine = 0.55 / replicas
+    args = [
+        "--stages.tts_engine.gpu", "0",
+        "--stages.tts_engine.engine.dtype", "bfloat16",
+        "--stages.tts_engine.gpu_memory_fraction", f"{engine:.3f}",
+        "--stages.vocoder.gpu", "0", "--stages.vocoder.gpu_memory_fraction", "0.1",
+        "--stages.audio_encoder.gpu", "0", "--stages.audio_encoder.gpu_memory_fraction", "0.05",
+    ]  # fmt: skip
+    # the same KV cache for every replica count (weight sharing requires it pinned), so the
+    # memory columns compare like with like
+    args += ["--stages.tts_engine.engine.max_total_tokens", str(kv_tokens)]
+    if replicas > 1:
+        args += ["--server.mps", "on"]
+    return args
+
+
+def serve_args(args: argparse.Namespace, replicas: int) -> list[str]:
+    out = [
+        "--parameters.checkpoint", str(args.checkpoint),
+        "--stages.tts_engine.parameters.ignore_eos", "true",
+        "--stages.tts_engine.parameters.max_audio_seconds", str(args.audio_seconds),
+        "--max-in-flight", str(max(64, 2 * max(args.levels))),
+    ]  # fmt: skip
+    if replicas > 1:
+        out += [
+            "--processes.pipeline.num_replicas", str(replicas),
+            "--server.weight_share", "on",
+        ]  # fmt: skip
+        if args.gpu:
+            devices = json.dumps([0] * replicas, separators=(",", ":"))
+            out += ["--processes.pipeline.replica_devices", devices]
+        else:
+            out += ["--stages.tts_engine.engine.max_total_tokens", str(args.kv_tokens)]
+    if args.gpu:
+        out += gpu_overrides(replicas, args.kv_tokens)
+    return out + args.extra
+
+
+class GpuMemory:
+    """The GPU's memory in use (MiB, nvidia-smi), sampled every half second: the peak."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def now() -> int:
+        if shutil.which("nvidia-smi") is None:
+            return 0
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.split()
+        return int(out[0]) if out else 0
+
+    def __enter__(self) -> GpuMemory:
+        def sample() -> None:
+            while not self._stop.wait(0.5):
+                self.peak = max(self.peak, self.now())
+
+        self.peak = self.now()
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def _level(args: argparse.Namespace, url: str, concurrency: int, out: Path) -> dict[str, Any]:
+    requests = max(args.min_requests, args.rounds * concurrency)
+    argv = [
+        "--url", url, "--stream", "--format", "pcm", "--voice", args.voice,
+        "--concurrency", str(concurrency), "--requests", str(requests),
+        "--dataset", str(args.dataset), "--warmup", str(min(concurrency, 4)), "--out", str(out),
+    ]  # fmt: skip
+    rc = speech.main(argv)
+    result = json.loads((out / "speech.json").read_text())
+    level = result["targets"][0]["levels"][0]
+    level["exit_code"] = rc
+    return level
+
+
+def _serve(args: argparse.Namespace, replicas: int) -> dict[str, Any]:
+    server = OmniServer(REPO, serve_args(args, replicas), ready_timeout_s=args.ready_timeout)
+    gpu = GpuMemory()
+    with gpu:
+        asyncio.run(server.start())
+        try:
+            loaded = gpu.now()
+            levels = [
+                _level(args, server.url, c, args.out / f"r{replicas}-c{c}") for c in args.levels
+            ]
+        finally:
+            asyncio.run(server.stop())
+    return {
+        "replicas": replicas,
+        "serve_args": serve_args(args, replicas),
+        "gpu_mib_loaded": loaded,
+        "gpu_mib_peak": gpu.peak,
+        "leftovers": str(server.left) if not server.left.clean else "",
+        "levels": levels,
+    }
+
+
+def _ms(d: dict[str, float], key: str) -> str:
+    v = d.get(key)
+    return "" if v is None else f"{v * 1000:.0f}"
+
+
+def report(runs: list[dict[str, Any]]) -> str:
+    lines = []
+    columns = [
+        "replicas", "concurrency", "requests", "failed", "TTFA p50 ms", "TTFA p95 ms",
+        "RTF p50", "audio s/s", "req/s", "underrun share", "worst deficit s",
+    ]  # fmt: skip
+    lines += tables.header(columns)
+    for run in runs:
+        for lv in run["levels"]:
+            lines.append(
+                tables.row(
+                    [
+                        run["replicas"], lv["concurrency"], lv["requests"], lv["failed"],
+                        _ms(lv["ttfa"], "p50"), _ms(lv["ttfa"], "p95"),
+                        f"{lv['rtf'].get('p50', float('nan')):.3f}",
+                        f"{lv['audio_seconds_per_second']:.1f}",
+                        f"{lv['requests_per_second']:.2f}",
+                        f"{lv['underrun_share']:.2f}", f"{lv['worst_deficit']:.3f}",
+                    ]
+                )
+            )  # fmt: skip
+    lines.append("")
+    lines += tables.header(["replicas", "best audio s/s", "vs one", "GPU MiB loaded", "peak"])
+    base = None
+    for run in runs:
+        best = max(lv["audio_seconds_per_second"] for lv in run["levels"])
+        base = base or best
+        lines.append(
+            tables.row(
+                [
+                    run["replicas"], f"{best:.1f}", f"{best / base:.2f}x",
+                    run["gpu_mib_loaded"], run["gpu_mib_peak"],
+                ]
+            )
+        )  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="omni-bench higgs-serve", description=(__doc__ or "").split("\n")[0]
+    )
+    p.add_argument("--checkpoint", type=Path, required=True, help="folder (written if empty)")
+    p.add_argument("--size", choices=("tiny", "full"), default="full", help="when written")
+    p.add_argument("--gpu", action="store_true", help="the GPU placement of docs/models.md")
+    p.add_argument("--concurrency", default="1,4,16,64", help="closed-loop levels")
+    p.add_argument("--replicas", default="1,3", help="replica counts of `pipeline` (1,3)")
+    p.add_argument("--rounds", type=int, default=2, help="requests per level: rounds x c")
+    p.add_argument("--min-requests", type=int, default=8, help="at least this many per level")
+    p.add_argument("--audio-seconds", type=float, default=6.0, help="audio per request (6)")
+    p.add_argument("--kv-tokens", type=int, default=65536, help="pinned KV tokens a replica")
+    p.add_argument("--voice", default="higgs")
+    p.add_argument("--dataset", type=Path, default=speech.DEFAULT_DATASET)
+    p.add_argument("--ready-timeout", type=float, default=400.0, help="server start, seconds")
+    p.add_argument("--out", type=Path, default=Path("bench-results/higgs-serve"))
+    p.add_argument("extra", nargs="*", help="more omni-server arguments, after --")
+    return p
+
+
+def _torchaudio_or_stand_in(folder: Path) -> str:
+    """Without a working torchaudio (CPU machines here), the servers see the tests' stand-in
+    (random_checkpoint.torchaudio_stand_in, soxr's resample): labelled in the report."""
+    from omni_bench.random_checkpoint import has_torchaudio, torchaudio_stand_in
+
+    if has_torchaudio():
+        return "torchaudio"
+    path = str(torchaudio_stand_in(folder, resample_with_soxr=True))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")]))
+    return "torchaudio stand-in (soxr resample)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.levels = [int(c) for c in args.concurrency.split(",")]
+        counts = [int(r) for r in args.replicas.split(",")]
+    except ValueError:
+        print("omni-bench higgs-serve: --concurrency / --replicas: integers, comma separated")
+        return 2
+    if not (args.checkpoint / "config.json").is_file():
+        from omni_bench import random_checkpoint
+
+        draw = ["--draw-on", "cuda"] if args.gpu else []
+        random_checkpoint.main(
+            ["higgs-audio-v2", "--size", args.size, "--out", str(args.checkpoint), *draw]
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    audio = _torchaudio_or_stand_in(args.out / "stand-in")
+    print(f"# higgs-serve: {args.checkpoint}, gpu={args.gpu}, {audio}", flush=True)
+    runs = []
+    for replicas in counts:
+        runs.append(_serve(args, replicas))
+        print(f"# {replicas} replica(s) done", flush=True)
+        (args.out / "higgs_serve.json").write_text(json.dumps(runs, indent=2) + "\n")
+    table = report(runs)
+    (args.out / "higgs_serve.md").write_text(table)
+    print(table)
+    failed = sum(lv["failed"] for run in runs for lv in run["levels"])
+    return 1 if failed or any(run["leftovers"] for run in runs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
