@@ -54,9 +54,19 @@ RATE = asr_audio.RATE
 
 @dataclass
 class Corpus:
+    """Clips with their texts. The uploads (16-bit WAV) are what the server is sent; `clips`
+    become those uploads decoded, so the in-process peers hear exactly what a served request
+    carries: the quantization alone moves a word now and then (tiny.en heard "hung new" as
+    "unused")."""
+
     name: str
     clips: list[np.ndarray]
     texts: list[str]
+    uploads: list[bytes] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.uploads = [asr_audio.to_wav(clip) for clip in self.clips]
+        self.clips = [asr_audio.decode_file(upload) for upload in self.uploads]
 
     @property
     def seconds(self) -> float:
@@ -104,6 +114,7 @@ def make_corpora(args: argparse.Namespace) -> tuple[list[Corpus], Corpus]:
     """The short corpora (the dataset's sentences first; then held-out sentences, clean, with
     noise and by espeak-ng) and the long file."""
     voice = asr_audio.VoiceSynth()
+
     texts = [t for t in asr_audio.sentences(60, max_words=28) if len(t.split()) >= 8]
     short_texts = texts[: args.short]
     short = Corpus("voice", [voice.say(t) for t in short_texts], short_texts)
@@ -262,7 +273,7 @@ async def served(
     pid: int | None = None,
 ) -> Run:
     """Every clip `rounds` times, `c` requests in flight at once."""
-    wavs = [asr_audio.to_wav(clip) for clip in corpus.clips]
+    wavs = corpus.uploads
     hyps: dict[int, str] = {}
     latencies: list[float] = []
     rtfs: list[float] = []
@@ -306,7 +317,7 @@ async def interleaved(
         timeout = aiohttp.ClientTimeout(total=900)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             voice = corpora[0]
-            await _transcribe(session, url, asr_audio.to_wav(voice.clips[0]))  # warm-up
+            await _transcribe(session, url, voice.uploads[0])  # warm-up
             inprocess_sequential(model, Corpus("warm-up", voice.clips[:1], voice.texts[:1]))
             for c in args.levels:
                 rounds = max(1, -(-2 * c // len(voice.clips)))
@@ -324,7 +335,7 @@ async def interleaved(
             stage = whisper.Recognizer(model, batch_size=4, beam_size=args.beam)
             note(inprocess_stage_code(stage, long))
             note(await served(session, url, long, 1, 1, pid))
-            first, done, text = await _first_text(session, url, asr_audio.to_wav(long.clips[0]))
+            first, done, text = await _first_text(session, url, long.uploads[0])
             run = Run(
                 "served, stream=true",
                 long.name,
@@ -336,7 +347,7 @@ async def interleaved(
             )
             run.first_text_s, run.wer = first, word_error_rate(long.texts, [text])
             note(run)
-            first, done, text = await _first_text(session, url, asr_audio.to_wav(voice.clips[0]))
+            first, done, text = await _first_text(session, url, voice.uploads[0])
             run = Run(
                 "served, stream=true", "voice (first clip)", 1, voice.clips[0].size / RATE, done
             )
