@@ -34,8 +34,7 @@ class WhisperStage(StageBackend):
         if compute_type not in ("int8", "float32", "int8_float32"):
             raise StageConfigError(
                 f'{descriptor}: parameters.compute_type must be "int8", "int8_float32" or '
-                f'"float32" on CPU, '
-                f"found {compute_type!r}"
+                f'"float32" on CPU, found {compute_type!r}'
             )
         model = whisper.load_whisper(cpu_threads=threads, compute_type=compute_type)
         self.recognizer = whisper.Recognizer(model, batch_size=batch, beam_size=beam)

@@ -73,7 +73,7 @@ class DecodeOptions:
 # "Beam search"). The Recognizer's own default stays greedy, which is what the WER judge of the
 # voice (omni_bench.wer) hears with, so the speech-quality figures keep one baseline.
 SERVED_BEAM_SIZE = 5
-MAX_BEAM_SIZE = 16  # CTranslate2 takes any width; past this Whisper gains nothing for its cost
+MAX_BEAM_SIZE = 16  # CTranslate2 takes any width: this bounds the work a descriptor can ask
 
 RESUME_MIN_S = 1.0  # audio left after a window's last segment that is worth another look
 RESUME_SPEECH_S = 0.3  # ... if Silero finds at least this much speech in it
