@@ -16,20 +16,28 @@ from omni_server.backend import Payload, Request, StageBackend, StageConfigError
 class WhisperStage(StageBackend):
     def initialize(self, context: StageContext) -> None:
         p = context.parameters
+        descriptor = context.stage_dir / "stage.toml"
         threads, batch = p.get("cpu_threads", 2), p.get("batch_size", 4)
-        for name, value in (("cpu_threads", threads), ("batch_size", batch)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        beam = p.get("beam_size", whisper.SERVED_BEAM_SIZE)
+        for name, value, most in (
+            ("cpu_threads", threads, None),
+            ("batch_size", batch, None),
+            ("beam_size", beam, whisper.MAX_BEAM_SIZE),
+        ):
+            bad = isinstance(value, bool) or not isinstance(value, int) or value < 1
+            if bad or (most is not None and value > most):
+                bound = f"in [1, {most}]" if most is not None else ">= 1"
                 raise StageConfigError(
-                    f"parameters.{name} must be an integer >= 1, found {value!r}"
+                    f"{descriptor}: parameters.{name} must be an integer {bound}, found {value!r}"
                 )
         compute_type = p.get("compute_type", "int8")
         if compute_type not in ("int8", "float32", "int8_float32"):
             raise StageConfigError(
-                f'parameters.compute_type must be "int8", "int8_float32" or "float32" on CPU, '
-                f"found {compute_type!r}"
+                f'{descriptor}: parameters.compute_type must be "int8", "int8_float32" or '
+                f'"float32" on CPU, found {compute_type!r}'
             )
         model = whisper.load_whisper(cpu_threads=threads, compute_type=compute_type)
-        self.recognizer = whisper.Recognizer(model, batch_size=batch)
+        self.recognizer = whisper.Recognizer(model, batch_size=batch, beam_size=beam)
 
     def generate(self, request: Request) -> Iterator[Payload]:
         inputs = request.inputs

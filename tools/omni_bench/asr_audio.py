@@ -25,6 +25,8 @@ RATE = 16_000
 # environment names another: an installed omni_bench has no repository beside it
 REPOSITORY = Path(os.environ.get("OMNI_REPOSITORY", "repository"))
 SENTENCES = Path(__file__).parent / "data" / "sentences.txt"
+# texts no setting was tuned on (the voice's nor the recognizer's): held-out quality checks
+HELD_OUT = Path(__file__).parent / "data" / "heldout.txt"
 
 
 @dataclass
@@ -38,12 +40,13 @@ class Speech:
         return self.samples.size / RATE
 
 
-def sentences(count: int, *, max_words: int = 30) -> list[str]:
-    """The first `count` texts of the speech dataset with at most `max_words` words."""
-    lines = [ln.strip() for ln in SENTENCES.read_text(encoding="utf-8").splitlines()]
+def sentences(count: int, *, max_words: int = 30, source: Path = SENTENCES) -> list[str]:
+    """The first `count` texts of the speech dataset (or of `source`, e.g. HELD_OUT) with at
+    most `max_words` words."""
+    lines = [ln.strip() for ln in source.read_text(encoding="utf-8").splitlines()]
     texts = [ln for ln in lines if ln and not ln.startswith("#") and len(ln.split()) <= max_words]
     if len(texts) < count:
-        raise ValueError(f"{SENTENCES} has only {len(texts)} texts of <= {max_words} words")
+        raise ValueError(f"{source} has only {len(texts)} texts of <= {max_words} words")
     return texts[:count]
 
 

