@@ -6,6 +6,11 @@ Slow tests carry `@pytest.mark.slow` where they are written (ring stress, Whispe
 browser, the bench end to end, the voice through runtime processes, one interpreter per module),
 and every test that needs one of the expensive things in SLOW_FIXTURES is slow by the rule below.
 
+One real server on the embedded repository (`embedded_server`) serves every test that needs
+it (tests/serve, tests/clients, tests/bench): its start loads the voice, Whisper and SmolLM2 in
+their stage processes, the costliest fixture of the suite. Tests that need another repository
+or topology, or that stop or break their server, start their own.
+
 After the whole session: no child process of the test runner is left, and no shared-memory
 segment of ours (`/dev/shm/omni-*`) remains. A leak fails the run loudly instead of hiding in CI.
 A new segment that a live process still maps belongs to a server running beside the suite (a
@@ -16,15 +21,18 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 
 import pytest
 
 from tests.helpers.proc import alive, descendants, describe, mapped_segments, segments
+from tests.helpers.server import EMBEDDED_REPO, ServerProcess
 
 SLOW_FIXTURES = frozenset(
     {
         # a real server on the embedded repository: its stage processes import onnxruntime and
         # load the voice (and Whisper), and every request synthesizes real speech
+        "embedded_server",
         "server",
         "server_url",
         # the real SmolLM2 (its GGUF read, weights dequantized) and transformers' reference model
@@ -57,6 +65,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             if gpus < needed:
                 reason = "needs a CUDA GPU" if needed == 1 else "needs two CUDA GPUs"
                 item.add_marker(pytest.mark.skip(reason=f"{reason} ({gpus} found)"))
+
+
+@pytest.fixture(scope="session")
+def embedded_server(tmp_path_factory) -> Iterator[ServerProcess]:
+    """`python -m omni_server --repo repository`, shared by the whole session. Tests may use it
+    but not stop it, break its processes or change what it serves; at the end it must exit 0 on
+    SIGTERM leaving no process or segment (ServerProcess.stop checks)."""
+    log = tmp_path_factory.mktemp("embedded-server") / "server.log"
+    with ServerProcess.start(EMBEDDED_REPO, log) as running:
+        yield running
 
 
 @pytest.fixture(scope="session", autouse=True)

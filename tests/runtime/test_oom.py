@@ -8,7 +8,6 @@ one, an allocation past the cap that the stage's gpu_memory_fraction puts on its
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
