@@ -11,10 +11,12 @@ it (tests/serve, tests/clients, tests/bench): its start loads the voice, Whisper
 their stage processes, the costliest fixture of the suite. Tests that need another repository
 or topology, or that stop or break their server, start their own.
 
-After the whole session: no child process of the test runner is left, and no shared-memory
-segment of ours (`/dev/shm/omni-*`) remains. A leak fails the run loudly instead of hiding in CI.
-A new segment that a live process still maps belongs to a server running beside the suite (a
-developer's, another suite's), not to us: once our own processes are gone, none of ours is mapped.
+After the whole session: no child process of the test runner is left, no shared-memory
+segment of ours (`/dev/shm/omni-*`) remains, and no run directory (`$TMPDIR/omni-run-*`) that a
+runtime of the session made is left with its owner gone. A leak fails the run loudly instead
+of hiding in CI. A new segment that a live process still maps belongs to a server running
+beside the suite (a developer's, another suite's), not to us: once our own processes are gone,
+none of ours is mapped.
 """
 
 from __future__ import annotations
@@ -25,7 +27,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.helpers.proc import alive, descendants, describe, mapped_segments, segments
+from tests.helpers.proc import (
+    alive,
+    descendants,
+    describe,
+    mapped_segments,
+    orphaned,
+    run_dirs,
+    segments,
+)
 from tests.helpers.server import EMBEDDED_REPO, ServerProcess
 
 SLOW_FIXTURES = frozenset(
@@ -79,7 +89,7 @@ def embedded_server(tmp_path_factory) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="session", autouse=True)
 def no_leaks_after_suite():
-    before = segments()
+    before, runs_before = segments(), run_dirs()
     yield
     deadline = time.monotonic() + 10.0  # processes told to stop may take a moment to exit
     while time.monotonic() < deadline:
@@ -88,6 +98,8 @@ def no_leaks_after_suite():
             break
         time.sleep(0.1)
     leaked_segments = sorted(segments() - before - mapped_segments())
+    leaked_runs = sorted(str(d) for d in run_dirs() - runs_before if orphaned(d))
     problems = [f"process {p}: {describe(p)}" for p in left]
     problems += [f"/dev/shm/{name}" for name in leaked_segments]
+    problems += [f"run directory {d}" for d in leaked_runs]
     assert not problems, "leaked after the test suite:\n  " + "\n  ".join(problems)
