@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -35,8 +36,9 @@ from tests.helpers.proc import (
     orphaned,
     run_dirs,
     segments,
+    served_repository,
 )
-from tests.helpers.server import EMBEDDED_REPO, ServerProcess
+from tests.helpers.server import EMBEDDED_REPO, ROOT, ServerProcess
 
 SLOW_FIXTURES = frozenset(
     {
@@ -87,9 +89,17 @@ def embedded_server(tmp_path_factory) -> Iterator[ServerProcess]:
         yield running
 
 
+def _ours(run_dir: Path, roots: tuple[Path, ...]) -> bool:
+    """A run of this session: it served a repository of this checkout or of our temp dir (other
+    suites on the machine make run directories in the same temp dir)."""
+    repository = served_repository(run_dir)
+    return repository is not None and any(repository.is_relative_to(r) for r in roots)
+
+
 @pytest.fixture(scope="session", autouse=True)
-def no_leaks_after_suite():
+def no_leaks_after_suite(tmp_path_factory):
     before, runs_before = segments(), run_dirs()
+    roots = (ROOT, tmp_path_factory.getbasetemp())
     yield
     deadline = time.monotonic() + 10.0  # processes told to stop may take a moment to exit
     while time.monotonic() < deadline:
@@ -98,7 +108,8 @@ def no_leaks_after_suite():
             break
         time.sleep(0.1)
     leaked_segments = sorted(segments() - before - mapped_segments())
-    leaked_runs = sorted(str(d) for d in run_dirs() - runs_before if orphaned(d))
+    new_runs = run_dirs() - runs_before
+    leaked_runs = sorted(str(d) for d in new_runs if orphaned(d) and _ours(d, roots))
     problems = [f"process {p}: {describe(p)}" for p in left]
     problems += [f"/dev/shm/{name}" for name in leaked_segments]
     problems += [f"run directory {d}" for d in leaked_runs]
