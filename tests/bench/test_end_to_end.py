@@ -17,11 +17,11 @@ pytestmark = pytest.mark.slow  # a real server and the whole bench
 
 
 @pytest.fixture
-def server(tmp_path):
-    """The server's URL; on teardown it must exit 0 on SIGTERM leaving no process or segment."""
-    with ServerProcess.start(EMBEDDED_REPO, tmp_path / "server.log") as running:
-        assert running.run_ids(), "found no worker process of the server"
-        yield running.url
+def server(embedded_server: ServerProcess) -> str:
+    """The URL of the suite's embedded server (tests/conftest.py), whose teardown checks that it
+    exits 0 on SIGTERM leaving no process or segment."""
+    assert embedded_server.run_ids(), "found no worker process of the server"
+    return embedded_server.url
 
 
 @pytest.mark.timeout(300)

@@ -1,4 +1,5 @@
-"""One real omni-server process for all client tests (`python -m omni_server --repo repository`).
+"""The suite's one real omni-server on the embedded repository (tests/conftest.py
+`embedded_server`) for all client tests.
 
 Set OMNI_CLIENT_TESTS_URL to run the tests against a server that is already running instead.
 """
@@ -6,22 +7,18 @@ Set OMNI_CLIENT_TESTS_URL to run the tests against a server that is already runn
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import pytest
 
-from tests.helpers.server import EMBEDDED_REPO, ServerProcess, free_port
+from tests.helpers.server import free_port
 
 
 @pytest.fixture(scope="package")
-def server_url(tmp_path_factory) -> Iterator[str]:
+def server_url(request: pytest.FixtureRequest) -> str:
     external = os.environ.get("OMNI_CLIENT_TESTS_URL")
     if external:
-        yield external.rstrip("/")
-        return
-    log = tmp_path_factory.mktemp("omni-server") / "server.log"
-    with ServerProcess.start(EMBEDDED_REPO, log) as server:
-        yield server.url
+        return external.rstrip("/")
+    return request.getfixturevalue("embedded_server").url
 
 
 @pytest.fixture

@@ -23,14 +23,20 @@ from pathlib import Path
 
 import pytest
 
+from omni_bench.wer import word_error_rate
 from omni_client import OmniClient
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
 INSTALL_SCRIPT = Path(__file__).with_name("install_chromium.sh")
-# "The quick brown fox jumps over the lazy dog. Then it runs into the quiet forest." spoken by
-# the embedded voice (seed 7), 16 kHz mono, 5.1 s
+# SPEECH_TEXT spoken by the embedded voice (seed 7), 16 kHz mono, 5.1 s
+SPEECH_TEXT = "The quick brown fox jumps over the lazy dog. Then it runs into the quiet forest."
 SPEECH_WAV = ROOT / "tests" / "fixtures" / "playground_speech.wav"
+QUESTION = "What is the capital of France?"  # what the fake microphone says
+# Whisper is judged by its word error rate, never by exact words (it mishears: CI must not
+# flake); the microphone's question passes Chromium's Opus encoder too, and has 6 words
+MAX_WER = 0.25
+MAX_WER_MICROPHONE = 0.34
 CHROMIUM = "chromium"
 CHROMEDRIVER = "chromedriver"
 NOT_MEASURED = "\u2013"  # what the page shows for a figure a request does not have
@@ -96,7 +102,7 @@ def talking_browser(chromium_paths, server_url: str, tmp_path: Path) -> Iterator
     silence (the fake device loops its file: the silence, 3 minutes, lets the answer finish
     uninterrupted however slow a loaded machine makes it)."""
     with OmniClient(server_url) as client:
-        pcm = client.speech("What is the capital of France?", format="pcm")
+        pcm = client.speech(QUESTION, format="pcm", seed=7)  # seeded: the same audio every run
     rate = 24_000
     silence = bytes(2 * rate)
     question = tmp_path / "question.wav"
@@ -216,7 +222,8 @@ def test_speak_plays_the_stream(browser, server_url: str, format: str) -> None:
     assert text_of(browser, "status") == "done"
     mode, model, first_token, first_audio, total, result = first_request_row(browser)
     assert (mode, model, first_token) == ("speak", served[0]["id"], NOT_MEASURED)
-    assert first_audio == f"{round(run['ttfa_ms'])} ms" and total.endswith(" ms")
+    assert first_audio == text_of(browser, "ttfa") and total.endswith(" ms")
+    assert shown_ms(first_audio) == pytest.approx(run["ttfa_ms"], abs=1)
     assert result.endswith(f"s of {format}")
 
 
@@ -399,7 +406,7 @@ def test_transcribe_a_file_streams_the_transcript(browser, server_url: str) -> N
     assert run["deltas"] >= 1 and 0 < run["firstTokenMs"] <= run["elapsedMs"]
     heard = text_of(browser, "transcript").lower()
     assert heard == run["text"].lower().strip()
-    assert "quick brown fox" in heard and "forest" in heard, heard
+    assert word_error_rate([SPEECH_TEXT], [heard]) <= MAX_WER, heard
     assert shown_ms(text_of(browser, "transcribe-ttft")) == pytest.approx(
         run["firstTokenMs"], abs=1
     )
@@ -424,8 +431,8 @@ def test_transcribe_the_microphone(talking_browser, server_url: str) -> None:
     run = wait_finished(browser, "lastTranscription", 120)
     assert run["error"] is None, run["error"]
     assert run["source"].startswith("recording.")  # Chromium records webm/opus
-    heard = text_of(browser, "transcript").lower()
-    assert "capital" in heard and "france" in heard, heard
+    heard = text_of(browser, "transcript")
+    assert word_error_rate([QUESTION], [heard]) <= MAX_WER_MICROPHONE, heard
 
 
 def test_talk_hears_the_microphone_and_answers_aloud(talking_browser, server_url: str) -> None:
@@ -450,13 +457,15 @@ def test_talk_hears_the_microphone_and_answers_aloud(talking_browser, server_url
     browser.find_element(By.ID, "hangup").click()
     assert run["error"] is None, run["error"]
     assert run["status"] == "completed"
-    assert "capital" in run["heard"].lower() and "france" in run["heard"].lower(), run["heard"]
+    assert word_error_rate([QUESTION], [run["heard"]]) <= MAX_WER_MICROPHONE, run["heard"]
     assert run["answer"].strip()
     assert run["samplesScheduled"] > 12_000  # over half a second of answer at 24 kHz
     assert run["firstAudioMs"] is not None and run["firstAudioMs"] > 0
     assert run["firstTextMs"] is not None and run["firstTextMs"] > 0
     assert text_of(browser, "heard") == run["heard"]
-    assert text_of(browser, "talk-latency") == f"{round(run['firstAudioMs'])} ms after you stopped"
+    latency = text_of(browser, "talk-latency")
+    assert latency.endswith(" ms after you stopped"), latency
+    assert shown_ms(latency) == pytest.approx(run["firstAudioMs"], abs=1)
     mode, model, first_token, first_audio, _total, result = first_request_row(browser)
     assert (mode, model) == ("talk", realtime[0]["id"]) and result.startswith("completed")
-    assert first_audio == f"{round(run['firstAudioMs'])} ms" and first_token.endswith(" ms")
+    assert first_audio == latency.removesuffix(" after you stopped") and first_token.endswith(" ms")

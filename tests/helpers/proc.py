@@ -5,11 +5,18 @@ Every reader tolerates a process that ends while it looks: /proc entries vanish 
 
 from __future__ import annotations
 
+import pickle
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from omni_server.identity import alive as identity_alive
+
 SHM = Path("/dev/shm")
 SEGMENT_PREFIX = "omni-"  # every segment of ours: `omni-RUN_ID-...` (see wire/channels.py)
+RUN_DIR_PREFIX = "omni-run-"  # a runtime's run directory in the temp dir (pipeline/run_dirs.py)
+OWNER_FILE = "owner"  # in a run directory: the identity of the process that owns it
+PLAN_FILE = "plan.pkl"  # in a run directory: the plan its stage processes run
 WORKER_MODULE = "omni_server.stage.worker"
 
 
@@ -92,3 +99,28 @@ def mapped_segments(pids: Iterable[int] | None = None) -> set[str]:
             if path.startswith(f"{SHM}/{SEGMENT_PREFIX}"):
                 mapped.add(Path(path.removesuffix(" (deleted)")).name)
     return mapped
+
+
+def run_dirs() -> set[Path]:
+    """The runtimes' run directories in the temp dir now (ours and other users' of the machine)."""
+    return set(Path(tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}*"))
+
+
+def orphaned(run_dir: Path) -> bool:
+    """A run directory whose owner no longer runs: left behind, not in use. One without an owner
+    file is not judged (a runtime being born, or a directory a caller gave it)."""
+    try:
+        owner = (run_dir / OWNER_FILE).read_text().strip()
+    except OSError:
+        return False
+    return not identity_alive(owner)
+
+
+def served_repository(run_dir: Path) -> Path | None:
+    """The repository whose plan a run directory holds: it tells whose run it was (a suite's
+    own repositories live in its checkout or its pytest temp dir). None when unreadable."""
+    try:
+        with (run_dir / PLAN_FILE).open("rb") as f:
+            return Path(pickle.load(f).repository)
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
+        return None  # half-written, or a plan of another checkout's code: not judged

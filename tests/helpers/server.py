@@ -39,6 +39,11 @@ START_TIMEOUT_S = 180.0  # stage processes import onnxruntime and load the voice
 STOP_TIMEOUT_S = 30.0
 EXIT_GRACE_S = 10.0  # stage processes may outlive the server by a moment
 LOG_TAIL = 4000
+PORT_ATTEMPTS = 3
+
+
+class PortTaken(RuntimeError):
+    """The server exited because another process bound its port first."""
 
 
 def failed_start_line(repo: Path, timeout: float = 120) -> str:
@@ -86,7 +91,28 @@ class ServerProcess:
     ) -> ServerProcess:
         """Start a server on a free port with command-line `overrides`; by default wait until
         `/health/ready` answers 200. If that fails, the server is stopped and the error says why,
-        with the tail of its log."""
+        with the tail of its log.
+
+        The port is free when `free_port()` looks, not necessarily when the server binds it a
+        moment later (another process on the machine may take it in between): a server that
+        exits saying it cannot listen is started again on another port."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            server = cls._launch(repo, log_path, overrides)
+            try:
+                if wait_ready:
+                    server.wait_ready()
+                return server
+            except PortTaken:
+                server.stop(check=False)
+                if attempt == PORT_ATTEMPTS:
+                    raise
+            except BaseException:
+                server.stop(check=False)
+                raise
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def _launch(cls, repo: Path, log_path: Path, overrides: tuple[str, ...]) -> ServerProcess:
         port = free_port()
         command = [sys.executable, "-m", "omni_server", "--repo", str(repo), "--port", str(port)]
         with log_path.open("wb") as log:  # the child keeps its own descriptor
@@ -98,14 +124,7 @@ class ServerProcess:
                 cwd=ROOT,
                 start_new_session=True,  # its own process group: a stray child is still found
             )
-        server = cls(proc, f"http://127.0.0.1:{port}", log_path)
-        try:
-            if wait_ready:
-                server.wait_ready()
-        except BaseException:
-            server.stop(check=False)
-            raise
-        return server
+        return cls(proc, f"http://127.0.0.1:{port}", log_path)
 
     @property
     def port(self) -> int:
@@ -121,6 +140,8 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if f"cannot listen on 127.0.0.1:{self.port}" in self.log():
+                    raise PortTaken(f"port {self.port} was taken before the server bound it")
                 raise RuntimeError(
                     f"omni-server exited with {self.proc.returncode} before {path} answered 200; "
                     f"its log ends:\n{self.log_tail()}"

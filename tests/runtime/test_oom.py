@@ -8,7 +8,6 @@ one, an allocation past the cap that the stage's gpu_memory_fraction puts on its
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -73,7 +72,7 @@ async def test_an_ar_step_out_of_memory_fails_its_requests_and_frees_them(tmp_pa
     async with running(plan) as runtime:
         model = runtime.plan.models["m"]
         long = runtime.submit(model, {"steps": 10_000, "step_s": 0.01}, "long")
-        await asyncio.sleep(0.2)  # it is running in the backend's batch now
+        await anext(aiter(long))  # its first step's chunk: it is in the backend's batch now
         failing = runtime.submit(model, {"alloc_gib": 2.0}, "failing")
         for handle in (long, failing):  # the step failed: every request it may have run fails
             with pytest.raises(PipelineError, match="out of GPU memory"):

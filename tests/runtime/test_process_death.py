@@ -35,7 +35,9 @@ async def test_sigkill_under_load_fails_in_flight_requests_and_leaks_nothing(tmp
         for error in failures:
             assert error.code == "process_died" and error.stage == "b"
             assert error.message == "process b@r0 exited with code -9"
-        assert failed_within < 5.0  # generous: measured well under a second on 2 cores
+        # no stage has a timeout here: without the death noticed they would wait forever; the
+        # bound only catches that (measured well under a second), not the speed of a loaded CI
+        assert failed_within < 30.0
         assert not runtime.healthy and runtime.ready
         with pytest.raises(PipelineError) as err:
             runtime.submit(model, {"values": [0]})

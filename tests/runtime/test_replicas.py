@@ -53,7 +53,7 @@ async def test_binding_is_sticky_across_payload_stream_completion_and_abort(tmp_
         async with handle:
             first = await anext(aiter(handle))
         bound = first["where"][1]
-        for _ in range(100):
+        for _ in range(600):  # 30 s at most: the stage processes close them on their own time
             if len(list(markers.glob("*-gone"))) == 2:
                 break
             await asyncio.sleep(0.05)

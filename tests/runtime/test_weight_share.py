@@ -273,6 +273,7 @@ async def test_without_sharing_each_replica_loads_its_own(tmp_path):
         assert _weight_segments(runtime.stage_processes.run_id) == []
 
 
+@pytest.mark.slow  # an engine in each of two replicas: costly for the fast tier
 async def test_the_engine_on_shared_weights_gives_the_same_greedy_tokens(tmp_path):
     plan = _repo(tmp_path / "repo", cls="SharedEngine")
     async with running(plan) as runtime:
@@ -285,6 +286,7 @@ async def test_the_engine_on_shared_weights_gives_the_same_greedy_tokens(tmp_pat
         assert follower["embed_sum"] == leader["embed_sum"]
 
 
+@pytest.mark.slow  # four process starts (two replicas, their restarts): costly for the fast tier
 async def test_a_killed_leader_takes_its_follower_down_and_both_come_back(tmp_path):
     plan = _repo(tmp_path / "repo")
     policy = SupervisionPolicy(backoff_s=1.0)

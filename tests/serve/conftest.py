@@ -1,7 +1,6 @@
-"""One real server on the embedded repository for the whole `tests/serve` run.
-
-Starting it costs seconds (stage processes load the voice), so it is session-scoped; tests that
-need another topology or repository start their own. Clients are the official `openai` package.
+"""The suite's one real server on the embedded repository (tests/conftest.py `embedded_server`)
+for `tests/serve`; tests that need another topology or repository start their own. Clients are
+the official `openai` package.
 """
 
 from __future__ import annotations
@@ -9,14 +8,12 @@ from __future__ import annotations
 import pytest
 from openai import OpenAI
 
-from tests.helpers.server import EMBEDDED_REPO, ServerProcess
+from tests.helpers.server import ServerProcess
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with ServerProcess.start(EMBEDDED_REPO, log) as running:
-        yield running
+def server(embedded_server: ServerProcess) -> ServerProcess:
+    return embedded_server
 
 
 @pytest.fixture(scope="session")

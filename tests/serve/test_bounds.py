@@ -118,16 +118,24 @@ async def test_beyond_the_places_and_the_queue_requests_get_429(app_client):
     assert 'reason="rate_limited"' in metrics
 
 
+async def until_metrics_show(client, sample: str) -> None:
+    """Until /metrics has `sample` (a state reached on the server's own time, however loaded)."""
+    for _ in range(400):
+        if sample in await (await client.get("/metrics")).text():
+            return
+        await asyncio.sleep(0.025)
+    raise AssertionError(f"/metrics never showed {sample}")
+
+
 async def test_a_queued_request_waits_for_a_place_then_runs(app_client):
     client = await app_client(max_in_flight=1, max_queued=1, queue_timeout_s=30)
     first = asyncio.ensure_future(
-        client.post("/v1/audio/speech", json=dict(SPEECH, input="slow 5", stream=False))
+        client.post("/v1/audio/speech", json=dict(SPEECH, input="slow 20", stream=False))
     )
-    await asyncio.sleep(0.1)
+    await until_metrics_show(client, 'omni_requests_in_flight{model="quiet"} 1.0')
     second = asyncio.ensure_future(client.post("/v1/audio/speech", json=SPEECH))
-    await asyncio.sleep(0.1)  # queued behind the first
-    metrics = await (await client.get("/metrics")).text()
-    assert 'omni_requests_queued{model="quiet"} 1.0' in metrics
+    # queued behind the first, which holds the one place for 2 s
+    await until_metrics_show(client, 'omni_requests_queued{model="quiet"} 1.0')
     assert (await first).status == 200
     answered = await second
     assert answered.status == 200 and await answered.read() == bytes(1440)

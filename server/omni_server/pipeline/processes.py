@@ -59,6 +59,9 @@ log = logging.getLogger(__name__)
 
 _STOP_GRACE_S = 5.0  # Shutdown -> SIGTERM
 _TERM_GRACE_S = 2.0  # SIGTERM -> SIGKILL
+# a process that exited while starting: how long its StartFailed may take to arrive after its
+# exit was seen (the worker spends at most its own _LAST_WORD_S delivering it)
+_LAST_WORD_S = 2.0
 _REWIRE_WAIT_S = 10.0  # a live peer that has not answered Rewire by then is not waited for
 
 
@@ -176,15 +179,18 @@ class StageProcesses:
             for fut in done:
                 if fut in exited:
                     index = self._exited.index(fut)
-                    self._raise_start_exit(index, fut.result())
+                    await self._raise_start_exit(index, fut.result())
                 fut.result()  # raises the StartFailed message
             pending = [f for f in pending if not f.done()]
 
-    def _raise_start_exit(self, index: int, code: int | None) -> None:
+    async def _raise_start_exit(self, index: int, code: int | None) -> None:
         name = self.plan.instances[index].name
         ready = self._ready[name]
-        if ready.done() and ready.exception() is not None:
-            ready.result()  # its StartFailed says more than its exit code
+        # A worker sends StartFailed before it exits, but its exit (the pidfd) may reach the loop
+        # before the receiver hands over that message (a loaded machine): wait for it a moment,
+        # as it says more than the exit code (wait_for raises the StartFailed it carries).
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(ready), _LAST_WORD_S)
         raise PipelineError(
             f"process {name} exited with code {code} while starting", code="unavailable"
         )
@@ -349,7 +355,7 @@ class StageProcesses:
         waits: list[asyncio.Future[Any]] = [ready, exited]
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         if not ready.done():
-            self._raise_start_exit(index, exited.result())
+            await self._raise_start_exit(index, exited.result())
         ready.result()  # raises its StartFailed
         # peers restarted while this one started told it their new names before it could
         # listen: it is ready for requests once it has taken them in
