@@ -172,20 +172,19 @@ def first_piece(phonemes: list[str], target: int) -> list[list[str]] | None:
         if symbol == " ":
             if in_word:
                 words += 1
-                clause = index > 0 and phonemes[index - 1] in CLAUSE_ENDS
-                cuts.append((index, words, clause))
+                at_clause = index > 0 and phonemes[index - 1] in CLAUSE_ENDS
+                cuts.append((index, words, at_clause))
             in_word = False
         else:
             in_word = True
     total = words + in_word
     usable = [c for c in cuts if c[1] >= MIN_FIRST_WORDS and total - c[1] >= MIN_REST_WORDS]
     clause = next((c for c in usable if c[2]), None)
-    if clause is not None and clause[1] <= 2 * target:
-        chosen = clause
-    else:
+    chosen = clause if clause is not None and clause[1] <= 2 * target else None
+    if chosen is None:
         chosen = next((c for c in usable if c[1] >= target), None)
-        if chosen is None:
-            return None
+    if chosen is None:
+        return None
     cut = chosen[0]
     return [phonemes[:cut], phonemes[cut + 1 :]]  # the space itself is dropped
 
