@@ -137,7 +137,7 @@ class SeededVits:
         """Whether the last segment can be decoded in windows of frames: it follows a noise draw
         shaped [B, C, frames] (VITS: the prior sample z_p; what follows is the flow and the
         HiFi-GAN decoder, convolutions over frames, whose inputs all have frames last)."""
-        return len(self.noise) > 0 and len(self.segments) == len(self.noise) + 1
+        return len(self.noise) > 0
 
     def __call__(self, feeds: dict[str, np.ndarray], rng: np.random.Generator) -> np.ndarray:
         """Run the graph on `feeds` (its declared inputs); returns the first graph output."""
@@ -521,6 +521,10 @@ class Acoustic(StageBackend):
         ids = sentence["phoneme_ids"]
         first = sentence["chunk"] == 0 and sentence["seed"] is None  # may take idle cores
         cut_at = sentence.get("cut")
+        if cut_at is not None and not 0 < int(cut_at) < len(ids) - 1:
+            raise ValueError(
+                f"cut must lie in 1..{len(ids) - 2} (a phoneme id index); got {cut_at}"
+            )
         with self._cores(first) as wide:
             cut = None
             if cut_at is not None:

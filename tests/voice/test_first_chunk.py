@@ -106,6 +106,12 @@ def test_the_cut_sentence_is_the_whole_sentences_audio(voice, uncut, text):
     assert steps.max() < 0.05 + 1.5 * np.abs(np.diff(whole[around])).max()  # no jump at the join
 
 
+def test_a_cut_outside_the_sentence_fails_the_request(voice):
+    chunk = {**next(voice.frontend_chunks(voice.request(LONG, seed=1))), "cut": 10**6}
+    with pytest.raises(ValueError, match="cut must lie in 1.."):
+        list(voice.acoustic.generate(Request("a", {}, _stream=iter([chunk]))))
+
+
 def test_decoding_in_windows_with_context_matches_decoding_all_frames(voice, acoustic_module):
     """The invariant CutSentence rests on: the decoder (flow + HiFi-GAN) on frames
     [0, cut + CONTEXT_FRAMES) and [cut - CONTEXT_FRAMES, end) gives, on each side of the cut,
