@@ -108,7 +108,7 @@ def test_the_cut_sentence_is_the_whole_sentences_audio(voice, uncut, text):
 
 def test_a_cut_outside_the_sentence_fails_the_request(voice):
     chunk = {**next(voice.frontend_chunks(voice.request(LONG, seed=1))), "cut": 10**6}
-    with pytest.raises(ValueError, match="cut must lie in 1.."):
+    with pytest.raises(ValueError, match="cut must lie in 1"):
         list(voice.acoustic.generate(Request("a", {}, _stream=iter([chunk]))))
 
 
