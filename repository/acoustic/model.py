@@ -19,6 +19,11 @@ fresh unseeded generator, so audio varies as the model intends.
 
 Speed is the voice's length scale divided by the request's speed (0.25..4.0): the duration
 predictor stretches phonemes, pitch is untouched.
+
+A sentence the frontend marked with a `cut` (a request's first) leaves as two chunks: the
+graph runs once up to its decoder, and the decoder runs on the frames before the cut, then on
+the rest, each with context frames past the cut (CutSentence): the whole sentence's audio,
+its first part sooner.
 """
 
 from __future__ import annotations
@@ -102,6 +107,12 @@ class SeededVits:
         # A tensor crosses out of its segment when a later segment, a graph output or the shape
         # of a later noise draw needs it.
         needed_later = {spec.like for spec in self.noise} | set(self.output_names)
+        # VITS's frames per phoneme id (w_ceil, [1, 1, ids]): the graph's only Ceil op. Kept as
+        # an output of its segment, so a sentence can be cut at a word's frame (CutSentence).
+        ceils = [node.output[0] for node in graph.node if node.op_type == "Ceil"]
+        self.duration_output: str | None = ceils[0] if len(ceils) == 1 else None
+        if self.duration_output is not None:
+            needed_later.add(self.duration_output)
         for lvl, nodes in enumerate(segment_nodes):
             for node in nodes:
                 needed_later.update(n for n in node.input if n and level.get(n, 0) < lvl)
@@ -121,19 +132,87 @@ class SeededVits:
             names = [i.name for i in session.get_inputs()]
             self.segments.append(Segment(session, names, outputs))
 
+    @property
+    def splittable(self) -> bool:
+        """Whether the last segment can be decoded in windows of frames: it follows a noise draw
+        shaped [B, C, frames] (VITS: the prior sample z_p; what follows is the flow and the
+        HiFi-GAN decoder, convolutions over frames, whose inputs all have frames last)."""
+        return len(self.noise) > 0
+
     def __call__(self, feeds: dict[str, np.ndarray], rng: np.random.Generator) -> np.ndarray:
         """Run the graph on `feeds` (its declared inputs); returns the first graph output."""
-        env = dict(feeds)
-        for index, segment in enumerate(self.segments):
+        if not self.splittable:
+            env = self._run(self.segments, dict(feeds), rng)
+            return env[self.output_names[0]]
+        latents = self.latents(feeds, rng)
+        return self.decode(latents, 0, latents.frames)
+
+    def latents(self, feeds: dict[str, np.ndarray], rng: np.random.Generator) -> Latents:
+        """Every segment but the last, and the last noise draw: what `decode` needs (only for
+        a `splittable` graph). The noise is drawn as `__call__` draws it, so decoding every
+        frame gives the same audio."""
+        env = self._run(self.segments[:-1], dict(feeds), rng)
+        self._draw(env, len(self.noise) - 1, rng)
+        frames = int(env[self.noise[-1].like].shape[-1])
+        out = self.duration_output
+        durations = None if out is None else env[out].reshape(-1)  # [ids]
+        inputs = {name: env[name] for name in self.segments[-1].inputs}
+        return Latents(inputs, frames, durations)
+
+    def decode(self, latents: Latents, start: int, stop: int) -> np.ndarray:
+        """The last segment (VITS: flow + decoder) on frames [start, stop) alone. Near a window
+        edge the convolutions see zero padding instead of the neighbouring frames, so a caller
+        keeps CONTEXT_FRAMES of margin on each side it cuts."""
+        feeds = {
+            name: np.ascontiguousarray(x[..., start:stop]) if latents.has_frames(x) else x
+            for name, x in latents.inputs.items()
+        }
+        segment = self.segments[-1]
+        results = segment.session.run(segment.outputs, feeds)
+        return dict(zip(segment.outputs, results, strict=True))[self.output_names[0]]
+
+    def _run(
+        self, segments: list[Segment], env: dict[str, np.ndarray], rng: np.random.Generator
+    ) -> dict[str, np.ndarray]:
+        for index, segment in enumerate(segments):
             if index > 0:
-                spec = self.noise[index - 1]
-                draw = rng.standard_normal(env[spec.like].shape, dtype=np.float32)
-                if spec.mean != 0.0 or spec.scale != 1.0:
-                    draw = spec.mean + spec.scale * draw
-                env[spec.tensor] = draw.astype(spec.dtype, copy=False)
+                self._draw(env, index - 1, rng)
             results = segment.session.run(segment.outputs, {n: env[n] for n in segment.inputs})
             env.update(zip(segment.outputs, results, strict=True))
-        return env[self.output_names[0]]
+        return env
+
+    def _draw(self, env: dict[str, np.ndarray], index: int, rng: np.random.Generator) -> None:
+        """Noise `index`, in the shape its op's input has now taken."""
+        spec = self.noise[index]
+        draw = rng.standard_normal(env[spec.like].shape, dtype=np.float32)
+        if spec.mean != 0.0 or spec.scale != 1.0:
+            draw = spec.mean + spec.scale * draw
+        env[spec.tensor] = draw.astype(spec.dtype, copy=False)
+
+
+@dataclass(frozen=True)
+class Latents:
+    """One sentence up to its decoder: the last segment's inputs, its frame count and (when
+    the graph gives them) the frames of each phoneme id."""
+
+    inputs: dict[str, np.ndarray]
+    frames: int
+    durations: np.ndarray | None  # [ids] float frames, VITS's w_ceil
+
+    def has_frames(self, tensor: np.ndarray) -> bool:
+        """A decoder input laid out [B, C, frames] (the others, scalars, pass whole)."""
+        return tensor.ndim == 3 and tensor.shape[-1] == self.frames
+
+    def frame_of(self, cut: int, ids: int) -> int:
+        """The frame to cut at for a cut before phoneme id `cut` (of `ids`): the middle of
+        that id (the frontend cuts at the space between two words), or, without durations,
+        the same share of the frames as of the ids."""
+        if self.durations is not None:
+            before = float(np.sum(self.durations[:cut]))
+            frame = int(before + float(self.durations[cut]) / 2)
+        else:
+            frame = round(self.frames * cut / ids)
+        return min(max(frame, 1), self.frames - 1)
 
 
 def _noise_spec(node: onnx.NodeProto, level: int, index: int) -> NoiseSpec:
@@ -184,61 +263,112 @@ class PiperVoice:
         """One sentence: phoneme ids [n] -> float32 mono audio [samples] at sample_rate, peak 1.
 
         `wide`: on the session with more threads (the same audio, bit for bit)."""
+        audio = self.graph(wide)(self._feeds(phoneme_ids, speed), rng).reshape(-1)  # [samples]
+        # Piper's default (normalize_audio): each sentence peaks at full scale.
+        peak = float(np.max(np.abs(audio))) if audio.size else 0.0
+        return _scaled(audio, 1.0 / peak if peak >= 1e-8 else 0.0)
+
+    def cut(
+        self,
+        phoneme_ids: np.ndarray,
+        cut: int,
+        *,
+        speed: float,
+        rng: np.random.Generator,
+        wide: bool = False,
+    ) -> CutSentence | None:
+        """One sentence whose audio leaves in two chunks, cut before phoneme id `cut` (see
+        CutSentence), or None when the graph cannot be decoded in windows (then: synthesize).
+        The sentence's text encoder and durations run now, on the `wide` session if asked."""
+        model = self.graph(wide)
+        if not model.splittable:
+            return None
+        latents = model.latents(self._feeds(phoneme_ids, speed), rng)
+        frame = latents.frame_of(cut, len(phoneme_ids))
+        return CutSentence(self, latents, frame)
+
+    def _feeds(self, phoneme_ids: np.ndarray, speed: float) -> dict[str, np.ndarray]:
         ids = np.asarray(phoneme_ids, dtype=np.int64).reshape(1, -1)  # [1, n]
-        feeds: dict[str, np.ndarray] = {
+        return {
             "input": ids,
             "input_lengths": np.array([ids.shape[1]], dtype=np.int64),
             "scales": np.array(
                 [self.noise_scale, self.length_scale / speed, self.noise_w], dtype=np.float32
             ),
         }
-        model = self.wide if wide and self.wide is not None else self.model
-        audio = model(feeds, rng).reshape(-1)  # [1, 1, samples] -> [samples]
-        # Piper's default (normalize_audio): each sentence peaks at full scale.
-        peak = float(np.max(np.abs(audio))) if audio.size else 0.0
-        audio = audio / peak if peak >= 1e-8 else np.zeros_like(audio)
-        return np.clip(audio, -1.0, 1.0).astype(np.float32, copy=False)
+
+    def graph(self, wide: bool) -> SeededVits:
+        """The graph on the `wide` session (more threads) if asked and loaded, else one thread."""
+        return self.wide if wide and self.wide is not None else self.model
 
 
-# Joins inside a cut sentence (the frontend cuts a request's first sentence, so its first audio
-# comes sooner). Each piece is synthesized as a sentence of its own, with the silence VITS puts
-# at both ends (measured: ~130-175 ms at the end, ~30-60 ms at the start): left as it is, a
-# cut would sound like a sentence break. So the silence around the join is trimmed to a pause
-# that fits (a clause end keeps its comma pause), and the trimmed edges fade over a few ms, so
-# no sample jumps at the join (VITS's edges are near zero anyway: |x| < 0.015 measured).
-SILENCE = 0.01  # |sample| below this (audio peaks at 1) is silence
-PAUSE_BEFORE_CUT_S = {"word": 0.04, "clause": 0.12}  # kept after the piece before the cut
-PAUSE_AFTER_CUT_S = 0.02  # kept before the piece after the cut
-FADE_S = 0.005
+def _scaled(audio: np.ndarray, gain: float | np.ndarray) -> np.ndarray:
+    return np.clip(audio * gain, -1.0, 1.0).astype(np.float32, copy=False)
 
 
-def tighten_join(audio: np.ndarray, rate: int, *, before_s: float, after_s: float) -> np.ndarray:
-    """Trim the silence at a join: keep `after_s` before the first sound (the piece after a
-    cut; 0 leaves the start) and `before_s` after the last sound (the piece before a cut;
-    0 leaves the end); fade trimmed edges."""
-    loud = np.flatnonzero(np.abs(audio) >= SILENCE)
-    if loud.size == 0:
-        return audio
-    start = max(0, int(loud[0]) - int(after_s * rate)) if after_s else 0
-    end = min(len(audio), int(loud[-1]) + 1 + int(before_s * rate)) if before_s else len(audio)
-    out = audio[start:end].copy()
-    fade = min(int(FADE_S * rate), len(out) // 2)
-    ramp = np.linspace(0.0, 1.0, fade, endpoint=False, dtype=np.float32)  # [fade]
-    if after_s and start > 0:
-        out[:fade] *= ramp
-    if before_s and end < len(audio):
-        out[len(out) - fade :] *= ramp[::-1]
-    return out
+# A request's first sentence is cut so its first audio comes sooner (the frontend marks where:
+# text_frontend `first_chunk_words`). Its text encoder and durations run once, for the whole
+# sentence, and only its decoder (VITS's flow + HiFi-GAN, convolutions over frames) runs in two
+# windows: frames [0, cut + CONTEXT) for the first chunk, [cut - CONTEXT, end) for the rest,
+# each kept only on its side of the cut. So the words either side of the cut are spoken with
+# the whole sentence's prosody, and the two chunks are the whole sentence's audio (measured on
+# held-out sentences: 16 frames of context leave errors up to 1.5e-2 at the cut, 24 below 1e-4,
+# 32 below 1e-6 against decoding every frame at once). The first chunk costs the whole
+# sentence's encoder (~10 ms more than its own words') and CONTEXT more frames of decoder
+# (a frame is 256 samples, ~0.8 ms of one core), against the VITS silence (~20 frames) a piece
+# synthesized on its own had to decode and trim.
+CONTEXT_FRAMES = 24
+CROSSFADE_S = 0.005  # the rest fades in over the first chunk's own continuation past the cut
+GAIN_RAMP_S = 0.02  # a rest louder than the first chunk's peak allows eases its gain down
 
 
-def _join_piece(piece: Payload, audio: np.ndarray, rate: int, speed: float) -> np.ndarray:
-    """A piece of a cut sentence, its silence at the join(s) trimmed (pauses scale with speed)."""
-    before = 0.0
-    if piece["joins_next"]:
-        kind = "clause" if piece["phonemes"][-1:] in (",", ";", ":") else "word"
-        before = PAUSE_BEFORE_CUT_S[kind] / speed
-    after = PAUSE_AFTER_CUT_S / speed if piece["joins_previous"] else 0.0
-    return tighten_join(audio, rate, before_s=before, after_s=after)
+@dataclass
+class CutSentence:
+    """A sentence decoded in two windows: `head()` once, then `rest()` once.
+
+    The gain is Piper's normalization (peak at full scale) taken from the first chunk, which
+    leaves before the rest's peak is known; a rest that would exceed full scale at that gain
+    ramps down to its own over GAIN_RAMP_S at the start of the rest (a word gap). The first
+    chunk's decode also predicts CROSSFADE_S of audio past the cut, and the rest fades in
+    over it: no sample jumps at the join whatever small difference the windows leave.
+    """
+
+    voice: PiperVoice
+    latents: Latents
+    frame: int  # the cut: the first chunk plays frames [0, frame)
+    gain: float = 0.0
+    continuation: np.ndarray | None = None  # the head window's samples just past the cut
+
+    def head(self, *, wide: bool = False) -> np.ndarray:
+        """The first chunk: float32 [samples] at the voice's rate."""
+        stop = min(self.latents.frames, self.frame + CONTEXT_FRAMES)
+        audio = self.voice.graph(wide).decode(self.latents, 0, stop).reshape(-1)
+        end = self.frame * (len(audio) // stop)  # hop: samples per frame
+        head = audio[:end]
+        fade = int(CROSSFADE_S * self.voice.sample_rate)
+        self.continuation = audio[end : end + fade]
+        peak = float(np.max(np.abs(head))) if head.size else 0.0
+        self.gain = 1.0 / peak if peak >= 1e-8 else 0.0
+        return _scaled(head, self.gain)
+
+    def rest(self) -> np.ndarray:
+        """The rest of the sentence (after head()), on the one-thread session."""
+        if self.continuation is None:
+            raise RuntimeError("CutSentence.rest() before head()")
+        start = max(0, self.frame - CONTEXT_FRAMES)
+        audio = self.voice.model.decode(self.latents, start, self.latents.frames).reshape(-1)
+        hop = len(audio) // (self.latents.frames - start)
+        rest = audio[(self.frame - start) * hop :].copy()
+        fade = min(len(self.continuation), len(rest))
+        ramp = np.linspace(0.0, 1.0, fade, endpoint=False, dtype=np.float32)  # [fade]
+        rest[:fade] = self.continuation[:fade] * (1.0 - ramp) + rest[:fade] * ramp
+        peak = float(np.max(np.abs(rest))) if rest.size else 0.0
+        if peak * self.gain <= 1.0:
+            return _scaled(rest, self.gain)
+        gains = np.full(len(rest), 1.0 / peak, dtype=np.float32)
+        steps = min(int(GAIN_RAMP_S * self.voice.sample_rate), len(rest))
+        gains[:steps] = np.linspace(self.gain, 1.0 / peak, steps, dtype=np.float32)
+        return _scaled(rest, gains)
 
 
 def session_options(intra_op_threads: int) -> ort.SessionOptions:
@@ -374,21 +504,51 @@ class Acoustic(StageBackend):
                 rng = unseeded
             else:
                 rng = sentence_rng(int(seed), int(sentence["chunk"]))
-            audio = self._synthesize(voice, sentence, speed, rng)
-            if sentence["joins_next"] or sentence["joins_previous"]:
-                audio = _join_piece(sentence, audio, voice.sample_rate, speed)
-            yield {**chunk, "audio": audio}  # audio: [samples] float32
+            for audio in self._speak(voice, sentence, speed, rng, request):
+                yield {**chunk, "audio": audio}  # audio: [samples] float32
 
-    def _synthesize(
-        self, voice: PiperVoice, sentence: Payload, speed: float, rng: np.random.Generator
-    ) -> np.ndarray:
+    def _speak(
+        self,
+        voice: PiperVoice,
+        sentence: Payload,
+        speed: float,
+        rng: np.random.Generator,
+        request: Request,
+    ) -> Iterator[np.ndarray]:
+        """A sentence's audio: one chunk, or two when the frontend marked a cut (the request's
+        first sentence; CutSentence). Each chunk is one step of the stream scheduler, so the
+        rest waits in playback order while the first chunk plays."""
         ids = sentence["phoneme_ids"]
+        first = sentence["chunk"] == 0 and sentence["seed"] is None  # may take idle cores
+        cut_at = sentence.get("cut")
+        if cut_at is not None and not 0 < int(cut_at) < len(ids) - 1:
+            raise ValueError(
+                f"cut must lie in 1..{len(ids) - 2} (a phoneme id index); got {cut_at}"
+            )
+        with self._cores(first) as wide:
+            cut = None
+            if cut_at is not None:
+                cut = voice.cut(ids, int(cut_at), speed=speed, rng=rng, wide=wide)
+            if cut is None:
+                audio = voice.synthesize(ids, speed=speed, rng=rng, wide=wide)
+            else:
+                audio = cut.head(wide=wide)
+        yield audio
+        if cut is not None:
+            request.check_aborted()
+            with self._cores(False):
+                rest = cut.rest()
+            yield rest
+
+    @contextlib.contextmanager
+    def _cores(self, first: bool) -> Iterator[bool]:
+        """Hold core tokens for one step; yields whether it may run on the wide session.
+
+        Idle cores go to first chunks only (see IdleCores), and only to unseeded requests:
+        onnxruntime on two threads rounds some sentences differently from one thread, and a
+        seed promises the same bytes whatever the load."""
         if self.cores is None:
-            return voice.synthesize(ids, speed=speed, rng=rng)
-        # Idle cores go to first chunks only (see IdleCores), and only to unseeded requests:
-        # onnxruntime on two threads rounds some sentences differently from one thread, and a
-        # seed promises the same bytes whatever the load.
-        first = sentence["chunk"] == 0 and sentence["seed"] is None
+            yield False
+            return
         with self.cores.hold(self.wide_threads if first else 1) as free:
-            wide = first and free >= self.wide_threads
-            return voice.synthesize(ids, speed=speed, rng=rng, wide=wide)
+            yield first and free >= self.wide_threads

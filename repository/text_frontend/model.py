@@ -23,6 +23,10 @@ Three steps per text, all cheap next to synthesis (about 1 ms a sentence):
    clause boundary, a clause longer than that at word boundaries, so one sentence never makes a
    huge VITS call (its attention is phonemes x frames) and the first audio is never far off.
 3. phoneme ids with the voice's own id map (BOS, PAD between phonemes, EOS).
+
+A request's first sentence also carries `cut`: the index in its phoneme ids of the word gap
+where its first audio chunk may end (`first_piece`, `first_chunk_words`); the acoustic stage
+then sends that sentence as two audio chunks (docs/voice.md "First chunk").
 """
 
 from __future__ import annotations
@@ -149,7 +153,9 @@ MIN_REST_WORDS = 3  # a sentence with less left after the cut is not worth cutti
 
 
 def first_piece(phonemes: list[str], target: int) -> list[list[str]] | None:
-    """The first sentence cut in two so the first audio comes sooner, or None (not cut).
+    """Where the first sentence's audio is cut so the first audio comes sooner: the phonemes
+    before and after the cut (the space between them dropped), or None (not cut). Only the
+    audio is cut: the acoustic stage synthesizes the sentence whole (see `_chunks`).
 
     The cut is at its first clause end (a comma, semicolon or colon: the pause is already
     there) when that leaves between MIN_FIRST_WORDS and 2 x `target` words before it, else at
@@ -166,20 +172,19 @@ def first_piece(phonemes: list[str], target: int) -> list[list[str]] | None:
         if symbol == " ":
             if in_word:
                 words += 1
-                clause = index > 0 and phonemes[index - 1] in CLAUSE_ENDS
-                cuts.append((index, words, clause))
+                at_clause = index > 0 and phonemes[index - 1] in CLAUSE_ENDS
+                cuts.append((index, words, at_clause))
             in_word = False
         else:
             in_word = True
     total = words + in_word
     usable = [c for c in cuts if c[1] >= MIN_FIRST_WORDS and total - c[1] >= MIN_REST_WORDS]
     clause = next((c for c in usable if c[2]), None)
-    if clause is not None and clause[1] <= 2 * target:
-        chosen = clause
-    else:
+    chosen = clause if clause is not None and clause[1] <= 2 * target else None
+    if chosen is None:
         chosen = next((c for c in usable if c[1] >= target), None)
-        if chosen is None:
-            return None
+    if chosen is None:
+        return None
     cut = chosen[0]
     return [phonemes[:cut], phonemes[cut + 1 :]]  # the space itself is dropped
 
@@ -381,31 +386,31 @@ class TextFrontend(StageBackend):
         yield from pending.finish()
 
     def _chunks(self, options: SpeechOptions, sentences: Iterator[list[str]]) -> Iterator[Payload]:
-        """One chunk per sentence, the first sentence cut in two (`first_piece`); text with
-        nothing speakable gives one chunk of no sentence (it still carries the encoding, so the
-        encoder can write a valid empty body)."""
+        """One chunk per sentence; the first carries where its audio may be cut (`first_piece`)
+        for a sooner first chunk; text with nothing speakable gives one chunk of no sentence
+        (it still carries the encoding, so the encoder can write a valid empty body)."""
         voice = self.voices[options.voice]
         chunk = 0
         for sentence, phonemes in enumerate(sentences):
             pieces = first_piece(phonemes, self.first_chunk_words) if sentence == 0 else None
-            for part, piece in enumerate(pieces or [phonemes]):
-                yield {
-                    "sentence": sentence,
-                    "chunk": chunk,  # what the acoustic stage keys its seeded noise on
-                    # a piece of a cut sentence: the acoustic stage smooths the join
-                    "joins_previous": part > 0,
-                    "joins_next": pieces is not None and part == 0,
-                    "phonemes": "".join(piece),
-                    "phoneme_ids": np.asarray(phonemes_to_ids(piece, voice.id_map)),  # int64 [n]
-                    **options.fields(),
-                }
-                chunk += 1
+            yield {
+                "sentence": sentence,
+                "chunk": chunk,  # what the acoustic stage keys its seeded noise on
+                # the phoneme id of the space at the cut (the ids before it are the first
+                # piece's, less its EOS): the acoustic stage's first chunk ends in that gap
+                "cut": None
+                if pieces is None
+                else len(phonemes_to_ids(pieces[0], voice.id_map)) - 1,
+                "phonemes": "".join(phonemes),
+                "phoneme_ids": np.asarray(phonemes_to_ids(phonemes, voice.id_map)),  # int64 [n]
+                **options.fields(),
+            }
+            chunk += 1
         if chunk == 0:
             yield {
                 "sentence": None,
                 "chunk": 0,
-                "joins_previous": False,
-                "joins_next": False,
+                "cut": None,
                 "phonemes": "",
                 "phoneme_ids": np.zeros(0, np.int64),
                 **options.fields(),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from openai import OpenAI
 
+from omni_bench.first_chunk_wer import HELD_OUT
+from omni_bench.speech import load_dataset
 from omni_bench.wer import word_error_rate
 from omni_server.audio import decode
 from omni_server.audio.whisper import Recognizer, load_whisper
@@ -41,3 +43,27 @@ def test_served_speech_transcribes_with_low_wer(
         hypotheses.append(whisper.transcribe(*decode(body, response_format)))
     wer = word_error_rate(SENTENCES, hypotheses)
     assert wer < 0.15, f"WER {wer:.2f}: {list(zip(SENTENCES, hypotheses, strict=True))}"
+
+
+def test_served_first_chunks_keep_held_out_sentences_intelligible(client: OpenAI):
+    """The embedded voice cuts each request's first sentence for a sooner first audio chunk
+    (text_frontend `first_chunk_words`); on sentences never used to tune the voice, the
+    served, streamed speech still transcribes back (the cut once cost words at the join:
+    "a pale" -> "at pale", "hung new curtains" -> "hun new curtin"). WER over the first 8
+    held-out texts (one sentence each, all of them cut)."""
+    texts = load_dataset(HELD_OUT)[:8]
+    whisper = Recognizer(load_whisper())
+    hypotheses = []
+    for seed, text in enumerate(texts):
+        with client.audio.speech.with_streaming_response.create(
+            model="tts-1",
+            voice="alloy",
+            input=text,
+            response_format="pcm",
+            stream_format="audio",
+            extra_body={"seed": seed},
+        ) as response:
+            body = response.read()
+        hypotheses.append(whisper.transcribe(*decode(body, "pcm")))
+    wer = word_error_rate(texts, hypotheses)
+    assert wer < 0.08, f"WER {wer:.3f}: {list(zip(texts, hypotheses, strict=True))}"
