@@ -67,8 +67,17 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torc
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotate adjacent pairs (x[2i], x[2i+1]) as complex numbers. x [T, N, D]; rope [T, 1, D/2]."""
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # [T, N, D/2] complex
-    return torch.view_as_real(pairs * rope).flatten(-2).to(x.dtype)
+    t, n, d = x.shape
+    pairs = torch.view_as_complex(x.float().view(t, n, d // 2, 2))  # [T, N, D/2] complex
+    return torch.view_as_real(pairs * rope).view(t, n, d).to(x.dtype)
+
+
+def sampled_rows(h: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+    """h[logits_indices]. The indices rise (decodes, then each finished chunk's last token),
+    so as many as h has rows are all of them in order: h itself, no copy (every decode step)."""
+    if logits_indices.shape[0] == h.shape[0]:
+        return h
+    return h.index_select(0, logits_indices)
 
 
 class Attention(nn.Module):
@@ -126,8 +135,9 @@ class MLP(nn.Module):
         gate_up = self.w_gate_up(x)  # [T, 2I]
         if gate_up.is_cuda and fused_kernels():
             return self.tp.all_reduce(self.w_down(fused.silu_mul(gate_up)))
-        gate, up = gate_up.split(self.intermediate, dim=-1)  # [T, I] each
-        return self.tp.all_reduce(self.w_down(F.silu(gate) * up))
+        gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]  # [T, I]
+        # in place into silu's output: one tensor fewer, rounded as silu(gate) * up
+        return self.tp.all_reduce(self.w_down(F.silu(gate).mul_(up)))
 
 
 class DecoderLayer(nn.Module):
@@ -183,12 +193,16 @@ class Llama(nn.Module):
         v_caches: list[torch.Tensor],
     ) -> torch.Tensor:  # [R, V] float32 logits of batch.logits_indices
         h = self.embed(batch.input_ids)  # [T, C]
-        rope = self.rope[batch.positions].unsqueeze(1)  # [T, 1, D/2]
+        rope = self.rope_rows(batch.positions)  # [T, 1, D/2]
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
             h = layer(h, rope, k_cache, v_cache, batch)
-        h = self.norm(h[batch.logits_indices])  # [R, C]: the LM head only where sampled
+        h = self.norm(sampled_rows(h, batch.logits_indices))  # [R, C]: the head only there
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, head).float()
+
+    def rope_rows(self, positions: torch.Tensor) -> torch.Tensor:  # [T] -> [T, 1, D/2]
+        # index_select, not advanced indexing (attention._gather says why)
+        return self.rope.index_select(0, positions).unsqueeze(1)
 
     def place(self, device: torch.device | str, dtype: torch.dtype) -> Llama:
         """Move to `device`, weights in `dtype`; the RoPE table stays complex64. Weights built
