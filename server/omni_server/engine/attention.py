@@ -72,13 +72,14 @@ def paged_attention(
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     decode = batch.decode
-    if decode is not None and decode.kv_span is not None and not batch.prefills:
-        start, length = decode.kv_span  # batch-1 decode on the CPU: no gather, no mask, no copy
-        return _one_query(q, k_cache[start : start + length], v_cache[start : start + length])
+    if decode is not None and decode.kv_span is not None:  # batch-1 decode on the CPU
+        start, end = decode.kv_span[0], sum(decode.kv_span)
+        one = _one_query(q[:1], k_cache[start:end], v_cache[start:end])
+        if not batch.prefills:
+            return one  # no gather, no mask, no copy
     out = torch.empty_like(q)
     if decode is not None and decode.kv_span is not None:
-        start, length = decode.kv_span
-        out[:1] = _one_query(q[:1], k_cache[start : start + length], v_cache[start : start + length])
+        out[:1] = one
     elif decode is not None and decode.block_tables is not None:
         assert decode.context_lens is not None
         b = decode.num_seqs
@@ -126,7 +127,10 @@ def _one_query(
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     qd = q.view(num_kv_heads, -1, head_dim)  # [Hkv, G, D]
     scores = torch.bmm(qd, k.permute(1, 2, 0)).mul_(head_dim**-0.5)  # [Hkv, G, L]
-    probs = scores.float().softmax(dim=-1).to(v.dtype)
+    if scores.dtype == torch.float32:
+        probs = scores.softmax(dim=-1)
+    else:  # softmax in float32, as the gathered path
+        probs = scores.float().softmax(dim=-1).to(v.dtype)
     return torch.bmm(probs, v.transpose(0, 1)).view(1, -1, head_dim)
 
 
