@@ -33,3 +33,13 @@ def test_slot_matrix_maps_positions_through_the_table() -> None:
     slots = cache.slot_matrix([[3, 1], [2]], 6)
     assert slots.tolist() == [[12, 13, 14, 15, 4, 5], [8, 9, 10, 11, 0, 1]]  # past the table: 0
     assert blocks_for(0, 4) == 0 and blocks_for(5, 4) == 2
+
+
+def test_slot_span_only_for_consecutive_blocks() -> None:
+    shape = LlamaShape(64, 32, 64, 1, 2, 1, 16, 1e4, 1e-5, 128)
+    cache = KVCache(shape, max_total_tokens=64, block_size=4, dtype=torch.float32, device="cpu")
+    assert cache.slot_span([2, 3, 4], 10) == (8, 10)  # positions 0..9 in slots 8..17
+    assert cache.slot_span([2, 3, 1], 8) == (8, 8)  # the blocks past the context do not count
+    assert cache.slot_span([2, 3, 1], 9) is None
+    assert cache.slot_span([3, 2], 5) is None
+    assert cache.slot_span([5], 1) == (20, 1)

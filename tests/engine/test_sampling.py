@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_server.engine.sampling import SamplingParams, make_generator, sample
+from omni_server.engine.sampling import SamplingParams, greedy_tokens, make_generator, sample
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]])  # argmax 5; probs ~ .59 .22 .08 ...
 
@@ -17,6 +17,15 @@ def _draws(params: SamplingParams, n: int, seed: int = 0) -> list[int]:
 
 def test_greedy_is_argmax() -> None:
     assert _draws(SamplingParams(temperature=0), 5) == [5] * 5
+
+
+def test_greedy_takes_the_first_of_equal_maxima_as_argmax_does() -> None:
+    # few distinct values over a SmolLM2-sized vocabulary: many ties in every row
+    logits = torch.randint(0, 3, (16, 49152), generator=torch.Generator().manual_seed(0)).float()
+    logits[3, 7] = float("nan")  # NaN wins, as in argmax
+    tokens = greedy_tokens(logits)
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    assert tokens[3] == 7 and tokens[0] == int((logits[0] == 2).nonzero()[0])
 
 
 @pytest.mark.parametrize(

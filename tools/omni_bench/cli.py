@@ -4,6 +4,7 @@
     omni-bench transport  the transport benchmark (omni_bench.transport)
     omni-bench overhead   the runtime overhead benchmark (omni_bench.overhead)
     omni-bench chat       the AR engine against transformers (omni_bench.chat)
+    omni-bench cpu-step   the engine's batch-1 CPU decode step vs transformers', profiled
     omni-bench transcribe the transcription endpoint against faster-whisper (omni_bench.transcribe)
     omni-bench realtime   voice-to-voice latency by hop, barge-in (omni_bench.realtime)
     omni-bench soak       requests under SIGKILL / SIGSTOP chaos: recovery, leaks (omni_bench.soak)
@@ -30,6 +31,7 @@ SUBCOMMANDS = {
     "transport": ("omni_bench.transport", "transport latency and GB/s vs memcpy, pyzmq, SHM"),
     "overhead": ("omni_bench.overhead", "framework overhead of an empty 3-stage pipeline"),
     "chat": ("omni_bench.chat", "AR engine vs transformers generate: TTFT, decode tok/s"),
+    "cpu-step": ("omni_bench.cpu_step", "engine batch-1 CPU decode step vs transformers, profile"),
     "transcribe": ("omni_bench.transcribe", "transcription RTF and throughput vs faster-whisper"),
     "realtime": ("omni_bench.realtime", "voice-to-voice latency over /v1/realtime, by hop"),
     "soak": ("omni_bench.soak", "requests under injected process faults: recovery and leaks"),

@@ -23,8 +23,10 @@ from omni_server.engine.paged_decode import paged_decode_attention
 class DecodeGroup:
     """The first `num_seqs` tokens of the batch: one new token per request, batched together.
 
-    Either form, never both: the gathered one (CPU: torch SDPA's numbers) or the paged one
-    (CUDA with Triton: paged_decode.py reads each request's blocks, nothing gathered or padded).
+    One form of three: the gathered one (CPU: torch's matmuls over each context gathered and
+    padded), the span (CPU, one request whose blocks are consecutive: its context is one run of
+    cache slots, read in place, nothing gathered or masked) or the paged one (CUDA with Triton:
+    paged_decode.py reads each request's blocks, nothing gathered or padded).
     """
 
     num_seqs: int
@@ -33,6 +35,7 @@ class DecodeGroup:
     block_tables: torch.Tensor | None = None  # [B, W] int32: each request's KV blocks
     context_lens: torch.Tensor | None = None  # [B] int32: keys each request attends to
     block_size: int = 0  # tokens per block (with block_tables)
+    kv_span: tuple[int, int] | None = None  # (first slot, length): the one request's context
 
 
 @dataclass
@@ -68,9 +71,16 @@ def paged_attention(
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
     decode = batch.decode
-    if decode is not None and decode.block_tables is not None:
+    if decode is not None and decode.kv_span is not None:  # batch-1 decode on the CPU
+        start, end = decode.kv_span[0], sum(decode.kv_span)
+        one = _one_query(q[:1], k_cache[start:end], v_cache[start:end])
+        if not batch.prefills:
+            return one  # no gather, no mask, no copy
+    out = torch.empty_like(q)
+    if decode is not None and decode.kv_span is not None:
+        out[:1] = one
+    elif decode is not None and decode.block_tables is not None:
         assert decode.context_lens is not None
         b = decode.num_seqs
         out[:b] = paged_decode_attention(
@@ -105,6 +115,23 @@ def paged_attention(
         op = op.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
         out[chunk.start : chunk.start + n] = op.reshape(n, num_heads, head_dim)
     return out
+
+
+def _one_query(
+    q: torch.Tensor,  # [1, H, D]: one request's decode token
+    k: torch.Tensor,  # [L, Hkv, D]: its whole context, a view of the cache
+    v: torch.Tensor,
+) -> torch.Tensor:  # [1, H, D]
+    # The G query heads of a KV head are G rows against its keys: two bmm over strided views
+    # (BLAS reads them in place) and a softmax, the gathered path's numbers without its copies.
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    qd = q.view(num_kv_heads, -1, head_dim)  # [Hkv, G, D]
+    scores = torch.bmm(qd, k.permute(1, 2, 0)).mul_(head_dim**-0.5)  # [Hkv, G, L]
+    if scores.dtype == torch.float32:
+        probs = scores.softmax(dim=-1)
+    else:  # softmax in float32, as the gathered path
+        probs = scores.float().softmax(dim=-1).to(v.dtype)
+    return torch.bmm(probs, v.transpose(0, 1)).view(1, -1, head_dim)
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from torch import nn
 from omni_server.engine.attention import ForwardBatch
 from omni_server.engine.audio_frames import AudioSpec
 from omni_server.engine.config import LlamaShape
-from omni_server.engine.llama import MLP, DecoderLayer, Llama, RMSNorm
+from omni_server.engine.llama import MLP, DecoderLayer, Llama, RMSNorm, sampled_rows
 from omni_server.engine.parallel import SINGLE, TensorParallel
 
 
@@ -92,10 +92,10 @@ class HiggsAudioV2(Llama):
             frames = self.embed_audio(batch.audio_codes + offsets).sum(dim=1)  # [A, C]
             rows = batch.audio_rows
             h = frames if rows is None else h.index_copy(0, rows, frames)
-        rope = self.rope[batch.positions].unsqueeze(1)  # [T, 1, D/2]
+        rope = self.rope_rows(batch.positions)  # [T, 1, D/2]
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
             h = layer(h, rope, k_cache, v_cache, batch)
-        h = self.norm(h[batch.logits_indices])  # [R, C]
+        h = self.norm(sampled_rows(h, batch.logits_indices))  # [R, C]
         return F.linear(h, self.audio_head.weight).float()
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:

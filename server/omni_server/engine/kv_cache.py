@@ -114,6 +114,15 @@ class KVCache:
         rows = [table[:width] + [0] * (width - len(table)) for table in tables]
         return torch.tensor(rows, dtype=torch.int32).view(len(tables), width)  # one copy
 
+    def slot_span(self, table: list[int], length: int) -> tuple[int, int] | None:
+        """(first slot, length) when positions 0..length-1 of `table` sit in consecutive
+        slots (its blocks are consecutive), else None."""
+        first = table[0]
+        for i in range(1, blocks_for(length, self.block_size)):
+            if table[i] != first + i:
+                return None
+        return first * self.block_size, length
+
     def slot_of(self, table: list[int], position: int) -> int:
         """The cache slot of `position` in a request whose block table is `table`."""
         return table[position // self.block_size] * self.block_size + position % self.block_size

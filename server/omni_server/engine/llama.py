@@ -20,6 +20,7 @@ from omni_server.engine import fused
 from omni_server.engine.attention import ForwardBatch, paged_attention
 from omni_server.engine.audio_frames import AudioSpec
 from omni_server.engine.config import Llama3RopeScaling, LlamaShape
+from omni_server.engine.huge_pages import pack_parameters
 from omni_server.engine.paged_decode import available as fused_kernels
 from omni_server.engine.parallel import SINGLE, TensorParallel
 
@@ -33,6 +34,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, C]
         if x.dtype != torch.float32 and x.is_cuda and fused_kernels() and x.stride(-1) == 1:
             return fused.rms_norm(x, self.weight, self.eps)  # the 4 kernels below in one
+        if x.dtype == torch.float32 and not x.is_cuda:
+            # F.rms_norm's own arithmetic (it is a composite on the CPU), without its casts
+            # and checks, two of its tensors reused in place: bitwise the same, a third less
+            # time after a matmul has flushed the caches (every call in a decode step)
+            scale = torch.mean(x * x, dim=-1, keepdim=True).add_(self.eps).rsqrt_()
+            return torch.mul(x, scale).mul_(self.weight)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel
         # Normalize in float32, then scale in the model dtype, as transformers does.
@@ -67,8 +74,35 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torc
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotate adjacent pairs (x[2i], x[2i+1]) as complex numbers. x [T, N, D]; rope [T, 1, D/2]."""
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # [T, N, D/2] complex
-    return torch.view_as_real(pairs * rope).flatten(-2).to(x.dtype)
+    t, n, d = x.shape
+    single = x.dtype == torch.float32  # no cast calls then: each costs a call after a matmul
+    pairs = torch.view_as_complex((x if single else x.float()).view(t, n, d // 2, 2))
+    out = torch.view_as_real(pairs * rope).view(t, n, d)  # [T, N, D/2] complex, as real pairs
+    return out if single else out.to(x.dtype)
+
+
+def sampled_rows(h: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+    """h[logits_indices]. The indices rise (decodes, then each finished chunk's last token),
+    so as many as h has rows are all of them in order: h itself, no copy (every decode step)."""
+    if logits_indices.shape[0] == h.shape[0]:
+        return h
+    return h.index_select(0, logits_indices)
+
+
+def project(
+    x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel, residual: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ weight.T summed over the ranks (a row-parallel matmul), plus `residual` if given.
+
+    One rank on the CPU in float32: the residual add rides in the matmul (addmm, beta = 1), one
+    op and one tensor fewer, the same numbers at decode sizes. Elsewhere the add stays its own
+    op: on CUDA the step's kernels stay what they were, bf16 rounds the product first as
+    transformers does, and under TP the residual must not be summed over the ranks."""
+    if residual is None:
+        return tp.all_reduce(F.linear(x, weight))
+    if tp.size == 1 and not x.is_cuda and x.dtype == torch.float32:
+        return torch.addmm(residual, x, weight.t())
+    return residual + tp.all_reduce(F.linear(x, weight))
 
 
 class Attention(nn.Module):
@@ -93,14 +127,16 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,  # [S, Hkv, D]
         v_cache: torch.Tensor,
         batch: ForwardBatch,
+        residual: torch.Tensor | None = None,  # [T, C]: added to the output if given
     ) -> torch.Tensor:  # [T, C]
+        # The Linear modules hold the weights; calling F.linear skips a module call per matmul.
         t = x.shape[0]
         q_size, kv_size, _ = self.split
-        qkv = self.wqkv(x)  # [T, (H + 2 Hkv) D]
+        qkv = F.linear(x, self.wqkv.weight)  # [T, (H + 2 Hkv) D]
         if qkv.is_cuda and fused_kernels():  # RoPE and both cache writes in one kernel
             q = fused.rope_kv(qkv, rope, batch.slot_mapping, k_cache, v_cache, self.num_heads)
             out = paged_attention(q, k_cache, v_cache, batch)
-            return self.tp.all_reduce(self.wo(out.view(t, -1)))
+            return project(out.view(t, -1), self.wo.weight, self.tp, residual)
         # Q and K heads rotated in one call: [T, H + Hkv, D]
         qk = apply_rope(qkv[:, : q_size + kv_size].view(t, -1, self.head_dim), rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
@@ -109,7 +145,7 @@ class Attention(nn.Module):
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v.view(t, self.num_kv_heads, self.head_dim))
         out = paged_attention(q, k_cache, v_cache, batch)  # [T, H, D]
-        return self.tp.all_reduce(self.wo(out.view(t, -1)))
+        return project(out.view(t, -1), self.wo.weight, self.tp, residual)
 
 
 class MLP(nn.Module):
@@ -122,12 +158,17 @@ class MLP(nn.Module):
         self.w_gate_up = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
         self.w_down = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, C]
-        gate_up = self.w_gate_up(x)  # [T, 2I]
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, C]
+        residual: torch.Tensor | None = None,  # [T, C]: added to the output if given
+    ) -> torch.Tensor:  # [T, C]
+        gate_up = F.linear(x, self.w_gate_up.weight)  # [T, 2I]
         if gate_up.is_cuda and fused_kernels():
-            return self.tp.all_reduce(self.w_down(fused.silu_mul(gate_up)))
-        gate, up = gate_up.split(self.intermediate, dim=-1)  # [T, I] each
-        return self.tp.all_reduce(self.w_down(F.silu(gate) * up))
+            return project(fused.silu_mul(gate_up), self.w_down.weight, self.tp, residual)
+        gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]  # [T, I]
+        # in place into silu's output: one tensor fewer, rounded as silu(gate) * up
+        return project(F.silu(gate).mul_(up), self.w_down.weight, self.tp, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -146,8 +187,8 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), rope, k_cache, v_cache, batch)
-        return h + self.mlp(self.ffn_norm(h))
+        h = self.attn(self.attn_norm(h), rope, k_cache, v_cache, batch, residual=h)
+        return self.mlp(self.ffn_norm(h), residual=h)
 
 
 class Llama(nn.Module):
@@ -183,16 +224,25 @@ class Llama(nn.Module):
         v_caches: list[torch.Tensor],
     ) -> torch.Tensor:  # [R, V] float32 logits of batch.logits_indices
         h = self.embed(batch.input_ids)  # [T, C]
-        rope = self.rope[batch.positions].unsqueeze(1)  # [T, 1, D/2]
+        rope = self.rope_rows(batch.positions)  # [T, 1, D/2]
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
             h = layer(h, rope, k_cache, v_cache, batch)
-        h = self.norm(h[batch.logits_indices])  # [R, C]: the LM head only where sampled
+        h = self.norm(sampled_rows(h, batch.logits_indices))  # [R, C]: the head only there
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, head).float()
 
+    def rope_rows(self, positions: torch.Tensor) -> torch.Tensor:  # [T] -> [T, 1, D/2]
+        # index_select, not advanced indexing (attention._gather says why)
+        return self.rope.index_select(0, positions).unsqueeze(1)
+
     def place(self, device: torch.device | str, dtype: torch.dtype) -> Llama:
         """Move to `device`, weights in `dtype`; the RoPE table stays complex64. Weights built
-        on the meta device get uninitialized storage (init_random or load_weights fill it)."""
+        on the meta device get uninitialized storage (init_random or load_weights fill it).
+        On the CPU the weights go into one buffer of huge pages (huge_pages.py)."""
+        self.rope = self.rope.to(device)
+        if torch.device(device).type == "cpu":
+            pack_parameters(self, dtype)
+            return self
         for module in self.modules():
             for name, p in module.named_parameters(recurse=False):
                 if p.is_meta:  # a meta tensor cannot take real data: a new parameter
@@ -200,7 +250,6 @@ class Llama(nn.Module):
                     setattr(module, name, nn.Parameter(empty, requires_grad=False))
                 else:
                     p.data = p.data.to(device=device, dtype=dtype)
-        self.rope = self.rope.to(device)
         return self
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:

@@ -85,8 +85,10 @@ class ModelRunner:
         return self.forward(fwd, self.cache.k, self.cache.v), sampled
 
     def _decode_group(self, tables: list[list[int]], context: list[int]) -> DecodeGroup:
-        """The decode rows' attention inputs: block tables for the paged kernel, else the
-        gathered slots of each context padded to the longest, with its mask."""
+        """The decode rows' attention inputs: block tables for the paged kernel; on the CPU one
+        request whose blocks are consecutive (the allocator hands a lone request 1, 2, 3, ...)
+        as its span of slots; else the gathered slots of each context padded to the longest,
+        with its mask."""
         dev, length = self.device, max(context)
         if self.paged:
             width = blocks_for(length, self.cache.block_size)
@@ -94,6 +96,10 @@ class ModelRunner:
             lens = torch.tensor(context, dtype=torch.int32).to(dev)
             return DecodeGroup(len(tables), block_tables=table, context_lens=lens,
                                block_size=self.cache.block_size)  # fmt: skip
+        if len(tables) == 1 and self.device.type == "cpu":
+            span = self.cache.slot_span(tables[0], length)
+            if span is not None:  # one run of slots: attention reads the cache in place
+                return DecodeGroup(1, kv_span=span)
         kv_slots = self.cache.slot_matrix(tables, length)
         mask = torch.arange(length).unsqueeze(0) < torch.tensor(context).unsqueeze(1)
         return DecodeGroup(len(tables), kv_slots.to(dev), mask[:, None, None, :].to(dev))

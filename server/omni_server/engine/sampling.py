@@ -85,7 +85,7 @@ def sample(
     generators: list[torch.Generator],  # one per row (CPU)
 ) -> list[int]:
     """One token per row."""
-    tokens = logits.argmax(dim=-1)  # [R]: the greedy answer; sampled rows overwrite theirs
+    tokens = greedy_tokens(logits)  # [R]: the greedy answer; sampled rows overwrite theirs
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         picked = _sample_rows(
@@ -93,6 +93,15 @@ def sample(
         )
         tokens[rows] = picked
     return tokens.tolist()
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
+    """argmax per row (the first of equal maxima). On the CPU through max(): its kernel is
+    vectorized, argmax's a scalar loop (23 against 310 us over SmolLM2's 49152 logits, one
+    thread); both return the first maximum's index, ties and NaN alike."""
+    if logits.device.type == "cpu":
+        return logits.max(dim=-1).indices
+    return logits.argmax(dim=-1)
 
 
 def _sample_rows(
