@@ -12,10 +12,13 @@ import sys
 import pytest
 
 from omni_bench import higgs_serve
+from tests.helpers.server import ROOT
+
+REPO = ROOT / higgs_serve.REPO
 
 
 def _resolved(argv: list[str]) -> dict:
-    args = higgs_serve.build_parser().parse_args(argv)
+    args = higgs_serve.build_parser().parse_args(["--repo", str(REPO), *argv])
     args.levels = [1, 64]
     overrides = higgs_serve.serve_args(args, int(args.replicas))
     i = overrides.index("--max-in-flight")  # a server option, not a config override
@@ -23,7 +26,7 @@ def _resolved(argv: list[str]) -> dict:
     del overrides[i : i + 2]
     out = subprocess.run(
         [sys.executable, "-m", "omni_server", "config", "resolve", "--repo",
-         str(higgs_serve.REPO), "--show", "config", "--format", "json", *overrides],
+         str(args.repo), "--show", "config", "--format", "json", *overrides],
         capture_output=True, text=True, check=False, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr

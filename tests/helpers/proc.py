@@ -124,3 +124,11 @@ def served_repository(run_dir: Path) -> Path | None:
             return Path(pickle.load(f).repository)
     except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
         return None  # half-written, or a plan of another checkout's code: not judged
+
+
+def command_of(pid: int) -> str:
+    """A process's command line, for messages ("" once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return ""

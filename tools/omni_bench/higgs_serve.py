@@ -35,7 +35,9 @@ from omni_bench import speech
 from omni_bench.harness import tables
 from omni_bench.harness.server import OmniServer
 
-REPO = Path(__file__).resolve().parents[2] / "examples" / "higgs-audio-v2"
+# the example repository, relative to where the bench runs (a source checkout), as --repo
+# defaults elsewhere: an installed omni_bench has no examples/ beside it
+REPO = Path("examples/higgs-audio-v2")
 
 
 def gpu_overrides(replicas: int, kv_tokens: int) -> list[str]:
@@ -129,7 +131,7 @@ def _level(args: argparse.Namespace, url: str, concurrency: int, out: Path) -> d
 
 
 def _serve(args: argparse.Namespace, replicas: int) -> dict[str, Any]:
-    server = OmniServer(REPO, serve_args(args, replicas), ready_timeout_s=args.ready_timeout)
+    server = OmniServer(args.repo, serve_args(args, replicas), ready_timeout_s=args.ready_timeout)
     gpu = GpuMemory()
     with gpu:
         asyncio.run(server.start())
@@ -197,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="omni-bench higgs-serve", description=(__doc__ or "").split("\n")[0]
     )
+    p.add_argument("--repo", type=Path, default=REPO, help=f"the Higgs repository ({REPO})")
     p.add_argument("--checkpoint", type=Path, required=True, help="folder (written if empty)")
     p.add_argument("--size", choices=("tiny", "full"), default="full", help="when written")
     p.add_argument("--gpu", action="store_true", help="the GPU placement of docs/models.md")
