@@ -30,6 +30,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from omni_server.cluster.deployment import DEPLOYMENT_NAME, pipeline_app  # noqa: E402
 from omni_server.cluster.resources import Scaling  # noqa: E402
 from omni_server.serve.options import ServeOptions  # noqa: E402
+from tests.helpers.proc import alive, descendants  # noqa: E402
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "repository"
 OVERRIDES = ("--processes.voice.num_replicas", "1")
@@ -58,6 +59,14 @@ class ServedCluster:
     worker: Any  # the worker node (the head node holds the proxy and the other replica)
     stopped: bool = False
     run_ids: set[str] = field(default_factory=set)
+    # this pytest's child processes from before the cluster (another fixture's server, such as
+    # the session's embedded one): not the cluster's, so not what its shutdown must stop
+    preexisting: frozenset[int] = frozenset()
+
+    def processes(self) -> list[int]:
+        """This pytest's descendants that are the cluster's (Ray's and its replicas' stages)."""
+        others = {q for p in self.preexisting if alive(p) for q in [p, *descendants(p)]}
+        return [p for p in descendants(os.getpid()) if p not in others]
 
     def running_replicas(self) -> int:
         status = serve.status().applications[APP].deployments[DEPLOYMENT_NAME]
@@ -87,8 +96,9 @@ def served() -> Iterator[ServedCluster]:
     saved = {name: os.environ.get(name) for name in ENVIRONMENT}
     os.environ.update(ENVIRONMENT, TMPDIR=str(root))  # the raylets, their workers, the stages
     tempfile.tempdir = None  # re-read TMPDIR
+    before = frozenset(descendants(os.getpid()))
     cluster = Cluster()
-    handle = ServedCluster(cluster, "", root, None)
+    handle = ServedCluster(cluster, "", root, None, preexisting=before)
     try:
         # no dashboard: a dozen processes less on two cores, and no fixed port (8265) to share
         cluster.add_node(num_cpus=NODE_CPUS, temp_dir=str(root / "ray"), include_dashboard=False)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import os
 import threading
 import time
 import wave
@@ -24,7 +23,7 @@ from omni_bench.wer import word_error_rate  # noqa: E402
 from omni_client.errors import OmniError  # noqa: E402
 from omni_client.talk import read_wav, talk  # noqa: E402
 from tests.cluster.conftest import API_KEY, NODE_CPUS, ServedCluster  # noqa: E402
-from tests.helpers.proc import alive, command_of, descendants, run_segments, worker_run_ids  # noqa: E402
+from tests.helpers.proc import alive, command_of, run_segments, worker_run_ids  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -176,7 +175,7 @@ def _speech_ok(served: ServedCluster) -> str | None:
 
 def test_a_node_lost_under_load(served: ServedCluster) -> None:
     lost = served.worker.node_id
-    served.run_ids |= worker_run_ids(descendants(os.getpid()))
+    served.run_ids |= worker_run_ids(served.processes())
     outcomes = [Outcome() for _ in range(6)]
     started = [threading.Event() for _ in outcomes]
     threads = [
@@ -211,14 +210,14 @@ def test_a_node_lost_under_load(served: ServedCluster) -> None:
 
 def test_shutdown_leaves_nothing_behind(served: ServedCluster) -> None:
     """The last test: it stops the cluster the others used."""
-    ours = descendants(os.getpid())
+    ours = served.processes()
     served.run_ids |= worker_run_ids(ours)
     assert served.run_ids, "no stage process was found under the cluster's raylets"
     serve.shutdown()
     assert ray.util.list_named_actors(all_namespaces=True) == []  # controller, proxy, replicas
     served.shutdown()
-    # Ray's own processes (raylets, GCS, workers) take a while to go on a loaded 2-core machine
-    # (a clean CI run once had 5 still up at 30 s): the wait is long, the check exact
+    # Ray's own processes (raylets, GCS, workers) may take a while to go on a loaded 2-core
+    # machine: the wait is long, the check exact
     deadline = time.monotonic() + 120
     while any(alive(p) for p in ours) and time.monotonic() < deadline:
         time.sleep(0.2)
