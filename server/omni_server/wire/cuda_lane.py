@@ -51,18 +51,24 @@ class CudaExporter:
         devices = self._peer_devices.get(receiver)
         return _Lane(self, devices) if devices and not self._disabled else None
 
+    def _pool(self, device: int) -> Any:
+        """This process's pool on `device`, made on first use (raises TransportError where CUDA
+        IPC is unusable)."""
+        import omni_transport.cuda_ipc as cuda_ipc
+
+        pool = self._pools.get(device)
+        if pool is None:
+            name = f"{self._prefix}-cuda{device}"
+            pool = self._pools[device] = cuda_ipc.CudaPool(name, _POOL_BYTES, device=device)
+        return pool
+
     def export(self, tensor: Any) -> bytes | None:
         """The record bytes of `tensor` moved into this process's pool, or None (host path)."""
         import omni_transport.cuda_ipc as cuda_ipc
         from omni_transport import TransportError
 
-        device = tensor.device.index
-        pool = self._pools.get(device)
         try:
-            if pool is None:
-                name = f"{self._prefix}-cuda{device}"
-                pool = self._pools[device] = cuda_ipc.CudaPool(name, _POOL_BYTES, device=device)
-            record = pool.export(tensor, timeout=0)
+            record = self._pool(tensor.device.index).export(tensor, timeout=0)
         except cuda_ipc.PoolFull:
             return None  # the receivers hold the pool: this tensor goes through the host
         except TransportError as exc:  # no usable CUDA IPC here (driver, platform)
@@ -81,13 +87,8 @@ class CudaExporter:
 
         if not self._packed:
             return None
-        device = tensor.device.index
-        pool = self._pools.get(device)
         try:
-            if pool is None:
-                name = f"{self._prefix}-cuda{device}"
-                pool = self._pools[device] = cuda_ipc.CudaPool(name, _POOL_BYTES, device=device)
-            record = pool.export_packed(tensor.detach(), key)
+            record = self._pool(tensor.device.index).export_packed(tensor.detach(), key)
         except (cuda_ipc.PoolFull, cuda_ipc.BadTensorRecord):
             return None
         except TransportError as exc:
