@@ -26,7 +26,7 @@ import aiohttp
 
 from omni_bench.harness.server import ChildServer, OmniServer
 from omni_bench.harness.timing import machine_line
-from omni_bench.speech import DEFAULT_DATASET, bench, load_dataset, parse_levels
+from omni_bench.speech import DEFAULT_DATASET, Level, bench, load_dataset, parse_levels
 from omni_bench.targets import OpenAISpeechTarget
 
 SMALL = ("--processes.voice.num_replicas", "1")  # one voice per pipeline: 2 cores here
@@ -61,7 +61,7 @@ async def compare(repo: Path, texts: list[str], levels: list[int], requests: int
         results = await bench(
             [_target(direct.url, "direct"), _target(served.url, "ray-serve")],
             texts,
-            levels,
+            [Level(concurrency=c) for c in levels],
             requests,
             warmup=3,
         )
