@@ -4,13 +4,14 @@ weights packed into one huge-page buffer against the same weights where torch pu
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
 import torch
 
 import omni_server.engine.llama as llama_module
-from omni_server.engine import Engine, GenerationRequest, SamplingParams
+from omni_server.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from omni_server.engine.attention import DecodeGroup, ForwardBatch, PrefillChunk, paged_attention
 from omni_server.engine.huge_pages import HUGE_PAGE, pack_parameters
 from omni_server.engine.llama import Llama
@@ -73,7 +74,7 @@ def test_packed_weights_sit_in_one_aligned_buffer_with_their_values() -> None:
     model = Llama(TINY, max_positions=64)
     model.init_random(seed=3)
     before = {name: p.clone() for name, p in model.named_parameters()}
-    packed = pack_parameters(model, torch.float32)
+    packed = pack_parameters(model, torch.float32, model.matmul_weights())
     params = list(model.parameters())
     assert packed >= sum(p.numel() * 4 for p in params)
     first = params[0].data_ptr()
@@ -84,6 +85,56 @@ def test_packed_weights_sit_in_one_aligned_buffer_with_their_values() -> None:
     assert max(ends) - first <= packed  # one buffer
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]) and not p.requires_grad, name
+
+
+def test_wide_matmul_weights_are_stored_by_columns_with_the_same_values() -> None:
+    model = Llama(TINY, max_positions=64)
+    model.init_random(seed=3)
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    model.place("cpu", torch.float32)  # the engine's default order: every weight by rows
+    assert all(p.is_contiguous() for p in model.parameters())
+    model.place("cpu", torch.float32, "columns")
+    params = dict(model.named_parameters())
+    rows_first = {"layers.0.attn.wo.weight", "layers.0.mlp.w_down.weight"}  # out <= in
+    columns = {"layers.0.attn.wqkv.weight", "layers.0.mlp.w_gate_up.weight", "lm_head.weight"}
+    for name in columns:
+        rows, cols = params[name].shape
+        assert rows > cols and params[name].stride() == (1, rows), name
+    for name in rows_first:
+        assert params[name].is_contiguous(), name
+    assert params["norm.weight"].is_contiguous()
+    assert params["embed.weight"].is_contiguous()  # an untied embedding is only looked up
+    for name, p in params.items():
+        assert torch.equal(p, before[name]), name
+    # a head tied to the embedding is a matmul weight: stored by columns, looked up the same
+    tied = Llama(dataclasses.replace(TINY, tie_word_embeddings=True), max_positions=64)
+    tied.init_random(seed=3)
+    table = tied.embed.weight.clone()
+    tied.place("cpu", torch.float32, "columns")
+    assert tied.lm_head is None and tied.embed.weight.stride() == (1, TINY.vocab_size)
+    ids = torch.tensor([0, 5, 127])
+    assert torch.equal(tied.embed(ids), table[ids])
+    # bfloat16 keeps rows: the column order is measured for float32 only
+    model.place("cpu", torch.bfloat16, "columns")
+    assert all(p.is_contiguous() for p in model.parameters())
+
+
+def test_the_weight_order_is_one_of_two() -> None:
+    assert EngineConfig(cpu_weight_order="columns").cpu_weight_order == "columns"
+    with pytest.raises(ValueError, match="cpu_weight_order must be one of"):
+        EngineConfig(cpu_weight_order="diagonal")
+
+
+def greedy_tokens(order: str) -> list[int]:
+    config = EngineConfig(max_total_tokens=256, max_batch_size=4, cpu_weight_order=order)
+    engine = Engine.from_random(TINY, config, seed=5)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    out = engine.generate([GenerationRequest("a", list(range(3, 40)), greedy)])
+    return [t for e in out["a"] for t in e.token_ids]
+
+
+def test_both_weight_orders_decode_the_same_tokens() -> None:
+    assert greedy_tokens("columns") == greedy_tokens("rows")
 
 
 def test_packing_casts_and_keeps_forwards_equal() -> None:

@@ -212,7 +212,12 @@ def shape_of(args: argparse.Namespace) -> LlamaShape:
 
 
 def build(args: argparse.Namespace) -> tuple[Engine, list[int]]:
-    config = EngineConfig(max_total_tokens=8192, max_batch_size=4, dtype=args.dtype)
+    config = EngineConfig(
+        max_total_tokens=8192,
+        max_batch_size=4,
+        dtype=args.dtype,
+        cpu_weight_order=args.cpu_weight_order,
+    )
     if args.random_shape is None and not args.thin:
         engine = Engine.from_gguf(config)
         assert engine.tokenizer is not None
@@ -269,6 +274,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="random weights of SmolLM2's layers and heads with tiny matrices: the step's "
         "cost besides reading weights (Python, small ops, cache, sampling)",
     )
+    p.add_argument(
+        "--cpu-weight-order",
+        choices=("columns", "rows"),
+        default="columns",
+        help="the engine's weight layout (the embedded thinker's: columns; EngineConfig)",
+    )
     p.add_argument("--prompt-tokens", type=int, default=40, help="random-weight prompts only")
     p.add_argument("--no-peer", action="store_true", help="the engine alone (no transformers)")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS", help="profile STEPS steps")
@@ -297,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         hf = load_hf(args, shape_of(args))
     setup = {
         "dtype": args.dtype,
+        "cpu_weight_order": args.cpu_weight_order,
         "threads": torch.get_num_threads(),
         "model": args.random_shape or "SmolLM2-135M-Instruct (GGUF, dequantized)",
         "prompt_tokens": len(prompt),

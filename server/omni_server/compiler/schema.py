@@ -216,6 +216,12 @@ ENGINE_FIELDS = _fields(
         Kind.BOOL,
         "a full step is ordered by media requests' listener deadlines (false: the plain order)",
     ),
+    Field(
+        "cpu_weight_order",
+        Kind.ENUM,
+        "float32 CPU weights wider than deep stored by rows, or by columns (fast at one row)",
+        choices=("rows", "columns"),
+    ),
 )
 
 # A request's sampling defaults: what the stage that reads a chat request's sampling fields (a

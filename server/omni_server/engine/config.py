@@ -119,6 +119,7 @@ SHAPES: dict[str, LlamaShape] = {
     "llama-3b": LLAMA_3B,
 }
 DECODE_ATTENTION = ("auto", "paged", "gather")
+CPU_WEIGHT_ORDER = ("rows", "columns")
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,12 @@ class EngineConfig:
     playback_order:   order a step that cannot hold everyone by the listeners' deadlines of
                       media requests (GenerationRequest.playback_seconds; deadline_order.py).
                       False: the plain order for every request (a peer to measure against).
+    cpu_weight_order: "rows" | "columns": "columns" stores the float32 CPU weights wider
+                      than they are deep (QKV, gate/up, the vocabulary head) by columns. A
+                      one-row step (one request decoding) reads that layout 1.3-2x faster on
+                      the development machine; a step of 4-8 rows reads it 12-17% slower
+                      (docs/engine.md has both; huge_pages.py). So it suits a stage that
+                      mostly serves one stream at a time. Ignored on a GPU and in other dtypes.
     gpu_memory_fraction: the stage's share of its GPU (not an [engine] key: the stage's own
                       field, which the backend passes on). On a GPU it sizes the KV cache, or
                       checks a given max_total_tokens against it; ignored on the CPU.
@@ -171,6 +178,7 @@ class EngineConfig:
     max_prefill_beside_decodes: int | None = None
     decode_attention: str = "auto"
     playback_order: bool = True
+    cpu_weight_order: str = "rows"
     gpu_memory_fraction: float | None = None
 
     def __post_init__(self) -> None:
@@ -209,6 +217,11 @@ class EngineConfig:
             or not 0 < fraction <= 1
         ):
             raise ValueError(f"gpu_memory_fraction must be a number in (0, 1], got {fraction!r}")
+        if self.cpu_weight_order not in CPU_WEIGHT_ORDER:
+            raise ValueError(
+                f"engine.cpu_weight_order must be one of {list(CPU_WEIGHT_ORDER)}, got "
+                f"{self.cpu_weight_order!r}"
+            )
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(
                 f"engine.decode_attention must be one of {list(DECODE_ATTENTION)}, got "

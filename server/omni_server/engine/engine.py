@@ -118,14 +118,18 @@ class Engine:
                 gguf = load_gguf(path)
                 model = _build_model(gguf.shape, config, tp)
                 model.load_weights(gguf.weights)
-                return dict(model.place(config.device, config.torch_dtype).named_parameters())
+                return dict(
+                    model.place(
+                        config.device, config.torch_dtype, config.cpu_weight_order
+                    ).named_parameters()
+                )
 
             model = _with_weights(shape, config, tp, weights("llama", load))
             return cls(model, config, GGUFTokenizer(metadata))
         gguf = load_gguf(path)
         model = _build_model(gguf.shape, config, tp)
         model.load_weights(gguf.weights)
-        model.place(config.device, config.torch_dtype)
+        model.place(config.device, config.torch_dtype, config.cpu_weight_order)
         return cls(model, config, GGUFTokenizer(gguf.metadata))
 
     @classmethod
@@ -152,7 +156,7 @@ class Engine:
         )
         with torch.device("meta"):  # place() allocates on the device; load() fills
             model = checkpoint.family.build(checkpoint.spec, limit, tp)
-        model.place(config.device, config.torch_dtype)
+        model.place(config.device, config.torch_dtype, config.cpu_weight_order)
         checkpoint.family.load(model, checkpoint.tensor, checkpoint.spec)
         return cls(model, config, checkpoint.tokenizer())
 
@@ -173,7 +177,7 @@ class Engine:
         def load() -> dict[str, torch.Tensor]:
             with torch.device("meta"):  # no CPU copy of the weights: place() allocates them
                 model = _build_model(shape, config, tp)
-            model.place(config.device, config.torch_dtype)
+            model.place(config.device, config.torch_dtype, config.cpu_weight_order)
             model.init_random(seed)
             return dict(model.named_parameters())
 
@@ -181,7 +185,7 @@ class Engine:
             return cls(_with_weights(shape, config, tp, weights("llama", load)), config, None)
         with torch.device("meta"):
             model = _build_model(shape, config, tp)
-        model.place(config.device, config.torch_dtype)
+        model.place(config.device, config.torch_dtype, config.cpu_weight_order)
         model.init_random(seed)
         return cls(model, config, None)
 

@@ -235,13 +235,17 @@ class Llama(nn.Module):
         # index_select, not advanced indexing (attention._gather says why)
         return self.rope.index_select(0, positions).unsqueeze(1)
 
-    def place(self, device: torch.device | str, dtype: torch.dtype) -> Llama:
+    def place(
+        self, device: torch.device | str, dtype: torch.dtype, cpu_weight_order: str = "rows"
+    ) -> Llama:
         """Move to `device`, weights in `dtype`; the RoPE table stays complex64. Weights built
         on the meta device get uninitialized storage (init_random or load_weights fill it).
-        On the CPU the weights go into one buffer of huge pages (huge_pages.py)."""
+        On the CPU the weights go into one buffer of huge pages (huge_pages.py), the wide
+        matmul weights by columns if `cpu_weight_order` is "columns" (EngineConfig)."""
         self.rope = self.rope.to(device)
         if torch.device(device).type == "cpu":
-            pack_parameters(self, dtype)
+            by_columns = self.matmul_weights() if cpu_weight_order == "columns" else set()
+            pack_parameters(self, dtype, by_columns)
             return self
         for module in self.modules():
             for name, p in module.named_parameters(recurse=False):
@@ -251,6 +255,18 @@ class Llama(nn.Module):
                 else:
                     p.data = p.data.to(device=device, dtype=dtype)
         return self
+
+    def matmul_weights(self) -> set[str]:
+        """The parameters a step multiplies by: every Linear's, and the embedding where the
+        text head is tied to it (huge_pages.columns_first may store those by columns)."""
+        names = {
+            f"{prefix}.weight"
+            for prefix, module in self.named_modules()
+            if isinstance(module, nn.Linear)
+        }
+        if self.text_head and self.lm_head is None:
+            names.add("embed.weight")
+        return names
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy engine-named float32 weights in (gguf_weights names), fusing QKV and gate/up."""
