@@ -232,6 +232,15 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> None:
         help=f"in-flight requests' time to finish after SIGTERM ({d.shutdown_grace_s:g})",
     )
 
+    times.add_argument(
+        "--start-timeout",
+        type=float,
+        default=d.start_timeout_s,
+        metavar="S",
+        help="the stage processes' time to be ready, at start, after a restart and on a model "
+        f"control load, before that start fails ({d.start_timeout_s:g})",
+    )
+
     voices = parser.add_argument_group("custom voices (docs/voices.md)")
     voices.add_argument(
         "--data-dir",
@@ -274,6 +283,7 @@ def _serve_options(opts: argparse.Namespace) -> ServeOptions:
             idle_timeout_s=opts.idle_timeout,
             write_timeout_s=opts.write_timeout,
             shutdown_grace_s=opts.shutdown_grace,
+            start_timeout_s=opts.start_timeout,
             data_dir=prepare_dir(opts.data_dir or default_data_dir()),
             max_custom_voices=opts.max_custom_voices,
         )

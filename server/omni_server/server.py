@@ -60,8 +60,13 @@ def serve(
         hosts = (hosts or LOOPBACK_NAMES) | options.allowed_hosts
     if hosts is not None:
         options = replace(options, allowed_hosts=hosts)
+    start_timeout = options.start_timeout_s
+
+    def runtime(of: Plan) -> Runtime:
+        return Runtime(of, start_timeout=start_timeout)
+
     if model_control == ControlMode.NONE:
-        return asyncio.run(_serve(lambda: Runtime(plan), host, port, options))
+        return asyncio.run(_serve(lambda: runtime(plan), host, port, options))
 
     def control() -> ModelControl:
         return ModelControl(
@@ -71,6 +76,7 @@ def serve(
             mode=ControlMode(model_control),
             load=load_models,
             poll_s=poll_s,
+            runtime=runtime,
         )
 
     return asyncio.run(_serve(control, host, port, options))

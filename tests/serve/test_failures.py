@@ -226,3 +226,40 @@ def test_the_restart_is_counted_in_the_metrics(flaky):
         -800:
     ]
     assert 'omni_supervision_events_total{event="restart",subject="speaker@r0"} 1.0' in text
+
+
+def test_a_pipeline_slower_than_the_start_timeout_exits_1_naming_it(tmp_path):
+    gate = tmp_path / "gate"  # never opened: the stage is still loading when the bound passes
+    first_chunk = tmp_path / "first-chunk"
+    os.mkfifo(first_chunk, 0o600)
+    repo = make_repo(
+        tmp_path / "repo",
+        stages={
+            "speaker": f"""
+                backend = "FlakySpeaker"
+                terminal = true
+                [scheduler]
+                kind = "stream"
+                [parameters]
+                gate = "{gate}"
+                first_chunk = "{first_chunk}"
+            """
+        },
+        repository="""
+            [models.flaky]
+            entry = "speaker"
+            tasks = ["speech"]
+            voices = ["silence"]
+        """,
+        models={"speaker": FIXTURES / "flaky_speaker.py"},
+    )
+    server = ServerProcess.start(
+        repo, tmp_path / "server.log", "--start-timeout", "3", wait_ready=False
+    )
+    try:
+        assert server.proc.wait(timeout=60) == 1  # long before the stage's own 60 s wait ends
+        log = server.log()
+        assert "stages not ready after 3 s" in log and "Traceback" not in log
+        assert not descendants(server.proc.pid)
+    finally:
+        server.stop(check=False)

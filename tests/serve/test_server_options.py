@@ -139,6 +139,7 @@ def test_stop_gives_requests_the_grace_period_then_cancels_them(keyed_server):
         (["--max-in-flight", "0"], "max_in_flight must be at least 1"),
         (["--body-timeout", "-1"], "body_timeout_s must be positive"),
         (["--api-key", " "], "api_key is empty"),
+        (["--start-timeout", "0"], "start_timeout_s must be positive"),
     ],
 )
 def test_bad_serve_options_exit_2_naming_them(flags, says):

@@ -59,6 +59,9 @@ class ServeOptions:
     idle_timeout_s: float = 30.0  # a keep-alive connection with no request in progress
     write_timeout_s: float = 30.0  # one write of a streamed response to a client not reading
     shutdown_grace_s: float = 5.0  # in-flight requests' time to finish after a stop signal
+    # the pipeline: how long its stage processes may take to be ready (at start, on a restart,
+    # on a model control load) before the start fails
+    start_timeout_s: float = 300.0
     # custom voices (docs/voices.md): where they are kept (None: nowhere, POST refuses) and
     # how many at most
     data_dir: Path | None = None
@@ -85,6 +88,7 @@ class ServeOptions:
             "body_timeout_s",
             "idle_timeout_s",
             "write_timeout_s",
+            "start_timeout_s",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive; got {getattr(self, name)}")
