@@ -9,9 +9,9 @@ to DIR first when DIR has none (`random-checkpoint`, drawn on the GPU with --gpu
 replica count, one server is started (`omni-server --repo examples/higgs-audio-v2
 --parameters.checkpoint DIR`, with --gpu the overrides docs/models.md gives: bf16, cuda:0,
 CUDA graphs, the vocoder and the audio encoder on the GPU; more than one replica: the
-`pipeline` process repeated on cuda:0 under MPS with its weights shared; `3v`: the `vocoder`
-process repeated beside it, so each pipeline replica streams to a vocoder of its own) and each
-concurrency level is a closed-loop `omni-bench speech` run against it (streamed pcm, the
+`pipeline` process repeated on cuda:0 under MPS with its weights shared; `3v`: the vocoder
+stage moved into `pipeline`, so each replica decodes its own frames, handed over in-process)
+and each concurrency level is a closed-loop `omni-bench speech` run against it (streamed pcm, the
 dataset's texts of one to three sentences, every request `--audio-seconds` of audio: random
 weights have no end of speech worth waiting for). Per level: TTFA p50/p95, RTF, audio seconds
 per second, requests per second, the share of streams that underrun; per server: the GPU's
@@ -42,10 +42,11 @@ REPO = Path("examples/higgs-audio-v2")
 
 
 def parse_layout(text: str) -> tuple[int, bool]:
-    """"3" -> three `pipeline` replicas, one vocoder; "3v" -> three of each."""
+    """"3" -> three `pipeline` replicas and one `vocoder` process; "3v" -> three replicas of
+    `pipeline` with the vocoder stage in each (one CUDA context a replica; "1v": one)."""
     vocoders = text.endswith("v")
     count = int(text.removesuffix("v"))
-    if count < 1 or (vocoders and count < 2):
+    if count < 1:
         raise ValueError(text)
     return count, vocoders
 
@@ -53,7 +54,7 @@ def parse_layout(text: str) -> tuple[int, bool]:
 def gpu_overrides(replicas: int, kv_tokens: int, vocoders: bool = False) -> list[str]:
     """docs/models.md's placement on cuda:0; replicas share the GPU (fractions scaled down)."""
     engine = 0.55 / replicas
-    vocoder = 0.05 if vocoders else 0.1  # a vocoder replica's batch is a third of one's
+    vocoder = 0.05 if vocoders else 0.1  # beside each engine (one vocoder: every stream's)
     args = [
         "--stages.tts_engine.gpu", "0",
         "--stages.tts_engine.engine.dtype", "bfloat16",
@@ -88,11 +89,9 @@ def serve_args(args: argparse.Namespace, layout: str) -> list[str]:
         else:
             out += ["--stages.tts_engine.engine.max_total_tokens", str(args.kv_tokens)]
     if vocoders:
-        # round robin binds both processes in step: pipeline replica r streams to vocoder r
-        out += ["--processes.vocoder.num_replicas", str(replicas)]
-        if args.gpu:
-            devices = json.dumps([0] * replicas, separators=(",", ":"))
-            out += ["--processes.vocoder.replica_devices", devices]
+        # not a replicated `vocoder` process: weight sharing makes every process replicated on
+        # one GPU a sharing group, which needs an engine stage (compiler/placement.py)
+        out += ["--stages.vocoder.process", "pipeline"]
     if args.gpu:
         out += gpu_overrides(replicas, args.kv_tokens, vocoders)
     return out + args.extra
@@ -223,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", action="store_true", help="the GPU placement of docs/models.md")
     p.add_argument("--concurrency", default="1,4,16,64", help="closed-loop levels")
     p.add_argument(
-        "--replicas", default="1,3", help="replica counts of `pipeline`, 3v: vocoder too (1,3)"
+        "--replicas", default="1,3", help="replica counts of `pipeline`; 3v: the vocoder in each (1,3)"
     )
     p.add_argument("--rounds", type=int, default=2, help="requests per level: rounds x c")
     p.add_argument("--min-requests", type=int, default=8, help="at least this many per level")

@@ -3,11 +3,11 @@ tokenizer's decoder, a chunk at a time as frames arrive, then speed, rate and fo
 
 The delay pattern is undone as frames come (`Undelay`); a chunk of `first_chunk_frames`
 columns, then chunks doubling up to `chunk_frames` (4, 8, 16 at the defaults: the second must
-arrive before the first has played, so it is short too), is decoded once `lookahead_frames`
-more are there, with up to `context_frames` before it, and only its own columns' samples are
-kept: the decoder is a stack of convolutions, so with its receptive field inside the window a
-chunk's samples equal those of decoding every code at once (tests: >= 30 dB against the
-reference's one decode).
+arrive before the first has played, so it is short too; `grow_chunks = false`: 4, 16), is
+decoded once `lookahead_frames` more are there, with up to `context_frames` before it, and
+only its own columns' samples are kept: the decoder is a stack of convolutions, so with its
+receptive field inside the window a chunk's samples equal those of decoding every code at once
+(tests: >= 30 dB against the reference's one decode).
 
 Batched across requests: the stage's generators run one step at a time on its compute thread;
 a step decodes every stream's due chunk, not only its own, stacking windows of one length into
@@ -97,6 +97,10 @@ class Vocoder(StageBackend):
         self.first, self.chunk = sizes["first_chunk_frames"], sizes["chunk_frames"]
         self.context, self.lookahead = sizes["context_frames"], sizes["lookahead_frames"]
         self.return_frames = bool(params.get("return_frames", False))
+        grow = params.get("grow_chunks", True)
+        if not isinstance(grow, bool):
+            raise StageConfigError(f"parameters.grow_chunks must be true or false; got {grow!r}")
+        self.grow = grow
         self._streams: dict[int, Stream] = {}  # id(request) -> its stream, while it runs
         self.decode_calls = 0  # decoder calls, and the windows they held (batching, logged)
         self.decoded_windows = 0
@@ -175,9 +179,12 @@ class Vocoder(StageBackend):
                 self._decode(group)
 
     def chunk_size(self, index: int) -> int:
-        """Columns of a stream's chunk `index`: first_chunk_frames, doubling up to chunk_frames."""
+        """Columns of a stream's chunk `index`: first_chunk_frames, then doubling up to
+        chunk_frames (grow_chunks = false: chunk_frames at once)."""
         if index == 0:
             return self.first
+        if not self.grow:
+            return self.chunk
         return min(self.chunk, self.first << min(index, 16))
 
     def _decode(self, group: list[tuple[Stream, Window]]) -> None:
