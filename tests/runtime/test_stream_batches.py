@@ -163,7 +163,9 @@ async def test_batched_streams_arrive_whole_and_in_order_and_one_aborts_alone(tm
         doomed_chunks = aiter(doomed)
         await anext(doomed_chunks)  # running: the others' steps batch with it
         lengths = {f"s{i}": 20 + 7 * i for i in range(6)}
-        streams = {rid: runtime.submit(model, {"n": n}, request_id=rid) for rid, n in lengths.items()}
+        streams = {
+            rid: runtime.submit(model, {"n": n}, request_id=rid) for rid, n in lengths.items()
+        }
 
         async def read(rid: str) -> tuple[list[dict], dict]:
             chunks = [c async for c in streams[rid]]

@@ -42,7 +42,7 @@ REPO = Path("examples/higgs-audio-v2")
 
 
 def parse_layout(text: str) -> tuple[int, bool]:
-    """"3" -> three `pipeline` replicas and one `vocoder` process; "3v" -> three replicas of
+    """ "3" -> three `pipeline` replicas and one `vocoder` process; "3v" -> three replicas of
     `pipeline` with the vocoder stage in each (one CUDA context a replica; "1v": one)."""
     vocoders = text.endswith("v")
     count = int(text.removesuffix("v"))
@@ -222,7 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", action="store_true", help="the GPU placement of docs/models.md")
     p.add_argument("--concurrency", default="1,4,16,64", help="closed-loop levels")
     p.add_argument(
-        "--replicas", default="1,3", help="replica counts of `pipeline`; 3v: the vocoder in each (1,3)"
+        "--replicas",
+        default="1,3",
+        help="replica counts of `pipeline`; 3v: the vocoder in each (1,3)",
     )
     p.add_argument("--rounds", type=int, default=2, help="requests per level: rounds x c")
     p.add_argument("--min-requests", type=int, default=8, help="at least this many per level")
