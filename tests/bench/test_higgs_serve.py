@@ -1,6 +1,7 @@
 """`omni-bench higgs-serve`'s server command lines are valid overrides of the example
 repository: the GPU placement docs/models.md gives, and the replicated `pipeline` under MPS with
-shared weights, as `omni-server config resolve` compiles them (nothing starts; the served run
+shared weights (and `3v`: with the vocoder in each replica), as `omni-server config resolve`
+compiles them (nothing starts; the served run
 itself is a device benchmark, run on the CPU by hand with the tiny checkpoint)."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ REPO = ROOT / higgs_serve.REPO
 def _resolved(argv: list[str]) -> dict:
     args = higgs_serve.build_parser().parse_args(["--repo", str(REPO), *argv])
     args.levels = [1, 64]
-    overrides = higgs_serve.serve_args(args, int(args.replicas))
+    overrides = higgs_serve.serve_args(args, args.replicas)
     i = overrides.index("--max-in-flight")  # a server option, not a config override
     assert overrides[i + 1] == "128"
     del overrides[i : i + 2]
@@ -33,9 +34,10 @@ def _resolved(argv: list[str]) -> dict:
     return json.loads(out.stdout)
 
 
-@pytest.mark.parametrize("replicas", [1, 3])
-def test_the_gpu_placement_resolves(tmp_path, replicas):
-    config = _resolved(["--checkpoint", str(tmp_path), "--gpu", "--replicas", str(replicas)])
+@pytest.mark.parametrize("layout", ["1", "1v", "3", "3v"])
+def test_the_gpu_placement_resolves(tmp_path, layout):
+    replicas, vocoders = higgs_serve.parse_layout(layout)
+    config = _resolved(["--checkpoint", str(tmp_path), "--gpu", "--replicas", layout])
     engine = config["stages"]["tts_engine"]
     assert engine["gpu"] == [0] and engine["engine"]["dtype"] == "bfloat16"
     assert engine["engine"]["max_total_tokens"] == 65536  # the same KV for every count
@@ -47,3 +49,11 @@ def test_the_gpu_placement_resolves(tmp_path, replicas):
     if replicas > 1:
         assert pipeline["replica_devices"] == [0] * replicas
         assert config["server"]["mps"] == "on" and config["server"]["weight_share"] == "on"
+    # 3v: each replica decodes its own frames (a replicated vocoder process could not share)
+    assert config["stages"]["vocoder"]["process"] == ("pipeline" if vocoders else "vocoder")
+
+
+@pytest.mark.parametrize("layout", ["0", "0v", "x", "3w"])
+def test_a_layout_is_a_count_and_an_optional_v(layout):
+    with pytest.raises(ValueError):
+        higgs_serve.parse_layout(layout)

@@ -2,15 +2,16 @@
 HTTP and loaded with `omni-bench speech`, one replica of `pipeline` against several.
 
     omni-bench higgs-serve --checkpoint DIR [--size full] [--gpu] [--concurrency 1,4,16,64]
-        [--replicas 1,3] [--audio-seconds 6] [--out DIR]
+        [--replicas 1,3,3v] [--audio-seconds 6] [--out DIR]
 
 The whole device run of issue 22's "Measure" in one command. A random checkpoint is written
 to DIR first when DIR has none (`random-checkpoint`, drawn on the GPU with --gpu). For each
 replica count, one server is started (`omni-server --repo examples/higgs-audio-v2
 --parameters.checkpoint DIR`, with --gpu the overrides docs/models.md gives: bf16, cuda:0,
 CUDA graphs, the vocoder and the audio encoder on the GPU; more than one replica: the
-`pipeline` process repeated on cuda:0 under MPS with its weights shared) and each
-concurrency level is a closed-loop `omni-bench speech` run against it (streamed pcm, the
+`pipeline` process repeated on cuda:0 under MPS with its weights shared; `3v`: the vocoder
+stage moved into `pipeline`, so each replica decodes its own frames, handed over in-process)
+and each concurrency level is a closed-loop `omni-bench speech` run against it (streamed pcm, the
 dataset's texts of one to three sentences, every request `--audio-seconds` of audio: random
 weights have no end of speech worth waiting for). Per level: TTFA p50/p95, RTF, audio seconds
 per second, requests per second, the share of streams that underrun; per server: the GPU's
@@ -40,14 +41,25 @@ from omni_bench.harness.server import OmniServer
 REPO = Path("examples/higgs-audio-v2")
 
 
-def gpu_overrides(replicas: int, kv_tokens: int) -> list[str]:
+def parse_layout(text: str) -> tuple[int, bool]:
+    """ "3" -> three `pipeline` replicas and one `vocoder` process; "3v" -> three replicas of
+    `pipeline` with the vocoder stage in each (one CUDA context a replica; "1v": one)."""
+    vocoders = text.endswith("v")
+    count = int(text.removesuffix("v"))
+    if count < 1:
+        raise ValueError(text)
+    return count, vocoders
+
+
+def gpu_overrides(replicas: int, kv_tokens: int, vocoders: bool = False) -> list[str]:
     """docs/models.md's placement on cuda:0; replicas share the GPU (fractions scaled down)."""
     engine = 0.55 / replicas
+    vocoder = 0.05 if vocoders else 0.1  # beside each engine (one vocoder: every stream's)
     args = [
         "--stages.tts_engine.gpu", "0",
         "--stages.tts_engine.engine.dtype", "bfloat16",
         "--stages.tts_engine.gpu_memory_fraction", f"{engine:.3f}",
-        "--stages.vocoder.gpu", "0", "--stages.vocoder.gpu_memory_fraction", "0.1",
+        "--stages.vocoder.gpu", "0", "--stages.vocoder.gpu_memory_fraction", f"{vocoder}",
         "--stages.audio_encoder.gpu", "0", "--stages.audio_encoder.gpu_memory_fraction", "0.05",
     ]  # fmt: skip
     # the same KV cache for every replica count (weight sharing requires it pinned), so the
@@ -58,7 +70,8 @@ def gpu_overrides(replicas: int, kv_tokens: int) -> list[str]:
     return args
 
 
-def serve_args(args: argparse.Namespace, replicas: int) -> list[str]:
+def serve_args(args: argparse.Namespace, layout: str) -> list[str]:
+    replicas, vocoders = parse_layout(layout)
     out = [
         "--parameters.checkpoint", str(args.checkpoint),
         "--stages.tts_engine.parameters.ignore_eos", "true",
@@ -75,8 +88,12 @@ def serve_args(args: argparse.Namespace, replicas: int) -> list[str]:
             out += ["--processes.pipeline.replica_devices", devices]
         else:
             out += ["--stages.tts_engine.engine.max_total_tokens", str(args.kv_tokens)]
+    if vocoders:
+        # not a replicated `vocoder` process: weight sharing makes every process replicated on
+        # one GPU a sharing group, which needs an engine stage (compiler/placement.py)
+        out += ["--stages.vocoder.process", "pipeline"]
     if args.gpu:
-        out += gpu_overrides(replicas, args.kv_tokens)
+        out += gpu_overrides(replicas, args.kv_tokens, vocoders)
     return out + args.extra
 
 
@@ -130,7 +147,7 @@ def _level(args: argparse.Namespace, url: str, concurrency: int, out: Path) -> d
     return level
 
 
-def _serve(args: argparse.Namespace, replicas: int) -> dict[str, Any]:
+def _serve(args: argparse.Namespace, replicas: str) -> dict[str, Any]:
     server = OmniServer(args.repo, serve_args(args, replicas), ready_timeout_s=args.ready_timeout)
     gpu = GpuMemory()
     with gpu:
@@ -204,7 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", choices=("tiny", "full"), default="full", help="when written")
     p.add_argument("--gpu", action="store_true", help="the GPU placement of docs/models.md")
     p.add_argument("--concurrency", default="1,4,16,64", help="closed-loop levels")
-    p.add_argument("--replicas", default="1,3", help="replica counts of `pipeline` (1,3)")
+    p.add_argument(
+        "--replicas",
+        default="1,3",
+        help="replica counts of `pipeline`; 3v: the vocoder in each (1,3)",
+    )
     p.add_argument("--rounds", type=int, default=2, help="requests per level: rounds x c")
     p.add_argument("--min-requests", type=int, default=8, help="at least this many per level")
     p.add_argument("--audio-seconds", type=float, default=6.0, help="audio per request (6)")
@@ -233,9 +254,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.levels = [int(c) for c in args.concurrency.split(",")]
-        counts = [int(r) for r in args.replicas.split(",")]
+        counts = args.replicas.split(",")
+        for layout in counts:
+            parse_layout(layout)
     except ValueError:
-        print("omni-bench higgs-serve: --concurrency / --replicas: integers, comma separated")
+        print(
+            "omni-bench higgs-serve: --concurrency / --replicas: integers (a replica count may "
+            "end in v), comma separated"
+        )
         return 2
     if not (args.checkpoint / "config.json").is_file():
         from omni_bench import random_checkpoint

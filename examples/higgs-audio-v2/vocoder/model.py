@@ -2,10 +2,12 @@
 tokenizer's decoder, a chunk at a time as frames arrive, then speed, rate and format.
 
 The delay pattern is undone as frames come (`Undelay`); a chunk of `first_chunk_frames`
-columns (then `chunk_frames`) is decoded once `lookahead_frames` more are there, with up to
-`context_frames` before it, and only its own columns' samples are kept: the decoder is a stack
-of convolutions, so with its receptive field inside the window a chunk's samples equal those of
-decoding every code at once (tests: >= 30 dB against the reference's one decode).
+columns, then chunks doubling up to `chunk_frames` (4, 8, 16 at the defaults: the second must
+arrive before the first has played, so it is short too; `grow_chunks = false`: 4, 16), is
+decoded once `lookahead_frames` more are there, with up to `context_frames` before it, and
+only its own columns' samples are kept: the decoder is a stack of convolutions, so with its
+receptive field inside the window a chunk's samples equal those of decoding every code at once
+(tests: >= 30 dB against the reference's one decode).
 
 Batched across requests: the stage's generators run one step at a time on its compute thread;
 a step decodes every stream's due chunk, not only its own, stacking windows of one length into
@@ -64,6 +66,7 @@ class Stream:
     tempo: Tempo | None
     final: bool = False  # the engine's last frame came
     done: int = 0  # columns decoded
+    chunks: int = 0  # chunks decoded (their sizes grow: Vocoder.chunk_size)
     ready: list[np.ndarray] = field(default_factory=list)  # decoded, not yet sent
     generated: list[list[int]] = field(default_factory=list)
     finish_reason: str | None = None
@@ -94,6 +97,10 @@ class Vocoder(StageBackend):
         self.first, self.chunk = sizes["first_chunk_frames"], sizes["chunk_frames"]
         self.context, self.lookahead = sizes["context_frames"], sizes["lookahead_frames"]
         self.return_frames = bool(params.get("return_frames", False))
+        grow = params.get("grow_chunks", True)
+        if not isinstance(grow, bool):
+            raise StageConfigError(f"parameters.grow_chunks must be true or false; got {grow!r}")
+        self.grow = grow
         self._streams: dict[int, Stream] = {}  # id(request) -> its stream, while it runs
         self.decode_calls = 0  # decoder calls, and the windows they held (batching, logged)
         self.decoded_windows = 0
@@ -160,7 +167,7 @@ class Vocoder(StageBackend):
                     stream.done,
                     stream.undelay.columns(),
                     stream.final or stream.undelay.ended,
-                    chunk=self.first if stream.done == 0 else self.chunk,
+                    chunk=self.chunk_size(stream.chunks),
                     context=self.context,
                     lookahead=self.lookahead,
                 )
@@ -170,6 +177,15 @@ class Vocoder(StageBackend):
                 return
             for group in due.values():
                 self._decode(group)
+
+    def chunk_size(self, index: int) -> int:
+        """Columns of a stream's chunk `index`: first_chunk_frames, then doubling up to
+        chunk_frames (grow_chunks = false: chunk_frames at once)."""
+        if index == 0:
+            return self.first
+        if not self.grow:
+            return self.chunk
+        return min(self.chunk, self.first << min(index, 16))
 
     def _decode(self, group: list[tuple[Stream, Window]]) -> None:
         codes = np.stack([s.undelay.codes(w.start, w.stop) for s, w in group])  # [B, K, L]
@@ -182,6 +198,7 @@ class Vocoder(StageBackend):
             begin = (window.keep - window.start) * self.hop
             stream.ready.append(row[begin : begin + window.count * self.hop])
             stream.done = window.keep + window.count
+            stream.chunks += 1
 
     def _send(self, stream: Stream, last: bool = False) -> bytes:
         """The stream's decoded audio, at its speed and rate, as the next body bytes."""

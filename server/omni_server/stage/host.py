@@ -22,16 +22,20 @@ from omni_server.envelope import Envelope
 from omni_server.wire.codec import Unencodable
 from omni_server.wire.links import Links
 from omni_server.wire.messages import (
+    MAX_BATCHED_CHUNKS,
     Abort,
     CoordinatorMessage,
     Credit,
     Deliver,
     HostMessage,
+    MalformedMessage,
     Shutdown,
     Skipped,
     StageFailed,
     StreamChunk,
+    StreamChunks,
     StreamEnd,
+    split_chunks,
 )
 from omni_server.wire.routes import Routes
 
@@ -211,6 +215,13 @@ class StageHost:
             case StreamChunk():
                 if message.env.key not in self._aborted:
                     self.stages[message.stage].on_chunk(message)
+            case StreamChunks():
+                node = self.stages.get(message.stage)
+                if node is None:
+                    raise MalformedMessage(f"StreamChunks for {message.stage!r}: not hosted here")
+                for chunk in split_chunks(message):  # checked whole before any is delivered
+                    if chunk.env.key not in self._aborted:
+                        node.on_chunk(chunk)
             case StreamEnd():
                 if message.env.key not in self._aborted:
                     self.stages[message.stage].on_stream_end(message)
@@ -245,6 +256,32 @@ class StageHost:
             self.links.to_instance(index, message)
         except Unencodable as exc:
             self._unencodable(env.key, getattr(message, "source", stage), stage, exc)
+
+    def send_chunks(self, stage: str, chunks: list[StreamChunk]) -> None:
+        """One step's chunks of several requests to `stage`: those hosted here are handled at
+        once; each other process that hosts `stage` for some of them gets them as one
+        StreamChunks (a lone chunk goes as itself), in their order."""
+        remote: dict[int, list[StreamChunk]] = {}
+        for chunk in chunks:
+            index = self.routes.host_of(stage, chunk.env.bindings)
+            if index == self.index:
+                self.handle(chunk)
+            else:
+                remote.setdefault(index, []).append(chunk)
+        for index, group in remote.items():
+            for start in range(0, len(group), MAX_BATCHED_CHUNKS):
+                self._send_batch(index, stage, group[start : start + MAX_BATCHED_CHUNKS])
+
+    def _send_batch(self, index: int, stage: str, group: list[StreamChunk]) -> None:
+        if len(group) == 1:
+            self.send(group[0].env, stage, group[0])
+            return
+        try:
+            self.links.to_instance(index, StreamChunks(stage, group[0].source, tuple(group)))
+        except Unencodable:
+            # nothing was sent: one by one, so only the chunk that cannot cross fails its request
+            for chunk in group:
+                self.send(chunk.env, stage, chunk)
 
     def to_coordinator(self, message: CoordinatorMessage) -> None:
         try:

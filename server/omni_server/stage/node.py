@@ -111,6 +111,9 @@ class Outbox(Protocol):
     def send(self, env: Envelope, stage: str, message: HostMessage) -> None:
         """To `stage`, wherever this request's binding puts it (this process or another)."""
 
+    def send_chunks(self, stage: str, chunks: list[StreamChunk]) -> None:
+        """Chunks of several requests to `stage`: one message per process it goes to."""
+
     def to_coordinator(self, message: CoordinatorMessage) -> None:
         """Chunks, results, failures and timeouts for the caller's side."""
 
@@ -388,17 +391,28 @@ class StageNode:
     # ---- outcomes (StageCallbacks, event-loop thread) --------------------------------------
 
     def chunk(self, item: WorkItem, chunk: Payload) -> None:
-        seq = self._seq.get(item.key, 0)
-        self._seq[item.key] = seq + 1
-        env, spec = item.env, self.spec
-        stream_to = self.inputs(env.model).stream_to
-        copies = _isolated(chunk, len(stream_to) + spec.terminal)
-        for dst in stream_to:
-            self.outbox.send(env, dst, StreamChunk(env, dst, self.name, seq, next(copies)))
-        if spec.terminal:
-            if isinstance(item, _TerminalItem) and item.credits > 0:
-                item.credits -= 1
-            self.outbox.to_coordinator(TerminalChunk(item.key, self.name, seq, next(copies)))
+        self.chunks([(item, chunk)])
+
+    def chunks(self, batch: list[tuple[WorkItem, Payload]]) -> None:
+        """Chunks of several requests from one step, in order: each stream_to stage gets them
+        in one send_chunks (one message per destination process, not one per request)."""
+        spec = self.spec
+        edges: dict[str, list[StreamChunk]] = {}
+        for item, chunk in batch:
+            seq = self._seq.get(item.key, 0)
+            self._seq[item.key] = seq + 1
+            env = item.env
+            stream_to = self.inputs(env.model).stream_to
+            copies = _isolated(chunk, len(stream_to) + spec.terminal)
+            for dst in stream_to:
+                message = StreamChunk(env, dst, self.name, seq, next(copies))
+                edges.setdefault(dst, []).append(message)
+            if spec.terminal:
+                if isinstance(item, _TerminalItem) and item.credits > 0:
+                    item.credits -= 1
+                self.outbox.to_coordinator(TerminalChunk(item.key, self.name, seq, next(copies)))
+        for dst, chunks in edges.items():
+            self.outbox.send_chunks(dst, chunks)
 
     def complete(self, item: WorkItem, payload: Payload | None, targets: tuple[str, ...]) -> None:
         key, env, spec = item.key, item.env, self.spec

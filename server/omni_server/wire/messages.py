@@ -6,7 +6,8 @@ by reference (same process) or encoded by `codec` (another process).
 
 Direction and channel (channels.py):
   coordinator -> host   Deliver (the entry payload)                        data (ring)
-  host -> host          Deliver, Skipped, StreamChunk, StreamEnd           data (or a direct call)
+  host -> host          Deliver, Skipped, StreamChunk, StreamChunks,       data (or a direct call)
+                        StreamEnd
   host -> coordinator   TerminalChunk, TerminalResult, TerminalSkipped,    data (ring)
                         StageFailed
   coordinator -> host   Abort, Shutdown, Rewire, Credit                    control (ZMQ)
@@ -53,6 +54,52 @@ class StreamChunk:
     source: str
     seq: int
     chunk: Payload
+
+
+# the most chunks one StreamChunks may carry: a step of a batch far larger than any engine's
+# (the sender splits above it; a receiver refuses more)
+MAX_BATCHED_CHUNKS = 4096
+
+
+class MalformedMessage(ValueError):
+    """A received message whose fields break its invariants: refused whole, nothing of it
+    delivered."""
+
+
+@dataclass(slots=True)
+class StreamChunks:
+    """One step's chunks of several requests along the stream edges `source` -> `stage`, as one
+    message: an `ar` stage's step sends one per destination process instead of one per request
+    (each crossing costs the loops far more than its bytes). The receiver splits it back into
+    its `StreamChunk`s, in order (`split_chunks`), as if they had come one by one."""
+
+    stage: str
+    source: str
+    chunks: tuple[StreamChunk, ...]
+
+
+def split_chunks(message: StreamChunks) -> tuple[StreamChunk, ...]:
+    """The chunks of a received batch, checked: each a StreamChunk of this edge (same stage and
+    source) with an Envelope and a seq >= 0, 1..MAX_BATCHED_CHUNKS of them; else
+    MalformedMessage (the whole batch is refused: a sender that breaks these is a bug or
+    hostile, and half a step delivered would leave streams out of step)."""
+    stage, source, chunks = message.stage, message.source, message.chunks
+    if type(stage) is not str or type(source) is not str:
+        raise MalformedMessage("StreamChunks: stage and source must be strings")
+    if type(chunks) is not tuple or not 0 < len(chunks) <= MAX_BATCHED_CHUNKS:
+        raise MalformedMessage(
+            f"StreamChunks: chunks must be a tuple of 1..{MAX_BATCHED_CHUNKS} chunks"
+        )
+    for chunk in chunks:
+        if type(chunk) is not StreamChunk or type(chunk.env) is not Envelope:
+            raise MalformedMessage(f"StreamChunks: an entry is a {type(chunk).__name__}")
+        if chunk.stage != stage or chunk.source != source:
+            raise MalformedMessage(
+                f"StreamChunks {source} -> {stage}: an entry of {chunk.source} -> {chunk.stage}"
+            )
+        if type(chunk.env.key) is not int or type(chunk.seq) is not int or chunk.seq < 0:
+            raise MalformedMessage("StreamChunks: an entry's key and seq must be integers >= 0")
+    return chunks
 
 
 @dataclass(slots=True)
@@ -172,7 +219,9 @@ class StageFailed:
     param: str | None = None
 
 
-HostMessage = Deliver | Skipped | StreamChunk | StreamEnd | Abort | Shutdown | Rewire | Credit
+HostMessage = (
+    Deliver | Skipped | StreamChunk | StreamChunks | StreamEnd | Abort | Shutdown | Rewire | Credit
+)
 CoordinatorMessage = (
     Ready
     | StartFailed

@@ -156,9 +156,14 @@ class ARScheduler(Scheduler):
             return request, error
 
     def _report(self, outputs: list[tuple[Request, Any]], start: float, seconds: float) -> None:
-        """Event loop: stream chunks, complete or fail requests (aborted ones are dropped)."""
+        """Event loop: stream chunks, complete or fail requests (aborted ones are dropped).
+
+        The step's chunks go out together (`chunks`: one message per destination process);
+        those gathered so far are sent before any request completes or fails, so a stream's
+        end never overtakes its chunks."""
         by_request = {id(item.request): item for item in self._items.values()}
         stepped: set[int] = set()
+        pending: list[tuple[WorkItem, Any]] = []
         for request, outcome in outputs:
             item = by_request.get(id(request))
             if item is None or item.key not in self._items:
@@ -167,18 +172,23 @@ class ARScheduler(Scheduler):
                 stepped.add(item.key)
                 item.started(start)
                 item.compute_s += seconds
-            if isinstance(outcome, BaseException):
-                del self._items[item.key]
-                self._playback.pop(item.key, None)
-                self.callbacks.fail(item, outcome)
-            elif outcome[0] == "chunk":
+            if not isinstance(outcome, BaseException) and outcome[0] == "chunk":
                 if self._media:
                     playback = self._playback.setdefault(item.key, Playback())
                     playback.produced(outcome[2], time.monotonic())
-                self.callbacks.chunk(item, outcome[1])
+                pending.append((item, outcome[1]))
+                continue
+            if pending:
+                self.callbacks.chunks(pending)
+                pending = []
+            del self._items[item.key]
+            if isinstance(outcome, BaseException):
+                self._playback.pop(item.key, None)
+                self.callbacks.fail(item, outcome)
             else:
-                del self._items[item.key]
                 ended = self._playback.pop(item.key, None)
                 if ended is not None:
                     item.min_lead_s = ended.min_lead
                 self.callbacks.complete(item, outcome[0], outcome[1])
+        if pending:
+            self.callbacks.chunks(pending)

@@ -91,6 +91,10 @@ class StageCallbacks(Protocol):
 
     def chunk(self, item: WorkItem, chunk: Payload) -> None: ...
 
+    def chunks(self, batch: list[tuple[WorkItem, Payload]]) -> None:
+        """Chunks of several requests from one step, in order (as chunk() for each, but each
+        destination process gets them as one message)."""
+
     def complete(self, item: WorkItem, payload: Payload | None, targets: tuple[str, ...]) -> None:
         """The request is done here; `targets` are the `next` stages its payload goes to."""
 
