@@ -312,9 +312,6 @@ async def interleaved(
         url = server.url
     pid = server.pid if server is not None else args.server_pid
     before = None
-    if args.compare_repo is not None:  # a second server, measured right after the first
-        before = OmniServer(args.compare_repo)
-        await before.start()
     before_who = f"served ({args.compare_label})"
     runs: list[Run] = []
 
@@ -324,6 +321,9 @@ async def interleaved(
         return run
 
     try:
+        if args.compare_repo is not None:  # a second server, measured right after the first
+            before = OmniServer(args.compare_repo)
+            await before.start()
         timeout = aiohttp.ClientTimeout(total=900)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             voice = corpora[0]
