@@ -23,14 +23,24 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from omni_server.audio.whisper import DecodeOptions
-
 RATE = 16_000  # Whisper's sample rate
+
+
+class DecodeOptions(Protocol):
+    """What a clip asks of its calls (`whisper.DecodeOptions`; not imported: it imports this)."""
+
+    @property
+    def prompt(self) -> str | None: ...
+
+    @property
+    def temperature(self) -> float: ...
+
+    @property
+    def words(self) -> bool: ...
 
 
 @dataclass
