@@ -22,7 +22,7 @@ import av
 import numpy as np
 
 from omni_server.audio.budget import BudgetedSamples, BudgetExhausted, SampleBudget
-from omni_server.audio.containers import truncation
+from omni_server.audio.containers import plain_wav, truncation
 from omni_server.audio.resample import StreamResampler
 from omni_server.backend import (
     InvalidRequest,
@@ -89,6 +89,9 @@ class DecodeUpload(StageBackend):
     def decode(self, data: bytes) -> np.ndarray:
         if not data:
             raise Rejected("the uploaded file is empty")
+        plain = plain_wav(data)
+        if plain is not None:  # mono PCM16 WAV, whole: no FFmpeg needed (the same samples)
+            return self._pcm16(*plain)
         try:
             with av.open(io.BytesIO(data), mode="r") as container:
                 if not container.streams.audio:
@@ -120,6 +123,22 @@ class DecodeUpload(StageBackend):
         if cut is not None:
             raise Rejected(f"the uploaded file is truncated: {cut}")
         return audio
+
+    def _pcm16(self, pcm: np.ndarray, rate: int) -> np.ndarray:
+        """A plain WAV's samples as FFmpeg's path gives them: x / 32768, then soxr to 16 kHz."""
+        if pcm.size > int(self.max_seconds * rate):
+            raise Rejected(
+                f"the audio is longer than this server's limit of {self.max_seconds:g} s"
+            )
+        out = BudgetedSamples(
+            self.budget,
+            capacity_limit=int(self.max_seconds * RATE) + RESAMPLER_SLACK,
+            expected=int(pcm.size * RATE / rate) + RESAMPLER_SLACK,
+        )
+        resampler = StreamResampler(rate, RATE)
+        out.append(resampler.push(pcm.astype(np.float32) * np.float32(1 / 32768)))
+        out.append(resampler.flush())
+        return out.finish()
 
     def _samples(self, container, stream, rate: int, declared: float | None) -> np.ndarray:
         # PyAV downmixes to mono float at the source rate; soxr does the rate change.

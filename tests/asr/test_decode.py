@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from omni_bench.inprocess import load_stage
+from omni_server.audio import containers
 from omni_server.audio.encode import AudioEncoder
+from omni_server.audio.wav import wav_header
 from omni_server.backend import InvalidRequest, Request, StageConfigError
 
 
@@ -204,3 +206,44 @@ def test_a_total_below_the_per_request_limit_is_a_config_error(plan):
         load_stage(
             plan, "asr_decode", parameters={"max_audio_seconds": 60, "max_total_audio_seconds": 30}
         )
+
+
+def _extensible_wav(pcm: np.ndarray, rate: int) -> bytes:
+    """The same mono PCM16 as WAVE_FORMAT_EXTENSIBLE (PCM subformat): FFmpeg's path reads it."""
+    subformat = b"\x01\x00\x00\x00\x00\x00\x10\x00\x80\x00\x00\xaa\x00\x38\x9b\x71"
+    fmt = struct.pack("<HHIIHHHHI", 0xFFFE, 1, rate, 2 * rate, 2, 16, 22, 16, 4) + subformat
+    body = pcm.astype("<i2").tobytes()
+    chunks = b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(body))
+    return b"RIFF" + struct.pack("<I", 4 + len(chunks) + len(body)) + b"WAVE" + chunks + body
+
+
+@pytest.mark.parametrize("rate", [16000, 22050, 44100])
+def test_a_plain_wav_decodes_to_what_ffmpeg_gives(decoder, rate):
+    """Mono PCM16 WAVs skip FFmpeg (containers.plain_wav); the samples are FFmpeg's path's."""
+    pcm = (_tone(1.3, rate) * 32767).astype(np.int16)
+    plain = wav_header(rate, data_bytes=2 * pcm.size) + pcm.astype("<i2").tobytes()
+    assert containers.plain_wav(plain) is not None
+    assert containers.plain_wav(_extensible_wav(pcm, rate)) is None
+    fast = _run(decoder, plain)["audio"]
+    slow = _run(decoder, _extensible_wav(pcm, rate))["audio"]
+    assert fast.dtype == slow.dtype == np.float32
+    assert fast.shape == slow.shape
+    np.testing.assert_allclose(fast, slow, atol=1e-6)
+
+
+def test_only_a_whole_plain_wav_takes_the_short_path():
+    pcm = (_tone(0.5, 16000) * 32767).astype(np.int16)
+    plain = wav_header(16000, data_bytes=2 * pcm.size) + pcm.astype("<i2").tobytes()
+    samples, rate = containers.plain_wav(plain)
+    assert rate == 16000 and np.array_equal(samples, pcm)
+    cut = plain[: len(plain) - 100]
+    streaming = plain[:40] + struct.pack("<I", 0xFFFFFFFF) + plain[44:]
+    eight_bit = plain[:34] + struct.pack("<H", 8) + plain[36:]
+    two_channels = plain[:22] + struct.pack("<H", 2) + plain[24:]
+    for data in (cut, streaming, eight_bit, two_channels, b"RIFF", plain[:44]):
+        assert containers.plain_wav(data) is None
+
+
+def test_a_cut_plain_wav_is_still_invalid_audio(decoder):
+    plain = _encode(_tone(1.0, 16000), 16000, "wav")
+    assert "truncated" in str(_refusal(decoder, plain[: len(plain) - 1000]))

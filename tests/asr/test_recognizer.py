@@ -8,6 +8,7 @@ import pytest
 from omni_bench import asr_audio
 from omni_bench.wer import word_error_rate
 from omni_server.audio import vad, whisper
+from omni_server.audio.window_batch import plan_batch
 
 pytestmark = pytest.mark.slow  # loads Whisper and runs it on CPU
 
@@ -126,3 +127,27 @@ def test_sentences_at_window_ends_are_heard(recognizer):
         ends |= {last, last + 1}
     for i in sorted(ends):
         assert word_error_rate([texts[i]], [heard(i)]) <= 0.25, (texts[i], heard(i))
+
+
+def test_windows_of_several_clips_in_one_call_are_heard_as_each_alone(recognizer, clips, paused):
+    """A call over windows of three clips (two short ones and a clip of four utterances) gives
+    each clip the segments it gets decoded alone: the same words, times within 20 ms."""
+    options = whisper.DecodeOptions(words=True)
+    audios = [clips[0], clips[2], paused.samples]
+    alone = [[s for b in recognizer.windows(a, _windows(a), options) for s in b] for a in audios]
+    together = [recognizer.transcription(a, _windows(a), options) for a in audios]
+    calls = 0
+    while any(t.pending for t in together):
+        batch = plan_batch(together, 8)
+        assert len({id(w.owner) for w in batch}) > 1 or calls > 0
+        recognizer.decode(batch)
+        calls += 1
+    heard = []
+    for transcription in together:
+        heard.append(transcription.ready())
+        assert transcription.finished
+    for mine, theirs in zip(heard, alone, strict=True):
+        assert [s["text"] for s in mine] == [s["text"] for s in theirs]
+        for a, b in zip(mine, theirs, strict=True):
+            assert abs(a["start"] - b["start"]) <= 0.02 and abs(a["end"] - b["end"]) <= 0.02
+            assert [w["word"] for w in a["words"]] == [w["word"] for w in b["words"]]

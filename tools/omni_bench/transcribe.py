@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import resource
 import statistics
 import sys
@@ -87,6 +88,8 @@ class Run:
     wer: float | None = None
     first_text_s: float | None = None
     cpu_s: float | None = None  # CPU seconds spent (this process, or the server's process tree)
+    # the machine's 1-minute load average as the run started (a shared machine's neighbours)
+    load: float = field(default_factory=lambda: os.getloadavg()[0])
 
     @property
     def throughput(self) -> float:
@@ -271,8 +274,10 @@ async def served(
     c: int,
     rounds: int,
     pid: int | None = None,
+    who: str = "served",
 ) -> Run:
     """Every clip `rounds` times, `c` requests in flight at once."""
+    load = os.getloadavg()[0]
     wavs = corpus.uploads
     hyps: dict[int, str] = {}
     latencies: list[float] = []
@@ -291,7 +296,7 @@ async def served(
     cpu_s = after - cpu if after is not None and cpu is not None else None
     wer = word_error_rate(corpus.texts, [hyps[i] for i in range(len(wavs))])
     audio = corpus.seconds * rounds
-    return Run("served", corpus.name, c, audio, wall, latencies, rtfs, wer, cpu_s=cpu_s)
+    return Run(who, corpus.name, c, audio, wall, latencies, rtfs, wer, cpu_s=cpu_s, load=load)
 
 
 async def interleaved(
@@ -306,6 +311,8 @@ async def interleaved(
         await server.start()
         url = server.url
     pid = server.pid if server is not None else args.server_pid
+    before = None
+    before_who = f"served ({args.compare_label})"
     runs: list[Run] = []
 
     def note(run: Run) -> Run:
@@ -314,6 +321,9 @@ async def interleaved(
         return run
 
     try:
+        if args.compare_repo is not None:  # a second server, measured right after the first
+            before = OmniServer(args.compare_repo)
+            await before.start()
         timeout = aiohttp.ClientTimeout(total=900)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             voice = corpora[0]
@@ -323,7 +333,12 @@ async def interleaved(
                 rounds = max(1, -(-2 * c // len(voice.clips)))
                 note(inprocess_sequential(model, voice, args.beam))
                 note(await served(session, url, voice, c, rounds, pid))
-            for corpus in corpora[1:]:
+                if before is not None:
+                    await _transcribe(session, before.url, voice.uploads[0])  # warm-up
+                    note(
+                        await served(session, before.url, voice, c, rounds, before.pid, before_who)
+                    )
+            for corpus in corpora[1:] if not args.no_conditions else []:
                 if args.beam != 1:
                     note(inprocess_sequential(model, corpus, 1))
                 note(inprocess_sequential(model, corpus, args.beam))
@@ -335,6 +350,8 @@ async def interleaved(
             stage = whisper.Recognizer(model, batch_size=4, beam_size=args.beam)
             note(inprocess_stage_code(stage, long))
             note(await served(session, url, long, 1, 1, pid))
+            if before is not None:
+                note(await served(session, before.url, long, 1, 1, before.pid, before_who))
             first, done, text = await _first_text(session, url, long.uploads[0])
             run = Run(
                 "served, stream=true",
@@ -356,6 +373,8 @@ async def interleaved(
     finally:
         if server is not None:
             await server.stop(check=True)
+        if before is not None:
+            await before.stop(check=True)
     return runs
 
 
@@ -367,7 +386,7 @@ def _line(r: Run) -> str:
 
 
 def table(runs: list[Run]) -> str:
-    lines = tables.header(TABLE_COLUMNS, "ll" + "r" * 9)
+    lines = tables.header(TABLE_COLUMNS, "ll" + "r" * 10)
     for r in runs:
         rtf = statistics.fmean(r.rtfs) if r.rtfs else float("nan")
         first = f"{r.first_text_s:.2f}" if r.first_text_s is not None else ""
@@ -375,13 +394,14 @@ def table(runs: list[Run]) -> str:
         per_cpu = f"{r.audio_per_cpu:.1f}" if r.audio_per_cpu is not None else ""
         measured = [f"{r.audio_s:.0f}", f"{r.wall_s:.2f}", f"{r.throughput:.1f}", per_cpu]
         latency = [f"{rtf:.3f}", f"{percentile(r.latencies, 90):.2f}", first, wer]
-        lines.append(tables.row([r.who, r.corpus, r.concurrency, *measured, *latency]))
+        row = [r.who, r.corpus, r.concurrency, *measured, *latency, f"{r.load:.1f}"]
+        lines.append(tables.row(row))
     return "\n".join(lines)
 
 
 TABLE_COLUMNS = [
     "who", "audio", "c", "audio s", "wall s", "throughput (audio s/s)", "audio s per CPU s",
-    "mean RTF", "p90 latency s", "first text s", "WER %",
+    "mean RTF", "p90 latency s", "first text s", "WER %", "load",
 ]  # fmt: skip
 
 
@@ -447,6 +467,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heldout", type=int, default=15, help="short clips of held-out texts")
     parser.add_argument("--long-seconds", type=float, default=300.0)
     parser.add_argument("--levels", default="1,4,8", help="concurrency levels")
+    parser.add_argument(
+        "--no-conditions", action="store_true",
+        help="leave out the held-out, noisy and espeak conditions (speed runs)",
+    )  # fmt: skip
     parser.add_argument("--snr", type=float, default=10.0, help="SNR (dB) of the noisy condition")
     parser.add_argument(
         "--beam", type=int, default=whisper.SERVED_BEAM_SIZE,
@@ -457,6 +481,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--url", help="a running server instead of starting one")
     parser.add_argument("--server-pid", type=int, help="with --url: its pid, for CPU seconds")
     parser.add_argument("--json", type=Path, help="write the runs here")
+    parser.add_argument(
+        "--compare-repo", type=Path,
+        help="a second repository served beside --repo, each served run repeated on it",
+    )  # fmt: skip
+    parser.add_argument("--compare-label", default="before", help="its rows' name")
     args = parser.parse_args(argv)
     args.levels = [int(x) for x in args.levels.split(",")]
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
+
 OGG_CAPTURE = b"OggS"
 OGG_HEADER = 27  # bytes before a page's segment table
 OGG_EOS = 0x04
@@ -109,4 +111,32 @@ def _matroska(data: bytes) -> str | None:
     end = segment + 4 + size[1] + size[0]
     if end > len(data):
         return f"its Segment declares {end} bytes but the file has {len(data)}"
+    return None
+
+
+def plain_wav(data: bytes) -> tuple[np.ndarray, int] | None:
+    """(int16 samples, rate) of a plain WAV: RIFF/WAVE, PCM (format tag 1), mono, 16 bits, its
+    `data` chunk whole and sized; None for anything else (the caller decodes that with FFmpeg,
+    which refuses what must be refused). Reading it here skips opening FFmpeg on the commonest
+    upload (~8 ms a request, docs/benchmarks.md)."""
+    if len(data) < 44 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        return None
+    pos, rate = 12, None
+    while pos + 8 <= len(data):
+        chunk, size = data[pos : pos + 4], struct.unpack_from("<I", data, pos + 4)[0]
+        body = pos + 8
+        if chunk == b"fmt ":
+            if size < 16 or body + 16 > len(data):
+                return None
+            tag, channels, rate_, _, align, bits = struct.unpack_from("<HHIIHH", data, body)
+            if (tag, channels, align, bits) != (1, 1, 2, 16) or not 0 < rate_ <= 384_000:
+                return None
+            rate = rate_
+        elif chunk == b"data":
+            if rate is None or size == WAV_STREAMING_SIZE or size == 0 or size & 1:
+                return None
+            if body + size > len(data):
+                return None  # cut short: FFmpeg's path says so, as for every container
+            return np.frombuffer(data, dtype="<i2", count=size // 2, offset=body), rate
+        pos = body + size + (size & 1)  # chunks are padded to an even length
     return None

