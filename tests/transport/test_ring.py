@@ -535,3 +535,35 @@ def test_hot_spin_is_bounded(pair):
     for bad in (-1.0, 1e5, float("nan")):
         with pytest.raises(ValueError, match="hot_spin_us"):
             consumer.hot_spin_us = bad
+
+
+async def test_the_hot_poll_leaves_the_loop_to_other_tasks(pair):
+    """While a hot stream's pop polls the ring, the loop's other tasks keep running (the poll
+    alternates short spins with passes of the loop): a task on the same loop runs while the
+    pop waits and pushes the record itself, and the pop takes it from its poll, never having
+    gone to sleep on the doorbell (no reader was added to the loop)."""
+    producer, consumer = pair
+    consumer.hot_spin_us = 10000  # the poll outlasts the few passes below
+    producer.push(b"first")
+    with await asyncio.wait_for(consumer.pop_async(), 10) as rec:  # the stream is hot now
+        assert bytes(rec.header) == b"first"
+    loop = asyncio.get_running_loop()
+    readers: list[int] = []
+    add_reader = loop.add_reader
+
+    def watched(fd: int, *args: object) -> None:
+        readers.append(fd)
+        add_reader(fd, *args)
+
+    loop.add_reader = watched
+    try:
+        pop = asyncio.create_task(consumer.pop_async())
+        for _ in range(3):  # passes of the loop while the pop polls
+            await asyncio.sleep(0)
+        assert not pop.done()
+        producer.push(b"second")
+        with await asyncio.wait_for(pop, 10) as rec:
+            assert bytes(rec.header) == b"second"
+    finally:
+        del loop.add_reader
+    assert readers == []

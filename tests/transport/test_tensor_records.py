@@ -202,3 +202,66 @@ def test_a_view_of_a_bad_geometry_is_refused_before_any_tensor():
     with pytest.raises(tr.BadRecord, match="reach past"):
         tr.view(rec, 4096, cuda=False, stream=0, state=state, live=live)
     assert live[0] == 0 and state[0] == 2
+
+
+def _export(rec, state, event_handle=EVENT) -> tuple[int, bytes]:
+    out, length = ffi.new("char[]", tr.record_bytes(tr.MAX_DIMS)), ffi.new("uint64_t *")
+    rc = lib.omni_trec_export(rec, 1 << 30, 0, 0, 0, event_handle, state, out, len(out), length)
+    return rc, ffi.buffer(out, length[0])[:]
+
+
+def test_the_one_call_export_refuses_a_record_before_any_gpu_work():
+    """omni_trec_export encodes first: a record it cannot carry is refused (EINVAL, with the
+    reason) and the slot is never marked in flight."""
+    state = ffi.new("uint32_t *", 0)
+    rec = _record()
+    rec.nbytes += 2
+    rc, _ = _export(rec, state)
+    assert rc == lib.OMNI_EINVAL and "is not its" in ffi.string(lib.omni_last_error()).decode()
+    assert state[0] == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_the_one_call_export_without_cuda_leaves_the_slot_free():
+    state = ffi.new("uint32_t *", 0)
+    rc, data = _export(_record(), state, event_handle=bytes(range(100, 164)))
+    assert rc == lib.OMNI_ENOCUDA and state[0] == 0
+    assert _decode(data)["event_handle"] == bytes(range(100, 164))  # the slot's handle, copied
+
+
+def _accept(rec, states, slots=8, device=0, mem=MEM, event=1) -> int:
+    handles = EVENT * slots  # every slot's event handle
+    out, live = ffi.new("void **"), ffi.new("uint64_t *")
+    return lib.omni_trec_accept(
+        rec, 1 << 20, slots, device, mem, handles, states, event, 1 << 30, 0, live, out
+    )
+
+
+def _refusal() -> str:
+    return ffi.string(lib.omni_last_error()).decode()
+
+
+def test_the_one_call_accept_checks_the_block_and_refuses_a_replay():
+    """omni_trec_accept refuses (EINVAL, state unchanged) a slot past the pool's, another
+    pool's memory handle, another device, a missing event and a block not in flight: a
+    replayed record (its slot already opened, 2) and one never sent (0)."""
+    states = ffi.new("uint32_t[]", [1] * 8)
+    rec = _record()
+    assert _accept(rec, states, slots=3) == lib.OMNI_EINVAL and "slot 3 of 3" in _refusal()
+    assert _accept(rec, states, mem=bytes(64)) == lib.OMNI_EINVAL and "memory" in _refusal()
+    assert _accept(rec, states, device=1) == lib.OMNI_EINVAL and "cuda:1" in _refusal()
+    assert _accept(rec, states, event=0) == lib.OMNI_EINVAL and "no event" in _refusal()
+    assert list(states) == [1] * 8
+    for state in (2, 0):
+        states[3] = state
+        assert _accept(rec, states) == lib.OMNI_EINVAL and "not in flight" in _refusal()
+        assert states[3] == state
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_the_one_call_accept_gives_the_block_back_when_it_cannot_open_it():
+    """A record that checks out takes its slot (1 -> 2); when the stream wait then fails (no
+    CUDA here) the block goes straight back to the producer (0), never left opened."""
+    states = ffi.new("uint32_t[]", [1] * 8)
+    assert _accept(_record(), states) == lib.OMNI_ENOCUDA
+    assert states[3] == 0 and states[2] == 1

@@ -9,6 +9,10 @@
 #   profile  the fast path's crossing under cProfile (sender's send_data, receiver's loop)
 #   spin1ms  the crossing again with a 1 ms hot-stream spin (what the wake-up costs)
 #   tier     the GPU test tier of docs/gpu.md (one H200)
+#   parts    tools/device/crossing_parts.py: what each part of the sender's export costs, for
+#            the tree in $BEFORE_TREE (main's checkout, its library built here) and this one
+#   ab       tools/device/crossing_ab.py: the crossing of $BEFORE_TREE against this tree (and
+#            this tree without the hot-stream poll), interleaved, 2 x 200 at 1 and 64 MiB
 # STEPS="tests handoff" picks steps (default: all five); TESTS the test files. Only what reads $OUT's limits (8 files)
 # lands there: the tables and the logs.
 set -uo pipefail
@@ -24,6 +28,12 @@ cmake -S . -B /tmp/omni-build -DCMAKE_BUILD_TYPE=Release >/dev/null \
   && cmake --build /tmp/omni-build -j 16 2>&1 | grep -E "warning|error|Built target" || exit 1
 python3 -c "import omni_transport, torch, transformers; print('abi', omni_transport.abi_version(),
   'torch', torch.__version__, 'transformers', transformers.__version__)"
+
+BEFORE_TREE=${BEFORE_TREE:-$(cd ../.. && pwd)}  # the device copy's root: /work/main's checkout
+case " $STEPS " in *" parts "*|*" ab "*)
+  cmake -S "$BEFORE_TREE" -B /tmp/omni-build-before -DCMAKE_BUILD_TYPE=Release >/dev/null \
+    && cmake --build /tmp/omni-build-before -j 16 2>&1 | grep -E "warning|error" ;;
+esac
 
 step() {  # step NAME SECONDS COMMAND...: run it (bounded), log it, say its exit code
   local name=$1 limit=$2
@@ -52,4 +62,11 @@ step tier "${TIER_S:-300}" python3 -m pytest -q -p no:cacheprovider -m "gpu or g
   tests/transport/test_cuda_ipc.py tests/runtime/test_cuda_ipc.py tests/engine/test_cuda_graphs.py \
   tests/engine/test_paged_decode.py tests/engine/test_memory_gpu.py tests/runtime/test_oom.py \
   tests/runtime/test_gpu_start.py tests/runtime/test_mps.py tests/runtime/test_weight_share_gpu.py
+BEFORE_PY="PYTHONPATH=$BEFORE_TREE/server:$BEFORE_TREE/tools:$BEFORE_TREE/clients:$BEFORE_TREE/transport_ext:/tmp/site"
+PARTS="env $BEFORE_PY python3 tools/device/crossing_parts.py --label before"
+PARTS="$PARTS && python3 tools/device/crossing_parts.py --label after"
+TAIL=50 step parts 90 bash -c "$PARTS && $PARTS"
+TAIL=14 step ab "${AB_S:-200}" python3 tools/device/crossing_ab.py --variant "before=$BEFORE_TREE" \
+  --variant "after=$PWD" --variant "after, no hot poll=$PWD:OMNI_RING_HOT_SPIN_US=0" \
+  --variant "after, 1 ms poll=$PWD:OMNI_RING_HOT_SPIN_US=1000" --rounds 2 --sizes-mib "${AB_MIB:-1,64}"
 echo "left: $(ls /dev/shm | grep -c '^omni-') /dev/shm segments, $(pgrep -fc omni_server) servers"

@@ -13,7 +13,7 @@
 
 #define OMNI_API __attribute__((visibility("default")))
 
-#define OMNI_ABI_VERSION 7
+#define OMNI_ABI_VERSION 8
 
 enum {
     OMNI_OK = 0,
@@ -207,5 +207,23 @@ OMNI_API int omni_trec_check_block(const omni_trec *t, uint64_t pool_bytes, uint
 OMNI_API int omni_trec_view(const omni_trec *t, uint64_t data, int cuda, uint64_t stream,
                             uint32_t *state, uint64_t *live, void **out);
 OMNI_API void omni_trec_view_free(void *view);
+/* The sender's export of one tensor, one call (no Python between the steps): copies the
+ * event handle into t, encodes t into out (refusing what omni_trec_encode refuses, before any
+ * GPU work), queues the copy of t->nbytes from src into pool + t->offset on stream (src 0: the
+ * tensor already lies in its block), records event on stream and stores 1 (in flight, release
+ * order) to *state. */
+OMNI_API int omni_trec_export(omni_trec *t, uint64_t pool, uint64_t src, uint64_t stream,
+                              uint64_t event, const uint8_t *event_handle, uint32_t *state,
+                              uint8_t *out, uint64_t cap, uint64_t *len);
+/* The receiver's open of a decoded record, one call: the record names a block of the pool
+ * (omni_trec_check_block against its geometry, memory handle and the slot's event handle in
+ * event_handles) on the pool's device; the slot's state goes 1 -> 2 by compare-and-swap (a
+ * replay, or a block not in flight, is refused); stream waits on event (the slot's, opened);
+ * *out is the view of omni_trec_view over data. OMNI_EINVAL for a record that does not check
+ * out (nothing changed); after the swap, any failure gives the block back (state 0). */
+OMNI_API int omni_trec_accept(const omni_trec *t, uint64_t pool_bytes, uint32_t slots,
+                              uint32_t device, const uint8_t *mem_handle,
+                              const uint8_t *event_handles, uint32_t *states, uint64_t event,
+                              uint64_t data, uint64_t stream, uint64_t *live, void **out);
 
 #endif

@@ -189,6 +189,7 @@ class PoolSegment:
         if self.nbytes <= 0 or self.nbytes % _ALIGN:
             raise BadTensorRecord(f"pool of {self.nbytes} bytes: not a positive multiple of 512")
         self.states = ffi.cast("uint32_t *", self.base + _STATES)
+        self.event_handles = self.base + _STATES + 4 * self.slots  # 64 bytes a slot
 
     @staticmethod
     def size(slots: int) -> int:
@@ -267,6 +268,9 @@ class CudaPool:
         ffi.memmove(self._trec.mem_handle, self._shared.base, _HANDLE)
         self._trec_out = ffi.new("char[]", _trec.record_bytes(_trec.MAX_DIMS))
         self._trec_len = ffi.new("uint64_t *")
+        self._trec_key: str | None = None  # the key last set in the record (None: bare, "")
+        _trec.set_name(self._trec, "key", "")
+        self._dtype_codes = {getattr(torch, n): c for n, c in _trec.DTYPE_CODES.items()}
 
     # ---- blocks ----
 
@@ -367,69 +371,105 @@ class CudaPool:
         """export() as a one-tensor record (tensor_records: C-encoded, about 200 bytes, read by
         CudaReceiver.open_packed): the message is the tensor, or {key: tensor} when `key` is
         given. Raises BadTensorRecord for a tensor the record cannot carry (its dtype, more than
-        16 dims), before taking a block."""
+        16 dims), before taking a block.
+
+        The copy into the block, the slot's event, its state and the record's bytes are one C
+        call (omni_trec_export); what stays in Python is reading the tensor's metadata and the
+        block and slot bookkeeping."""
         rec = self._trec
-        dtype = _trec.DTYPE_CODES.get(str(tensor.dtype)[6:])
+        dtype = self._dtype_codes.get(tensor.dtype)
         ndim = tensor.dim()
         if dtype is None or ndim > _trec.MAX_DIMS:
             raise BadTensorRecord(f"a {tensor.dtype} tensor of {ndim} dims has no packed record")
-        if key is not None:
-            _trec.set_name(rec, "key", key)
-        tensor, slot, offset = self._export(tensor, timeout, None)
-        rec.slot, rec.offset, rec.dtype, rec.ndim = slot, offset, dtype, ndim
-        rec.nbytes = tensor.numel() * tensor.element_size()
+        if key != self._trec_key:  # names repeat from message to message: encoded once
+            _trec.set_name(rec, "key", key or "")
+            self._trec_key = key
+        tensor, block, src = self._block_for(tensor, timeout, None)
+        slot = self._slot_for(tensor, block, src)
+        rec.slot, rec.offset, rec.dtype, rec.ndim = slot, block[0], dtype, ndim
+        rec.nbytes = tensor.nbytes
         rec.shape[0:ndim] = tensor.shape
         rec.strides[0:ndim] = tensor.stride()
         rec.flags = (_trec.KEYED if key is not None else 0) | (
             _trec.REQUIRES_GRAD if tensor.requires_grad else 0
         )
-        if key is None:
-            rec.key = b"\0"
-        ffi.memmove(rec.event_handle, self._shared.event_handle(slot), _HANDLE)
-        return _trec.encode(rec, self._trec_out, self._trec_len)
+        shared, out = self._shared, self._trec_out
+        rc = lib.omni_trec_export(
+            rec, self._dptr, src or 0, _stream(), self._event(slot), shared.event_handle(slot),
+            shared.states + slot, out, len(out), self._trec_len,
+        )  # fmt: skip
+        if rc != lib.OMNI_OK:
+            self._unslot(tensor, block, src, slot)
+            if rc == lib.OMNI_EINVAL:
+                raise BadTensorRecord(ffi.string(lib.omni_last_error()).decode(errors="replace"))
+            raise error_for(rc)
+        self._in_flight[slot] = block
+        return ffi.buffer(out, self._trec_len[0])[:]
 
     def _export(
         self, tensor: Any, timeout: float | None, peer_gone: Callable[[], bool] | None
     ) -> tuple[Any, int, int]:
         """(the tensor as it lies in its block, its slot, its block's offset), the block in
         flight."""
+        tensor, block, src = self._block_for(tensor, timeout, peer_gone)
+        nbytes = tensor.nbytes
+        if (
+            src is not None and nbytes
+        ):  # the raw copy: no view of the pool to make, no torch dispatch
+            dst = self._dptr + block[0]
+            check(lib.omni_cuda_memcpy_dtod_async(dst, src, nbytes, _stream()))
+        slot = self._slot_for(tensor, block, src)
+        # the consumer's stream waits on this event: our writes to the block come first
+        check(lib.omni_cuda_event_record(self._event(slot), _stream()))
+        self._in_flight[slot] = block
+        self._shared.set_state(slot, 1)  # ordered before the ring push that carries the record
+        return tensor, slot, block[0]
+
+    def _block_for(
+        self, tensor: Any, timeout: float | None, peer_gone: Callable[[], bool] | None
+    ) -> tuple[Any, tuple[int, int], int | None]:
+        """(the tensor, its block (offset, size), the device address to copy it from: None when
+        it was made by empty() and already lies in its block)."""
         if not tensor.is_cuda:
             raise ValueError("export() takes a CUDA tensor; use push_arrays for host memory")
         made = self._blocks.pop(tensor.data_ptr(), None) if tensor.is_contiguous() else None
-        copied = made is None
         if made is not None:
-            block = made
-        else:
-            if tensor.device.index != self._device:
-                raise ValueError(f"a tensor on {tensor.device} for a pool on cuda:{self._device}")
-            tensor = tensor.contiguous()
-            nbytes = tensor.numel() * tensor.element_size()
-            offset = self._allocate(max(nbytes, 1), timeout, peer_gone)
-            block = (offset, (max(nbytes, 1) + _ALIGN - 1) // _ALIGN * _ALIGN)
-            if nbytes:  # the raw copy: no view of the pool to make, no torch dispatch
-                src = tensor.data_ptr()
-                check(lib.omni_cuda_memcpy_dtod_async(self._dptr + offset, src, nbytes, _stream()))
+            return tensor, made, None
+        if tensor.get_device() != self._device:
+            raise ValueError(f"a tensor on {tensor.device} for a pool on cuda:{self._device}")
+        tensor = tensor.contiguous()
+        nbytes = tensor.nbytes
+        offset = self._allocate(max(nbytes, 1), timeout, peer_gone)
+        return tensor, (offset, (max(nbytes, 1) + _ALIGN - 1) // _ALIGN * _ALIGN), tensor.data_ptr()
+
+    def _slot_for(self, tensor: Any, block: tuple[int, int], src: int | None) -> int:
+        """A free slot for the block (PoolFull, the block given back, when all are in flight)."""
         if not self._free_slots:
             self.reap()
         if not self._free_slots:
-            if copied:
-                self._give_back(*block)
-            else:
-                self._blocks[tensor.data_ptr()] = block
+            self._unblock(tensor, block, src)
             raise PoolFull(f"pool {self.name!r}: all {self._shared.slots} slots in flight")
-        slot = self._free_slots.pop()
-        stream = _stream()
+        return self._free_slots.pop()
+
+    def _unblock(self, tensor: Any, block: tuple[int, int], src: int | None) -> None:
+        if src is not None:  # a block of our own for a copy: free again
+            self._give_back(*block)
+        else:  # the caller's block from empty(): still theirs
+            self._blocks[tensor.data_ptr()] = block
+
+    def _unslot(self, tensor: Any, block: tuple[int, int], src: int | None, slot: int) -> None:
+        self._free_slots.append(slot)
+        self._unblock(tensor, block, src)
+
+    def _event(self, slot: int) -> int:
+        """The slot's interprocess event, made (and its handle published) on first use."""
         event = self._events.get(slot)
         if event is None:
             e = ffi.new("uint64_t *")
             check(lib.omni_cuda_event_create_ipc(e))
             event = self._events[slot] = int(e[0])
             check(lib.omni_cuda_ipc_get_event_handle(event, self._shared.event_handle(slot)))
-        # the consumer's stream waits on this event: our writes to the block come first
-        check(lib.omni_cuda_event_record(event, stream))
-        self._in_flight[slot] = block
-        self._shared.set_state(slot, 1)  # ordered before the ring push that carries the record
-        return tensor, slot, block[0]
+        return event
 
     def close(self) -> None:
         """Frees the pool. Consumers must have closed their receivers (their mapping of the
@@ -518,6 +558,7 @@ class CudaReceiver:
         self._releasing: list[tuple[int, str, int]] = []  # (event, pool, slot)
         self._spare_events: list[int] = []
         self._trec = _trec.new()  # open_packed's parsed record, reused
+        self._view_out = ffi.new("void **")
         self._packed = False  # open_packed was used: close() waits for its releases
 
     def open(self, rec: TensorRecord) -> Any:
@@ -554,27 +595,18 @@ class CudaReceiver:
         pool = self._pools.get(name)
         if pool is None:
             pool = self._pools[name] = _OpenPool(name)
-        shared, slot = pool.shared, rec.slot
-        # a slot past the pool's is refused by the slot check before the handle is read
-        event_handle = shared.event_handle(slot) if slot < shared.slots else ffi.NULL
-        ok = lib.omni_trec_check_block(rec, shared.nbytes, shared.slots, shared.base, event_handle)
-        if ok != lib.OMNI_OK:
-            raise BadTensorRecord(ffi.string(lib.omni_last_error()).decode(errors="replace"))
-        if rec.device != shared.device:
-            raise BadTensorRecord(f"pool {name!r} is on cuda:{shared.device}, not {rec.device}")
-        # 1 -> 2 (opened): a record replayed for a block we hold is refused, not opened twice
-        if shared.state(slot) != 1:
-            raise BadTensorRecord(f"pool {name!r} slot {slot} is not in flight")
-        shared.set_state(slot, 2)
-        stream = _stream()
-        try:
-            check(lib.omni_cuda_stream_wait_event(stream, pool.event(slot)))
-            tensor = _trec.view(
-                rec, pool.dptr, cuda=True, stream=stream, state=shared.states + slot, live=pool.live
-            )
-        except BaseException:
-            shared.set_state(slot, 0)  # never used here: the producer may have it back
-            raise
+        shared, slot, out = pool.shared, rec.slot, self._view_out
+        # a slot past the pool's is refused by accept's slot check, before any handle is read
+        event = pool.event(slot) if slot < shared.slots else 0
+        rc = lib.omni_trec_accept(
+            rec, shared.nbytes, shared.slots, shared.device, shared.base, shared.event_handles,
+            shared.states, event, pool.dptr, _stream(), pool.live, out,
+        )  # fmt: skip
+        if rc != lib.OMNI_OK:
+            if rc == lib.OMNI_EINVAL:
+                raise BadTensorRecord(ffi.string(lib.omni_last_error()).decode(errors="replace"))
+            raise error_for(rc)
+        tensor = _trec.take(out[0])
         self._packed = True
         if rec.flags & _trec.REQUIRES_GRAD:
             tensor.requires_grad_(True)

@@ -26,12 +26,17 @@ from omni_transport.errors import RingError, RingFull, error_for
 _LIVENESS_POLL_S = 0.05
 _BACKSTOP_S = 1.0
 _DEFAULT_SPIN_US = 20.0
-# pop_async on a hot stream (a record came within _HOT_S) spins this long before it sleeps on
-# the doorbell: an event loop's wake-up costs ~100 us, more than most gaps of a busy stream.
-# The loop is held for at most that long, once per record (a spin that finds nothing makes the
-# stream cold until its next record). OMNI_RING_HOT_SPIN_US sets the default (0: never spin).
+# pop_async on a hot stream (a record came within _HOT_S) polls the ring for this long before it
+# sleeps on the doorbell: an event loop's wake-up from the doorbell costs ~100 us, more than most
+# gaps of a busy stream. The poll does not hold the loop: it alternates short spins in C
+# (_POLL_BURST_NS, pause + sched_yield) with a pass of the loop (asyncio.sleep(0)), so the
+# loop's other tasks and I/O run between them, as they would while it slept; what it costs is
+# that thread's core while it polls, at most this long once per record (a poll that finds
+# nothing makes the stream cold until its next record: a cold stream burns nothing).
+# OMNI_RING_HOT_SPIN_US sets the default (0: never poll).
 _DEFAULT_HOT_SPIN_US = 200.0
 _HOT_S = 0.002
+_POLL_BURST_NS = 10_000
 _INLINE_BUFS = lib.OMNI_RECORD_INLINE_BUFS  # buffers described by the pop call itself
 _INT64_MAX = (1 << 63) - 1
 
@@ -258,7 +263,7 @@ class Ring:
             rec = self.try_pop()
             if rec is None and self._hot and self._hot_spin_ns:
                 if time.monotonic_ns() - self._last_record < _HOT_S * 1e9:
-                    rec = self._spin_pop()
+                    rec = await self._poll_hot()
                 self._hot = rec is not None
             if rec is not None:
                 self._last_record = time.monotonic_ns()
@@ -266,8 +271,19 @@ class Ring:
                 return rec
             await self._sleep_until_progress()
 
-    def _spin_pop(self) -> Record | None:
-        rc = lib.omni_ring_spin_pop(self._handle(), self._hot_spin_ns, self._rec)
+    async def _poll_hot(self) -> Record | None:
+        """The hot stream's poll: up to hot_spin_us of short C spins, each after a pass of the
+        loop (its other ready tasks and I/O first); the record, or None when none came."""
+        deadline = time.monotonic_ns() + self._hot_spin_ns
+        burst = min(_POLL_BURST_NS, self._hot_spin_ns)
+        while True:
+            await asyncio.sleep(0)
+            rec = self._spin_pop(burst)
+            if rec is not None or time.monotonic_ns() >= deadline:
+                return rec
+
+    def _spin_pop(self, spin_ns: int) -> Record | None:
+        rc = lib.omni_ring_spin_pop(self._handle(), spin_ns, self._rec)
         if rc == lib.OMNI_EEMPTY:
             return None
         if rc != lib.OMNI_OK:

@@ -125,15 +125,21 @@ def view(rec: Any, data: int, *, cuda: bool, stream: int, state: Any, live: Any)
     """The tensor the record describes over `data` (+ its offset), without a copy: torch owns
     a DLPack view whose deleter stores 0 to `state` (the slot's word; on CUDA once the work
     queued on `stream` is done) when the storage is freed, and counts down `live`."""
-    import torch
-
     out = ffi.new("void **")
     if lib.omni_trec_view(rec, data, int(cuda), stream, state, live, out) != lib.OMNI_OK:
         raise _failed()
+    return take(out[0])
+
+
+def take(view: Any) -> Any:
+    """The torch tensor over a DLPack view made by the C library (omni_trec_view or
+    omni_trec_accept); the view is freed (its block given back) if torch does not take it."""
+    import torch
+
     try:
         # no destructor: torch takes the capsule at once and calls the deleter itself
-        capsule = _capsule_new(int(ffi.cast("uintptr_t", out[0])), _DLTENSOR, None)
+        capsule = _capsule_new(int(ffi.cast("uintptr_t", view)), _DLTENSOR, None)
         return torch.from_dlpack(capsule)
     except BaseException:
-        lib.omni_trec_view_free(out[0])
+        lib.omni_trec_view_free(view)
         raise

@@ -224,3 +224,49 @@ int omni_cuda_release_after(uint64_t stream, uint32_t *state) {
 }
 
 int omni_cuda_synchronize(void) { CALL("cuCtxSynchronize", cu.cuCtxSynchronize()); }
+
+/* ---- the one-tensor crossing, one call a side (the record's layout: tensor_record.c) ---- */
+
+int omni_trec_export(omni_trec *t, uint64_t pool, uint64_t src, uint64_t stream, uint64_t event,
+                     const uint8_t *event_handle, uint32_t *state, uint8_t *out, uint64_t cap,
+                     uint64_t *len) {
+    /* the record first: a tensor it cannot carry is refused before any GPU work */
+    memcpy(t->event_handle, event_handle, OMNI_IPC_HANDLE_BYTES);
+    int rc = omni_trec_encode(t, out, cap, len);
+    if (rc != OMNI_OK) return rc;
+    if ((rc = ready()) != OMNI_OK) return rc;
+    CUstream s = (CUstream)(uintptr_t)stream;
+    CUresult c;
+    if (src && t->nbytes && (c = cu.cuMemcpyDtoDAsync(pool + t->offset, src, t->nbytes, s)) != 0)
+        return cuda_fail("cuMemcpyDtoDAsync", c);
+    /* the consumer's stream waits on this event: the writes to the block come first */
+    if ((c = cu.cuEventRecord((CUevent)(uintptr_t)event, s)) != 0)
+        return cuda_fail("cuEventRecord", c);
+    /* in flight, ordered before the ring push that carries the record */
+    __atomic_store_n(state, 1, __ATOMIC_RELEASE);
+    return OMNI_OK;
+}
+
+int omni_trec_accept(const omni_trec *t, uint64_t pool_bytes, uint32_t slots, uint32_t device,
+                     const uint8_t *mem_handle, const uint8_t *event_handles, uint32_t *states,
+                     uint64_t event, uint64_t data, uint64_t stream, uint64_t *live, void **out) {
+    /* the slot is checked before its event handle is read */
+    if (t->slot >= slots) return omni_trec_check_block(t, pool_bytes, slots, mem_handle, NULL);
+    int rc = omni_trec_check_block(t, pool_bytes, slots, mem_handle,
+                                   event_handles + (uint64_t)OMNI_IPC_HANDLE_BYTES * t->slot);
+    if (rc != OMNI_OK) return rc;
+    if (t->device != device)
+        return omni_fail(OMNI_EINVAL, "pool %s is on cuda:%u, not %u", t->pool, device, t->device);
+    if (!event) return omni_fail(OMNI_EINVAL, "pool %s slot %u: no event opened", t->pool, t->slot);
+    /* 1 -> 2 (opened), atomically: a replayed record, or one for a block not in flight, finds
+     * another state and is refused; only one open of a block can ever succeed */
+    uint32_t *state = states + t->slot, expected = 1;
+    if (!__atomic_compare_exchange_n(state, &expected, 2, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        return omni_fail(OMNI_EINVAL, "pool %s slot %u is not in flight", t->pool, t->slot);
+    if ((rc = ready()) == OMNI_OK) {
+        CUresult c = cu.cuStreamWaitEvent((CUstream)(uintptr_t)stream, (CUevent)(uintptr_t)event, 0);
+        rc = c ? cuda_fail("cuStreamWaitEvent", c) : omni_trec_view(t, data, 1, stream, state, live, out);
+    }
+    if (rc != OMNI_OK) __atomic_store_n(state, 0, __ATOMIC_RELEASE); /* never used: back to the producer */
+    return rc;
+}

@@ -87,8 +87,8 @@ class CudaExporter:
 
         if not self._packed:
             return None
-        try:
-            record = self._pool(tensor.device.index).export_packed(tensor.detach(), key)
+        try:  # (no detach: the lane sends no tensor that requires grad this way)
+            record = self._pool(tensor.get_device()).export_packed(tensor, key)
         except (cuda_ipc.PoolFull, cuda_ipc.BadTensorRecord):
             return None
         except TransportError as exc:
@@ -118,7 +118,7 @@ class _Lane:
         return self._exporter.export(tensor)
 
     def export_packed(self, tensor: Any, key: str | None) -> bytes | None:
-        if tensor.device.index not in self._devices or tensor.requires_grad:
+        if tensor.get_device() not in self._devices or tensor.requires_grad:
             return None  # (a tensor that requires grad keeps the pickle path's detached clone)
         return self._exporter.export_packed(tensor, key)
 

@@ -1,0 +1,83 @@
+"""The crossing alone, two code trees (or settings) against each other, interleaved: each round
+runs every variant in turn, each in a fresh process with that tree on PYTHONPATH, so the load
+of the machine falls on all alike. Uses omni_bench.gpu_handoff's crossing (two runtime
+`Endpoint`s at their defaults, `send_data` to the receiver's loop holding the usable tensor),
+which every tree compared has.
+
+    python3 tools/device/crossing_ab.py --variant main=/repo --variant branch=.dev/x \\
+        --variant branch-spin0=.dev/x:OMNI_RING_HOT_SPIN_US=0 --rounds 2 --sizes-mib 1,64
+
+Prints a table: per size and variant, crossing / sender's encode / receiver's side, median /
+p90 microseconds over all rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+_CHILD = """
+import asyncio, json, sys
+from omni_bench.gpu_handoff import _cross
+out = {}
+for mib in sys.argv[1].split(","):
+    out[mib] = asyncio.run(_cross(int(float(mib) * (1 << 20)), int(sys.argv[2]), int(sys.argv[3])))
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variant", action="append", required=True, help="NAME=TREE[:ENV=V,...]")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--sizes-mib", default="1,64")
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=20)
+    args = ap.parse_args()
+    variants = []
+    for spec in args.variant:
+        name, rest = spec.split("=", 1)
+        tree, _, envs = rest.partition(":")
+        env = dict(e.split("=", 1) for e in envs.split(",") if e)
+        variants.append((name, os.path.abspath(tree), env))
+    res: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for r in range(args.rounds):
+        for name, tree, extra in variants:
+            paths = [f"{tree}/{p}" for p in ("server", "tools", "clients", "transport_ext")]
+            keep = [p for p in os.environ.get("PYTHONPATH", "").split(":") if p.startswith("/tmp")]
+            env = {**os.environ, **extra, "PYTHONPATH": ":".join(paths + keep)}
+            cmd = [sys.executable, "-c", _CHILD, args.sizes_mib, str(args.requests),
+                   str(args.warmup)]  # fmt: skip
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+            line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+            if done.returncode or not line:
+                print(f"{name} round {r}: failed rc={done.returncode}\n{done.stderr[-3000:]}")
+                return 1
+            for mib, one in json.loads(line[0][7:]).items():
+                for k, v in one.items():
+                    res.setdefault((mib, name), {}).setdefault(k, []).extend(v)
+            print(f"round {r} {name} done", flush=True)
+    print()
+    print(f"{args.rounds} x {args.requests} crossings per variant and size after {args.warmup} "
+          "warm-up each, interleaved; median / p90, microseconds:")  # fmt: skip
+    print()
+    print("| tensor | variant | crossing | encode (sender) | receiver (ring, wake-up, decode) |")
+    print("|---|---|---|---|---|")
+    for mib in args.sizes_mib.split(","):
+        for name, _, _ in variants:
+            cells = [f"{_pct(res[(mib, name)][k], 0.5):.0f} / {_pct(res[(mib, name)][k], 0.9):.0f}"
+                     for k in ("crossing", "encode", "receiver")]  # fmt: skip
+            print(f"| {mib} MiB | {name} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
