@@ -9,6 +9,10 @@
 #   profile  the fast path's crossing under cProfile (sender's send_data, receiver's loop)
 #   spin1ms  the crossing again with a 1 ms hot-stream spin (what the wake-up costs)
 #   tier     the GPU test tier of docs/gpu.md (one H200)
+#   engine   the engine's GPU tests (graphs, paged kernel, fused kernels, memory, Higgs)
+#   stepbefore  omni-bench gpu-step (paged only) against BEFORE's engine (a checkout's root,
+#            default the tree this one sits in, ../..): the before side of a comparison
+#   step     omni-bench gpu-step --profile --host-profile against this tree's engine
 # STEPS="tests handoff" picks steps (default: all five); TESTS the test files. Only what reads $OUT's limits (8 files)
 # lands there: the tables and the logs.
 set -uo pipefail
@@ -52,4 +56,14 @@ step tier "${TIER_S:-300}" python3 -m pytest -q -p no:cacheprovider -m "gpu or g
   tests/transport/test_cuda_ipc.py tests/runtime/test_cuda_ipc.py tests/engine/test_cuda_graphs.py \
   tests/engine/test_paged_decode.py tests/engine/test_memory_gpu.py tests/runtime/test_oom.py \
   tests/runtime/test_gpu_start.py tests/runtime/test_mps.py tests/runtime/test_weight_share_gpu.py
+TAIL=20 step engine "${ENGINE_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
+  tests/engine/test_cuda_graphs.py tests/engine/test_paged_decode.py \
+  tests/engine/test_memory_gpu.py tests/engine/test_higgs_audio.py
+STEP_ARGS=${STEP_ARGS:---shapes smollm2-135m,llama-1b,llama-3b --batches 1,64 --profile}
+BEFORE=${BEFORE:-$PWD/../..}
+TAIL=200 PYTHONPATH=$BEFORE/server:$PWD/tools:${PYTHONPATH#*transport_ext:} step stepbefore \
+  "${STEP_S:-240}" python3 -m omni_bench.gpu_step $STEP_ARGS --attention paged --ttft "" \
+  --host-profile --json "$OUT/stepbefore.json"
+TAIL=200 step step "${STEP_S:-240}" python3 -m omni_bench.gpu_step $STEP_ARGS --host-profile \
+  --json "$OUT/step.json"
 echo "left: $(ls /dev/shm | grep -c '^omni-') /dev/shm segments, $(pgrep -fc omni_server) servers"
