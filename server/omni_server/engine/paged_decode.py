@@ -99,7 +99,7 @@ def paged_decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, out, out, out, context_lens,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             block_tables.stride(0), out.stride(0), out.stride(1), 0, 0, 0,
-            scale, SPLIT=False, NUM_PARTITIONS=1, **common, num_warps=4,
+            scale, SPLIT=False, NUM_PARTITIONS=1, PARTITIONS_PAD=1, **common, num_warps=4,
         )  # fmt: skip
         return out
     partial = torch.empty(b, num_heads, num_partitions, head_dim, dtype=torch.float32,
@@ -111,7 +111,7 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0), partial.stride(0), partial.stride(1), partial.stride(2),
         lse.stride(0), lse.stride(1), scale, SPLIT=True, NUM_PARTITIONS=num_partitions,
-        **common, num_warps=4,
+        PARTITIONS_PAD=1 << (num_partitions - 1).bit_length(), **common, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -149,7 +149,8 @@ def _kernels() -> _Kernels:
         stride_qb, stride_qh, stride_ks, stride_kh, stride_tb,
         stride_pb, stride_ph, stride_pp, stride_lb, stride_lh,
         scale,
-        SPLIT: tl.constexpr, NUM_PARTITIONS: tl.constexpr, GROUP: tl.constexpr,
+        SPLIT: tl.constexpr, NUM_PARTITIONS: tl.constexpr, PARTITIONS_PAD: tl.constexpr,
+        GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCKS_PER_TILE: tl.constexpr, PARTITION_SIZE: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
@@ -216,23 +217,26 @@ def _kernels() -> _Kernels:
             counter = ticket_ptr + seq * tl.num_programs(1) + kv_head
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if ticket == NUM_PARTITIONS - 1:  # the last: merge the partitions that hold keys
-                m_all = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-                l_all = tl.zeros([GROUP_PAD], dtype=tl.float32)
-                o_all = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-                used = tl.minimum(tl.cdiv(context, PARTITION_SIZE), NUM_PARTITIONS)
-                for p in range(0, used):
+                parts = tl.arange(0, PARTITIONS_PAD)
+                used = (parts < NUM_PARTITIONS) & (parts * PARTITION_SIZE < context)
+                for g in tl.static_range(GROUP):  # head by head: each a few parallel loads
+                    head = kv_head * GROUP + g
                     # .cg: from L2, where the other programs' stores are (not a stale L1)
-                    lse_p = tl.load(lse_row + p, mask=row_ok, other=0.0, cache_modifier=".cg")
-                    o_p = tl.load(part_ptr + base[:, None] + p * stride_pp + dims[None, :],
-                                  mask=row_ok[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
-                    m_new = tl.maximum(m_all, lse_p)
-                    a_old = tl.exp(m_all - m_new)
-                    a_p = tl.exp(lse_p - m_new)
-                    o_all = o_all * a_old[:, None] + o_p * a_p[:, None]
-                    l_all = l_all * a_old + a_p
-                    m_all = m_new
-                merged = o_all / tl.where(l_all > 0, l_all, 1.0)[:, None]  # context 0: zeros
-                tl.store(out, merged.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                    lse_g = tl.load(lse_ptr + seq * stride_lb + head * stride_lh + parts,
+                                    mask=used, other=float("-inf"), cache_modifier=".cg")  # fmt: skip
+                    top = tl.max(lse_g, axis=0)
+                    top = tl.where(top == float("-inf"), 0.0, top)
+                    w = tl.where(used, tl.exp(lse_g - top), 0.0)  # [P]
+                    total = tl.sum(w, axis=0)
+                    o_g = tl.load(
+                        part_ptr + seq * stride_pb + head * stride_ph
+                        + parts[:, None] * stride_pp + dims[None, :],
+                        mask=used[:, None], other=0.0, cache_modifier=".cg",
+                    )  # fmt: skip
+                    o_g = tl.sum(o_g * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+                    heads_total = GROUP * tl.num_programs(1)
+                    tl.store(out_ptr + (seq * heads_total + head) * HEAD_DIM + dims,
+                             o_g.to(out_ptr.dtype.element_ty))  # fmt: skip
                 tl.store(counter, 0)  # zero again for the next launch (stream order)
         else:
             tl.store(out, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
