@@ -446,10 +446,12 @@ def test_audio_layers_deferred_adds_equal_plain_on_gpu(higgs_dir: Path) -> None:
     (forward_deferred): on a decode step's audio-only rows (the audio norms and MLP) and on
     text rows, two DualFFN layers give the plain layers' residual stream to the last bit."""
     from omni_server.engine.attention import DecodeGroup, ForwardBatch
+    from omni_server.engine.higgs_audio import DualFFNLayer
 
     config = EngineConfig(max_total_tokens=1024, device="cuda", dtype="bfloat16")
     model = Engine.from_checkpoint(higgs_dir, config).model
-    layers = list(model.layers)[:2]
+    layers = [layer for layer in model.layers if isinstance(layer, DualFFNLayer)][:2]
+    assert len(layers) == 2 and model.audio is not None
     shape, b = model.local_shape, 2
     gen = torch.Generator().manual_seed(4)
     h0 = torch.randn(b, shape.hidden_size, generator=gen).to("cuda", torch.bfloat16)
@@ -459,7 +461,7 @@ def test_audio_layers_deferred_adds_equal_plain_on_gpu(higgs_dir: Path) -> None:
         )
         for _ in range(4)
     ]
-    codes = torch.zeros(b, model.frame_spec.num_codebooks, dtype=torch.int64, device="cuda")
+    codes = torch.zeros(b, model.audio.num_codebooks, dtype=torch.int64, device="cuda")
     for audio_codes in (codes, None):
         batch = ForwardBatch(
             input_ids=torch.zeros(b, dtype=torch.int64, device="cuda"),

@@ -48,9 +48,10 @@ class RMSNorm(nn.Module):
 
     def after_add(
         self, delta: torch.Tensor | None, h: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (h + delta, norm(h + delta)); delta None: (h, norm(h))
-        """The residual add that precedes this norm, and the norm: one kernel where the fused
-        kernels run (defers_adds), torch's add then this norm elsewhere (the same roundings)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, norm(h + delta)); delta None: (h, norm(h)). The residual add that
+        precedes this norm, and the norm: one kernel where the fused kernels run (defers_adds),
+        torch's add then this norm elsewhere (the same roundings)."""
         if delta is None:
             return h, self(h)
         if defers_adds(h):

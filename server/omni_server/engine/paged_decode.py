@@ -222,8 +222,8 @@ def _kernels() -> _Kernels:
                 for g in tl.static_range(GROUP):  # head by head: each a few parallel loads
                     head = kv_head * GROUP + g
                     # .cg: from L2, where the other programs' stores are (not a stale L1)
-                    lse_g = tl.load(lse_ptr + seq * stride_lb + head * stride_lh + parts,
-                                    mask=used, other=float("-inf"), cache_modifier=".cg")  # fmt: skip
+                    lse_at = lse_ptr + seq * stride_lb + head * stride_lh + parts
+                    lse_g = tl.load(lse_at, mask=used, other=float("-inf"), cache_modifier=".cg")
                     top = tl.max(lse_g, axis=0)
                     top = tl.where(top == float("-inf"), 0.0, top)
                     w = tl.where(used, tl.exp(lse_g - top), 0.0)  # [P]
