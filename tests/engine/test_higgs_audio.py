@@ -437,3 +437,52 @@ def test_a_new_requests_first_frame_does_not_wait_behind_streams_far_ahead(base:
             # frame k+1 is due when the listener has played the k before it
             assert at <= first + k * FRAME_S + 1e-9, (name, k)
         assert out[name] == plain_out[name], name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_audio_layers_deferred_adds_equal_plain_on_gpu(higgs_dir: Path) -> None:
+    """bf16 on CUDA the layers run with each residual add done by the next norm
+    (forward_deferred): on a decode step's audio-only rows (the audio norms and MLP) and on
+    text rows, two DualFFN layers give the plain layers' residual stream to the last bit."""
+    from omni_server.engine.attention import DecodeGroup, ForwardBatch
+    from omni_server.engine.higgs_audio import DualFFNLayer
+
+    config = EngineConfig(max_total_tokens=1024, device="cuda", dtype="bfloat16")
+    model = Engine.from_checkpoint(higgs_dir, config).model
+    layers = [layer for layer in model.layers if isinstance(layer, DualFFNLayer)][:2]
+    assert len(layers) == 2 and model.audio is not None
+    shape, b = model.local_shape, 2
+    gen = torch.Generator().manual_seed(4)
+    h0 = torch.randn(b, shape.hidden_size, generator=gen).to("cuda", torch.bfloat16)
+    caches = [
+        torch.randn(64, shape.num_kv_heads, shape.head_dim, generator=gen).to(
+            "cuda", torch.bfloat16
+        )
+        for _ in range(4)
+    ]
+    codes = torch.zeros(b, model.audio.num_codebooks, dtype=torch.int64, device="cuda")
+    for audio_codes in (codes, None):
+        batch = ForwardBatch(
+            input_ids=torch.zeros(b, dtype=torch.int64, device="cuda"),
+            positions=torch.tensor([3, 18], device="cuda"),
+            slot_mapping=torch.tensor([19, 50], device="cuda"),  # distinct: no write race
+            logits_indices=torch.arange(b, device="cuda"),
+            decode=DecodeGroup(
+                b,
+                block_tables=torch.tensor([[1, 0], [2, 3]], dtype=torch.int32, device="cuda"),
+                context_lens=torch.tensor([4, 19], dtype=torch.int32, device="cuda"),
+                block_size=16,
+            ),
+            prefills=[],
+            audio_codes=audio_codes,
+        )
+        rope = model.rope_rows(batch.positions)
+        plain, deferred, delta = h0, h0, None
+        with torch.inference_mode():
+            for i, layer in enumerate(layers):
+                k, v = caches[2 * i], caches[2 * i + 1]
+                plain = layer(plain, rope, k, v, batch)
+                deferred, delta = layer.forward_deferred(deferred, delta, rope, k, v, batch)
+        assert delta is not None
+        assert torch.equal(deferred + delta, plain), audio_codes is None

@@ -106,13 +106,16 @@ def test_the_sizing_line_names_every_term() -> None:
 
 
 def test_graph_static_bytes_counts_every_bucket() -> None:
-    # buckets: batch 1, 2; context 256 -> logits b x V x 4 and inputs, each in 512-byte blocks
+    # buckets: batch 1, 2; context 256 -> logits b x V x 4, greedy tokens and inputs, each in
+    # 512-byte blocks; paged: the token rows, lengths and the 16-block table in one buffer
     def blocks(n: int) -> int:
         return -(-n // 512) * 512
 
-    common = {b: blocks(b * 100 * 4) + blocks(3 * b * 8) + blocks(b * 8) for b in (1, 2)}
-    gathered = sum(common[b] + blocks(b * 256 * 8) + blocks(b * 256) for b in (1, 2))
-    paged = sum(common[b] + blocks(b * 16 * 4) + blocks(b * 4) for b in (1, 2))
+    common = {b: blocks(b * 100 * 4) + 2 * blocks(b * 8) for b in (1, 2)}
+    gathered = sum(
+        common[b] + blocks(3 * b * 8) + blocks(b * 256 * 8) + blocks(b * 256) for b in (1, 2)
+    )
+    paged = sum(common[b] + blocks(3 * b * 8 + -(-(b + b * 16) // 2) * 8) for b in (1, 2))
     assert graph_static_bytes(100, 2, 256, paged=False, block_size=16) == gathered
     assert graph_static_bytes(100, 2, 256, paged=True, block_size=16) == paged
     assert paged < gathered  # the table is L / block_size int32s, not L int64 slots + a mask

@@ -68,7 +68,11 @@ def test_kernel_equals_reference(
     q = torch.randn(len(lens), heads, dim, generator=gen).to("cuda", dtype)
     lens_t = torch.tensor(lens, dtype=torch.int32)
     out = paged_decode_attention(q, k_cache, v_cache, tables.cuda(), lens_t.cuda(), bs)
+    # again: the split kernel's last program of each (request, KV head) merges and puts its
+    # ticket counter back to 0; a counter left over would leave this output unmerged
+    again = paged_decode_attention(q, k_cache, v_cache, tables.cuda(), lens_t.cuda(), bs)
     torch.cuda.synchronize()
+    assert torch.equal(out, again)
     ref = _reference(q, k_cache, v_cache, tables, lens_t, bs)
     assert torch.isfinite(out).all()
     err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
@@ -168,6 +172,58 @@ def test_fused_kernels_equal_torch(dtype: torch.dtype) -> None:
     gate, up = gate_up.split(1536, dim=-1)
     expected = torch.nn.functional.silu(gate) * up
     assert torch.allclose(fused.silu_mul(gate_up).float(), expected.float(), atol=tol, rtol=tol)
+    # add + norm in one kernel: the sum rounded as torch's add, the norm as fused.rms_norm
+    delta = (torch.randn(37, 576, generator=gen) * 3).to("cuda", dtype)
+    total, normed = fused.add_rms_norm(delta, x, norm.weight, 1e-5)
+    assert torch.equal(total, x + delta)
+    assert torch.equal(normed, fused.rms_norm(x + delta, norm.weight, 1e-5))
     untouched = torch.ones(200, dtype=torch.bool, device="cuda")
     untouched[slots] = False
     assert (k_cache[untouched] == 0).all() and (v_cache[untouched] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_deferred_adds_equal_the_plain_layers(dtype: torch.dtype) -> None:
+    """Two decoder layers with each residual add done by the next norm (forward_deferred, the
+    CUDA path in bf16/fp16) give the plain layers' residual stream to the last bit."""
+    from omni_server.engine.attention import DecodeGroup, ForwardBatch
+    from omni_server.engine.llama import DecoderLayer, Llama
+
+    model = Llama(TINY, max_positions=256).place("cuda", dtype)
+    model.init_random(5)
+    layers = [layer for layer in model.layers if isinstance(layer, DecoderLayer)][:2]
+    assert len(layers) == 2
+    gen = torch.Generator().manual_seed(2)
+    b, bs = 3, 16
+    h0 = torch.randn(b, TINY.hidden_size, generator=gen).to("cuda", dtype)
+    shape = model.local_shape
+    caches = [
+        torch.randn(64, shape.num_kv_heads, shape.head_dim, generator=gen).to("cuda", dtype)
+        for _ in range(4)
+    ]
+    batch = ForwardBatch(
+        input_ids=torch.zeros(b, dtype=torch.int64, device="cuda"),
+        positions=torch.tensor([4, 20, 33], device="cuda"),
+        slot_mapping=torch.tensor([20, 52, 49], device="cuda"),  # distinct: no write race
+        logits_indices=torch.arange(b, device="cuda"),
+        decode=DecodeGroup(
+            b,
+            block_tables=torch.tensor(
+                [[1, 0, 0], [2, 3, 0], [2, 1, 3]], dtype=torch.int32, device="cuda"
+            ),
+            context_lens=torch.tensor([5, 21, 34], dtype=torch.int32, device="cuda"),
+            block_size=bs,
+        ),
+        prefills=[],
+    )
+    rope = model.rope_rows(batch.positions)
+    plain, deferred = h0, h0
+    delta = None
+    with torch.inference_mode():
+        for i, layer in enumerate(layers):
+            plain = layer(plain, rope, caches[2 * i], caches[2 * i + 1], batch)
+            deferred, delta = layer.forward_deferred(
+                deferred, delta, rope, caches[2 * i], caches[2 * i + 1], batch
+            )
+    assert delta is not None
+    assert torch.equal(deferred + delta, plain)

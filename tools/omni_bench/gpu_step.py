@@ -15,13 +15,18 @@ For each shape (random bf16 weights drawn on the GPU) and batch size b, b reques
   TTFT        --ttft levels: c requests added at once, mean time to their first token
 
 and the kernel profile of one graph replay of the paged engine (torch.profiler: kernels per step
-and time per kernel kind), which says where a step's time goes.
+and time per kernel kind), which says where a step's time goes; with --host-profile, where the
+host's part of `engine.step()` goes (cProfile over the steady decode steps, top functions by
+own time; the profiler's overhead inflates every figure, so read them as shares).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import sys
 import time
 from collections import defaultdict
@@ -79,6 +84,32 @@ def engine_step_ms(engine: Engine, batch: int, args: argparse.Namespace) -> floa
             times.append(time.perf_counter() - start)
     times = times[3:]  # a new context bucket's graph is captured on its first step
     return sorted(times)[len(times) // 2] * 1e3
+
+
+def host_profile(engine: Engine, batch: int, args: argparse.Namespace, top: int = 14) -> str:
+    """cProfile of 40 steady decode steps of `batch` requests (their graphs already captured):
+    the top functions by own time, as pstats prints them."""
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    gen = torch.Generator().manual_seed(batch + 1)
+    for i in range(batch):
+        prompt = torch.randint(1, engine.shape.vocab_size, (args.prompt_tokens,), generator=gen)
+        engine.add(GenerationRequest(f"p{batch}-{i}", prompt.tolist(), params))
+    while any(s.num_computed < s.num_prompt_tokens for s in engine.batcher.running) or (
+        engine.num_waiting
+    ):
+        engine.step()
+    for _ in range(4):
+        engine.step()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(40):
+        engine.step()
+    prof.disable()
+    while engine.has_work():
+        engine.step()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, n: int = 100) -> float:
@@ -169,6 +200,8 @@ def _kind(name: str) -> str:
     low = name.lower()
     for key, kind in (
         ("attend", "paged attention (Triton)"),
+        ("add_rms", "add + rms_norm (Triton)"),
+        ("argmax", "argmax (greedy)"),
         ("merge", "paged attention merge (Triton)"),
         ("gemv", "matmul (gemv)"),
         ("gemm", "matmul (gemm)"),
@@ -194,7 +227,7 @@ def run_shape(name: str, args: argparse.Namespace) -> dict[str, Any]:
     context = args.prompt_tokens + args.new_tokens
     for batch in args.batches:
         row: dict[str, Any] = {"batch": batch}
-        for attention in ("paged", "gather"):
+        for attention in args.attention:
             engine = _engine(name, batch, args, attention)
             row[f"engine_ms_{attention}"] = engine_step_ms(engine, batch, args)
             graphs = engine.runner.graphs
@@ -210,10 +243,13 @@ def run_shape(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 kv = batch * context * engine.cache.token_bytes(engine.shape, torch.bfloat16)
                 row["floor_ms"] = (weights + kv) / HBM_BYTES_PER_S * 1e3
                 row["ttft_ms"] = ttft(engine, args) if batch == max(args.batches) else {}
+                if args.host_profile:
+                    row["host_profile"] = host_profile(engine, batch, args)
             del engine, graphs, g
             torch.cuda.empty_cache()
         out["rows"].append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "profile"}), file=sys.stderr)
+        brief = {k: v for k, v in row.items() if k not in ("profile", "host_profile")}
+        print(json.dumps(brief), file=sys.stderr)
     return out
 
 
@@ -244,11 +280,14 @@ def table(results: list[dict[str, Any]]) -> str:
     for res in results:
         for r in res["rows"]:
             b = r["batch"]
+            gather = r.get("engine_ms_gather")  # absent with --attention paged
+            gathered = "-" if gather is None else f"{gather:.2f} ({b / gather * 1e3:,.0f})"
+            graph_gather = r.get("graph_ms_gather")
             lines.append(
                 f"| {res['shape']} | {b} | {r['engine_ms_paged']:.2f} "
-                f"({b / r['engine_ms_paged'] * 1e3:,.0f}) | {r['engine_ms_gather']:.2f} "
-                f"({b / r['engine_ms_gather'] * 1e3:,.0f}) | {r['graph_ms_paged']:.2f} / "
-                f"{r['graph_ms_gather']:.2f} | {r['naive_ms']:.2f} "
+                f"({b / r['engine_ms_paged'] * 1e3:,.0f}) | {gathered} | "
+                f"{r['graph_ms_paged']:.2f} / "
+                f"{'-' if graph_gather is None else f'{graph_gather:.2f}'} | {r['naive_ms']:.2f} "
                 f"({b / r['naive_ms'] * 1e3:,.0f}) | {r['floor_ms']:.3f} |"
             )
     for res in results:
@@ -256,11 +295,13 @@ def table(results: list[dict[str, Any]]) -> str:
             if r.get("ttft_ms"):
                 levels = ", ".join(f"c={c}: {ms:.1f} ms" for c, ms in r["ttft_ms"].items())
                 lines.append(f"TTFT {res['shape']}: {levels}")
-            for p in r.get("profile", [])[:8]:
+            for p in r.get("profile", [])[:10]:
                 lines.append(
                     f"profile {res['shape']} b={r['batch']}: {p['kind']:<34} "
                     f"{p['per_step']:>6.0f} kernels {p['us_per_step']:>8.1f} us"
                 )
+            if r.get("host_profile"):
+                lines.append(f"host profile {res['shape']} b={r['batch']}:\n{r['host_profile']}")
     return "\n".join(lines)
 
 
@@ -272,8 +313,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--ttft", default="1,16,64", help="TTFT levels (run at the largest batch)")
     p.add_argument("--profile", action="store_true", help="kernel profile of each graph")
+    p.add_argument("--host-profile", action="store_true", help="cProfile of engine.step()")
+    p.add_argument("--attention", default="paged,gather", help="decode attentions to run")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    args.attention = args.attention.split(",")
+    if "paged" not in args.attention:
+        p.error("--attention must include paged (the anchors are measured beside it)")
     args.batches = [int(b) for b in args.batches.split(",")]
     args.ttft = [int(c) for c in args.ttft.split(",") if c]
     return args

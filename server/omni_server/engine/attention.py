@@ -77,6 +77,12 @@ def paged_attention(
         one = _one_query(q[:1], k_cache[start:end], v_cache[start:end])
         if not batch.prefills:
             return one  # no gather, no mask, no copy
+    whole = decode is not None and decode.num_seqs == q.shape[0] and not batch.prefills
+    if whole and decode is not None and decode.block_tables is not None:
+        assert decode.context_lens is not None  # every row a decode: the kernel's output as is
+        return paged_decode_attention(
+            q, k_cache, v_cache, decode.block_tables, decode.context_lens, decode.block_size
+        )
     out = torch.empty_like(q)
     if decode is not None and decode.kv_span is not None:
         out[:1] = one

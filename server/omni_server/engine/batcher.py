@@ -165,6 +165,9 @@ class Batcher:
             if seq.status is not Status.RUNNING or seq.num_tokens - seq.num_computed != 1:
                 continue  # preempted in this loop, or still prefilling
             need = self.allocator.new_blocks(seq.block_table, seq.num_tokens)
+            if not need:  # 15 steps in 16 (block size 16): nothing to allocate or preempt
+                decodes.append(seq)
+                continue
             while not self.allocator.can_allocate(need):
                 victim = self.running[-1]  # newest; never one already in `decodes` (older)
                 self.preempt(victim)

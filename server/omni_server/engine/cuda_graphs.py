@@ -13,6 +13,12 @@ requests with longest context L runs the graph of the smallest bucket (b >= B, l
 Batch buckets 1, 2, 4, 8, then steps of 8 up to max_batch_size; context buckets powers of two
 from 256 up to max_seq_len. Graphs are captured lazily on first use (or all at once by
 `capture_all`) and share one memory pool; their inputs are static buffers the step copies into.
+
+A step's inputs travel in one host-to-device copy: each graph's token rows (ids, positions,
+slots: int64) and, paged, its context lengths and block table (int32, viewed in the same bytes)
+are views of one device buffer, filled from one pinned host buffer of the same layout. A text
+model's graph also takes the greedy token of every row (argmax inside the graph): a greedy
+step then reads [b] int64 back instead of launching an argmax over [b, V] logits.
 """
 
 from __future__ import annotations
@@ -56,9 +62,24 @@ class CapturedGraph:
     writes: replaying it runs the step on whatever those buffers hold."""
 
     graph: torch.cuda.CUDAGraph
-    batch: ForwardBatch  # static input buffers the graph reads
+    batch: ForwardBatch  # static input buffers the graph reads (views of `inputs`)
     logits: torch.Tensor  # [b, V] static output
-    rows: torch.Tensor  # [3, b] int64: batch.input_ids, positions, slot_mapping are its rows
+    greedy: torch.Tensor | None  # [b] int64 argmax of each row's logits (text models)
+    inputs: torch.Tensor  # int64 device buffer: [3, b] token rows, then the int32 section
+    host: torch.Tensor  # the pinned host buffer `inputs` is copied from, the same layout
+    copied: torch.cuda.Event  # recorded after each copy out of `host`: refill only after it
+
+    # numpy views of `host` (wait for `copied` before writing them): token rows [3, b] int64,
+    # context lengths [b] int32 and block table [b, W] int32 (both empty for a gathered graph)
+    host_rows: Any
+    host_lens: Any
+    host_table: Any
+
+
+@dataclass
+class DecodeOutput:
+    logits: torch.Tensor  # [B, V] float32 (frame logits [B, K * C] for an audio model)
+    greedy: torch.Tensor | None  # [B] int64 argmax of each row, from the graph (text models)
 
 
 class DecodeGraphs:
@@ -95,26 +116,28 @@ class DecodeGraphs:
         tables: list[list[int]],  # [B] each request's block table
         context: list[int],  # [B] context length of each request (L = max)
         audio_codes: list[list[int]] | None = None,  # [B][K]: an audio model's decode frames
-    ) -> torch.Tensor:  # [B, V] float32 ([B, K * C] frame logits for an audio model)
+    ) -> DecodeOutput:
         n, length = len(ids), max(context)
         b, bucket = bucket_for(n, self.batch_buckets), bucket_for(length, self.context_buckets)
         g = self.graph_for(b, bucket)
         s = g.batch
         assert s.decode is not None
-        # Token rows as one [3, b] copy; padded rows: token 0 at position 0 into slot 0.
-        rows = torch.zeros(3, b, dtype=torch.int64)
-        rows[:, :n] = torch.tensor([ids, positions, slot_mapping], dtype=torch.int64)
-        g.rows.copy_(rows, non_blocking=True)
+        g.copied.synchronize()  # the previous step's copy out of `host` is done
+        rows, lens, table = g.host_rows, g.host_lens, g.host_table
+        # Padded rows: token 0 at position 0 into slot 0 (the scratch block), context 0.
+        rows[:, n:] = 0
+        rows[0, :n], rows[1, :n], rows[2, :n] = ids, positions, slot_mapping
         if self.paged:
-            assert s.decode.block_tables is not None and s.decode.context_lens is not None
+            lens[:n] = context
+            lens[n:] = 0  # padded rows: the kernel writes zeros
             width = -(-length // self.cache.block_size)
-            lens = torch.zeros(b, dtype=torch.int32)
-            lens[:n] = torch.tensor(context, dtype=torch.int32)  # padded rows: 0, write zeros
-            s.decode.context_lens.copy_(lens, non_blocking=True)
-            # Entries past a request's context are never read: only the live part travels.
-            table = self.cache.block_matrix(tables, width)
-            s.decode.block_tables[:n, :width].copy_(table, non_blocking=True)
-        else:
+            # Entries past a request's context are never read: only the live part is written.
+            for row, blocks in enumerate(tables):
+                live = blocks[:width]
+                table[row, : len(live)] = live
+        g.inputs.copy_(g.host, non_blocking=True)
+        g.copied.record()
+        if not self.paged:
             assert s.decode.kv_slots is not None and s.decode.kv_mask is not None
             kv_slots = self.cache.slot_matrix(tables, length)
             s.decode.kv_slots.zero_()
@@ -128,7 +151,7 @@ class DecodeGraphs:
             s.audio_codes.zero_()
             s.audio_codes[:n].copy_(torch.tensor(audio_codes), non_blocking=True)
         g.graph.replay()
-        return g.logits[:n]
+        return DecodeOutput(g.logits[:n], None if g.greedy is None else g.greedy[:n])
 
     def graph_for(self, b: int, length: int) -> CapturedGraph:
         """The graph of batch bucket `b` and context bucket `length`, captured on first use
@@ -137,13 +160,21 @@ class DecodeGraphs:
         if key in self.graphs:
             return self.graphs[key]
         dev = self.device
-        rows = torch.zeros(3, b, dtype=torch.int64, device=dev)  # one copy a step fills all
+        # One buffer a step's copy fills: [3, b] int64 rows, then b + b * W int32 (paged)
+        width = -(-length // self.cache.block_size) if self.paged else 0
+        small = b + b * width if self.paged else 0
+        size = 3 * b + -(-small // 2)
+        inputs = torch.zeros(size, dtype=torch.int64, device=dev)
+        host = torch.zeros(size, dtype=torch.int64, pin_memory=True)
+        rows = inputs[: 3 * b].view(3, b)
         if self.paged:
-            width = -(-length // self.cache.block_size)
+            int32 = inputs[3 * b :].view(torch.int32)
+            lens = int32[:b]
+            lens.fill_(1)  # capture and warm-up: one key, slot 0
             decode = DecodeGroup(
                 b,
-                block_tables=torch.zeros(b, width, dtype=torch.int32, device=dev),
-                context_lens=torch.ones(b, dtype=torch.int32, device=dev),  # capture: slot 0
+                block_tables=int32[b : b + b * width].view(b, width),
+                context_lens=lens,
                 block_size=self.cache.block_size,
             )
         else:
@@ -175,8 +206,17 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream), torch.inference_mode():
             logits = self.forward(static, self.cache.k, self.cache.v)
+            greedy = logits.argmax(dim=-1) if audio is None else None  # sampling.greedy_tokens
         if self.pool is None:
             self.pool = graph.pool()
-        captured = CapturedGraph(graph, static, logits, rows)
+        copied = torch.cuda.Event()
+        copied.record()
+        small_host = host[3 * b :].view(torch.int32).numpy()
+        captured = CapturedGraph(
+            graph, static, logits, greedy, inputs, host, copied,
+            host_rows=host[: 3 * b].numpy().reshape(3, b),
+            host_lens=small_host[:b],
+            host_table=small_host[b : b + b * width].reshape(b, width),
+        )  # fmt: skip
         self.graphs[key] = captured
         return captured

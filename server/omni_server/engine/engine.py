@@ -277,8 +277,8 @@ class Engine:
         batch = self.batcher.next_batch(start)
         if batch is None:
             return events
-        logits, sampled = self.runner.run(batch)
-        events += self._sample(batch, logits, sampled)
+        logits, sampled, greedy = self.runner.run(batch)
+        events += self._sample(batch, logits, sampled, greedy)
         if media:
             done = self._now()
             self.batcher.record_step(done - start, batch)
@@ -292,7 +292,11 @@ class Engine:
         return self.model.tp.first(self.clock(), self._device)
 
     def _sample(
-        self, batch: StepBatch, logits: torch.Tensor, sampled: list[Sequence]
+        self,
+        batch: StepBatch,
+        logits: torch.Tensor,
+        sampled: list[Sequence],
+        greedy: torch.Tensor | None,  # [R] each row's argmax, where the decode graph took it
     ) -> list[TokenEvent]:
         events: list[TokenEvent] = []
         params, generators = [s.params for s in sampled], [s.generator for s in sampled]
@@ -306,7 +310,7 @@ class Engine:
             for seq, frame in zip(sampled, frames, strict=True):
                 events.append(self._append_frame(seq, frame, self.audio))
             return events
-        tokens = sample(logits, params, generators)
+        tokens = sample(logits, params, generators, greedy)
         self._advance(batch)
         for seq, token in zip(sampled, tokens, strict=True):
             events.append(self._append_token(seq, token))

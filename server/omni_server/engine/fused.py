@@ -7,6 +7,9 @@ A decode step of a small model is one graph of ~25 kernels a layer, each a few m
              -> 1, with the same roundings (normalized in float32, rounded to the model dtype,
              then the weight's product rounded), so the numbers are torch's to the last bit
              up to the order of the mean's sum
+  add_rms_norm  the residual add before a norm (h = h + delta, rounded to the model dtype as
+             torch's add rounds) and the norm of the sum, in the same kernel: one launch fewer
+             per add (two a layer), the sum read once
   rope_kv    RoPE of Q and K (cast, complex multiply, cast back) and the K/V cache writes
              (two index_copy_) -> 1: reads the fused QKV row once, writes the rotated Q and
              puts the rotated K and V into their cache slots
@@ -30,6 +33,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     block = 1 << (width - 1).bit_length()
     kernel[(rows,)](x, weight, out, x.stride(0), width, eps, BLOCK=block, num_warps=4)
     return out
+
+
+def add_rms_norm(
+    delta: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:  # [T, C] each -> (h + delta, rms_norm(h + delta))
+    kernel = _kernels()["add_rms_norm"]
+    rows, width = h.shape
+    total = torch.empty_like(h)
+    out = torch.empty_like(h)
+    block = 1 << (width - 1).bit_length()
+    kernel[(rows,)](
+        delta, h, weight, total, out, delta.stride(0), h.stride(0), width, eps,
+        BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    return total, out
 
 
 def rope_kv(
@@ -80,6 +98,27 @@ def _kernels() -> dict[str, Any]:
         tl.store(out_ptr + row * stride + cols, y, mask=ok)
 
     @triton.jit
+    def add_rms_norm_kernel(
+        d_ptr, h_ptr, w_ptr, total_ptr, out_ptr, stride_d, stride_h, width, eps,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # total = h + delta rounded to the model dtype (torch's bf16 add: float32 sum, one
+        # rounding); the norm then reads the rounded sum, as the unfused ops do
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < width
+        d = tl.load(d_ptr + row * stride_d + cols, mask=ok, other=0.0)
+        h = tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0)
+        s = (h.to(tl.float32) + d.to(tl.float32)).to(total_ptr.dtype.element_ty)
+        tl.store(total_ptr + row * width + cols, s, mask=ok)
+        x = s.to(tl.float32)
+        var = tl.sum(x * x, axis=0) / width
+        normed = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+        y = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * width + cols, y, mask=ok)
+
+    @triton.jit
     def rope_kv_kernel(
         qkv_ptr, table_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
         stride_t, stride_p, stride_s,
@@ -127,4 +166,9 @@ def _kernels() -> dict[str, Any]:
         y = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
         tl.store(out_ptr + row * width + cols, y, mask=ok)
 
-    return {"rms_norm": rms_norm_kernel, "rope_kv": rope_kv_kernel, "silu_mul": silu_mul_kernel}
+    return {
+        "rms_norm": rms_norm_kernel,
+        "add_rms_norm": add_rms_norm_kernel,
+        "rope_kv": rope_kv_kernel,
+        "silu_mul": silu_mul_kernel,
+    }

@@ -24,7 +24,7 @@ from torch import nn
 from omni_server.engine.attention import ForwardBatch
 from omni_server.engine.audio_frames import AudioSpec
 from omni_server.engine.config import LlamaShape
-from omni_server.engine.llama import MLP, DecoderLayer, Llama, RMSNorm, sampled_rows
+from omni_server.engine.llama import MLP, DecoderLayer, Llama, RMSNorm
 from omni_server.engine.parallel import SINGLE, TensorParallel
 
 
@@ -57,6 +57,27 @@ class DualFFNLayer(DecoderLayer):
         out.index_copy_(0, text, self.mlp(self.ffn_norm(h.index_select(0, text))))
         out.index_copy_(0, rows, self.audio_mlp(self.audio_ffn_norm(h.index_select(0, rows))))
         return h + out
+
+    def forward_deferred(
+        self,
+        h: torch.Tensor,
+        delta: torch.Tensor | None,
+        rope: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """DecoderLayer.forward_deferred with the audio norms and MLP on an audio-only batch
+        (a decode step); a mixed batch adds `delta` and runs forward() (prefill only)."""
+        if batch.audio_codes is None:
+            return super().forward_deferred(h, delta, rope, k_cache, v_cache, batch)
+        if batch.audio_rows is None:
+            h, x = self.audio_attn_norm.after_add(delta, h)
+            h, x = self.audio_ffn_norm.after_add(self.attn(x, rope, k_cache, v_cache, batch), h)
+            return h, self.audio_mlp(x)
+        if delta is not None:
+            h = h + delta
+        return self.forward(h, rope, k_cache, v_cache, batch), None
 
 
 class HiggsAudioV2(Llama):
@@ -93,9 +114,7 @@ class HiggsAudioV2(Llama):
             rows = batch.audio_rows
             h = frames if rows is None else h.index_copy(0, rows, frames)
         rope = self.rope_rows(batch.positions)  # [T, 1, D/2]
-        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
-            h = layer(h, rope, k_cache, v_cache, batch)
-        h = self.norm(sampled_rows(h, batch.logits_indices))  # [R, C]
+        h = self.final_hidden(h, rope, batch, k_caches, v_caches)  # [R, C]
         return F.linear(h, self.audio_head.weight).float()
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,26 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel
         # Normalize in float32, then scale in the model dtype, as transformers does.
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+
+    def after_add(
+        self, delta: torch.Tensor | None, h: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, norm(h + delta)); delta None: (h, norm(h)). The residual add that
+        precedes this norm, and the norm: one kernel where the fused kernels run (defers_adds),
+        torch's add then this norm elsewhere (the same roundings)."""
+        if delta is None:
+            return h, self(h)
+        if defers_adds(h):
+            return fused.add_rms_norm(delta, h, self.weight, self.eps)
+        h = h + delta
+        return h, self(h)
+
+
+def defers_adds(h: torch.Tensor) -> bool:
+    """Whether a forward over `h` runs the deferred-add layers (DecoderLayer.forward_deferred):
+    CUDA with the Triton kernels, in bf16/fp16 (fused.add_rms_norm's roundings are torch's
+    there; float32 and the CPU keep the plain layers and their addmm residual)."""
+    return h.is_cuda and h.dtype != torch.float32 and fused_kernels()
 
 
 def rope_table(shape: LlamaShape, max_positions: int) -> torch.Tensor:
@@ -190,6 +211,21 @@ class DecoderLayer(nn.Module):
         h = self.attn(self.attn_norm(h), rope, k_cache, v_cache, batch, residual=h)
         return self.mlp(self.ffn_norm(h), residual=h)
 
+    def forward_deferred(
+        self,
+        h: torch.Tensor,  # [T, C] the residual stream, less `delta`
+        delta: torch.Tensor | None,  # [T, C] the previous layer's MLP output, not yet added
+        rope: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # (h, delta): the stream is h + delta
+        """forward() with each residual add done by the norm after it (RMSNorm.after_add):
+        the MLP's add waits for the next layer's attention norm (or the final norm)."""
+        h, x = self.attn_norm.after_add(delta, h)
+        h, x = self.ffn_norm.after_add(self.attn(x, rope, k_cache, v_cache, batch), h)
+        return h, self.mlp(x)
+
 
 class Llama(nn.Module):
     # A family's variant (higgs_audio.py) swaps the layer, drops the text head, adds an audio head.
@@ -225,11 +261,31 @@ class Llama(nn.Module):
     ) -> torch.Tensor:  # [R, V] float32 logits of batch.logits_indices
         h = self.embed(batch.input_ids)  # [T, C]
         rope = self.rope_rows(batch.positions)  # [T, 1, D/2]
-        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
-            h = layer(h, rope, k_cache, v_cache, batch)
-        h = self.norm(sampled_rows(h, batch.logits_indices))  # [R, C]: the head only there
+        h = self.final_hidden(h, rope, batch, k_caches, v_caches)  # [R, C]: the head only there
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, head).float()
+
+    def final_hidden(
+        self,
+        h: torch.Tensor,  # [T, C] the embedded rows
+        rope: torch.Tensor,
+        batch: ForwardBatch,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+    ) -> torch.Tensor:  # [R, C]: the final norm of batch.logits_indices' rows
+        rows = batch.logits_indices
+        decoder = cast(list[DecoderLayer], list(self.layers))
+        layers = zip(decoder, k_caches, v_caches, strict=True)
+        if not defers_adds(h):
+            for layer, k_cache, v_cache in layers:
+                h = layer(h, rope, k_cache, v_cache, batch)
+            return self.norm(sampled_rows(h, rows))
+        delta: torch.Tensor | None = None
+        for layer, k_cache, v_cache in layers:
+            h, delta = layer.forward_deferred(h, delta, rope, k_cache, v_cache, batch)
+        if delta is not None:  # the last MLP's add, on the sampled rows only
+            delta = sampled_rows(delta, rows)
+        return self.norm.after_add(delta, sampled_rows(h, rows))[1]
 
     def rope_rows(self, positions: torch.Tensor) -> torch.Tensor:  # [T] -> [T, 1, D/2]
         # index_select, not advanced indexing (attention._gather says why)

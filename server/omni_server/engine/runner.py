@@ -36,8 +36,9 @@ class ModelRunner:
             self.forward = compiled
 
     @torch.inference_mode()
-    def run(self, batch: StepBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Logits [R, V] float32 and the R requests they belong to (those that sample now)."""
+    def run(self, batch: StepBatch) -> tuple[torch.Tensor, list[Sequence], torch.Tensor | None]:
+        """Logits [R, V] float32, the R requests they belong to (those that sample now), and
+        each row's greedy token [R] int64 where a decode graph computed it (else None)."""
         decodes = batch.decodes
         positions = [seq.num_computed for seq in decodes]
         ids = [seq.token_ids[pos] for seq, pos in zip(decodes, positions, strict=True)]
@@ -51,8 +52,8 @@ class ModelRunner:
             frames = None
             if audio:
                 frames = [seq.frames[pos] for seq, pos in zip(decodes, positions, strict=True)]
-            logits = self.graphs.run(ids, positions, slot_mapping, tables, context, frames)
-            return logits, list(decodes)
+            out = self.graphs.run(ids, positions, slot_mapping, tables, context, frames)
+            return out.logits, list(decodes), out.greedy
 
         sampled: list[Sequence] = list(decodes)
         logits_indices = list(range(len(decodes)))
@@ -82,7 +83,7 @@ class ModelRunner:
         )
         if audio:
             self._audio_rows(fwd, batch)
-        return self.forward(fwd, self.cache.k, self.cache.v), sampled
+        return self.forward(fwd, self.cache.k, self.cache.v), sampled, None
 
     def _decode_group(self, tables: list[list[int]], context: list[int]) -> DecodeGroup:
         """The decode rows' attention inputs: block tables for the paged kernel; on the CPU one

@@ -83,11 +83,16 @@ def sample(
     logits: torch.Tensor,  # [R, V] float32
     params: list[SamplingParams],  # one per row
     generators: list[torch.Generator],  # one per row (CPU)
+    greedy: torch.Tensor | None = None,  # [R] greedy_tokens(logits), already computed
 ) -> list[int]:
-    """One token per row."""
-    tokens = greedy_tokens(logits)  # [R]: the greedy answer; sampled rows overwrite theirs
+    """One token per row. `greedy`: the rows' argmax as a decode graph computed it (the same
+    argmax as greedy_tokens on CUDA), so no kernel runs here for a greedy batch."""
+    # [R]: the greedy answer; sampled rows overwrite theirs
+    tokens = greedy_tokens(logits) if greedy is None else greedy
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
+        if greedy is not None:
+            tokens = tokens.clone()  # a graph's static output: not written here
         picked = _sample_rows(
             logits[rows], [params[i] for i in rows], [generators[i] for i in rows]
         )

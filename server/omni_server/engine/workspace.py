@@ -125,18 +125,20 @@ def measure_workspace(model: Llama, config: EngineConfig, max_seq_len: int) -> W
 def graph_static_bytes(
     vocab_size: int, max_batch_size: int, max_seq_len: int, paged: bool, block_size: int
 ) -> int:
-    """What every decode graph keeps for the engine's life: its float32 logits [b, V] (in the
-    graph pool) and its static inputs (cuda_graphs.py: [3, b] int64 rows, [b] int64 logit
-    rows; paged: a [b, L / block] int32 table and [b] int32 lengths; gathered: [b, L] int64
-    slots and a [b, 1, 1, L] bool mask)."""
+    """What every decode graph keeps for the engine's life: its float32 logits [b, V] and
+    greedy tokens [b] int64 (in the graph pool) and its static inputs (cuda_graphs.py: [b]
+    int64 logit rows and one buffer of [3, b] int64 rows, paged followed by [b] int32 lengths
+    and a [b, L / block] int32 table; gathered: [b, L] int64 slots and a [b, 1, 1, L] bool
+    mask besides)."""
     total = 0
     for b in batch_buckets(max_batch_size):
         for length in context_buckets(max_seq_len):
-            sizes = [b * vocab_size * 4, 3 * b * 8, b * 8]
+            sizes = [b * vocab_size * 4, b * 8, b * 8]
             if paged:
-                sizes += [b * -(-length // block_size) * 4, b * 4]
+                small = b + b * -(-length // block_size)
+                sizes += [(3 * b + -(-small // 2)) * 8]
             else:
-                sizes += [b * length * 8, b * length]
+                sizes += [3 * b * 8, b * length * 8, b * length]
             total += sum(-(-s // _SMALL_BLOCK) * _SMALL_BLOCK for s in sizes)
     return total
 
