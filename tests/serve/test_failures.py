@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx2
 import openai
@@ -27,9 +28,10 @@ from tests.helpers.server import ServerProcess
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(scope="module")
-def flaky(tmp_path_factory):
-    root = tmp_path_factory.mktemp("flaky")
+def flaky_repo(root: Path) -> tuple[Path, Path]:
+    """A repository of the stand-in speaker, whose initialize() waits for the gate file (not
+    made here); returns the repository and the gate's path."""
+    root.mkdir(parents=True, exist_ok=True)
     gate = root / "gate"
     first_chunk = root / "first-chunk"
     os.mkfifo(first_chunk, 0o600)
@@ -54,6 +56,13 @@ def flaky(tmp_path_factory):
         """,
         models={"speaker": FIXTURES / "flaky_speaker.py"},
     )
+    return repo, gate
+
+
+@pytest.fixture(scope="module")
+def flaky(tmp_path_factory):
+    root = tmp_path_factory.mktemp("flaky")
+    repo, gate = flaky_repo(root)
     server = ServerProcess.start(repo, root / "server.log", wait_ready=False)
     try:
         server.wait_live()
@@ -229,30 +238,7 @@ def test_the_restart_is_counted_in_the_metrics(flaky):
 
 
 def test_a_pipeline_slower_than_the_start_timeout_exits_1_naming_it(tmp_path):
-    gate = tmp_path / "gate"  # never opened: the stage is still loading when the bound passes
-    first_chunk = tmp_path / "first-chunk"
-    os.mkfifo(first_chunk, 0o600)
-    repo = make_repo(
-        tmp_path / "repo",
-        stages={
-            "speaker": f"""
-                backend = "FlakySpeaker"
-                terminal = true
-                [scheduler]
-                kind = "stream"
-                [parameters]
-                gate = "{gate}"
-                first_chunk = "{first_chunk}"
-            """
-        },
-        repository="""
-            [models.flaky]
-            entry = "speaker"
-            tasks = ["speech"]
-            voices = ["silence"]
-        """,
-        models={"speaker": FIXTURES / "flaky_speaker.py"},
-    )
+    repo, _ = flaky_repo(tmp_path)  # the gate never opens: still loading when the bound passes
     server = ServerProcess.start(
         repo, tmp_path / "server.log", "--start-timeout", "3", wait_ready=False
     )
