@@ -240,6 +240,14 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> None:
         help="the stage processes' time to be ready, at start, after a restart and on a model "
         f"control load, before that start fails ({d.start_timeout_s:g})",
     )
+    times.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=d.heartbeat_timeout_s,
+        metavar="S",
+        help="a ready stage process silent this long (no heartbeat: stopped, or a call holding "
+        f"the GIL) is killed and restarted; 0: never ({d.heartbeat_timeout_s:g})",
+    )
 
     voices = parser.add_argument_group("custom voices (docs/voices.md)")
     voices.add_argument(
@@ -284,6 +292,7 @@ def _serve_options(opts: argparse.Namespace) -> ServeOptions:
             write_timeout_s=opts.write_timeout,
             shutdown_grace_s=opts.shutdown_grace,
             start_timeout_s=opts.start_timeout,
+            heartbeat_timeout_s=opts.heartbeat_timeout,
             data_dir=prepare_dir(opts.data_dir or default_data_dir()),
             max_custom_voices=opts.max_custom_voices,
         )

@@ -60,10 +60,10 @@ def serve(
         hosts = (hosts or LOOPBACK_NAMES) | options.allowed_hosts
     if hosts is not None:
         options = replace(options, allowed_hosts=hosts)
-    start_timeout = options.start_timeout_s
+    start_timeout, supervision = options.start_timeout_s, options.supervision()
 
     def runtime(of: Plan) -> Runtime:
-        return Runtime(of, start_timeout=start_timeout)
+        return Runtime(of, supervision=supervision, start_timeout=start_timeout)
 
     if model_control == ControlMode.NONE:
         return asyncio.run(_serve(lambda: runtime(plan), host, port, options))

@@ -237,6 +237,30 @@ def test_the_restart_is_counted_in_the_metrics(flaky):
     assert 'omni_supervision_events_total{event="restart",subject="speaker@r0"} 1.0' in text
 
 
+def test_a_stopped_stage_process_is_killed_after_the_heartbeat_timeout_given(tmp_path):
+    """`--heartbeat-timeout 2`: a SIGSTOPped stage process is found frozen at 2 s (the default
+    says 6), killed, and its successor serves."""
+    repo, gate = flaky_repo(tmp_path)
+    gate.touch()
+    with ServerProcess.start(
+        repo, tmp_path / "server.log", "--heartbeat-timeout", "2", wait_ready=True
+    ) as server:
+        [stage_process] = descendants(server.proc.pid)
+        os.kill(stage_process, signal.SIGSTOP)
+        deadline = time.monotonic() + 60
+        while "frozen: no heartbeat" not in server.log() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "frozen: no heartbeat for 2 s" in server.log()
+        server.wait_ready()
+        [successor] = descendants(server.proc.pid)
+        assert successor != stage_process
+        with OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
+            speech = client.audio.speech.create(
+                model="flaky", voice="silence", input="hello", extra_body={"stream": False}
+            )
+        assert speech.content
+
+
 def test_a_pipeline_slower_than_the_start_timeout_exits_1_naming_it(tmp_path):
     repo, _ = flaky_repo(tmp_path)  # the gate never opens: still loading when the bound passes
     server = ServerProcess.start(

@@ -140,6 +140,7 @@ def test_stop_gives_requests_the_grace_period_then_cancels_them(keyed_server):
         (["--body-timeout", "-1"], "body_timeout_s must be positive"),
         (["--api-key", " "], "api_key is empty"),
         (["--start-timeout", "0"], "start_timeout_s must be positive"),
+        (["--heartbeat-timeout", "0.5"], "heartbeat_timeout_s must be 0 (never) or more than"),
     ],
 )
 def test_bad_serve_options_exit_2_naming_them(flags, says):

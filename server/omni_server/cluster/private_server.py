@@ -38,7 +38,9 @@ class PrivateServer:
     def __init__(self, plan: Plan, options: ServeOptions) -> None:
         self.plan = plan
         self.options = options
-        self.runtime = Runtime(plan, start_timeout=options.start_timeout_s)
+        self.runtime = Runtime(
+            plan, supervision=options.supervision(), start_timeout=options.start_timeout_s
+        )
         self.directory = Path(tempfile.mkdtemp(prefix=run_dirs.RUN_DIR_PREFIX))
         run_dirs.claim(self.directory)  # reaped by the next start here if we die unannounced
         self.socket_path = self.directory / SOCKET_NAME

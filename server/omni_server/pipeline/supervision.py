@@ -15,6 +15,8 @@ import enum
 import time
 from dataclasses import dataclass
 
+HEARTBEAT_INTERVAL_S = 1.0  # how often a stage process beats (heartbeats.py)
+
 
 @dataclass(frozen=True)
 class SupervisionPolicy:
@@ -23,7 +25,7 @@ class SupervisionPolicy:
     max_backoff_s: float = 8.0
     crash_loop_deaths: int = 5  # this many deaths within the window: the instance failed
     crash_loop_window_s: float = 60.0
-    heartbeat_interval_s: float = 1.0  # how often a stage process beats
+    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
     heartbeat_timeout_s: float = 6.0  # silent this long: frozen, killed (0: never)
 
     def backoff(self, recent_deaths: int) -> float:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from omni_server.pipeline.supervision import HEARTBEAT_INTERVAL_S, SupervisionPolicy
+
 # Speech bodies are small (4096 characters of input, JSON-escaped at worst 12 bytes each); the
 # limit leaves room for `instructions` and extension fields and rejects anything bigger with 413.
 MAX_BODY_BYTES = 1 << 20
@@ -62,10 +64,17 @@ class ServeOptions:
     # the pipeline: how long its stage processes may take to be ready (at start, on a restart,
     # on a model control load) before the start fails
     start_timeout_s: float = 300.0
+    # a ready stage process silent (no heartbeat) this long is frozen: killed and restarted
+    # (0: never); beats come every HEARTBEAT_INTERVAL_S
+    heartbeat_timeout_s: float = 6.0
     # custom voices (docs/voices.md): where they are kept (None: nowhere, POST refuses) and
     # how many at most
     data_dir: Path | None = None
     max_custom_voices: int = 64
+
+    def supervision(self) -> SupervisionPolicy:
+        """The runtime's supervision policy with this server's heartbeat bound."""
+        return SupervisionPolicy(heartbeat_timeout_s=self.heartbeat_timeout_s)
 
     def __post_init__(self) -> None:
         for name in (
@@ -96,6 +105,11 @@ class ServeOptions:
             raise ValueError(
                 "max_realtime_item_chars must not exceed max_realtime_conversation_chars; got "
                 f"{self.max_realtime_item_chars} > {self.max_realtime_conversation_chars}"
+            )
+        if self.heartbeat_timeout_s != 0 and not self.heartbeat_timeout_s > HEARTBEAT_INTERVAL_S:
+            raise ValueError(
+                "heartbeat_timeout_s must be 0 (never) or more than the "
+                f"{HEARTBEAT_INTERVAL_S:g} s between heartbeats; got {self.heartbeat_timeout_s:g}"
             )
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be 0 or more; got {self.shutdown_grace_s}")
