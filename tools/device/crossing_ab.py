@@ -64,7 +64,8 @@ def main() -> int:
             for mib, one in json.loads(line[0][7:]).items():
                 for k, v in one.items():
                     res.setdefault((mib, name), {}).setdefault(k, []).extend(v)
-            print(f"round {r} {name} done", flush=True)
+            notes = sorted({x for x in done.stdout.splitlines() if x.startswith("NOTE ")})
+            print(f"round {r} {name} done", *notes, sep="\n  ", flush=True)
     print()
     print(f"{args.rounds} x {args.requests} crossings per variant and size after {args.warmup} "
           "warm-up each, interleaved; median / p90, microseconds:")  # fmt: skip

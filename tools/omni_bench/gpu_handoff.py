@@ -150,6 +150,10 @@ async def _cross_receiver(run_dir: str, ready: Any, profile: bool) -> None:
     await done.wait()
     if profiler is not None:
         profiler.disable()
+    ring = endpoint._inbound["a"]
+    if hasattr(ring, "typical_wait_us"):  # what the adaptive poll learnt (trees since 12-02)
+        print(f"NOTE receiver's ring: typical wait {ring.typical_wait_us:.0f} us, "
+              f"poll bound {ring.hot_poll_us:.0f} us", flush=True)  # fmt: skip
     await endpoint.close()
     if profiler is not None:
         print("== receiver: its loop (ring wake-ups, decode)", flush=True)
