@@ -77,6 +77,16 @@ def main() -> int:
             cells = [f"{_pct(res[(mib, name)][k], 0.5):.0f} / {_pct(res[(mib, name)][k], 0.9):.0f}"
                      for k in ("crossing", "encode", "receiver")]  # fmt: skip
             print(f"| {mib} MiB | {name} | " + " | ".join(cells) + " |")
+    parts = [(mib, name) for mib in args.sizes_mib.split(",") for name, _, _ in variants
+             if res[(mib, name)].get("export")]  # fmt: skip
+    if parts:  # trees whose crossing stamps the push (since 2026-12-02)
+        print()
+        print("| tensor | variant | encode: export (codec, lane, pool, C) | encode: ring push |")
+        print("|---|---|---|---|")
+        for mib, name in parts:
+            cells = [f"{_pct(res[(mib, name)][k], 0.5):.0f} / {_pct(res[(mib, name)][k], 0.9):.0f}"
+                     for k in ("export", "push")]  # fmt: skip
+            print(f"| {mib} MiB | {name} | " + " | ".join(cells) + " |")
     return 0
 
 

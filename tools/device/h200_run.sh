@@ -13,8 +13,8 @@
 #            the tree in $BEFORE_TREE (main's checkout, its library built here) and this one
 #   ab       tools/device/crossing_ab.py: the crossing of $BEFORE_TREE against this tree (and
 #            this tree without the hot-stream poll), interleaved, 2 x 200 at 1 and 64 MiB
-#   abpoll   the crossing of $BEFORE_TREE against this tree at its defaults (the adaptive poll),
-#            with the fixed 200 us poll of before, and with a 2 ms cap, interleaved
+#   abpoll   the crossing of $BEFORE_TREE against this tree at its defaults (the adaptive poll)
+#            and with the fixed 200 us poll of before, interleaved
 #   cpu      tools/device/ring_cpu_cost.py: a stream's CPU cost on its receiver (records every
 #            10, 2, 0.5, 0.2 ms), $BEFORE_TREE against this tree, interleaved
 #   engine   the engine's GPU tests (graphs, paged kernel, fused kernels, memory, Higgs)
@@ -79,8 +79,7 @@ TAIL=14 step ab "${AB_S:-200}" python3 tools/device/crossing_ab.py --variant "be
   --variant "after, 1 ms poll=$PWD:OMNI_RING_HOT_SPIN_US=1000" --rounds 2 --sizes-mib "${AB_MIB:-1,64}"
 TAIL=16 step abpoll "${AB_S:-200}" python3 tools/device/crossing_ab.py \
   --variant "before=$BEFORE_TREE" --variant "after=$PWD" \
-  --variant "after, fixed 200 us poll=$PWD:OMNI_RING_HOT_SPIN_US=200" \
-  --variant "after, 2 ms cap=$PWD:OMNI_RING_HOT_POLL_MAX_US=2000" --rounds 2 \
+  --variant "after, fixed 200 us poll=$PWD:OMNI_RING_HOT_SPIN_US=200" --rounds 2 \
   --sizes-mib "${AB_MIB:-1,64}"
 TAIL=12 step cpu "${CPU_S:-60}" python3 tools/device/ring_cpu_cost.py --variant "before=$BEFORE_TREE" \
   --variant "after=$PWD" --gaps-us 10000,2000,500,200 --seconds "${CPU_SECONDS:-0.7}" --rounds 2
