@@ -494,11 +494,12 @@ print(int(array.sum()), bytes(rec.header).decode())
     assert out.stdout.split() == [str(sum(range(1000))), "h"]
 
 
-@pytest.mark.parametrize("hot_spin_us", [0.0, 500.0])
+@pytest.mark.parametrize("hot_spin_us", [0.0, 500.0, None])
 async def test_pop_async_on_a_hot_stream_gets_every_record_in_order(pair, hot_spin_us):
-    """A thread pushes records a few hundred microseconds apart: with the hot-stream spin on
-    (records come while it spins) and off (each wait sleeps on the doorbell), every record
-    arrives once, in order; and a spin that finds nothing still ends in the doorbell wait."""
+    """A thread pushes records a few hundred microseconds apart: with the hot-stream poll
+    fixed (records come while it polls), off (each wait sleeps on the doorbell) and adaptive
+    (None), every record arrives once, in order; and a poll that finds nothing still ends in
+    the doorbell wait."""
     import threading
     import time
 
@@ -535,6 +536,99 @@ def test_hot_spin_is_bounded(pair):
     for bad in (-1.0, 1e5, float("nan")):
         with pytest.raises(ValueError, match="hot_spin_us"):
             consumer.hot_spin_us = bad
+        with pytest.raises(ValueError, match="hot_poll_max_us"):
+            consumer.hot_poll_max_us = bad
+
+
+def test_the_poll_is_adaptive_unless_fixed(ring_name, monkeypatch):
+    """Without OMNI_RING_HOT_SPIN_US a ring learns its poll (a fresh one polls 200 us, the old
+    fixed default); the variable fixes it, OMNI_RING_HOT_POLL_MAX_US sets the adaptive cap."""
+    monkeypatch.delenv("OMNI_RING_HOT_SPIN_US", raising=False)
+    monkeypatch.delenv("OMNI_RING_HOT_POLL_MAX_US", raising=False)
+    with Ring.create(ring_name(), PAGE, role="consumer") as ring:
+        assert ring.hot_spin_us is None
+        assert ring.hot_poll_max_us == 1000
+        assert ring.hot_poll_us == pytest.approx(199.5)
+    monkeypatch.setenv("OMNI_RING_HOT_SPIN_US", "300")
+    monkeypatch.setenv("OMNI_RING_HOT_POLL_MAX_US", "1500")
+    with Ring.create(ring_name(), PAGE, role="consumer") as ring:
+        assert ring.hot_spin_us == 300
+        assert ring.hot_poll_max_us == 1500
+        assert ring.hot_poll_us == 0  # fixed: only within 2 ms of a record (none yet)
+        ring.hot_spin_us = None
+        assert ring.hot_poll_us == pytest.approx(199.5)
+
+
+async def test_a_busy_stream_polls_briefly_a_fixed_poll_only_after_a_record(pair):
+    """Records that are already there when popped teach the ring that its waits are short:
+    its poll shrinks to the floor (50 us). A fixed poll runs within 2 ms of a record only."""
+    import time
+
+    producer, consumer = pair
+    consumer.hot_spin_us = None
+    for i in range(30):
+        producer.push(b"%d" % i)
+    for _ in range(30):
+        with await asyncio.wait_for(consumer.pop_async(), 10):
+            pass
+    assert consumer.typical_wait_us < 1
+    assert consumer.hot_poll_us == 50
+    consumer.hot_spin_us = 300
+    assert consumer.hot_poll_us == 300  # a record came just now
+    time.sleep(0.003)
+    assert consumer.hot_poll_us == 0
+
+
+async def _sleeps_at_once(consumer: Ring, producer: Ring) -> bool:
+    """Whether a pop that finds the ring empty goes to sleep on its first step (adds the
+    doorbell to the loop's readers) instead of polling."""
+    loop = asyncio.get_running_loop()
+    readers: list[int] = []
+    add_reader = loop.add_reader
+
+    def watched(fd: int, *args: object) -> None:
+        readers.append(fd)
+        add_reader(fd, *args)
+
+    loop.add_reader = watched
+    try:
+        pop = asyncio.create_task(consumer.pop_async())
+        await asyncio.sleep(0)  # the pop's first step: it armed and slept, or it polls
+        slept = bool(readers)
+        producer.push(b"next")
+        with await asyncio.wait_for(pop, 10) as rec:
+            assert bytes(rec.header) == b"next"
+    finally:
+        del loop.add_reader
+    return slept
+
+
+async def test_a_sparse_stream_costs_no_poll(pair):
+    """Records 10 ms apart: after the first waits the ring's poll is 0 (its waits exceed the
+    cap), so a pop on it sleeps on the doorbell at once and burns nothing; records that come
+    a few hundred microseconds apart make it poll again (no reader added)."""
+    producer, consumer = pair
+    consumer.hot_spin_us = None
+
+    async def every(gap_s: float, n: int) -> None:
+        for i in range(n):
+            await asyncio.sleep(gap_s)
+            producer.push(b"%d" % i)
+
+    task = asyncio.create_task(every(0.01, 4))
+    for _ in range(4):
+        with await asyncio.wait_for(consumer.pop_async(), 10):
+            pass
+    await task
+    assert consumer.typical_wait_us > 1000
+    assert consumer.hot_poll_us == 0
+    assert await _sleeps_at_once(consumer, producer)
+    for _ in range(20):  # waits of ~0 (the record is there): the EWMA comes down again
+        producer.push(b"x")
+        with await asyncio.wait_for(consumer.pop_async(), 10):
+            pass
+    assert 0 < consumer.hot_poll_us <= consumer.hot_poll_max_us
+    assert not await _sleeps_at_once(consumer, producer)
 
 
 async def test_the_hot_poll_leaves_the_loop_to_other_tasks(pair):

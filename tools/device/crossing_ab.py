@@ -64,7 +64,8 @@ def main() -> int:
             for mib, one in json.loads(line[0][7:]).items():
                 for k, v in one.items():
                     res.setdefault((mib, name), {}).setdefault(k, []).extend(v)
-            print(f"round {r} {name} done", flush=True)
+            notes = sorted({x for x in done.stdout.splitlines() if x.startswith("NOTE ")})
+            print(f"round {r} {name} done", *notes, sep="\n  ", flush=True)
     print()
     print(f"{args.rounds} x {args.requests} crossings per variant and size after {args.warmup} "
           "warm-up each, interleaved; median / p90, microseconds:")  # fmt: skip
@@ -75,6 +76,16 @@ def main() -> int:
         for name, _, _ in variants:
             cells = [f"{_pct(res[(mib, name)][k], 0.5):.0f} / {_pct(res[(mib, name)][k], 0.9):.0f}"
                      for k in ("crossing", "encode", "receiver")]  # fmt: skip
+            print(f"| {mib} MiB | {name} | " + " | ".join(cells) + " |")
+    parts = [(mib, name) for mib in args.sizes_mib.split(",") for name, _, _ in variants
+             if res[(mib, name)].get("export")]  # fmt: skip
+    if parts:  # trees whose crossing stamps the push (since 2026-12-02)
+        print()
+        print("| tensor | variant | encode: export (codec, lane, pool, C) | encode: ring push |")
+        print("|---|---|---|---|")
+        for mib, name in parts:
+            cells = [f"{_pct(res[(mib, name)][k], 0.5):.0f} / {_pct(res[(mib, name)][k], 0.9):.0f}"
+                     for k in ("export", "push")]  # fmt: skip
             print(f"| {mib} MiB | {name} | " + " | ".join(cells) + " |")
     return 0
 

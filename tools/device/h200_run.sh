@@ -13,6 +13,10 @@
 #            the tree in $BEFORE_TREE (main's checkout, its library built here) and this one
 #   ab       tools/device/crossing_ab.py: the crossing of $BEFORE_TREE against this tree (and
 #            this tree without the hot-stream poll), interleaved, 2 x 200 at 1 and 64 MiB
+#   abpoll   the crossing of $BEFORE_TREE against this tree at its defaults (the adaptive poll)
+#            and with the fixed 200 us poll of before, interleaved
+#   cpu      tools/device/ring_cpu_cost.py: a stream's CPU cost on its receiver (records every
+#            10, 2, 0.5, 0.2 ms), $BEFORE_TREE against this tree, interleaved
 #   engine   the engine's GPU tests (graphs, paged kernel, fused kernels, memory, Higgs)
 #   stepbefore  omni-bench gpu-step (paged only) against BEFORE's engine (a checkout's root,
 #            default the tree this one sits in, ../..): the before side of a comparison
@@ -34,7 +38,7 @@ python3 -c "import omni_transport, torch, transformers; print('abi', omni_transp
   'torch', torch.__version__, 'transformers', transformers.__version__)"
 
 BEFORE_TREE=${BEFORE_TREE:-$(cd ../.. && pwd)}  # the device copy's root: /work/main's checkout
-case " $STEPS " in *" parts "*|*" ab "*)
+case " $STEPS " in *" parts "*|*" ab "*|*" cpu "*)
   cmake -S "$BEFORE_TREE" -B /tmp/omni-build-before -DCMAKE_BUILD_TYPE=Release >/dev/null \
     && cmake --build /tmp/omni-build-before -j 16 2>&1 | grep -E "warning|error" ;;
 esac
@@ -73,6 +77,12 @@ TAIL=50 step parts 90 bash -c "$PARTS && $PARTS"
 TAIL=14 step ab "${AB_S:-200}" python3 tools/device/crossing_ab.py --variant "before=$BEFORE_TREE" \
   --variant "after=$PWD" --variant "after, no hot poll=$PWD:OMNI_RING_HOT_SPIN_US=0" \
   --variant "after, 1 ms poll=$PWD:OMNI_RING_HOT_SPIN_US=1000" --rounds 2 --sizes-mib "${AB_MIB:-1,64}"
+TAIL=16 step abpoll "${AB_S:-200}" python3 tools/device/crossing_ab.py \
+  --variant "before=$BEFORE_TREE" --variant "after=$PWD" \
+  --variant "after, fixed 200 us poll=$PWD:OMNI_RING_HOT_SPIN_US=200" --rounds 2 \
+  --sizes-mib "${AB_MIB:-1,64}"
+TAIL=12 step cpu "${CPU_S:-60}" python3 tools/device/ring_cpu_cost.py --variant "before=$BEFORE_TREE" \
+  --variant "after=$PWD" --gaps-us 10000,2000,500,200 --seconds "${CPU_SECONDS:-0.7}" --rounds 2
 TAIL=20 step engine "${ENGINE_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
   tests/engine/test_cuda_graphs.py tests/engine/test_paged_decode.py \
   tests/engine/test_memory_gpu.py tests/engine/test_higgs_audio.py

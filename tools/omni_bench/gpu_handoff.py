@@ -150,6 +150,10 @@ async def _cross_receiver(run_dir: str, ready: Any, profile: bool) -> None:
     await done.wait()
     if profiler is not None:
         profiler.disable()
+    ring = endpoint._inbound["a"]
+    if hasattr(ring, "typical_wait_us"):  # what the adaptive poll learnt (trees since 12-02)
+        print(f"NOTE receiver's ring: typical wait {ring.typical_wait_us:.0f} us, "
+              f"poll bound {ring.hot_poll_us:.0f} us", flush=True)  # fmt: skip
     await endpoint.close()
     if profiler is not None:
         print("== receiver: its loop (ring wake-ups, decode)", flush=True)
@@ -180,6 +184,8 @@ async def _cross(
         replies: asyncio.Queue[Any] = asyncio.Queue()
         endpoint.start_receiving(replies.put_nowait, lambda exc: replies.put_nowait(exc))
         out: dict[str, list[float]] = {"crossing": [], "encode": [], "receiver": []}
+        out.update(export=[], push=[])  # the encode's two parts: export (codec, lane, pool), push
+        pushed = [0.0]
         try:
             if not await asyncio.to_thread(ready.wait, 120):
                 raise RuntimeError("the receiving process did not start")
@@ -193,6 +199,8 @@ async def _cross(
                 encoded = time.perf_counter()
                 if profiler is not None:
                     profiler.disable()
+                if i == 0:  # the outlet exists now: stamp where the encode meets the ring
+                    _stamp_pushes(endpoint, "b", pushed)
                 reply = await asyncio.wait_for(replies.get(), 60)
                 if isinstance(reply, BaseException) or not reply["ok"]:
                     raise RuntimeError(f"crossing failed: {reply!r}")
@@ -200,6 +208,8 @@ async def _cross(
                     out["crossing"].append((reply["arrived"] - sent) * 1e6)
                     out["encode"].append((encoded - sent) * 1e6)
                     out["receiver"].append((reply["arrived"] - encoded) * 1e6)
+                    out["export"].append((pushed[0] - sent) * 1e6)
+                    out["push"].append((encoded - pushed[0]) * 1e6)
                 del t
             endpoint.send_data("b", {"stop": True})
             await asyncio.to_thread(child.join, 30)
@@ -212,6 +222,18 @@ async def _cross(
         print("== sender: send_data", flush=True)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
     return out
+
+
+def _stamp_pushes(endpoint: Endpoint, receiver: str, pushed: list[float]) -> None:
+    """Makes the outlet's ring stamp pushed[0] as its push begins (one clock read added)."""
+    ring = endpoint._outlets[receiver]._ring
+    push = ring.push
+
+    def stamped(*args: Any, **kwargs: Any) -> None:
+        pushed[0] = time.perf_counter()
+        push(*args, **kwargs)
+
+    ring.push = stamped  # type: ignore[method-assign]
 
 
 # the crossing before the one-tensor fast path: pickle + clone, doorbell wake-ups

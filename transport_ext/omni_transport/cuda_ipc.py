@@ -241,6 +241,8 @@ class CudaPool:
         out = ffi.new("omni_segment **")
         check(lib.omni_segment_create(name.encode(), PoolSegment.size(slots), out))
         self._events: dict[int, int] = {}
+        # export_packed's per-slot arguments of omni_trec_export (event, handle, state word)
+        self._slot_args: dict[int, tuple[int, Any, Any]] = {}
         self._dptr = 0
         try:
             p = ffi.new("uint64_t *")
@@ -266,7 +268,8 @@ class CudaPool:
         self._trec.device = device
         _trec.set_name(self._trec, "pool", name)
         ffi.memmove(self._trec.mem_handle, self._shared.base, _HANDLE)
-        self._trec_out = ffi.new("char[]", _trec.record_bytes(_trec.MAX_DIMS))
+        self._trec_cap = _trec.record_bytes(_trec.MAX_DIMS)
+        self._trec_out = ffi.new("char[]", self._trec_cap)
         self._trec_len = ffi.new("uint64_t *")
         self._trec_key: str | None = None  # the key last set in the record (None: bare, "")
         _trec.set_name(self._trec, "key", "")
@@ -308,7 +311,7 @@ class CudaPool:
         size = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         if size > self.nbytes:
             raise PoolFull(f"pool {self.name!r}: {nbytes} bytes exceed its {self.nbytes} bytes")
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None  # read the clock only once the pool turned out full
         delay = 20e-6
         while True:
             self.reap()
@@ -316,6 +319,8 @@ class CudaPool:
                 if free >= size:
                     self._free[i : i + 1] = [(off + size, free - size)] if free > size else []
                     return off
+            if deadline is None and timeout is not None:
+                deadline = time.monotonic() + timeout
             if deadline is not None and time.monotonic() >= deadline:
                 raise PoolFull(f"pool {self.name!r}: no free {size} bytes before the timeout")
             # what is in flight comes back only from a live consumer
@@ -340,8 +345,11 @@ class CudaPool:
         self._free = merged
 
     def reap(self) -> int:
-        """Takes back the blocks the consumer released; returns how many."""
-        done = [s for s in self._in_flight if self._shared.state(s) == 0]
+        """Takes back the blocks the consumer released; returns how many. Every export calls
+        it: O(blocks in flight), 1-2 in a crossing's steady state (a limit for pools that keep
+        many blocks in flight)."""
+        load, states = lib.omni_load_acquire_u32, self._shared.states
+        done = [s for s in self._in_flight if load(states + s) == 0]
         for slot in done:
             self._give_back(*self._in_flight.pop(slot))
             self._free_slots.append(slot)
@@ -393,10 +401,14 @@ class CudaPool:
         rec.flags = (_trec.KEYED if key is not None else 0) | (
             _trec.REQUIRES_GRAD if tensor.requires_grad else 0
         )
-        shared, out = self._shared, self._trec_out
+        args = self._slot_args.get(slot)
+        if args is None:  # the slot's event, its handle's and its state's addresses: fixed
+            args = (self._event(slot), self._shared.event_handle(slot), self._shared.states + slot)
+            self._slot_args[slot] = args
+        out, out_len = self._trec_out, self._trec_len
         rc = lib.omni_trec_export(
-            rec, self._dptr, src or 0, _stream(), self._event(slot), shared.event_handle(slot),
-            shared.states + slot, out, len(out), self._trec_len,
+            rec, self._dptr, src or 0, _stream(), args[0], args[1], args[2], out, self._trec_cap,
+            out_len,
         )  # fmt: skip
         if rc != lib.OMNI_OK:
             self._unslot(tensor, block, src, slot)
@@ -404,7 +416,7 @@ class CudaPool:
                 raise BadTensorRecord(ffi.string(lib.omni_last_error()).decode(errors="replace"))
             raise error_for(rc)
         self._in_flight[slot] = block
-        return ffi.buffer(out, self._trec_len[0])[:]
+        return ffi.unpack(out, out_len[0])
 
     def _export(
         self, tensor: Any, timeout: float | None, peer_gone: Callable[[], bool] | None
@@ -478,6 +490,7 @@ class CudaPool:
             for event in self._events.values():
                 lib.omni_cuda_event_destroy(event)
             self._events.clear()
+            self._slot_args.clear()
             self._bytes = None
             lib.omni_cuda_mem_free(self._dptr)
             self._dptr = 0

@@ -26,17 +26,25 @@ from omni_transport.errors import RingError, RingFull, error_for
 _LIVENESS_POLL_S = 0.05
 _BACKSTOP_S = 1.0
 _DEFAULT_SPIN_US = 20.0
-# pop_async on a hot stream (a record came within _HOT_S) polls the ring for this long before it
-# sleeps on the doorbell: an event loop's wake-up from the doorbell costs ~100 us, more than most
-# gaps of a busy stream. The poll does not hold the loop: it alternates short spins in C
-# (_POLL_BURST_NS, pause + sched_yield) with a pass of the loop (asyncio.sleep(0)), so the
-# loop's other tasks and I/O run between them, as they would while it slept; what it costs is
-# that thread's core while it polls, at most this long once per record (a poll that finds
-# nothing makes the stream cold until its next record: a cold stream burns nothing).
-# OMNI_RING_HOT_SPIN_US sets the default (0: never poll).
-_DEFAULT_HOT_SPIN_US = 200.0
+# pop_async polls the ring for a while before it sleeps on the doorbell when a record is expected
+# soon: an event loop's wake-up from the doorbell costs ~100 us, more than most gaps of a busy
+# stream. The poll does not hold the loop: it alternates short spins in C (_POLL_BURST_NS,
+# pause + sched_yield) with a pass of the loop (asyncio.sleep(0)), so the loop's other tasks and
+# I/O run between them, as they would while it slept; what it costs is that thread's core while
+# it polls. How long it polls (docs/transport.md, "The hot-stream poll"):
+# - adaptive (the default): each ring learns how long its pops wait for a record (an EWMA of
+#   the waits, each counted at most _WAIT_CLAMP_NS so that a pause is forgotten in a few
+#   records) and polls for 1.5 x that, at least _POLL_FLOOR_NS, but only while that bound is
+#   at most the cap (OMNI_RING_HOT_POLL_MAX_US, default 1 ms): a sparser stream sleeps at once
+#   and costs no poll at all;
+# - fixed: OMNI_RING_HOT_SPIN_US (or Ring.hot_spin_us) polls that long whenever a record came
+#   within _HOT_S (0: never poll), as before 2026-12-02.
+_DEFAULT_HOT_POLL_MAX_US = 1000.0
 _HOT_S = 0.002
 _POLL_BURST_NS = 10_000
+_POLL_FLOOR_NS = 50_000
+_WAIT_CLAMP_NS = 4_000_000
+_WAIT_EWMA_SHIFT = 2  # each wait moves the EWMA by 1/4 of its distance
 _INLINE_BUFS = lib.OMNI_RECORD_INLINE_BUFS  # buffers described by the pop call itself
 _INT64_MAX = (1 << 63) - 1
 
@@ -129,9 +137,15 @@ class Ring:
         self._bufs = ffi.new("void *[]", _INLINE_BUFS)  # push's argument arrays, reused
         self._lens = ffi.new("uint64_t[]", _INLINE_BUFS)
         self.spin_us = spin_us
-        self.hot_spin_us = float(os.environ.get("OMNI_RING_HOT_SPIN_US", _DEFAULT_HOT_SPIN_US))
+        fixed = os.environ.get("OMNI_RING_HOT_SPIN_US")
+        self.hot_spin_us = None if fixed is None else float(fixed)
+        self.hot_poll_max_us = float(
+            os.environ.get("OMNI_RING_HOT_POLL_MAX_US", _DEFAULT_HOT_POLL_MAX_US)
+        )
         self._last_record = 0  # monotonic ns of the last record popped (0: none yet)
-        self._hot = False  # pop_async may spin: a record came since its last fruitless spin
+        # the EWMA of pop_async's waits for a record, ns; it starts as a stream that is neither
+        # hot nor cold (a bound of 200 us, the fixed default before the adaptive poll)
+        self._wait_ns = 133_000
         if role is not None:
             self.claim(role)
 
@@ -184,15 +198,42 @@ class Ring:
         lib.omni_ring_set_spin_ns(self._handle(), int(value * 1000))
 
     @property
-    def hot_spin_us(self) -> float:
-        return self._hot_spin_ns / 1000
+    def hot_spin_us(self) -> float | None:
+        """The fixed poll of pop_async, microseconds (None: the adaptive poll)."""
+        return None if self._hot_spin_ns is None else self._hot_spin_ns / 1000
 
     @hot_spin_us.setter
-    def hot_spin_us(self, value: float) -> None:
-        """How long pop_async spins on a hot stream before it sleeps (0: never)."""
+    def hot_spin_us(self, value: float | None) -> None:
+        """A fixed poll: pop_async polls this long whenever a record came within 2 ms (0: never
+        poll); None: the adaptive poll."""
+        if value is None:
+            self._hot_spin_ns = None
+            return
         if not 0 <= value <= 1e4:  # also refuses NaN; 10 ms would starve the loop
-            raise ValueError(f"hot_spin_us {value}: give 0 .. 10000 microseconds")
+            raise ValueError(f"hot_spin_us {value}: give 0 .. 10000 microseconds, or None")
         self._hot_spin_ns = int(value * 1000)
+
+    @property
+    def hot_poll_max_us(self) -> float:
+        """The adaptive poll's cap: a ring whose bound would exceed it does not poll."""
+        return self._poll_max_ns / 1000
+
+    @hot_poll_max_us.setter
+    def hot_poll_max_us(self, value: float) -> None:
+        if not 0 <= value <= 1e4:  # also refuses NaN
+            raise ValueError(f"hot_poll_max_us {value}: give 0 .. 10000 microseconds")
+        self._poll_max_ns = int(value * 1000)
+
+    @property
+    def hot_poll_us(self) -> float:
+        """How long the next pop_async that finds the ring empty polls before it sleeps,
+        microseconds (0: it sleeps at once)."""
+        return self._poll_ns(time.monotonic_ns()) / 1000
+
+    @property
+    def typical_wait_us(self) -> float:
+        """What the adaptive poll has learnt: the EWMA of pop_async's waits, microseconds."""
+        return self._wait_ns / 1000
 
     def claim(self, role: str) -> None:
         """Takes the 'producer' or 'consumer' side now (push / pop do it on first use)."""
@@ -258,27 +299,42 @@ class Ring:
     async def pop_async(self) -> Record:
         """pop() for asyncio: the loop watches the ring's doorbell fd (and the producer's
         pidfd), no thread. The producer rings the doorbell only after this side declared it is
-        going to sleep, so a busy stream costs no system call per record."""
-        while True:
-            rec = self.try_pop()
-            if rec is None and self._hot and self._hot_spin_ns:
-                if time.monotonic_ns() - self._last_record < _HOT_S * 1e9:
-                    rec = await self._poll_hot()
-                self._hot = rec is not None
-            if rec is not None:
-                self._last_record = time.monotonic_ns()
-                self._hot = True
-                return rec
+        going to sleep, so a busy stream costs no system call per record. When a record is
+        expected soon it polls first (hot_poll_us; the constants above say how long)."""
+        rec = self.try_pop()
+        if rec is not None:
+            self._learn(0)
+            return rec
+        began = time.monotonic_ns()
+        bound = self._poll_ns(began)
+        if bound:
+            rec = await self._poll_hot(began + bound)
+        while rec is None:
             await self._sleep_until_progress()
+            rec = self.try_pop()
+        self._learn(time.monotonic_ns() - began)
+        return rec
 
-    async def _poll_hot(self) -> Record | None:
-        """The hot stream's poll: up to hot_spin_us of short C spins, each after a pass of the
+    def _poll_ns(self, now: int) -> int:
+        """The poll before the next sleep, ns (0: none)."""
+        fixed = self._hot_spin_ns
+        if fixed is not None:
+            return fixed if now - self._last_record < _HOT_S * 1e9 else 0
+        bound = max(self._wait_ns + (self._wait_ns >> 1), _POLL_FLOOR_NS)
+        return bound if bound <= self._poll_max_ns else 0
+
+    def _learn(self, wait_ns: int) -> None:
+        """One pop's wait for its record (0: it was there) into the EWMA of waits."""
+        self._last_record = time.monotonic_ns()
+        wait = min(wait_ns, _WAIT_CLAMP_NS)
+        self._wait_ns += (wait - self._wait_ns) >> _WAIT_EWMA_SHIFT
+
+    async def _poll_hot(self, deadline: int) -> Record | None:
+        """The poll: short C spins until `deadline` (monotonic ns), each after a pass of the
         loop (its other ready tasks and I/O first); the record, or None when none came."""
-        deadline = time.monotonic_ns() + self._hot_spin_ns
-        burst = min(_POLL_BURST_NS, self._hot_spin_ns)
         while True:
             await asyncio.sleep(0)
-            rec = self._spin_pop(burst)
+            rec = self._spin_pop(min(_POLL_BURST_NS, max(deadline - time.monotonic_ns(), 1)))
             if rec is not None or time.monotonic_ns() >= deadline:
                 return rec
 

@@ -28,6 +28,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from omni_transport import TransportError
+
 log = logging.getLogger(__name__)
 
 _POOL_BYTES = int(os.environ.get("OMNI_CUDA_POOL_BYTES", str(256 << 20)))
@@ -78,20 +80,22 @@ class CudaExporter:
         stats["ipc_sent"] += 1
         return record.to_bytes()
 
-    def export_packed(self, tensor: Any, key: str | None) -> bytes | None:
-        """The one-tensor record of `tensor` (or of {key: tensor}) moved into this process's
-        pool, or None: the message takes the pickle path (a dtype or rank the record lacks, a
-        full pool, no CUDA IPC here)."""
-        import omni_transport.cuda_ipc as cuda_ipc
-        from omni_transport import TransportError
-
+    def export_packed(self, tensor: Any, key: str | None, device: int) -> bytes | None:
+        """The one-tensor record of `tensor` (or of {key: tensor}) on `device` moved into this
+        process's pool, or None: the message takes the pickle path (a dtype or rank the record
+        lacks, a full pool, no CUDA IPC here)."""
         if not self._packed:
             return None
+        pool = self._pools.get(device)
         try:  # (no detach: the lane sends no tensor that requires grad this way)
-            record = self._pool(tensor.get_device()).export_packed(tensor, key)
-        except (cuda_ipc.PoolFull, cuda_ipc.BadTensorRecord):
-            return None
+            if pool is None:
+                pool = self._pool(device)
+            record = pool.export_packed(tensor, key)
         except TransportError as exc:
+            import omni_transport.cuda_ipc as cuda_ipc
+
+            if isinstance(exc, (cuda_ipc.PoolFull, cuda_ipc.BadTensorRecord)):
+                return None
             log.warning("CUDA IPC unavailable, tensors go through the host: %s", exc)
             self._disabled = True
             return None
@@ -118,9 +122,10 @@ class _Lane:
         return self._exporter.export(tensor)
 
     def export_packed(self, tensor: Any, key: str | None) -> bytes | None:
-        if tensor.get_device() not in self._devices or tensor.requires_grad:
+        device = tensor.get_device()
+        if device not in self._devices or tensor.requires_grad:
             return None  # (a tensor that requires grad keeps the pickle path's detached clone)
-        return self._exporter.export_packed(tensor, key)
+        return self._exporter.export_packed(tensor, key, device)
 
 
 _receivers: dict[int, Any] = {}
