@@ -13,7 +13,10 @@
 #            the tree in $BEFORE_TREE (main's checkout, its library built here) and this one
 #   ab       tools/device/crossing_ab.py: the crossing of $BEFORE_TREE against this tree (and
 #            this tree without the hot-stream poll), interleaved, 2 x 200 at 1 and 64 MiB
-#   engine   the engine's GPU tests (graphs, paged kernel, fused kernels, memory, Higgs)
+#   engine   the engine's GPU tests (graphs, paged kernel, fused kernels, memory, Higgs,
+#            steps in flight, the few-row matmul and argmax)
+#   gemv     tools/device/gemv_bench.py: the few-row matmul's configurations and the argmax
+#            against torch at the engine's shapes (checks first), json in $OUT/gemv.json
 #   stepbefore  omni-bench gpu-step (paged only) against BEFORE's engine (a checkout's root,
 #            default the tree this one sits in, ../..): the before side of a comparison
 #   step     omni-bench gpu-step --profile --host-profile against this tree's engine
@@ -73,9 +76,11 @@ TAIL=50 step parts 90 bash -c "$PARTS && $PARTS"
 TAIL=14 step ab "${AB_S:-200}" python3 tools/device/crossing_ab.py --variant "before=$BEFORE_TREE" \
   --variant "after=$PWD" --variant "after, no hot poll=$PWD:OMNI_RING_HOT_SPIN_US=0" \
   --variant "after, 1 ms poll=$PWD:OMNI_RING_HOT_SPIN_US=1000" --rounds 2 --sizes-mib "${AB_MIB:-1,64}"
+TAIL=80 step gemv "${GEMV_S:-200}" python3 tools/device/gemv_bench.py --json "$OUT/gemv.json"
 TAIL=20 step engine "${ENGINE_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
   tests/engine/test_cuda_graphs.py tests/engine/test_paged_decode.py \
-  tests/engine/test_memory_gpu.py tests/engine/test_higgs_audio.py
+  tests/engine/test_memory_gpu.py tests/engine/test_higgs_audio.py \
+  tests/engine/test_overlap.py tests/engine/test_gemv.py
 STEP_ARGS=${STEP_ARGS:---shapes smollm2-135m,llama-1b,llama-3b --batches 1,64 --profile}
 BEFORE=${BEFORE:-$PWD/../..}
 TAIL=200 PYTHONPATH=$BEFORE/server:$PWD/tools:${PYTHONPATH#*transport_ext:} step stepbefore \

@@ -210,7 +210,9 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(2):  # warm up kernels / allocator outside the capture
-                self.forward(static, self.cache.k, self.cache.v)
+                logits = self.forward(static, self.cache.k, self.cache.v)
+                if audio is None:  # not into the feed: a step in flight may need it next
+                    fused.greedy_tokens(logits, torch.empty(b, dtype=torch.int64, device=dev))
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream), torch.inference_mode():
