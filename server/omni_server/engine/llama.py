@@ -197,6 +197,14 @@ class MLP(nn.Module):
     ) -> torch.Tensor:  # [T, C]
         gate_up = linear(x, self.w_gate_up.weight)  # [T, 2I]
         if gate_up.is_cuda and fused_kernels():
+            down = (
+                None
+                if gate_up.dtype == torch.float32
+                else (gemv.silu_mul_linear(gate_up, self.w_down.weight))
+            )  # the activation inside the few-row matmul, where it takes this one
+            if down is not None:  # project()'s sum over the ranks and residual add
+                down = self.tp.all_reduce(down)
+                return down if residual is None else residual + down
             return project(fused.silu_mul(gate_up), self.w_down.weight, self.tp, residual)
         gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]  # [T, I]
         # in place into silu's output: one tensor fewer, rounded as silu(gate) * up
