@@ -17,7 +17,10 @@
 #            and with the fixed 200 us poll of before, interleaved
 #   cpu      tools/device/ring_cpu_cost.py: a stream's CPU cost on its receiver (records every
 #            10, 2, 0.5, 0.2 ms), $BEFORE_TREE against this tree, interleaved
-#   engine   the engine's GPU tests (graphs, paged kernel, fused kernels, memory, Higgs)
+#   engine   the engine's GPU tests (graphs, paged kernel, fused kernels, memory, Higgs,
+#            steps in flight, the few-row matmul and argmax)
+#   gemv     tools/device/gemv_bench.py: the few-row matmul's configurations and the argmax
+#            against torch at the engine's shapes (checks first), json in $OUT/gemv.json
 #   stepbefore  omni-bench gpu-step (paged only) against BEFORE's engine (a checkout's root,
 #            default the tree this one sits in, ../..): the before side of a comparison
 #   step     omni-bench gpu-step --profile --host-profile against this tree's engine
@@ -83,9 +86,11 @@ TAIL=16 step abpoll "${AB_S:-200}" python3 tools/device/crossing_ab.py \
   --sizes-mib "${AB_MIB:-1,64}"
 TAIL=12 step cpu "${CPU_S:-60}" python3 tools/device/ring_cpu_cost.py --variant "before=$BEFORE_TREE" \
   --variant "after=$PWD" --gaps-us 10000,2000,500,200 --seconds "${CPU_SECONDS:-0.7}" --rounds 2
+TAIL=80 step gemv "${GEMV_S:-200}" python3 tools/device/gemv_bench.py --json "$OUT/gemv.json"
 TAIL=20 step engine "${ENGINE_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
   tests/engine/test_cuda_graphs.py tests/engine/test_paged_decode.py \
-  tests/engine/test_memory_gpu.py tests/engine/test_higgs_audio.py
+  tests/engine/test_memory_gpu.py tests/engine/test_higgs_audio.py \
+  tests/engine/test_overlap.py tests/engine/test_gemv.py
 STEP_ARGS=${STEP_ARGS:---shapes smollm2-135m,llama-1b,llama-3b --batches 1,64 --profile}
 BEFORE=${BEFORE:-$PWD/../..}
 TAIL=200 PYTHONPATH=$BEFORE/server:$PWD/tools:${PYTHONPATH#*transport_ext:} step stepbefore \

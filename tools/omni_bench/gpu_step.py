@@ -5,8 +5,10 @@
 For each shape (random bf16 weights drawn on the GPU) and batch size b, b requests of
 --prompt-tokens tokens decode --new-tokens tokens each (EOS ignored); measured:
 
-  engine      ms per `engine.step()` while all b decode (schedule, graph replay, sampling),
-              and tokens/s = b / that; once per decode attention (paged kernel, gathered)
+  engine      ms per `engine.step()` while all b decode (schedule, graph replay, sampling;
+              the median interval between step() returns, so a step launched ahead of its
+              tokens counts what it costs in the loop), and tokens/s = b / that; once per
+              decode attention (paged kernel, gathered)
   graph       one replay of the engine's captured decode graph for that bucket
   naive       a plain torch step (torch's ops only, none of the engine's fused kernels) with a
               dense static KV cache ([b, Hkv, L, D] per layer, L the context bucket) and SDPA
@@ -74,14 +76,19 @@ def engine_step_ms(engine: Engine, batch: int, args: argparse.Namespace) -> floa
         engine.num_waiting
     ):
         engine.step()  # prefill (and the first decode graphs' capture)
+    # The interval between consecutive step() returns, unsynchronized: a step launched ahead
+    # of its tokens (overlap.py) returns while the GPU still computes, so a synchronized
+    # window around one call would time the overlap away; a synchronous step's interval is its
+    # own time. Counted where a step handed out all b requests' tokens.
     times = []
+    torch.cuda.synchronize()
+    last = time.perf_counter()
     while engine.has_work():
-        torch.cuda.synchronize()
-        start = time.perf_counter()
         events = engine.step()
-        torch.cuda.synchronize()
+        now = time.perf_counter()
         if len(events) == batch:
-            times.append(time.perf_counter() - start)
+            times.append(now - last)
+        last = now
     times = times[3:]  # a new context bucket's graph is captured on its first step
     return sorted(times)[len(times) // 2] * 1e3
 

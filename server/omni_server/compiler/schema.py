@@ -222,6 +222,12 @@ ENGINE_FIELDS = _fields(
         "float32 CPU weights wider than deep stored by rows, or by columns (fast at one row)",
         choices=("rows", "columns"),
     ),
+    Field(
+        "overlap_decode",
+        Kind.ENUM,
+        "launch a greedy decode step before the previous step's tokens are read",
+        choices=("auto", "on", "off"),
+    ),
 )
 
 # A request's sampling defaults: what the stage that reads a chat request's sampling fields (a

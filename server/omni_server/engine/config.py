@@ -120,6 +120,7 @@ SHAPES: dict[str, LlamaShape] = {
 }
 DECODE_ATTENTION = ("auto", "paged", "gather")
 CPU_WEIGHT_ORDER = ("rows", "columns")
+OVERLAP_DECODE = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,11 @@ class EngineConfig:
                       the development machine; a step of 4-8 rows reads it 12-17% slower
                       (docs/engine.md has both; huge_pages.py). So it suits a stage that
                       mostly serves one stream at a time. Ignored on a GPU and in other dtypes.
+    overlap_decode:   "auto" | "on" | "off": launch a greedy decode step before the previous
+                      step's tokens are read (its input ids come from that step's argmax on
+                      the device; overlap.py), so the host's work of a step runs while the GPU
+                      computes. "auto": where decode graphs run, one rank (no TP), text models.
+                      "on": also eager steps (tests on the CPU). "off": every step synchronous.
     gpu_memory_fraction: the stage's share of its GPU (not an [engine] key: the stage's own
                       field, which the backend passes on). On a GPU it sizes the KV cache, or
                       checks a given max_total_tokens against it; ignored on the CPU.
@@ -179,6 +185,7 @@ class EngineConfig:
     decode_attention: str = "auto"
     playback_order: bool = True
     cpu_weight_order: str = "rows"
+    overlap_decode: str = "auto"
     gpu_memory_fraction: float | None = None
 
     def __post_init__(self) -> None:
@@ -221,6 +228,11 @@ class EngineConfig:
             raise ValueError(
                 f"engine.cpu_weight_order must be one of {list(CPU_WEIGHT_ORDER)}, got "
                 f"{self.cpu_weight_order!r}"
+            )
+        if self.overlap_decode not in OVERLAP_DECODE:
+            raise ValueError(
+                f"engine.overlap_decode must be one of {list(OVERLAP_DECODE)}, got "
+                f"{self.overlap_decode!r}"
             )
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(

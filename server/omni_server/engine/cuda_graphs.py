@@ -19,6 +19,12 @@ slots: int64) and, paged, its context lengths and block table (int32, viewed in 
 are views of one device buffer, filled from one pinned host buffer of the same layout. A text
 model's graph also takes the greedy token of every row (argmax inside the graph): a greedy
 step then reads [b] int64 back instead of launching an argmax over [b, V] logits.
+
+The greedy tokens go to one device buffer all graphs share, `feed` [max_batch_size] int64, and
+each graph reads its input ids through it: a row whose host id is negative (overlap.PENDING)
+embeds feed[row], the token the step before it (any bucket) computed for that row. So a greedy
+step can be launched before the previous step's tokens reach the host (overlap.py). Graphs
+replay in stream order, so a graph's feed is the last replayed graph's argmax.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any
 
 import torch
 
+from omni_server.engine import fused
 from omni_server.engine.attention import DecodeGroup, ForwardBatch
 from omni_server.engine.kv_cache import KVCache
 from omni_server.engine.llama import Llama
@@ -101,6 +108,8 @@ class DecodeGraphs:
         self.context_buckets = context_buckets(max_seq_len)
         self.graphs: dict[tuple[int, int], CapturedGraph] = {}
         self.pool: Any = None  # one memory pool shared by all graphs
+        # [max_batch_size] int64: the last replayed text graph's argmax by row (module doc)
+        self.feed = torch.zeros(max_batch_size, dtype=torch.int64, device=self.device)
         self._stream: Any = None  # the side stream graphs warm up and are captured on
 
     def capture_all(self) -> None:
@@ -201,12 +210,18 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(2):  # warm up kernels / allocator outside the capture
-                self.forward(static, self.cache.k, self.cache.v)
+                logits = self.forward(static, self.cache.k, self.cache.v)
+                if audio is None:  # not into the feed: a step in flight may need it next
+                    fused.greedy_tokens(logits, torch.empty(b, dtype=torch.int64, device=dev))
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream), torch.inference_mode():
+            greedy = None
+            if audio is None:  # PENDING rows embed the previous step's token
+                static.input_ids = torch.where(rows[0] < 0, self.feed[:b], rows[0])
             logits = self.forward(static, self.cache.k, self.cache.v)
-            greedy = logits.argmax(dim=-1) if audio is None else None  # sampling.greedy_tokens
+            if audio is None:  # the argmax (sampling.greedy_tokens), written into the feed
+                greedy = fused.greedy_tokens(logits, out=self.feed[:b])
         if self.pool is None:
             self.pool = graph.pool()
         copied = torch.cuda.Event()

@@ -18,24 +18,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from omni_server.engine import deadline_order
+from omni_server.engine import deadline_order, overlap
 from omni_server.engine.audio_frames import AudioSpec, DelayState, redraw_repeats, sample_frames
 from omni_server.engine.batcher import Batcher, StepBatch
 from omni_server.engine.config import EngineConfig, LlamaShape
 from omni_server.engine.errors import ContextLengthExceeded
-from omni_server.engine.gguf_weights import (
-    _engine_name,
-    load_gguf,
-    read_metadata,
-    shape_from_metadata,
-    smollm2_gguf_path,
-)
+from omni_server.engine.gguf_weights import load_gguf
 from omni_server.engine.kv_cache import KVCache
 from omni_server.engine.llama import Llama
+from omni_server.engine.model_build import build_model, gguf_header, with_weights
 from omni_server.engine.parallel import SINGLE, TensorParallel
 from omni_server.engine.runner import ModelRunner
 from omni_server.engine.sampling import SamplingParams, sample
@@ -43,6 +37,7 @@ from omni_server.engine.sequence import (
     FinishReason,
     GenerationRequest,
     Sequence,
+    Status,
     TokenEvent,
 )
 from omni_server.engine.step_cost import StepCost, keys_per_token
@@ -95,6 +90,13 @@ class Engine:
         self._sequences: dict[str, Sequence] = {}
         self._pending: list[TokenEvent] = []  # abort events, handed out by the next step()
         self._arrivals = 0
+        # Greedy decode steps launched before their tokens are read (overlap.py)
+        self._overlap = overlap.enabled(
+            config, self.runner.graphs is not None, self.audio is None, model.tp.size
+        )
+        self.runner.feeds_greedy = self._overlap
+        self._readback = overlap.Readback(config.max_batch_size, device)
+        self._in_flight: overlap.InFlight | None = None
 
     @classmethod
     def from_gguf(
@@ -112,11 +114,11 @@ class Engine:
         reads only the GGUF's header and aliases its leader's tensors."""
         config = config or EngineConfig()
         if weights is not None:  # the weights may come from a sharing leader (its load)
-            shape, metadata = _gguf_header(path)
+            shape, metadata = gguf_header(path)
 
             def load() -> dict[str, torch.Tensor]:
                 gguf = load_gguf(path)
-                model = _build_model(gguf.shape, config, tp)
+                model = build_model(gguf.shape, config, tp)
                 model.load_weights(gguf.weights)
                 return dict(
                     model.place(
@@ -124,10 +126,10 @@ class Engine:
                     ).named_parameters()
                 )
 
-            model = _with_weights(shape, config, tp, weights("llama", load))
+            model = with_weights(shape, config, tp, weights("llama", load))
             return cls(model, config, GGUFTokenizer(metadata))
         gguf = load_gguf(path)
-        model = _build_model(gguf.shape, config, tp)
+        model = build_model(gguf.shape, config, tp)
         model.load_weights(gguf.weights)
         model.place(config.device, config.torch_dtype, config.cpu_weight_order)
         return cls(model, config, GGUFTokenizer(gguf.metadata))
@@ -176,15 +178,15 @@ class Engine:
 
         def load() -> dict[str, torch.Tensor]:
             with torch.device("meta"):  # no CPU copy of the weights: place() allocates them
-                model = _build_model(shape, config, tp)
+                model = build_model(shape, config, tp)
             model.place(config.device, config.torch_dtype, config.cpu_weight_order)
             model.init_random(seed)
             return dict(model.named_parameters())
 
         if weights is not None:
-            return cls(_with_weights(shape, config, tp, weights("llama", load)), config, None)
+            return cls(with_weights(shape, config, tp, weights("llama", load)), config, None)
         with torch.device("meta"):
-            model = _build_model(shape, config, tp)
+            model = build_model(shape, config, tp)
         model.place(config.device, config.torch_dtype, config.cpu_weight_order)
         model.init_random(seed)
         return cls(model, config, None)
@@ -235,6 +237,7 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. False if it is unknown or already done."""
+        self._settle_in_flight()
         seq = self._sequences.pop(request_id, None)
         if seq is None:
             return False
@@ -247,6 +250,7 @@ class Engine:
         """End a request now as its max_tokens would (finish_reason "length"), with the text
         it has (held-back stop-string lookahead included); its KV blocks are freed at once
         and its final event comes out of the next `step()`. False if unknown or done."""
+        self._settle_in_flight()
         seq = self._sequences.pop(request_id, None)
         if seq is None:
             return False
@@ -258,7 +262,7 @@ class Engine:
         return True
 
     def has_work(self) -> bool:
-        return self.batcher.has_work() or bool(self._pending)
+        return self.batcher.has_work() or bool(self._pending) or self._in_flight is not None
 
     @property
     def num_waiting(self) -> int:
@@ -272,12 +276,29 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         events, self._pending = self._pending, []
+        # A step in flight (overlap.py): launch the next one ahead of its tokens if its batch
+        # is the same rows; else read them first, and schedule as usual.
+        flight, self._in_flight = self._in_flight, None
+        if flight is not None and not overlap.can_launch_ahead(self.batcher, flight):
+            events += self._settle(flight)
+            flight = None
         media = self.batcher.plays_media()  # the same on every TP rank: so are the clock reads
         start = self._now() if media else 0.0
         batch = self.batcher.next_batch(start)
         if batch is None:
             return events
         logits, sampled, greedy = self.runner.run(batch)
+        if self._overlap and overlap.goes_in_flight(batch, greedy, media):
+            assert greedy is not None
+            assert flight is None or all(
+                a is b for a, b in zip(batch.decodes, flight.seqs, strict=True)
+            ), "a step launched ahead has its predecessor's rows (the device feed is by row)"
+            self._in_flight = self._readback.launch(sampled, greedy)
+            overlap.launched(batch)
+            if flight is not None:  # the previous step's tokens, read while this one runs
+                events += self._settle(flight)
+            return events
+        assert flight is None, "a step launched ahead always goes in flight"
         events += self._sample(batch, logits, sampled, greedy)
         if media:
             done = self._now()
@@ -286,6 +307,25 @@ class Engine:
                 if seq.playback is not None and seq.playback_seconds is not None:
                     seq.playback.produced(seq.playback_seconds, done)
         return events
+
+    def _settle(self, flight: overlap.InFlight) -> list[TokenEvent]:
+        """Read a step's tokens and do their bookkeeping (the synchronous step's, per row). A
+        row whose request finished meanwhile (stopped a step earlier, aborted) is dropped."""
+        events: list[TokenEvent] = []
+        for seq, token in zip(flight.seqs, flight.read(), strict=True):
+            if seq.status is Status.FINISHED:
+                continue
+            ahead = overlap.take_pending(seq) - 1  # steps launched after this one: 0 or 1
+            events.append(self._append_token(seq, token))
+            if seq.finish_reason is None:
+                seq.token_ids.extend([overlap.PENDING] * ahead)
+        return events
+
+    def _settle_in_flight(self) -> None:
+        """Settle the step in flight now (its events come out of the next step())."""
+        if self._in_flight is not None:
+            flight, self._in_flight = self._in_flight, None
+            self._pending += self._settle(flight)
 
     def _now(self) -> float:
         """The clock, rank 0's on every TP rank (their batches must not differ)."""
@@ -432,49 +472,3 @@ def _delay(seq: Sequence) -> DelayState:
 
 def _warmup_params() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-
-
-def _build_model(shape: LlamaShape, config: EngineConfig, tp: TensorParallel = SINGLE) -> Llama:
-    limit = min(config.max_seq_len or shape.max_position_embeddings, shape.max_position_embeddings)
-    return Llama(shape, max_positions=limit, tp=tp)
-
-
-def _with_weights(
-    shape: LlamaShape, config: EngineConfig, tp: TensorParallel, weights: Mapping[str, torch.Tensor]
-) -> Llama:
-    """A model whose parameters are `weights` themselves (no copy: a sharing follower's
-    tensors alias its leader's memory), after checking they are exactly the model's: the same
-    names, shapes, dtype and device."""
-    with torch.device("meta"):  # nothing allocated: every parameter is replaced below
-        model = _build_model(shape, config, tp)
-    device = torch.device(config.device)
-    expected = dict(model.named_parameters())
-    if set(weights) != set(expected):
-        missing, extra = set(expected) - set(weights), set(weights) - set(expected)
-        raise ValueError(f"shared weights: missing {sorted(missing)}, unexpected {sorted(extra)}")
-    for name, param in expected.items():
-        value = weights[name]
-        if value.shape != param.shape or value.dtype != config.torch_dtype:
-            raise ValueError(
-                f"shared weight {name}: {tuple(value.shape)} {value.dtype}, the model needs "
-                f"{tuple(param.shape)} {config.torch_dtype}"
-            )
-        if value.device.type != device.type or (
-            device.index is not None and value.device.index != device.index
-        ):
-            raise ValueError(f"shared weight {name} is on {value.device}, not {device}")
-    model.load_state_dict(dict(weights), strict=True, assign=True)
-    model.rope = model.rope.to(device)
-    return model
-
-
-def _gguf_header(path: Path | str | None) -> tuple[LlamaShape, dict[str, Any]]:
-    """A GGUF's shape and metadata without its weights (a sharing follower needs no more)."""
-    from gguf import GGUFReader
-
-    path = Path(path) if path is not None else smollm2_gguf_path()
-    reader = GGUFReader(path)  # maps the file; nothing is dequantized
-    metadata = read_metadata(reader)
-    shape = shape_from_metadata(metadata, path)
-    tied = all(_engine_name(t.name) != "lm_head" for t in reader.tensors)
-    return LlamaShape(**{**shape.__dict__, "tie_word_embeddings": tied}), metadata

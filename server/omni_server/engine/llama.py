@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omni_server.engine import fused
+from omni_server.engine import fused, gemv
 from omni_server.engine.attention import ForwardBatch, paged_attention
 from omni_server.engine.audio_frames import AudioSpec
 from omni_server.engine.config import Llama3RopeScaling, LlamaShape
@@ -65,6 +65,17 @@ def defers_adds(h: torch.Tensor) -> bool:
     CUDA with the Triton kernels, in bf16/fp16 (fused.add_rms_norm's roundings are torch's
     there; float32 and the CPU keep the plain layers and their addmm residual)."""
     return h.is_cuda and h.dtype != torch.float32 and fused_kernels()
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """F.linear(x, weight) (then cast to out_dtype); on CUDA in bf16 / fp16 with the Triton
+    kernels, through gemv.linear: its kernel for the few-row matmuls it is faster at."""
+    if x.is_cuda and x.dtype != torch.float32 and fused_kernels():
+        return gemv.linear(x, weight, out_dtype)
+    out = F.linear(x, weight)
+    return out if out_dtype is None else out.to(out_dtype)
 
 
 def rope_table(shape: LlamaShape, max_positions: int) -> torch.Tensor:
@@ -120,10 +131,10 @@ def project(
     op: on CUDA the step's kernels stay what they were, bf16 rounds the product first as
     transformers does, and under TP the residual must not be summed over the ranks."""
     if residual is None:
-        return tp.all_reduce(F.linear(x, weight))
+        return tp.all_reduce(linear(x, weight))
     if tp.size == 1 and not x.is_cuda and x.dtype == torch.float32:
         return torch.addmm(residual, x, weight.t())
-    return residual + tp.all_reduce(F.linear(x, weight))
+    return residual + tp.all_reduce(linear(x, weight))
 
 
 class Attention(nn.Module):
@@ -153,7 +164,7 @@ class Attention(nn.Module):
         # The Linear modules hold the weights; calling F.linear skips a module call per matmul.
         t = x.shape[0]
         q_size, kv_size, _ = self.split
-        qkv = F.linear(x, self.wqkv.weight)  # [T, (H + 2 Hkv) D]
+        qkv = linear(x, self.wqkv.weight)  # [T, (H + 2 Hkv) D]
         if qkv.is_cuda and fused_kernels():  # RoPE and both cache writes in one kernel
             q = fused.rope_kv(qkv, rope, batch.slot_mapping, k_cache, v_cache, self.num_heads)
             out = paged_attention(q, k_cache, v_cache, batch)
@@ -184,8 +195,16 @@ class MLP(nn.Module):
         x: torch.Tensor,  # [T, C]
         residual: torch.Tensor | None = None,  # [T, C]: added to the output if given
     ) -> torch.Tensor:  # [T, C]
-        gate_up = F.linear(x, self.w_gate_up.weight)  # [T, 2I]
+        gate_up = linear(x, self.w_gate_up.weight)  # [T, 2I]
         if gate_up.is_cuda and fused_kernels():
+            down = (
+                None
+                if gate_up.dtype == torch.float32
+                else (gemv.silu_mul_linear(gate_up, self.w_down.weight))
+            )  # the activation inside the few-row matmul, where it takes this one
+            if down is not None:  # project()'s sum over the ranks and residual add
+                down = self.tp.all_reduce(down)
+                return down if residual is None else residual + down
             return project(fused.silu_mul(gate_up), self.w_down.weight, self.tp, residual)
         gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]  # [T, I]
         # in place into silu's output: one tensor fewer, rounded as silu(gate) * up
@@ -263,7 +282,7 @@ class Llama(nn.Module):
         rope = self.rope_rows(batch.positions)  # [T, 1, D/2]
         h = self.final_hidden(h, rope, batch, k_caches, v_caches)  # [R, C]: the head only there
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, head).float()
+        return linear(h, head, torch.float32)
 
     def final_hidden(
         self,

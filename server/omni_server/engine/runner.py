@@ -12,6 +12,7 @@ from omni_server.engine.cuda_graphs import DecodeGraphs
 from omni_server.engine.kv_cache import KVCache, blocks_for
 from omni_server.engine.llama import Llama
 from omni_server.engine.paged_decode import use_paged
+from omni_server.engine.sampling import greedy_tokens
 from omni_server.engine.sequence import Sequence
 
 
@@ -34,6 +35,11 @@ class ModelRunner:
             )
         elif compiled is not None:
             self.forward = compiled
+        # Set by the engine when steps go in flight (overlap.py): an eager decode-only step then
+        # returns its argmax too, and the next one takes its PENDING ids from it (the graphs
+        # keep their own device feed)
+        self.feeds_greedy = False
+        self._feed: torch.Tensor | None = None
 
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> tuple[torch.Tensor, list[Sequence], torch.Tensor | None]:
@@ -83,7 +89,13 @@ class ModelRunner:
         )
         if audio:
             self._audio_rows(fwd, batch)
-        return self.forward(fwd, self.cache.k, self.cache.v), sampled, None
+        if not (self.feeds_greedy and not batch.prefills):
+            return self.forward(fwd, self.cache.k, self.cache.v), sampled, None
+        if self._feed is not None and len(self._feed) == len(ids):  # PENDING (< 0): the feed
+            fwd.input_ids = torch.where(fwd.input_ids < 0, self._feed, fwd.input_ids)
+        logits = self.forward(fwd, self.cache.k, self.cache.v)
+        self._feed = greedy_tokens(logits)
+        return logits, sampled, self._feed
 
     def _decode_group(self, tables: list[list[int]], context: list[int]) -> DecodeGroup:
         """The decode rows' attention inputs: block tables for the paged kernel; on the CPU one
