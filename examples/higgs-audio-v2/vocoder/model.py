@@ -24,6 +24,7 @@ frames as the engine emitted them) when the stage parameter `return_frames` is t
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -121,6 +122,7 @@ class Vocoder(StageBackend):
         self._streams: dict[int, Stream] = {}  # id(request) -> its stream, while it runs
         self.decode_calls = 0  # decoder calls, and the windows they held (batching, logged)
         self.decoded_windows = 0
+        self.decode_seconds = 0.0  # in _decode: codes gathered, decoded, audio on the host
 
     def generate(self, request: Request) -> Generator[Payload, None, Payload]:
         stream: Stream | None = None
@@ -226,6 +228,7 @@ class Vocoder(StageBackend):
         return min(self.chunk, self.first << min(index, 16))
 
     def _decode(self, group: list[tuple[Stream, Window]]) -> None:
+        begin_s = time.perf_counter()
         codes = np.stack([s.undelay.codes(w.start, w.stop) for s, w in group])  # [B, K, L]
         if self.graphs is not None:
             audio = self.graphs.decode(codes)  # [B, L * hop]
@@ -235,6 +238,17 @@ class Vocoder(StageBackend):
             audio = values[:, 0].float().cpu().numpy()
         self.decode_calls += 1
         self.decoded_windows += len(group)
+        self.decode_seconds += time.perf_counter() - begin_s
+        if self.decode_calls % 500 == 0:  # how the decoder is used, for the benchmarks' logs
+            graphs = self.graphs
+            how = (
+                "eager"
+                if graphs is None
+                else f"{graphs.num_graphs} graphs, {graphs.eager_calls} eager"
+            )
+            log.info("vocoder: %d decoder calls, %.2f windows a call, %.2f ms a call, %s",
+                     self.decode_calls, self.decoded_windows / self.decode_calls,
+                     1000 * self.decode_seconds / self.decode_calls, how)  # fmt: skip
         for row, (stream, window) in zip(audio, group, strict=True):
             begin = (window.keep - window.start) * self.hop
             stream.ready.append(row[begin : begin + window.count * self.hop])
