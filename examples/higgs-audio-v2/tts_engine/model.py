@@ -85,7 +85,7 @@ class TTSEngine(StageBackend):
         engine's own warmup captures every context bucket up to its max_seq_len, far more than
         a TTS request (prompt + up to max_audio_seconds of frames) reaches here."""
         graphs = self.engine.runner.graphs
-        if graphs is None:
+        if graphs is None or tokens <= 0:  # 0: captured on first use, as before
             return
         self.engine.warmup(capture_all_graphs=False)
         lengths = [n for n in graphs.context_buckets if n <= max(tokens, graphs.context_buckets[0])]
