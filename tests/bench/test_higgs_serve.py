@@ -34,9 +34,9 @@ def _resolved(argv: list[str]) -> dict:
     return json.loads(out.stdout)
 
 
-@pytest.mark.parametrize("layout", ["1", "1v", "3", "3v"])
+@pytest.mark.parametrize("layout", ["1", "1v", "3", "3v", "1m", "1mef4"])
 def test_the_gpu_placement_resolves(tmp_path, layout):
-    replicas, vocoders = higgs_serve.parse_layout(layout)
+    replicas, vocoders, mps, eager, first = higgs_serve.parse_layout(layout)
     config = _resolved(["--checkpoint", str(tmp_path), "--gpu", "--replicas", layout])
     engine = config["stages"]["tts_engine"]
     assert engine["gpu"] == [0] and engine["engine"]["dtype"] == "bfloat16"
@@ -48,12 +48,17 @@ def test_the_gpu_placement_resolves(tmp_path, layout):
     assert pipeline["num_replicas"] == replicas
     if replicas > 1:
         assert pipeline["replica_devices"] == [0] * replicas
-        assert config["server"]["mps"] == "on" and config["server"]["weight_share"] == "on"
+        assert config["server"]["weight_share"] == "on"
+    assert config["server"]["mps"] == ("on" if mps else "off")
+    assert mps == (replicas > 1 or "m" in layout)
+    vocoder = config["stages"]["vocoder"]["parameters"]
+    assert vocoder.get("cuda_graphs", True) is not eager
+    assert vocoder.get("first_lookahead_frames") == first
     # 3v: each replica decodes its own frames (a replicated vocoder process could not share)
     assert config["stages"]["vocoder"]["process"] == ("pipeline" if vocoders else "vocoder")
 
 
-@pytest.mark.parametrize("layout", ["0", "0v", "x", "3w"])
-def test_a_layout_is_a_count_and_an_optional_v(layout):
+@pytest.mark.parametrize("layout", ["0", "0v", "x", "3w", "1vv", "1f", "1f4v"])
+def test_a_layout_is_a_count_and_its_flags(layout):
     with pytest.raises(ValueError):
         higgs_serve.parse_layout(layout)

@@ -10,7 +10,9 @@ replica count, one server is started (`omni-server --repo examples/higgs-audio-v
 --parameters.checkpoint DIR`, with --gpu the overrides docs/models.md gives: bf16, cuda:0,
 CUDA graphs, the vocoder and the audio encoder on the GPU; more than one replica: the
 `pipeline` process repeated on cuda:0 under MPS with its weights shared; `3v`: the vocoder
-stage moved into `pipeline`, so each replica decodes its own frames, handed over in-process)
+stage moved into `pipeline`, so each replica decodes its own frames, handed over in-process;
+`1m`: one replica under MPS; `1e`: the vocoder without its CUDA graphs; `1f4`: the first chunk
+with 4 lookahead columns; flags combine, `1mf4`)
 and each concurrency level is a closed-loop `omni-bench speech` run against it (streamed pcm, the
 dataset's texts of one to three sentences, every request `--audio-seconds` of audio: random
 weights have no end of speech worth waiting for). Per level: TTFA p50/p95, RTF, audio seconds
@@ -25,12 +27,13 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from omni_bench import speech
 from omni_bench.harness import tables
@@ -41,14 +44,24 @@ from omni_bench.harness.server import OmniServer
 REPO = Path("examples/higgs-audio-v2")
 
 
-def parse_layout(text: str) -> tuple[int, bool]:
+class Layout(NamedTuple):
+    replicas: int  # of `pipeline`
+    vocoders: bool  # v: the vocoder stage inside `pipeline` (one CUDA context a replica)
+    mps: bool  # m: MPS on (always with more than one replica)
+    eager: bool  # e: the vocoder without its CUDA graphs (the peer of the graphs)
+    first_lookahead: int | None  # f<N>: the vocoder's first_lookahead_frames
+
+
+def parse_layout(text: str) -> Layout:
     """ "3" -> three `pipeline` replicas and one `vocoder` process; "3v" -> three replicas of
-    `pipeline` with the vocoder stage in each (one CUDA context a replica; "1v": one)."""
-    vocoders = text.endswith("v")
-    count = int(text.removesuffix("v"))
-    if count < 1:
+    `pipeline` with the vocoder stage in each ("1v": one); "1m": one replica under MPS; "1e":
+    the vocoder decoding eagerly; "1f4": the first chunk decoded with 4 lookahead columns."""
+    match = re.fullmatch(r"(\d+)([vme]*)(?:f(\d+))?", text)
+    if match is None or int(match[1]) < 1 or len(set(match[2])) != len(match[2]):
         raise ValueError(text)
-    return count, vocoders
+    flags, replicas = match[2], int(match[1])
+    first = None if match[3] is None else int(match[3])
+    return Layout(replicas, "v" in flags, "m" in flags or replicas > 1, "e" in flags, first)
 
 
 def gpu_overrides(replicas: int, kv_tokens: int, vocoders: bool = False) -> list[str]:
@@ -65,13 +78,12 @@ def gpu_overrides(replicas: int, kv_tokens: int, vocoders: bool = False) -> list
     # the same KV cache for every replica count (weight sharing requires it pinned), so the
     # memory columns compare like with like
     args += ["--stages.tts_engine.engine.max_total_tokens", str(kv_tokens)]
-    if replicas > 1:
-        args += ["--server.mps", "on"]
     return args
 
 
-def serve_args(args: argparse.Namespace, layout: str) -> list[str]:
-    replicas, vocoders = parse_layout(layout)
+def serve_args(args: argparse.Namespace, text: str) -> list[str]:
+    layout = parse_layout(text)
+    replicas, vocoders = layout.replicas, layout.vocoders
     out = [
         "--parameters.checkpoint", str(args.checkpoint),
         "--stages.tts_engine.parameters.ignore_eos", "true",
@@ -94,6 +106,12 @@ def serve_args(args: argparse.Namespace, layout: str) -> list[str]:
         out += ["--stages.vocoder.process", "pipeline"]
     if args.gpu:
         out += gpu_overrides(replicas, args.kv_tokens, vocoders)
+        if layout.mps:
+            out += ["--server.mps", "on"]
+    if layout.eager:
+        out += ["--stages.vocoder.parameters.cuda_graphs", "false"]
+    if layout.first_lookahead is not None:
+        out += ["--stages.vocoder.parameters.first_lookahead_frames", str(layout.first_lookahead)]
     return out + args.extra
 
 
@@ -157,6 +175,7 @@ def _serve(args: argparse.Namespace, replicas: str) -> dict[str, Any]:
             levels = [
                 _level(args, server.url, c, args.out / f"r{replicas}-c{c}") for c in args.levels
             ]
+            log = server.log_tail(1 << 20).splitlines()
         finally:
             asyncio.run(server.stop())
     return {
@@ -165,6 +184,8 @@ def _serve(args: argparse.Namespace, replicas: str) -> dict[str, Any]:
         "gpu_mib_loaded": loaded,
         "gpu_mib_peak": gpu.peak,
         "leftovers": str(server.left) if not server.left.clean else "",
+        # the vocoder's own lines (graphs captured, decoder calls and their cost)
+        "vocoder_log": [line for line in log if "vocoder:" in line][-6:],
         "levels": levels,
     }
 
@@ -224,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--replicas",
         default="1,3",
-        help="replica counts of `pipeline`; 3v: the vocoder in each (1,3)",
+        help="layouts: replica counts of `pipeline`, each with flags: v the vocoder in each "
+        "replica, m MPS on, e the vocoder eager, f<N> first_lookahead_frames N (1,3)",
     )
     p.add_argument("--rounds", type=int, default=2, help="requests per level: rounds x c")
     p.add_argument("--min-requests", type=int, default=8, help="at least this many per level")
@@ -259,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
             parse_layout(layout)
     except ValueError:
         print(
-            "omni-bench higgs-serve: --concurrency / --replicas: integers (a replica count may "
-            "end in v), comma separated"
+            "omni-bench higgs-serve: --concurrency: integers; --replicas: layouts (a count, "
+            "then flags from v, m, e and f<N>), comma separated"
         )
         return 2
     if not (args.checkpoint / "config.json").is_file():

@@ -70,12 +70,30 @@ class TTSEngine(StageBackend):
             raise StageConfigError(f"[engine]: {err}") from err
         if self.engine.audio is None:
             raise StageConfigError(f"checkpoint {checkpoint.folder}: not an audio model")
+        self._warm_graphs(int(params.get("warm_graphs_tokens", 1024)))
         self.defaults = {key: params.get(key, value) for key, value in DEFAULTS.items()}
         self.max_frames = int(float(self.defaults["max_audio_seconds"]) * FRAMES_PER_SECOND)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}  # engine id -> request
         self._first: set[str] = set()  # engine ids whose first chunk is still to go
         self._encoding: dict[str, Any] = {}
+
+    def _warm_graphs(self, tokens: int) -> None:
+        """Capture the decode graphs of every batch bucket at the contexts up to `tokens` now,
+        not on first use while serving: each capture of the 3B backbone pauses every stream
+        (a first wave of 16 or 64 requests would otherwise meet a bucket never seen). The
+        engine's own warmup captures every context bucket up to its max_seq_len, far more than
+        a TTS request (prompt + up to max_audio_seconds of frames) reaches here."""
+        graphs = self.engine.runner.graphs
+        if graphs is None or tokens <= 0:  # 0: captured on first use, as before
+            return
+        self.engine.warmup(capture_all_graphs=False)
+        lengths = [n for n in graphs.context_buckets if n <= max(tokens, graphs.context_buckets[0])]
+        for length in lengths:
+            for b in graphs.batch_buckets:
+                graphs.graph_for(b, length)
+        log.info("tts_engine: %d decode graphs captured (contexts %s)",
+                 len(graphs.batch_buckets) * len(lengths), lengths)  # fmt: skip
 
     def add(self, request: Request) -> None:
         inputs = request.inputs

@@ -11,7 +11,10 @@ receptive field inside the window a chunk's samples equal those of decoding ever
 
 Batched across requests: the stage's generators run one step at a time on its compute thread;
 a step decodes every stream's due chunk, not only its own, stacking windows of one length into
-one decoder call. A stream whose chunk another step decoded sends it at its own next step.
+one decoder call. A stream whose chunk another step decoded sends it at its own next step. A
+stream's last window takes more left context, up to the steady window's length, so that windows
+come in few lengths (first, second, steady): on a GPU each (batch bucket, length) is one CUDA
+graph (`cuda_graphs = true`, the default there; audio/decode_graphs.py), captured at start.
 
 Speed: FFmpeg's `atempo` (PyAV), which keeps the pitch. Formats: the server's encoder. Result:
 {"sample_rate", "audio_seconds", "format", "frames", "finish_reason"}, and "generated" (the
@@ -21,6 +24,7 @@ frames as the engine emitted them) when the stage parameter `return_frames` is t
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -31,6 +35,7 @@ import av.filter
 import numpy as np
 import torch
 
+from omni_server.audio.decode_graphs import GraphedDecoder
 from omni_server.audio.encode import AudioEncoder, default_sample_rate
 from omni_server.audio.higgs_codec import (
     SAMPLE_RATE,
@@ -52,6 +57,7 @@ SIZES = (
     ("chunk_frames", 16, 1),
     ("context_frames", 12, 0),
     ("lookahead_frames", 10, 0),
+    ("first_lookahead_frames", None, 0),  # the first chunk's (None: lookahead_frames)
 )
 
 
@@ -89,6 +95,8 @@ class Vocoder(StageBackend):
         sizes = {}
         for key, default, least in SIZES:
             value = params.get(key, default)
+            if value is None:  # first_lookahead_frames unset: lookahead_frames
+                value = params.get("lookahead_frames", 10)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise StageConfigError(
                     f"parameters.{key} must be an integer >= {least}; got {value!r}"
@@ -96,14 +104,25 @@ class Vocoder(StageBackend):
             sizes[key] = value
         self.first, self.chunk = sizes["first_chunk_frames"], sizes["chunk_frames"]
         self.context, self.lookahead = sizes["context_frames"], sizes["lookahead_frames"]
+        self.first_lookahead = sizes["first_lookahead_frames"]
         self.return_frames = bool(params.get("return_frames", False))
         grow = params.get("grow_chunks", True)
         if not isinstance(grow, bool):
             raise StageConfigError(f"parameters.grow_chunks must be true or false; got {grow!r}")
         self.grow = grow
+        graphs = params.get("cuda_graphs", True)
+        if not isinstance(graphs, bool):
+            raise StageConfigError(f"parameters.cuda_graphs must be true or false; got {graphs!r}")
+        self.graphs: GraphedDecoder | None = None
+        if graphs and torch.device(self.device).type == "cuda":
+            self.graphs = GraphedDecoder(self._decode_codes, self.k, self.device)
+            self.graphs.warm(self.window_lengths())
+            log.info("vocoder: %d decoder graphs captured (window lengths %s)",
+                     self.graphs.num_graphs, self.window_lengths())  # fmt: skip
         self._streams: dict[int, Stream] = {}  # id(request) -> its stream, while it runs
         self.decode_calls = 0  # decoder calls, and the windows they held (batching, logged)
         self.decoded_windows = 0
+        self.decode_seconds = 0.0  # in _decode: codes gathered, decoded, audio on the host
 
     def generate(self, request: Request) -> Generator[Payload, None, Payload]:
         stream: Stream | None = None
@@ -169,7 +188,8 @@ class Vocoder(StageBackend):
                     stream.final or stream.undelay.ended,
                     chunk=self.chunk_size(stream.chunks),
                     context=self.context,
-                    lookahead=self.lookahead,
+                    lookahead=self.lookahead_of(stream.chunks),
+                    span=self.context + self.chunk + self.lookahead,
                 )
                 if window is not None:
                     due[window.stop - window.start].append((stream, window))
@@ -177,6 +197,26 @@ class Vocoder(StageBackend):
                 return
             for group in due.values():
                 self._decode(group)
+
+    def window_lengths(self) -> list[int]:
+        """The lengths a stream's windows take before the last: the first chunks' (they start
+        at column 0, so lack some context) up to the steady one, which the last window takes
+        too wherever the stream has that many columns."""
+        lengths, done, index = [], 0, 0
+        while True:
+            chunk = self.chunk_size(index)
+            start = max(0, done - self.context)
+            length = done + chunk + self.lookahead_of(index) - start
+            if length in lengths and start > 0:
+                return lengths
+            if length not in lengths:
+                lengths.append(length)
+            done, index = done + chunk, index + 1
+
+    def lookahead_of(self, index: int) -> int:
+        """Columns decoded after chunk `index` (its right context): a smaller first one trades
+        the first chunk's fidelity for first audio sooner (docs/models.md)."""
+        return self.first_lookahead if index == 0 else self.lookahead
 
     def chunk_size(self, index: int) -> int:
         """Columns of a stream's chunk `index`: first_chunk_frames, then doubling up to
@@ -188,17 +228,35 @@ class Vocoder(StageBackend):
         return min(self.chunk, self.first << min(index, 16))
 
     def _decode(self, group: list[tuple[Stream, Window]]) -> None:
+        begin_s = time.perf_counter()
         codes = np.stack([s.undelay.codes(w.start, w.stop) for s, w in group])  # [B, K, L]
-        with torch.inference_mode():
-            values = self.codec.decode(torch.from_numpy(codes).to(self.device), return_dict=False)
-        audio = values[:, 0].float().cpu().numpy()  # [B, L * hop]
+        if self.graphs is not None:
+            audio = self.graphs.decode(codes)  # [B, L * hop]
+        else:
+            with torch.inference_mode():
+                values = self._decode_codes(torch.from_numpy(codes).to(self.device))
+            audio = values[:, 0].float().cpu().numpy()
         self.decode_calls += 1
         self.decoded_windows += len(group)
+        self.decode_seconds += time.perf_counter() - begin_s
+        if self.decode_calls % 500 == 0:  # how the decoder is used, for the benchmarks' logs
+            graphs = self.graphs
+            how = (
+                "eager"
+                if graphs is None
+                else f"{graphs.num_graphs} graphs, {graphs.eager_calls} eager"
+            )
+            log.info("vocoder: %d decoder calls, %.2f windows a call, %.2f ms a call, %s",
+                     self.decode_calls, self.decoded_windows / self.decode_calls,
+                     1000 * self.decode_seconds / self.decode_calls, how)  # fmt: skip
         for row, (stream, window) in zip(audio, group, strict=True):
             begin = (window.keep - window.start) * self.hop
             stream.ready.append(row[begin : begin + window.count * self.hop])
             stream.done = window.keep + window.count
             stream.chunks += 1
+
+    def _decode_codes(self, codes: torch.Tensor) -> torch.Tensor:  # [B, K, L] -> [B, 1, S]
+        return self.codec.decode(codes, return_dict=False)
 
     def _send(self, stream: Stream, last: bool = False) -> bytes:
         """The stream's decoded audio, at its speed and rate, as the next body bytes."""

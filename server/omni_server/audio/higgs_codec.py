@@ -174,15 +174,26 @@ class Window:
 
 
 def next_window(
-    done: int, available: int, final: bool, *, chunk: int, context: int, lookahead: int
+    done: int,
+    available: int,
+    final: bool,
+    *,
+    chunk: int,
+    context: int,
+    lookahead: int,
+    span: int = 0,
 ) -> Window | None:
     """The next chunk of a stream that has emitted `done` columns and holds `available`: `chunk`
     columns once `lookahead` more are there (the decoder's right context), decoded with up to
-    `context` columns before (its left context); at the end whatever is left. None: not yet."""
+    `context` columns before (its left context); at the end whatever is left, with at least
+    `context` columns before it and more, up to a window of `span` columns, where there are
+    (more left context changes nothing the receptive field sees; a fixed length lets the last
+    window reuse the steady window's CUDA graph). None: not yet."""
     if final:
         if available <= done:
             return None
-        return Window(max(0, done - context), available, done, available - done)
+        start = max(0, min(done - context, available - span))
+        return Window(start, available, done, available - done)
     if available < done + chunk + lookahead:
         return None
     return Window(max(0, done - context), done + chunk + lookahead, done, chunk)

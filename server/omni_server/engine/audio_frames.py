@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from omni_server.engine.sampling import SamplingParams, sample
+from omni_server.engine.sampling import SamplingParams, greedy_tokens
 
 
 @dataclass(frozen=True)
@@ -103,22 +103,50 @@ def sample_frames(
     params: list[SamplingParams],
     generators: list[torch.Generator],
 ) -> list[list[int]]:  # [R][K] codes
+    """The frame of every row: the delay masks applied, then greedy or sampling.py's sampler,
+    row by row the same function, for all R x K codebooks at once on the logits' device, with
+    one host-to-device copy (masks, settings and uniforms in one tensor) and one copy back.
+
+    The same codes as sampling.sample per row: temperature, then top-k, top-p, min-p over the
+    sorted probabilities, the inverse CDF in vocabulary order at the request's uniform (its
+    generator draws K in codebook order; a greedy request draws none); greedy rows take the
+    argmax (the first maximum)."""
     rows, k, c = logits.shape[0], spec.num_codebooks, spec.codebook_size
     if rows == 0:  # a step of prefill chunks that complete no prompt
         return []
     device = logits.device
-    force_bos = torch.tensor([m[0] for m in masks], dtype=torch.bool, device=device)  # [R, K]
-    force_eos = torch.tensor([m[1] for m in masks], dtype=torch.bool, device=device)
+    # [R, K, 7]: force BOS, force EOS, temperature (0: greedy), top-k, top-p, min-p, uniform
+    host = torch.zeros((rows, k, 7), dtype=torch.float32)
+    host[:, :, 0] = torch.tensor([m[0] for m in masks], dtype=torch.float32)
+    host[:, :, 1] = torch.tensor([m[1] for m in masks], dtype=torch.float32)
+    settings = [(p.temperature, p.top_k or c, p.top_p, p.min_p) for p in params]
+    host[:, :, 2:6] = torch.tensor(settings, dtype=torch.float32)[:, None, :]
+    for i, (p, g) in enumerate(zip(params, generators, strict=True)):
+        if not p.greedy:
+            host[i, :, 6] = torch.rand(k, generator=g)  # equal to K draws of one, in order
+    table = host.to(device, non_blocking=device.type == "cuda").view(rows * k, 7)
+    force_bos, force_eos = table[:, 0:1] > 0, table[:, 1:2] > 0  # [N, 1], N = R * K
+    temperature, top_k, top_p, min_p, uniform = (table[:, i : i + 1] for i in range(2, 7))
     codes = torch.arange(c, device=device)  # [C]
-    scores = logits.view(rows, k, c)  # out of place below: graph outputs are static buffers
-    scores = scores.masked_fill(force_bos[..., None] & (codes != spec.stream_bos_id), -torch.inf)
-    scores = scores.masked_fill(force_eos[..., None] & (codes != spec.stream_eos_id), -torch.inf)
-    flat = sample(
-        scores.view(rows * k, c),
-        [p for p in params for _ in range(k)],
-        [g for g in generators for _ in range(k)],  # a request draws its K uniforms in order
-    )
-    return [flat[i * k : (i + 1) * k] for i in range(rows)]
+    scores = logits.view(rows * k, c)  # out of place below: graph outputs are static buffers
+    scores = scores.masked_fill(force_bos & (codes != spec.stream_bos_id), -torch.inf)
+    scores = scores.masked_fill(force_eos & (codes != spec.stream_eos_id), -torch.inf)
+    greedy = greedy_tokens(scores)  # [N]
+    if all(p.greedy for p in params):
+        return greedy.view(rows, k).tolist()
+    # sampling.py's _sample_rows on every row (a greedy row's result is discarded below)
+    scaled = scores / torch.where(temperature > 0, temperature, 1.0)
+    sorted_scores, order = torch.sort(scaled, dim=-1, descending=True)  # [N, C]
+    probs = sorted_scores.softmax(dim=-1)
+    drop = codes >= top_k  # ranks past top-k
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p
+    drop |= probs < min_p * probs[:, :1]
+    drop[:, 0] = False
+    kept = torch.zeros_like(probs).scatter_(1, order, probs.masked_fill(drop, 0.0))
+    cdf = kept.cumsum(dim=-1)
+    picked = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
+    picked = torch.where(temperature.squeeze(1) > 0, picked.clamp_(max=c - 1), greedy)
+    return picked.view(rows, k).tolist()
 
 
 def redraw_repeats(
@@ -129,16 +157,26 @@ def redraw_repeats(
     params: list[SamplingParams],
     generators: list[torch.Generator],
 ) -> None:
-    """Repetition-aware sampling, the reference's rule with the request's own generator."""
+    """Repetition-aware sampling, the reference's rule with the request's own generator: the
+    repeats found on the host, all of them redrawn in one batch (a request's uniforms drawn in
+    codebook order, as one codebook at a time would)."""
     k, c = spec.num_codebooks, spec.codebook_size
     special = (spec.stream_bos_id, spec.stream_eos_id)
+    picks: list[tuple[int, int]] = []  # (row, codebook) to redraw, in draw order
+    uniforms: list[torch.Tensor] = []
     for i, p in enumerate(params):
         window = histories[i][-p.ras_window :] if p.ras_window else []
         for j in range(k if window else 0):
             code = frames[i][j]
             if code in special or sum(f[j] == code for f in window) < p.ras_max_repeat:
                 continue
-            cdf = logits[i].view(k, c)[j].softmax(dim=-1).cumsum(dim=-1)  # [C]
-            u = torch.rand((), generator=generators[i]).to(cdf.device)
-            picked = int(torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True).item())
-            frames[i][j] = min(picked, c - 1)
+            picks.append((i, j))
+            uniforms.append(torch.rand((), generator=generators[i]))
+    if not picks:
+        return
+    index = torch.tensor([i * k + j for i, j in picks], device=logits.device)
+    cdf = logits.view(-1, c).index_select(0, index).softmax(dim=-1).cumsum(dim=-1)  # [P, C]
+    u = torch.stack(uniforms).to(logits.device).unsqueeze(1)  # [P, 1]
+    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_(max=c - 1)
+    for (i, j), code in zip(picks, picked.tolist(), strict=True):
+        frames[i][j] = code

@@ -1,0 +1,284 @@
+"""`omni-bench higgs-parts`: the two parts of the Higgs pipeline that bound its serving, alone on
+the GPU, so the served numbers (`higgs-serve`) can be read against them.
+
+    omni-bench higgs-parts --checkpoint DIR [--batches 1,16,64] [--lengths 14,22,38]
+        [--windows 1,4,16,64] [--out DIR]
+
+- **vocoder**: the audio tokenizer's decode of B windows of L columns (what one vocoder call
+  does), eagerly and from the CUDA graphs the vocoder serves with (audio/decode_graphs.py):
+  median ms a call over 30 calls with the host copy, ms a window, and the largest difference
+  between the two outputs (random codes, fresh each call);
+- **engine**: the frame step (`Engine.step()`, median of 40 all-decode steps) at each batch,
+  with the served sampling (temperature 1, top-k 50, top-p 0.95, repetition-aware 7 / 2) and
+  without repetition-aware sampling; then its parts, timed with a device sync around each:
+  the model's forward (graph replay) and the frame sampling + bookkeeping.
+
+Writes `OUT/higgs_parts.md` and `.json`. A full checkpoint is written to DIR first when DIR has
+none (random weights drawn on the GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni_bench.harness import tables
+from omni_server.engine.audio_frames import AudioSpec
+from omni_server.engine.sampling import SamplingParams, sample
+
+PROMPT_TOKENS = 74
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _median_ms(fn: Any, calls: int) -> float:
+    times = []
+    for _ in range(calls):
+        _sync()
+        start = time.perf_counter()
+        fn()
+        _sync()
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
+def _rotating(fn: Any, inputs: list[Any]) -> Any:
+    """fn over the inputs in turn, one a call (not one buffer again and again)."""
+    calls = iter(range(10**9))
+    return lambda: fn(inputs[next(calls) % len(inputs)])
+
+
+def _timed(parts: list[float], fn: Any) -> Any:
+    """fn, its time (ms, a device sync at each end) appended to parts."""
+
+    def wrapper(*a: Any) -> Any:
+        _sync()
+        start = time.perf_counter()
+        out = fn(*a)
+        _sync()
+        parts.append((time.perf_counter() - start) * 1000)
+        return out
+
+    return wrapper
+
+
+def vocoder(folder: Path, lengths: list[int], windows: list[int]) -> list[dict[str, Any]]:
+    from omni_server.audio.decode_graphs import GraphedDecoder
+    from omni_server.audio.higgs_codec import load_audio_tokenizer, open_checkpoint
+
+    codec = load_audio_tokenizer(open_checkpoint({"checkpoint": str(folder)}), "cuda")
+    k = int(codec.config.num_quantizers)
+    real = int(codec.config.codebook_size)
+
+    def eager(codes: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():
+            values = codec.decode(torch.from_numpy(codes).cuda(), return_dict=False)
+        return values[:, 0].float().cpu().numpy()
+
+    graphs = GraphedDecoder(lambda c: codec.decode(c, return_dict=False), k, "cuda")
+    rng = np.random.default_rng(0)
+    rows = []
+    for length in lengths:
+        for b in windows:
+            draw = [rng.integers(0, real, (b, k, length)) for _ in range(4)]
+            diff = max(float(np.abs(eager(c) - graphs.decode(c)).max()) for c in draw)
+            rows.append(
+                {
+                    "length": length,
+                    "windows": b,
+                    "eager_ms": _median_ms(_rotating(eager, draw), 30),
+                    "graph_ms": _median_ms(_rotating(graphs.decode, draw), 30),
+                    "max_abs_diff": diff,
+                }
+            )
+            r = rows[-1]
+            print(f"vocoder L={length} B={b}: eager {r['eager_ms']:.2f} ms, graph "
+                  f"{r['graph_ms']:.2f} ms, max diff {diff:.2e}", flush=True)  # fmt: skip
+    return rows
+
+
+def engine(folder: Path, batches: list[int], device: str = "cuda") -> list[dict[str, Any]]:
+    from omni_server.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+
+    config = EngineConfig.from_table(
+        {"device": device, "dtype": "bfloat16" if device == "cuda" else "float32",
+         "cuda_graphs": device == "cuda", "max_total_tokens": 65536 if device == "cuda" else 4096,
+         "max_batch_size": max(batches)}
+    )  # fmt: skip
+    eng = Engine.from_checkpoint(folder, config)
+    audio = eng.audio
+    assert audio is not None
+    rng = np.random.default_rng(1)
+    rows = []
+    ids = iter(range(10**9))
+    import omni_server.engine.engine as engine_module
+
+    now = (engine_module.sample_frames, engine_module.redraw_repeats)
+    before = (_before_sample_frames, _before_redraw_repeats)
+    for sampler, ras in (("before", 7), ("now", 7), ("now", 0)):
+        engine_module.sample_frames, engine_module.redraw_repeats = (
+            before if sampler == "before" else now
+        )
+        for b in batches:
+            params = SamplingParams(
+                temperature=1.0, top_k=50, top_p=0.95, max_tokens=400, ignore_eos=True,
+                ras_window=ras, ras_max_repeat=2 if ras else 0, seed=b,
+            )  # fmt: skip
+            names = []
+            for _ in range(b):
+                top = min(100000, eng.shape.vocab_size - 256)  # under the special tokens
+                prompt = rng.integers(10, top, PROMPT_TOKENS - 1).tolist()
+                name = f"r{next(ids)}"
+                eng.add(GenerationRequest(name, [*prompt, audio.audio_bos_token_id], params,
+                                          playback_seconds=0.04))  # fmt: skip
+                names.append(name)
+            waiting = set(names)
+            while waiting:  # prefill: until every request has its first frame
+                waiting -= {event.request_id for event in eng.step()}
+            for _ in range(5):
+                eng.step()
+            step = _median_ms(eng.step, 40)
+            # the parts: the forward (graph replay, logits) and what follows it (sampling,
+            # masks, bookkeeping), each closed by a sync
+            run, sample = eng.runner.run, eng._sample
+            parts: dict[str, list[float]] = {"forward": [], "sample": []}
+            eng.runner.run = _timed(parts["forward"], run)  # type: ignore[method-assign]
+            eng._sample = _timed(parts["sample"], sample)  # type: ignore[method-assign]
+            synced = _median_ms(eng.step, 40)
+            eng.runner.run, eng._sample = run, sample
+            row = {
+                "batch": b, "ras": ras, "sampler": sampler, "step_ms": step,
+                "synced_step_ms": synced,
+                "forward_ms": statistics.median(parts["forward"]),
+                "sample_ms": statistics.median(parts["sample"]),
+            }  # fmt: skip
+            rows.append(row)
+            forward, after = row["forward_ms"], row["sample_ms"]
+            print(f"engine {sampler} b={b} ras={ras}: step {step:.2f} ms (forward {forward:.2f}, "
+                  f"sample {after:.2f})", flush=True)  # fmt: skip
+            for name in names:
+                eng.abort(name)
+            eng.step()
+    engine_module.sample_frames, engine_module.redraw_repeats = now
+    return rows
+
+
+# The frame sampling before this branch (commit 10403f8's audio_frames.py), the peer of the
+# same-run A/B: per-row tensors built from lists, sampling.sample over the R x K rows, the
+# repeats redrawn one codebook at a time with a sync each.
+def _before_sample_frames(
+    logits: torch.Tensor,  # [R, K * C] float32, the audio head's
+    spec: AudioSpec,
+    masks: list[tuple[list[bool], list[bool]]],  # per row: DelayState.next_masks
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+) -> list[list[int]]:  # [R][K] codes
+    rows, k, c = logits.shape[0], spec.num_codebooks, spec.codebook_size
+    if rows == 0:  # a step of prefill chunks that complete no prompt
+        return []
+    device = logits.device
+    force_bos = torch.tensor([m[0] for m in masks], dtype=torch.bool, device=device)  # [R, K]
+    force_eos = torch.tensor([m[1] for m in masks], dtype=torch.bool, device=device)
+    codes = torch.arange(c, device=device)  # [C]
+    scores = logits.view(rows, k, c)  # out of place below: graph outputs are static buffers
+    scores = scores.masked_fill(force_bos[..., None] & (codes != spec.stream_bos_id), -torch.inf)
+    scores = scores.masked_fill(force_eos[..., None] & (codes != spec.stream_eos_id), -torch.inf)
+    flat = sample(
+        scores.view(rows * k, c),
+        [p for p in params for _ in range(k)],
+        [g for g in generators for _ in range(k)],  # a request draws its K uniforms in order
+    )
+    return [flat[i * k : (i + 1) * k] for i in range(rows)]
+
+
+def _before_redraw_repeats(
+    logits: torch.Tensor,  # [R, K * C] float32 raw (no delay masks, no temperature)
+    spec: AudioSpec,
+    frames: list[list[int]],  # [R][K] just drawn; codes are replaced in place
+    histories: list[list[list[int]]],  # per row: the request's frames so far, oldest first
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+) -> None:
+    """Repetition-aware sampling, the reference's rule with the request's own generator."""
+    k, c = spec.num_codebooks, spec.codebook_size
+    special = (spec.stream_bos_id, spec.stream_eos_id)
+    for i, p in enumerate(params):
+        window = histories[i][-p.ras_window :] if p.ras_window else []
+        for j in range(k if window else 0):
+            code = frames[i][j]
+            if code in special or sum(f[j] == code for f in window) < p.ras_max_repeat:
+                continue
+            cdf = logits[i].view(k, c)[j].softmax(dim=-1).cumsum(dim=-1)  # [C]
+            u = torch.rand((), generator=generators[i]).to(cdf.device)
+            picked = int(torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True).item())
+            frames[i][j] = min(picked, c - 1)
+
+
+def report(voc: list[dict[str, Any]], eng: list[dict[str, Any]]) -> str:
+    lines = tables.header(
+        ["window columns", "windows a call", "eager ms a call", "graph ms a call",
+         "graph ms a window", "speed-up", "max abs diff"]
+    )  # fmt: skip
+    for r in voc:
+        lines.append(tables.row([
+            r["length"], r["windows"], f"{r['eager_ms']:.2f}", f"{r['graph_ms']:.2f}",
+            f"{r['graph_ms'] / r['windows']:.3f}", f"{r['eager_ms'] / r['graph_ms']:.1f}x",
+            f"{r['max_abs_diff']:.1e}",
+        ]))  # fmt: skip
+    lines.append("")
+    lines += tables.header(
+        ["sampler", "batch", "repetition-aware", "step ms", "frames/s", "synced step ms",
+         "forward ms", "sampling + bookkeeping ms"]
+    )  # fmt: skip
+    for r in eng:
+        lines.append(tables.row([
+            r["sampler"], r["batch"], "7 / 2" if r["ras"] else "off", f"{r['step_ms']:.2f}",
+            f"{r['batch'] * 1000 / r['step_ms']:.0f}", f"{r['synced_step_ms']:.2f}",
+            f"{r['forward_ms']:.2f}", f"{r['sample_ms']:.2f}",
+        ]))  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="omni-bench higgs-parts", description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", type=Path, required=True, help="folder (written if empty)")
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--lengths", default="14,22,38", help="window columns (the served ones)")
+    p.add_argument("--windows", default="1,4,16,64", help="windows a decoder call")
+    p.add_argument("--skip", default="", help="vocoder or engine: leave that part out")
+    p.add_argument("--out", type=Path, default=Path("bench-results/higgs-parts"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("omni-bench higgs-parts: needs a CUDA GPU")
+        return 2
+    if not (args.checkpoint / "config.json").is_file():
+        from omni_bench import random_checkpoint
+
+        random_checkpoint.main(
+            ["higgs-audio-v2", "--size", "full", "--out", str(args.checkpoint), "--draw-on", "cuda"]
+        )
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    voc = [] if "vocoder" in args.skip else vocoder(
+        args.checkpoint, ints(args.lengths), ints(args.windows))  # fmt: skip
+    eng = [] if "engine" in args.skip else engine(args.checkpoint, ints(args.batches))
+    table = report(voc, eng)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "higgs_parts.md").write_text(table)
+    (args.out / "higgs_parts.json").write_text(json.dumps({"vocoder": voc, "engine": eng}) + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
