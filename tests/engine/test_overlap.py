@@ -35,7 +35,7 @@ def _run(engine: Engine, requests: list[GenerationRequest], late: int = 0) -> tu
         for event in engine.step():
             out[event.request_id].append(event)
         steps += 1
-        in_flight += engine._in_flight is not None
+        in_flight += engine.step_in_flight
     return out, in_flight
 
 
@@ -105,10 +105,10 @@ def test_abort_and_finish_while_in_flight(make_tiny_engine: Callable[..., Engine
     for _ in range(6):
         for e in engine.step():
             got[e.request_id].append(e)
-    assert engine._in_flight is not None
+    assert engine.step_in_flight
     assert engine.abort("x")  # settles the step in flight first: its tokens come out too
     assert engine.finish("y")
-    assert engine._in_flight is None
+    assert not engine.step_in_flight
     assert PENDING not in engine.batcher.running[0].token_ids
     while engine.has_work():
         for e in engine.step():
@@ -126,7 +126,7 @@ def test_abort_and_finish_while_in_flight(make_tiny_engine: Callable[..., Engine
 
 
 def test_overlap_is_off_by_default_on_the_cpu(make_tiny_engine: Callable[..., Engine]) -> None:
-    assert not make_tiny_engine()._overlap
+    assert not make_tiny_engine().overlaps_decode
     with pytest.raises(ValueError, match="overlap_decode"):
         EngineConfig(overlap_decode="yes")
 
@@ -149,7 +149,7 @@ def test_graph_overlap_equals_synchronous_on_gpu(dtype: str) -> None:
         ]
         requests.append(GenerationRequest("s", _prompt(6), SamplingParams(seed=1, max_tokens=20)))
         out, in_flight = _run(engine, requests, late=2)
-        assert engine._overlap == (mode == "auto")
+        assert engine.overlaps_decode == (mode == "auto")
         assert engine.cache.allocator.num_free == engine.cache.allocator.num_blocks
         return _summary(out), in_flight
 

@@ -265,6 +265,16 @@ class Engine:
         return self.batcher.has_work() or bool(self._pending) or self._in_flight is not None
 
     @property
+    def overlaps_decode(self) -> bool:
+        """Greedy decode steps go in flight ahead of their tokens (overlap.py)."""
+        return self._overlap
+
+    @property
+    def step_in_flight(self) -> bool:
+        """A launched step's tokens are still to be read (by the next step(), or an abort)."""
+        return self._in_flight is not None
+
+    @property
     def num_waiting(self) -> int:
         return len(self.batcher.waiting)
 
