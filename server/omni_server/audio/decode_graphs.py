@@ -7,8 +7,9 @@ Invariants:
 - a graph's input and output are static buffers: `decode` copies the codes in, replays, and
   returns a host copy, so a later replay cannot overwrite what a caller holds;
 - rows are independent in the decoder (convolutions over time, per batch row), so a call of B
-  windows runs the graph of the smallest bucket >= B with its spare rows left at code 0, and the
-  B rows' audio is that of decoding them alone (up to the convolution algorithm's rounding);
+  windows runs the graph of the smallest bucket >= B, its spare rows holding whatever codes an
+  earlier call left there (never read back), and the B rows' audio is that of decoding them
+  alone (up to the convolution algorithm's rounding);
 - every graph shares one memory pool: they replay one at a time on the caller's thread, and each
   output is copied to the host before the next replay.
 
