@@ -256,7 +256,13 @@ class StageProcesses:
         name = self.plan.instances[index].name
         if not self._stopping:
             why = self._killed_for[index]
-            log.error(
+            # a process that dies while starting fails its start (or restart), whose error says
+            # so, with the process's own last word when it sent one: one ERROR line, not two
+            ready = self._ready.get(name)
+            starting = (
+                ready is None or not ready.done() or ready.cancelled() or bool(ready.exception())
+            )
+            (log.warning if starting else log.error)(
                 "stage process %s (pid %d) exited with code %s%s",
                 name,
                 proc.pid,
