@@ -4,7 +4,7 @@
 # hanging step leaves time for the others, each step's log in $OUT/<step>.log:
 #   tests    the one-tensor crossing's tests (CPU checks and the GPU crossings)
 #   handoff  omni-bench gpu-handoff --compare: the crossing before / after, interleaved
-#   hparts   omni-bench higgs-parts: the vocoder's decode eager vs graphs, the frame step (the
+#   hparts   tools/device/higgs_parts.py: the vocoder's decode eager vs graphs, the frame step (the
 #            sampler before / now) at batch 1, 16, 64, on the full random checkpoint (written
 #            here first, for higgs below too)
 #   htests   the Higgs tests ($HTESTS: the decode windows and graphs, the engine GPU ones)
@@ -70,7 +70,7 @@ TAIL=60 step profile 90 python3 -m omni_bench.gpu_handoff --profile --requests 2
 # the crossing with a 1 ms hot spin against the path before: how much the wake-up costs
 OMNI_RING_HOT_SPIN_US=1000 TAIL=8 step spin1ms 90 python3 -m omni_bench.gpu_handoff --compare \
   --requests 200 --warmup 20 --rounds 1 --sizes-mib 1
-TAIL=40 step hparts "${HPARTS_S:-200}" python3 -m omni_bench.higgs_parts --checkpoint \
+TAIL=40 step hparts "${HPARTS_S:-200}" python3 tools/device/higgs_parts.py --checkpoint \
   /tmp/higgs-full --out /tmp/higgs-parts ${HPARTS_ARGS:-}
 cp /tmp/higgs-parts/higgs_parts.md /tmp/higgs-parts/higgs_parts.json "$OUT/" 2>/dev/null
 HTESTS=${HTESTS:-tests/audio/test_higgs_windows.py tests/engine/test_higgs_audio.py}

@@ -1,7 +1,9 @@
-"""`omni-bench higgs-parts`: the two parts of the Higgs pipeline that bound its serving, alone on
-the GPU, so the served numbers (`higgs-serve`) can be read against them.
+"""The two parts of the Higgs pipeline that bound its serving, alone on the GPU, so the served
+numbers (`omni-bench higgs-serve`) can be read against them. A device script, not an omni-bench
+command: it swaps the engine's frame sampler for the old one (its same-run peer), which reaches
+inside the engine as the benchmarks never do.
 
-    omni-bench higgs-parts --checkpoint DIR [--batches 1,16,64] [--lengths 14,22,38]
+    python3 tools/device/higgs_parts.py --checkpoint DIR [--batches 1,16,64] [--lengths 14,22,38]
         [--windows 1,4,16,64] [--out DIR]
 
 - **vocoder**: the audio tokenizer's decode of B windows of L columns (what one vocoder call
@@ -251,7 +253,7 @@ def report(voc: list[dict[str, Any]], eng: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="omni-bench higgs-parts", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="higgs_parts.py", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", type=Path, required=True, help="folder (written if empty)")
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--lengths", default="14,22,38", help="window columns (the served ones)")
@@ -260,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("bench-results/higgs-parts"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("omni-bench higgs-parts: needs a CUDA GPU")
+        print("higgs_parts.py: needs a CUDA GPU")
         return 2
     if not (args.checkpoint / "config.json").is_file():
         from omni_bench import random_checkpoint

@@ -45,7 +45,6 @@ SUBCOMMANDS = {
     "reload": ("omni_bench.reload", "model reload: time to serving, memory of both versions"),
     "random-checkpoint": ("omni_bench.random_checkpoint", "random-weight HF checkpoint folders"),
     "higgs-serve": ("omni_bench.higgs_serve", "Higgs Audio v2 served: TTFA, underrun, replicas"),
-    "higgs-parts": ("omni_bench.higgs_parts", "Higgs vocoder decode and frame step, on the GPU"),
     "ar-fanout": ("omni_bench.ar_fanout", "an ar stage's chunks across processes, no model"),
 }
 
