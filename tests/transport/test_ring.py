@@ -4,12 +4,14 @@ ring, oversize, empty and multi-buffer records, timeouts, roles, close, peer dea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import stat
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -579,9 +581,10 @@ async def test_a_busy_stream_polls_briefly_a_fixed_poll_only_after_a_record(pair
     assert consumer.hot_poll_us == 0
 
 
-async def _sleeps_at_once(consumer: Ring, producer: Ring) -> bool:
-    """Whether a pop that finds the ring empty goes to sleep on its first step (adds the
-    doorbell to the loop's readers) instead of polling."""
+@contextlib.contextmanager
+def _loop_readers() -> Iterator[list[int]]:
+    """The fds added to the running loop's readers inside the block (a pop that sleeps adds its
+    doorbell; one that polls adds none)."""
     loop = asyncio.get_running_loop()
     readers: list[int] = []
     add_reader = loop.add_reader
@@ -592,14 +595,21 @@ async def _sleeps_at_once(consumer: Ring, producer: Ring) -> bool:
 
     loop.add_reader = watched
     try:
+        yield readers
+    finally:
+        del loop.add_reader
+
+
+async def _sleeps_at_once(consumer: Ring, producer: Ring) -> bool:
+    """Whether a pop that finds the ring empty goes to sleep on its first step (adds the
+    doorbell to the loop's readers) instead of polling."""
+    with _loop_readers() as readers:
         pop = asyncio.create_task(consumer.pop_async())
         await asyncio.sleep(0)  # the pop's first step: it armed and slept, or it polls
         slept = bool(readers)
         producer.push(b"next")
         with await asyncio.wait_for(pop, 10) as rec:
             assert bytes(rec.header) == b"next"
-    finally:
-        del loop.add_reader
     return slept
 
 
@@ -641,16 +651,7 @@ async def test_the_hot_poll_leaves_the_loop_to_other_tasks(pair):
     producer.push(b"first")
     with await asyncio.wait_for(consumer.pop_async(), 10) as rec:  # the stream is hot now
         assert bytes(rec.header) == b"first"
-    loop = asyncio.get_running_loop()
-    readers: list[int] = []
-    add_reader = loop.add_reader
-
-    def watched(fd: int, *args: object) -> None:
-        readers.append(fd)
-        add_reader(fd, *args)
-
-    loop.add_reader = watched
-    try:
+    with _loop_readers() as readers:
         pop = asyncio.create_task(consumer.pop_async())
         for _ in range(3):  # passes of the loop while the pop polls
             await asyncio.sleep(0)
@@ -658,6 +659,4 @@ async def test_the_hot_poll_leaves_the_loop_to_other_tasks(pair):
         producer.push(b"second")
         with await asyncio.wait_for(pop, 10) as rec:
             assert bytes(rec.header) == b"second"
-    finally:
-        del loop.add_reader
     assert readers == []

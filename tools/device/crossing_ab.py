@@ -14,10 +14,10 @@ p90 microseconds over all rounds.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
+
+from variants import carried_paths, parse, pct, run_child
 
 _CHILD = """
 import asyncio, json, sys
@@ -29,11 +29,6 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variant", action="append", required=True, help="NAME=TREE[:ENV=V,...]")
@@ -42,29 +37,22 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
     args = ap.parse_args()
-    variants = []
-    for spec in args.variant:
-        name, rest = spec.split("=", 1)
-        tree, _, envs = rest.partition(":")
-        env = dict(e.split("=", 1) for e in envs.split(",") if e)
-        variants.append((name, os.path.abspath(tree), env))
+    variants = parse(args.variant)
     res: dict[tuple[str, str], dict[str, list[float]]] = {}
     for r in range(args.rounds):
         for name, tree, extra in variants:
             paths = [f"{tree}/{p}" for p in ("server", "tools", "clients", "transport_ext")]
-            keep = [p for p in os.environ.get("PYTHONPATH", "").split(":") if p.startswith("/tmp")]
-            env = {**os.environ, **extra, "PYTHONPATH": ":".join(paths + keep)}
+            env = {**os.environ, **extra, "PYTHONPATH": ":".join(paths + carried_paths())}
             cmd = [sys.executable, "-c", _CHILD, args.sizes_mib, str(args.requests),
                    str(args.warmup)]  # fmt: skip
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-            line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-            if done.returncode or not line:
-                print(f"{name} round {r}: failed rc={done.returncode}\n{done.stderr[-3000:]}")
+            result, stdout, failed = run_child(cmd, env, 300)
+            if failed:
+                print(f"{name} round {r}: failed {failed}")
                 return 1
-            for mib, one in json.loads(line[0][7:]).items():
+            for mib, one in result.items():
                 for k, v in one.items():
                     res.setdefault((mib, name), {}).setdefault(k, []).extend(v)
-            notes = sorted({x for x in done.stdout.splitlines() if x.startswith("NOTE ")})
+            notes = sorted({x for x in stdout.splitlines() if x.startswith("NOTE ")})
             print(f"round {r} {name} done", *notes, sep="\n  ", flush=True)
     print()
     print(f"{args.rounds} x {args.requests} crossings per variant and size after {args.warmup} "
@@ -74,7 +62,7 @@ def main() -> int:
     print("|---|---|---|---|---|")
     for mib in args.sizes_mib.split(","):
         for name, _, _ in variants:
-            cells = [f"{_pct(res[(mib, name)][k], 0.5):.0f} / {_pct(res[(mib, name)][k], 0.9):.0f}"
+            cells = [f"{pct(res[(mib, name)][k], 0.5):.0f} / {pct(res[(mib, name)][k], 0.9):.0f}"
                      for k in ("crossing", "encode", "receiver")]  # fmt: skip
             print(f"| {mib} MiB | {name} | " + " | ".join(cells) + " |")
     parts = [(mib, name) for mib in args.sizes_mib.split(",") for name, _, _ in variants
@@ -84,7 +72,7 @@ def main() -> int:
         print("| tensor | variant | encode: export (codec, lane, pool, C) | encode: ring push |")
         print("|---|---|---|---|")
         for mib, name in parts:
-            cells = [f"{_pct(res[(mib, name)][k], 0.5):.0f} / {_pct(res[(mib, name)][k], 0.9):.0f}"
+            cells = [f"{pct(res[(mib, name)][k], 0.5):.0f} / {pct(res[(mib, name)][k], 0.9):.0f}"
                      for k in ("export", "push")]  # fmt: skip
             print(f"| {mib} MiB | {name} | " + " | ".join(cells) + " |")
     return 0

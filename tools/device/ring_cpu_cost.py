@@ -14,10 +14,10 @@ producer's CPU (its pacing, the doorbell it rings) is not counted.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
+
+from variants import carried_paths, parse, pct, run_child
 
 _PRODUCER = """
 import struct, sys, time
@@ -63,11 +63,6 @@ asyncio.run(main(float(sys.argv[1]), int(sys.argv[2])))
 """
 
 
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variant", action="append", required=True, help="NAME=TREE[:ENV=V,...]")
@@ -75,15 +70,10 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=1.0, help="per gap, variant and round")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    variants = []
-    for spec in args.variant:
-        name, rest = spec.split("=", 1)
-        tree, _, envs = rest.partition(":")
-        env = dict(e.split("=", 1) for e in envs.split(",") if e)
-        variants.append((name, os.path.abspath(tree), env))
+    variants = parse(args.variant)
     gaps = [float(g) for g in args.gaps_us.split(",")]
     res: dict[tuple[float, str], dict[str, list]] = {}
-    keep = [p for p in os.environ.get("PYTHONPATH", "").split(":") if p.startswith("/tmp")]
+    keep = carried_paths()
     for r in range(args.rounds):
         for gap in gaps:
             n = max(50, int(args.seconds * 1e6 / gap))
@@ -91,12 +81,10 @@ def main() -> int:
                 path = ":".join([f"{tree}/transport_ext", *keep])
                 env = {**os.environ, **extra, "PYTHONPATH": path}
                 cmd = [sys.executable, "-c", _CONSUMER, str(gap), str(n), _PRODUCER]
-                done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-                line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-                if done.returncode or not line:
-                    print(f"{name} gap {gap}: failed rc={done.returncode}\n{done.stderr[-3000:]}")
+                one, _, failed = run_child(cmd, env, 120)
+                if failed:
+                    print(f"{name} gap {gap}: failed {failed}")
                     return 1
-                one = json.loads(line[0][7:])
                 cell = res.setdefault((gap, name), {"cpu": [], "lat": [], "bound": []})
                 cell["cpu"].append(one["cpu"])
                 cell["lat"].extend(one["lat"])
@@ -113,7 +101,7 @@ def main() -> int:
             c = res[(gap, name)]
             cpu = " / ".join(f"{v:.3f}" for v in c["cpu"])
             bound = " / ".join("-" if b is None else f"{b:.0f}" for b in c["bound"])
-            lat = f"{_pct(c['lat'], 0.5):.0f} / {_pct(c['lat'], 0.9):.0f}"
+            lat = f"{pct(c['lat'], 0.5):.0f} / {pct(c['lat'], 0.9):.0f}"
             print(f"| {gap / 1000:g} ms | {name} | {cpu} | {bound} | {lat} |")
     return 0
 
