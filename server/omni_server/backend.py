@@ -9,6 +9,8 @@ A stage's `model.py` holds one class. The runtime creates it with no arguments, 
     add(request)                 scheduler "ar" (continuous batching): a request joins the running
     step() -> list[StepOutput]   batch; one step advances every request it holds and says what
     abort(request)               each produced; abort drops a request and frees what it held
+                                 (fed by `stream_to`: each step takes the chunks waiting for
+                                 its requests with request.take_stream(), never blocking)
     finalize()                   once, at shutdown
 
 plus, when the stage descriptor names them, a route method `route(request, outputs) -> str | list`
@@ -121,6 +123,8 @@ class Request:
     inputs: Payload
     # Chunks arriving over `stream_to` edges into this stage; filled by the runtime.
     _stream: Iterator[Payload] | None = field(default=None, repr=False)
+    # An ar stage's non-blocking read of the same chunks (the runtime's StreamInbox.take)
+    _take: Callable[[], tuple[list[Payload], bool]] | None = field(default=None, repr=False)
     _aborted: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
@@ -145,6 +149,15 @@ class Request:
         A stage that is no `stream_to` target gets an empty iterator.
         """
         return self._stream if self._stream is not None else iter(())
+
+    def take_stream(self) -> tuple[list[Payload], bool]:
+        """The chunks streamed in since the last read, in order, and whether the stream has
+        ended after them, without blocking: what an `ar` stage fed by `stream_to` calls in each
+        `step()` (its scheduler steps when some request has chunks or its end waiting). Raises
+        RequestAborted if the request was aborted. No stream: ([], True)."""
+        if self._take is None:
+            return [], True
+        return self._take()
 
 
 @dataclass

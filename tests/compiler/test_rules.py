@@ -466,6 +466,17 @@ ACCEPTED = [
         },
     ),
     Case(
+        "stream-into-an-ar-stage",  # its steps take the chunks (take_stream): the Higgs vocoder
+        stages={
+            "encoder": toml("""
+                backend = "Encoder"
+                terminal = true
+                [scheduler]
+                kind = "ar"
+            """),
+        },
+    ),
+    Case(
         "terminal-stage-streams",
         stages={
             "synth": toml("""

@@ -1,5 +1,6 @@
-"""Vocoder (terminal, `kind = "stream"`): generated frames -> 24 kHz audio with the audio
-tokenizer's decoder, a chunk at a time as frames arrive, then speed, rate and format.
+"""Vocoder (terminal, `kind = "ar"` fed by the engine's frames): generated frames -> 24 kHz
+audio with the audio tokenizer's decoder, a chunk at a time as frames arrive, then speed, rate
+and format.
 
 The delay pattern is undone as frames come (`Undelay`); a chunk of `first_chunk_frames`
 columns, then chunks doubling up to `chunk_frames` (4, 8, 16 at the defaults: the second must
@@ -9,12 +10,15 @@ only its own columns' samples are kept: the decoder is a stack of convolutions, 
 receptive field inside the window a chunk's samples equal those of decoding every code at once
 (tests: >= 30 dB against the reference's one decode).
 
-Batched across requests: the stage's generators run one step at a time on its compute thread;
-a step decodes every stream's due chunk, not only its own, stacking windows of one length into
-one decoder call. A stream whose chunk another step decoded sends it at its own next step. A
-stream's last window takes more left context, up to the steady window's length, so that windows
-come in few lengths (first, second, steady): on a GPU each (batch bucket, length) is one CUDA
-graph (`cuda_graphs = true`, the default there; audio/decode_graphs.py), captured at start.
+Batched across requests, as the engine is: each `step()` takes every stream's new frames
+(`request.take_stream()`: the engine's step sends all its streams' frames in one message), then
+decodes every due window, those of one length in one decoder call, and sends audio only for
+the streams that have some. So a step costs one scheduler round and one message per stream
+with audio, not one of each per frame and stream (a stream stage's generator would run once
+for every frame). A stream's last window takes more left context, up to the steady window's
+length, so that windows come in few lengths (first, second, steady): on a GPU each (batch
+bucket, length) is one CUDA graph (`cuda_graphs = true`, the default there;
+audio/decode_graphs.py), captured at start.
 
 Speed: FFmpeg's `atempo` (PyAV), which keeps the pitch. Formats: the server's encoder. Result:
 {"sample_rate", "audio_seconds", "format", "frames", "finish_reason"}, and "generated" (the
@@ -25,8 +29,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
-from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +49,14 @@ from omni_server.audio.higgs_codec import (
     open_checkpoint,
 )
 from omni_server.audio.resample import StreamResampler
-from omni_server.backend import Payload, Request, StageBackend, StageConfigError, StageContext
+from omni_server.backend import (
+    Request,
+    RequestAborted,
+    StageBackend,
+    StageConfigError,
+    StageContext,
+    StepOutput,
+)
 
 log = logging.getLogger("omni_server.examples.higgs.vocoder")
 
@@ -63,9 +72,9 @@ SIZES = (
 
 @dataclass(eq=False)
 class Stream:
-    """One request's audio in the making."""
+    """One request's audio in the making (opened at its first frames, which say the format)."""
 
-    request_id: str
+    request: Request
     undelay: Undelay
     encoder: AudioEncoder
     resampler: StreamResampler
@@ -119,84 +128,157 @@ class Vocoder(StageBackend):
             self.graphs.warm(self.window_lengths())
             log.info("vocoder: %d decoder graphs captured (window lengths %s)",
                      self.graphs.num_graphs, self.window_lengths())  # fmt: skip
-        self._streams: dict[int, Stream] = {}  # id(request) -> its stream, while it runs
+        # a step decodes for about step_budget_ms (one call at least), the most urgent windows
+        # first; the rest waits for the next step (has_work), so a long backlog never holds
+        # back first chunks and new frames. decode_batch: the most windows in one call (a GPU
+        # gains from many; a CPU decodes one window faster alone, measured in docs/models.md)
+        self.step_budget_s = self._positive(params, "step_budget_ms", 10.0) / 1000
+        gpu = torch.device(self.device).type == "cuda"
+        batch = params.get("decode_batch", 64 if gpu else 1)
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            raise StageConfigError(
+                f"parameters.decode_batch must be an integer >= 1; got {batch!r}"
+            )
+        self.decode_batch = batch
+        self._backlog = False
+        self._held: dict[int, Request] = {}  # id(request) -> request, from add() to its end
+        self._streams: dict[int, Stream] = {}  # id(request) -> its stream, once frames came
         self.decode_calls = 0  # decoder calls, and the windows they held (batching, logged)
         self.decoded_windows = 0
         self.decode_seconds = 0.0  # in _decode: codes gathered, decoded, audio on the host
 
-    def generate(self, request: Request) -> Generator[Payload, None, Payload]:
-        stream: Stream | None = None
-        try:
-            for chunk in request.stream():
-                request.check_aborted()
-                if stream is None:
-                    stream = self._open(request, chunk["encoding"])
-                    self._streams[id(request)] = stream
-                for frame in chunk["frames"]:
-                    stream.undelay.push(frame)
-                if self.return_frames:
-                    stream.generated.extend(chunk["frames"])
-                if "finish_reason" in chunk:
-                    stream.final, stream.finish_reason = True, chunk["finish_reason"]
-                self._decode_due()
-                yield {"audio": self._send(stream)}
+    @staticmethod
+    def _positive(params: Any, key: str, default: float) -> float:
+        value = params.get(key, default)
+        if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+            raise StageConfigError(f"parameters.{key} must be a number > 0; got {value!r}")
+        return float(value)
+
+    # ---- the ar contract (one compute thread: no locks) ---------------------------------------
+
+    def add(self, request: Request) -> None:
+        self._held[id(request)] = request
+
+    def abort(self, request: Request) -> None:
+        self._held.pop(id(request), None)
+        stream = self._streams.pop(id(request), None)
+        if stream is not None:
+            stream.encoder.close()
+            log.info("vocoder: stopped %s after %d columns (%d streams running)",
+                     request.id, stream.done, len(self._streams))  # fmt: skip
+
+    def step(self) -> list[StepOutput]:
+        """Take every stream's new frames, decode the due windows, send what was decoded."""
+        outputs: list[StepOutput] = []
+        for key, request in list(self._held.items()):
+            try:
+                self._take(key, request)
+            except RequestAborted:
+                continue  # its abort() comes before the next step
+            except Exception as exc:  # noqa: BLE001 - a malformed stream fails its request alone
+                outputs.append(StepOutput(request, error=exc))
+                self._drop(key)
+        self._backlog = self._decode_due(time.perf_counter() + self.step_budget_s)
+        for key, stream in list(self._streams.items()):
+            ends = stream.final and self._window(stream) is None  # every column decoded
+            if not (stream.ready or ends):
+                continue
+            try:
+                outputs.append(self._output(stream, ends))
+            except Exception as exc:  # noqa: BLE001 - its encoder failed: that request alone
+                outputs.append(StepOutput(stream.request, error=exc))
+                self._drop(key)
+                continue
+            if ends:
+                self._drop(key)
+        return outputs
+
+    def _take(self, key: int, request: Request) -> None:
+        chunks, ended = request.take_stream()
+        stream = self._streams.get(key)
+        for chunk in chunks:
+            if stream is None:
+                stream = self._streams[key] = self._open(request, chunk["encoding"])
+            for frame in chunk["frames"]:
+                stream.undelay.push(frame)
+            if self.return_frames:
+                stream.generated.extend(chunk["frames"])
+            if "finish_reason" in chunk:
+                stream.final, stream.finish_reason = True, chunk["finish_reason"]
+        if ended:
             if stream is None:
                 raise RuntimeError("the engine sent no frame")
             stream.final = True
-            self._decode_due()
-            tail = self._send(stream, last=True)
-            if tail:
-                yield {"audio": tail}
-            result: dict[str, Any] = {
-                "sample_rate": stream.encoder.sample_rate,
-                "audio_seconds": stream.encoder.samples / stream.encoder.sample_rate,
-                "format": stream.encoder.format,
-                "frames": stream.done,
-                "finish_reason": stream.finish_reason,
-            }
-            if self.return_frames:
-                result["generated"] = stream.generated
-            return result
-        finally:
-            self._streams.pop(id(request), None)
-            if stream is not None:
-                stream.encoder.close()
-                if not stream.final or request.aborted:
-                    log.info("vocoder: stopped %s after %d columns (%d streams running)",
-                             request.id, stream.done, len(self._streams))  # fmt: skip
+
+    def _output(self, stream: Stream, ends: bool) -> StepOutput:
+        """The stream's decoded audio as its next chunk; at its end, its tail and result too."""
+        audio = self._send(stream, last=ends)
+        chunk = {"audio": audio} if audio else None
+        if not ends:
+            return StepOutput(stream.request, chunk=chunk)
+        result: dict[str, Any] = {
+            "sample_rate": stream.encoder.sample_rate,
+            "audio_seconds": stream.encoder.samples / stream.encoder.sample_rate,
+            "format": stream.encoder.format,
+            "frames": stream.done,
+            "finish_reason": stream.finish_reason,
+        }
+        if self.return_frames:
+            result["generated"] = stream.generated
+        return StepOutput(stream.request, chunk=chunk, finished=True, result=result)
+
+    def _drop(self, key: int) -> None:
+        """The request ended here (finished or failed): the scheduler lets go of it too."""
+        self._held.pop(key, None)
+        stream = self._streams.pop(key, None)
+        if stream is not None:
+            stream.encoder.close()
 
     def _open(self, request: Request, encoding: dict[str, Any]) -> Stream:
         fmt = encoding["format"]
         rate = encoding["sample_rate"] or default_sample_rate(fmt, SAMPLE_RATE)
         speed = float(encoding.get("speed", 1.0))
         return Stream(
-            request.id,
+            request,
             Undelay(self.k, self.bos, self.bos + 1),
             AudioEncoder(fmt, rate, streaming=encoding["stream"]),
             StreamResampler(SAMPLE_RATE, rate),
             None if speed == 1.0 else Tempo(SAMPLE_RATE, speed),
         )
 
-    def _decode_due(self) -> None:
-        """Decode every running stream's due windows, those of one length in one call."""
+    def _decode_due(self, deadline: float) -> bool:
+        """Decode due windows, the most urgent first (fewest chunks sent, then the oldest
+        stream: a first chunk before anyone's later ones), with every due window of that one's
+        length in the same call (up to decode_batch), until `deadline` (one call at least).
+        True: due windows are left for the next step."""
+        calls = 0
         while True:
-            due: dict[int, list[tuple[Stream, Window]]] = defaultdict(list)
-            for stream in self._streams.values():
-                window = next_window(
-                    stream.done,
-                    stream.undelay.columns(),
-                    stream.final or stream.undelay.ended,
-                    chunk=self.chunk_size(stream.chunks),
-                    context=self.context,
-                    lookahead=self.lookahead_of(stream.chunks),
-                    span=self.context + self.chunk + self.lookahead,
-                )
-                if window is not None:
-                    due[window.stop - window.start].append((stream, window))
+            due = [(s, w) for s in self._streams.values() if (w := self._window(s)) is not None]
             if not due:
-                return
-            for group in due.values():
-                self._decode(group)
+                return False
+            if calls and time.perf_counter() >= deadline:
+                return True
+            due.sort(key=lambda item: item[0].chunks)  # stable: the oldest first among equals
+            length = due[0][1].stop - due[0][1].start
+            group = [item for item in due if item[1].stop - item[1].start == length]
+            self._decode(group[: self.decode_batch])
+            calls += 1
+
+    def _window(self, stream: Stream) -> Window | None:
+        """The stream's next window to decode, or None: not due yet (or all decoded)."""
+        return next_window(
+            stream.done,
+            stream.undelay.columns(),
+            stream.final or stream.undelay.ended,
+            chunk=self.chunk_size(stream.chunks),
+            context=self.context,
+            lookahead=self.lookahead_of(stream.chunks),
+            span=self.context + self.chunk + self.lookahead,
+        )
+
+    def has_work(self) -> bool:
+        """The last step left due windows undecoded (its time ran out): step again."""
+        return self._backlog
 
     def window_lengths(self) -> list[int]:
         """The lengths a stream's windows take before the last: the first chunks' (they start

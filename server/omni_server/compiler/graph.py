@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from omni_server.compiler.errors import RepositoryError
-from omni_server.compiler.plan import Edge, EdgeKind, ModelSpec, SchedulerKind, StageSpec
+from omni_server.compiler.plan import Edge, EdgeKind, ModelSpec, StageSpec
 
 
 def check_wiring(
@@ -40,14 +40,6 @@ def check_wiring(
                 if target == spec.name:
                     raise RepositoryError(
                         "a stage cannot name itself (the pipeline is a DAG)",
-                        file=files[spec.name],
-                        stage=spec.name,
-                        field=field,
-                    )
-                if field == "stream_to" and stages[target].scheduler.kind is SchedulerKind.AR:
-                    raise RepositoryError(
-                        f"stream target '{target}' is an ar stage, which takes whole payloads: "
-                        "hand it the payload with `next` instead",
                         file=files[spec.name],
                         stage=spec.name,
                         field=field,

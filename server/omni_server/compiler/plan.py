@@ -242,6 +242,19 @@ class Plan:
         timeout = self.server.stage_timeout_s if own is None else own
         return timeout or None
 
+    def paced_by_credits(self, stage: str) -> bool:
+        """Whether `stage`'s chunks reach the caller paced by credits (a slow reader pauses
+        its request there, wire/messages.CHUNK_WINDOW): a terminal stream stage, or a terminal
+        ar stage fed by chunks (whose steps take what its streams bring). The stage host and
+        the coordinator must agree on it: both ask here."""
+        spec = self.stages[stage]
+        if not spec.terminal:
+            return False
+        if spec.scheduler.kind is SchedulerKind.STREAM:
+            return True
+        fed = any(stage in other.stream_to for other in self.stages.values())
+        return spec.scheduler.kind is SchedulerKind.AR and fed
+
     def models_through(self, stage: str) -> dict[str, ModelSpec]:
         """The served models whose requests visit `stage`, by id (StageContext.models)."""
         return {m.id: m for m in self.models.values() if stage in m.stages}

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_server.compiler.plan import ModelSpec, Plan, SchedulerKind
+from omni_server.compiler.plan import ModelSpec, Plan
 from omni_server.envelope import Envelope, Payload, Timings
 from omni_server.errors import PipelineError
 from omni_server.wire.links import Links
@@ -44,7 +44,6 @@ from .binding import ReplicaBinder
 log = logging.getLogger(__name__)
 
 StageObserver = Callable[[str, float, float, float], None]  # stage, queue, compute, min lead
-STREAM = SchedulerKind.STREAM
 
 
 _END = object()
@@ -163,10 +162,8 @@ class Coordinator:
         self._flights: dict[int, _Flight] = {}
         self._keys = itertools.count(1)
         self._binder = ReplicaBinder(plan)
-        # terminal stages whose chunks are paced by credits (stage.py: stream schedulers)
-        self.paced_stages = frozenset(
-            s.name for s in plan.stages.values() if s.terminal and s.scheduler.kind is STREAM
-        )
+        # terminal stages whose chunks are paced by credits (stage/node.py: _TerminalItem)
+        self.paced_stages = frozenset(s for s in plan.stages if plan.paced_by_credits(s))
         # who hears a stage's timeout report (the runtime: counts it, kills an overran
         # process); by default the requests just fail
         self.on_stage_timeout: Callable[[StageTimedOut], object] = lambda m: self.timed_out(

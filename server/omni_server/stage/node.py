@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from omni_server.backend import InvalidRequest, Request, StageConfigError
-from omni_server.compiler.plan import SchedulerKind, StageSpec
+from omni_server.compiler.plan import StageSpec
 from omni_server.envelope import Envelope, Payload, Timings
 from omni_server.wire.messages import (
     CHUNK_WINDOW,
@@ -93,8 +93,8 @@ class _TerminalItem(WorkItem):
     credits: int = CHUNK_WINDOW
 
     @property
-    def runnable(self) -> bool:
-        return self.credits != 0 and super().runnable
+    def has_credit(self) -> bool:
+        return self.credits != 0
 
 
 class _FanIn:
@@ -148,6 +148,7 @@ class StageNode:
         self.executor = executor
         self.scheduler = make_scheduler(spec.scheduler, calls, self, executor)
         self._routes = routes
+        self._paced = routes.plan.paced_by_credits(spec.name)  # terminal chunks: _TerminalItem
         self._inputs: dict[str, _Inputs] = {}  # per model: this stage's edges
         self._fan_in: dict[int, _FanIn] = {}
         self._skips: dict[int, set[str]] = {}  # not yet admitted: upstreams that sent Skipped
@@ -289,9 +290,14 @@ class StageNode:
 
     def _admit(self, env: Envelope, inputs: Payload, timings: Timings, source: str) -> None:
         inbox = self._inbox(env) if self.inputs(env.model).streamers else None
-        request = Request(id=env.id, inputs=inputs, _stream=iter(inbox) if inbox else None)
+        request = Request(
+            id=env.id,
+            inputs=inputs,
+            _stream=iter(inbox) if inbox else None,
+            _take=inbox.take if inbox else None,
+        )
         item: WorkItem
-        if self.spec.terminal and self.spec.scheduler.kind is SchedulerKind.STREAM:
+        if self._paced:
             credits = self._early_credits.pop(env.key, CHUNK_WINDOW)
             item = _TerminalItem(env, request, timings, stream=inbox, credits=credits)
         else:

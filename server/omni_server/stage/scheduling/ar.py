@@ -16,6 +16,16 @@ Invariants (beside the scheduler's):
 - a step() out of GPU memory fails every request the backend holds and aborts them there (their
   KV freed); the loop goes on with the next requests (oom.py).
 
+Fed by chunks (a `stream_to` target: the Higgs vocoder): each step takes what is waiting for
+its requests (`Request.take_stream()`), so one step reads every stream's new chunks and can
+batch their work. Such a request has work only when its chunks or its end wait, and a terminal
+one only while its caller has credit for another chunk (a slow reader pauses it: its reads
+return nothing until credit comes back); the loop sleeps while no held request has work, and
+wakes when chunks, ends or credits arrive. A request not fed by chunks always has work (an
+engine's next token). A backend that bounds its steps (the vocoder decodes for a few ms a step,
+so that first chunks and new frames are not held behind a long one) says with `has_work()`,
+asked right after each step, that work is left which needs no new chunk: the loop steps again.
+
 Playback: a backend whose chunks are media says how long each plays (`playback_seconds(chunk)`,
 as a stream stage's: the Higgs TTS engine's frames). The scheduler then keeps each request's
 lead over a listener playing from its first chunk (omni_server.playback) and reports its
@@ -53,6 +63,7 @@ class ARScheduler(Scheduler):
         self._finishing: list[Request] = []  # to end early: finish() not yet called
         self._media = calls.plays_media  # chunks say how long they play: leads are kept
         self._playback: dict[int, Playback] = {}  # key -> its listener's lead, from 1st chunk
+        self._backlog = False  # the last step left work that needs no new chunk (has_work)
 
     @property
     def active_keys(self) -> frozenset[int]:
@@ -84,10 +95,12 @@ class ARScheduler(Scheduler):
 
     async def run(self) -> None:
         while True:
-            if not (self._joining or self._leaving or self._held or self._finishing):
+            if not self._has_work():
+                # no await between the check and clear(): a wakeup cannot fall in between
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            self._gate_reads()
             joining, self._joining = self._joining, []
             leaving, self._leaving = self._leaving, []
             finishing, self._finishing = self._finishing, []
@@ -97,7 +110,25 @@ class ARScheduler(Scheduler):
             for item, error in refused:
                 if self._items.pop(item.key, None) is not None:
                     self.callbacks.fail(item, error)
+            for item in joining:  # in the backend's batch from this step on, output or not
+                item.started(start)
             self._report(outputs, start, seconds)
+
+    def _held_items(self) -> list[WorkItem]:
+        return [item for item in self._items.values() if id(item.request) in self._held]
+
+    def _has_work(self) -> bool:
+        """Whether a cycle is due: requests join, leave or end early, or a held request has
+        work (one fed by chunks: its chunks or end wait, and it has credit)."""
+        if self._joining or self._leaving or self._finishing or (self._backlog and self._held):
+            return True
+        return any(item.stream is None or item.runnable for item in self._held_items())
+
+    def _gate_reads(self) -> None:
+        """Event loop, before a cycle: a request out of credit reads nothing in it."""
+        for item in self._held_items():
+            if item.stream is not None:
+                item.stream.paused = not item.has_credit
 
     def _cycle(
         self, joining: list[WorkItem], leaving: list[Request], finishing: list[Request]
@@ -141,6 +172,7 @@ class ARScheduler(Scheduler):
         for request, outcome in outputs:
             if not (isinstance(outcome, tuple) and outcome[0] == "chunk"):
                 self._held.pop(id(request), None)  # finished or failed: the backend let go
+        self._backlog = bool(self._held) and self.calls.has_work()
         return refused, ended + outputs
 
     def _timed(self, request: Request, outcome: Any) -> tuple[Request, Any]:

@@ -48,6 +48,10 @@ class StreamInput(Protocol):
         """The stream has ended and every chunk was read: the next step reads its end."""
         ...
 
+    # An ar scheduler sets it between steps: while set, the backend's take_stream() reads
+    # nothing (a terminal request out of credit keeps its chunks queued)
+    paused: bool
+
 
 @dataclass(eq=False)
 class WorkItem:
@@ -68,8 +72,13 @@ class WorkItem:
         return self.env.key
 
     @property
+    def has_credit(self) -> bool:
+        """Its caller has room for another chunk (only a paced terminal request runs out)."""
+        return True
+
+    @property
     def runnable(self) -> bool:
-        return self.stream is None or self.stream.ready
+        return self.has_credit and (self.stream is None or self.stream.ready)
 
     @property
     def finishing(self) -> bool:

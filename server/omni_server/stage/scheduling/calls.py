@@ -109,6 +109,12 @@ class StageCalls:
     def finish(self, request: Request) -> None:
         guarded(self.backend.finish, request)
 
+    def has_work(self) -> bool:
+        """An ar backend fed by chunks that bounds its steps has work left that needs no new
+        chunk (its optional `has_work()`, asked right after a step); False without one."""
+        has_work = getattr(self.backend, "has_work", None)
+        return bool(has_work()) if callable(has_work) else False
+
     def ar_step(self, requests: dict[int, Request]) -> list[tuple[Request, Outcome | Payload]]:
         """One engine step: (request, ("chunk", chunk) | outcome) for every request it moved.
 
