@@ -10,6 +10,8 @@
 #   htests   the Higgs tests ($HTESTS: the decode windows and graphs, the engine GPU ones)
 #   higgs    omni-bench higgs-serve --gpu: a full random checkpoint written here, the Higgs
 #            pipeline served and loaded at c = 1, 4, 16, 64, one replica against three
+#   higgsbefore  the same on $BEFORE's server and examples/higgs-audio-v2 (a checkout's root,
+#            default ../..): the before side of a served comparison ($HIGGS_BEFORE_ARGS)
 #   profile  the fast path's crossing under cProfile (sender's send_data, receiver's loop)
 #   spin1ms  the crossing again with a 1 ms hot-stream spin (what the wake-up costs)
 #   tier     the GPU test tier of docs/gpu.md (one H200)
@@ -78,6 +80,12 @@ TAIL=12 step htests "${HTESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider 
 TAIL=16 step higgs "${HIGGS_S:-420}" python3 -m omni_bench.higgs_serve --checkpoint /tmp/higgs-full \
   --gpu --out /tmp/higgs-serve ${HIGGS_ARGS:-}
 cp /tmp/higgs-serve/higgs_serve.md /tmp/higgs-serve/higgs_serve.json "$OUT/" 2>/dev/null
+# the same bench on $BEFORE's server and example repository (this tree's bench and transport)
+BEFORE=${BEFORE:-$PWD/../..}
+TAIL=16 PYTHONPATH=$BEFORE/server:${PYTHONPATH#*/server:} step higgsbefore "${HIGGS_S:-420}" \
+  python3 -m omni_bench.higgs_serve --checkpoint /tmp/higgs-full --gpu \
+  --repo "$BEFORE/examples/higgs-audio-v2" --out /tmp/higgs-before ${HIGGS_BEFORE_ARGS:-}
+cp /tmp/higgs-before/higgs_serve.md "$OUT/higgs_before.md" 2>/dev/null
 step tier "${TIER_S:-300}" python3 -m pytest -q -p no:cacheprovider -m "gpu or gpu2" -rs \
   tests/transport/test_cuda_ipc.py tests/runtime/test_cuda_ipc.py tests/engine/test_cuda_graphs.py \
   tests/engine/test_paged_decode.py tests/engine/test_memory_gpu.py tests/runtime/test_oom.py \
@@ -101,7 +109,6 @@ TAIL=20 step engine "${ENGINE_S:-200}" python3 -m pytest -q -p no:cacheprovider 
   tests/engine/test_memory_gpu.py tests/engine/test_higgs_audio.py \
   tests/engine/test_overlap.py tests/engine/test_gemv.py
 STEP_ARGS=${STEP_ARGS:---shapes smollm2-135m,llama-1b,llama-3b --batches 1,64 --profile}
-BEFORE=${BEFORE:-$PWD/../..}
 TAIL=200 PYTHONPATH=$BEFORE/server:$PWD/tools:${PYTHONPATH#*transport_ext:} step stepbefore \
   "${STEP_S:-240}" python3 -m omni_bench.gpu_step $STEP_ARGS --attention paged --ttft "" \
   --host-profile --json "$OUT/stepbefore.json"
