@@ -27,9 +27,16 @@ def test_the_last_window_takes_more_context_up_to_the_steady_length() -> None:
     assert next_window(60, 65, True, **SIZES) == Window(48, 65, 60, 5)  # no span: context only
     # a short stream: whatever it has, from column 0
     assert next_window(4, 9, True, **SIZES, span=38) == Window(0, 9, 4, 5)
-    # never less context than asked, even past the span
-    assert next_window(60, 90, True, **SIZES, span=38) == Window(48, 90, 60, 30)
+    # never less context than asked, nor a window longer than the steady one
+    assert next_window(60, 85, True, **SIZES, span=38) == Window(47, 85, 60, 25)
     assert next_window(60, 60, True, **SIZES, span=38) is None
+
+
+def test_a_stream_whose_decode_fell_behind_still_ends_a_chunk_at_a_time() -> None:
+    """30 columns left at its end (more than a chunk and its lookahead): a steady window, then
+    the rest at the steady length; no window of a new length (a CUDA graph per length)."""
+    assert next_window(60, 90, True, **SIZES, span=38) == Window(48, 86, 60, 16)
+    assert next_window(76, 90, True, **SIZES, span=38) == Window(52, 90, 76, 14)
 
 
 def test_graphs_need_a_cuda_device() -> None:

@@ -37,7 +37,7 @@ import av.filter
 import numpy as np
 import torch
 
-from omni_server.audio.decode_graphs import GraphedDecoder
+from omni_server.audio.decode_graphs import BUCKETS, GraphedDecoder
 from omni_server.audio.encode import AudioEncoder, default_sample_rate
 from omni_server.audio.higgs_codec import (
     SAMPLE_RATE,
@@ -119,27 +119,30 @@ class Vocoder(StageBackend):
         if not isinstance(grow, bool):
             raise StageConfigError(f"parameters.grow_chunks must be true or false; got {grow!r}")
         self.grow = grow
-        graphs = params.get("cuda_graphs", True)
-        if not isinstance(graphs, bool):
-            raise StageConfigError(f"parameters.cuda_graphs must be true or false; got {graphs!r}")
-        self.graphs: GraphedDecoder | None = None
-        if graphs and torch.device(self.device).type == "cuda":
-            self.graphs = GraphedDecoder(self._decode_codes, self.k, self.device)
-            self.graphs.warm(self.window_lengths())
-            log.info("vocoder: %d decoder graphs captured (window lengths %s)",
-                     self.graphs.num_graphs, self.window_lengths())  # fmt: skip
         # a step decodes for about step_budget_ms (one call at least), the most urgent windows
         # first; the rest waits for the next step (has_work), so a long backlog never holds
         # back first chunks and new frames. decode_batch: the most windows in one call (a GPU
-        # gains from many; a CPU decodes one window faster alone, measured in docs/models.md)
+        # gains from several, but a call of many holds the GPU from the engine beside it; a CPU
+        # decodes one window faster alone: docs/models.md)
         self.step_budget_s = self._positive(params, "step_budget_ms", 10.0) / 1000
         gpu = torch.device(self.device).type == "cuda"
-        batch = params.get("decode_batch", 64 if gpu else 1)
+        batch = params.get("decode_batch", 16 if gpu else 1)
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
             raise StageConfigError(
                 f"parameters.decode_batch must be an integer >= 1; got {batch!r}"
             )
         self.decode_batch = batch
+        graphs = params.get("cuda_graphs", True)
+        if not isinstance(graphs, bool):
+            raise StageConfigError(f"parameters.cuda_graphs must be true or false; got {graphs!r}")
+        self.graphs: GraphedDecoder | None = None
+        if graphs and gpu:
+            # buckets up to decode_batch only: a call never holds more windows
+            buckets = (*(b for b in BUCKETS if b < batch), batch)
+            self.graphs = GraphedDecoder(self._decode_codes, self.k, self.device, buckets)
+            self.graphs.warm(self.window_lengths())
+            log.info("vocoder: %d decoder graphs captured (window lengths %s)",
+                     self.graphs.num_graphs, self.window_lengths())  # fmt: skip
         self._backlog = False
         self._held: dict[int, Request] = {}  # id(request) -> request, from add() to its end
         self._streams: dict[int, Stream] = {}  # id(request) -> its stream, once frames came

@@ -188,8 +188,10 @@ def next_window(
     `context` columns before (its left context); at the end whatever is left, with at least
     `context` columns before it and more, up to a window of `span` columns, where there are
     (more left context changes nothing the receptive field sees; a fixed length lets the last
-    window reuse the steady window's CUDA graph). None: not yet."""
-    if final:
+    window reuse the steady window's CUDA graph). A stream that ended with more than a chunk and
+    its lookahead left (its decode fell behind) still goes a chunk at a time, so that its windows
+    keep the lengths the graphs were captured for. None: not yet."""
+    if final and available < done + chunk + lookahead:
         if available <= done:
             return None
         start = max(0, min(done - context, available - span))
