@@ -83,3 +83,13 @@ def test_graphed_decode_equals_eager_for_any_batch_and_length(codec) -> None:  #
         assert np.array_equal(got, kept)
     assert graphs.eager_calls == 2  # the 6-row call, twice
     assert graphs.num_graphs == 4  # (1, 14), (4, 14), (4, 38), (4, 17)
+    # capture_on_use off: what was not warmed runs eagerly, equal, and nothing is captured
+    frozen = GraphedDecoder(
+        lambda c: codec.decode(c, return_dict=False), k, "cuda", (1, 4), capture_on_use=False
+    )
+    frozen.warm([14])
+    for rows, length in ((1, 14), (2, 17)):
+        codes = rng.integers(0, real, (rows, k, length))
+        want, got = eager(codes), frozen.decode(codes)
+        assert float(np.abs(got - want).max()) <= 5e-3 * float(np.abs(want).max())
+    assert (frozen.num_graphs, frozen.replays, frozen.eager_calls) == (2, 1, 1)

@@ -137,9 +137,13 @@ class Vocoder(StageBackend):
             raise StageConfigError(f"parameters.cuda_graphs must be true or false; got {graphs!r}")
         self.graphs: GraphedDecoder | None = None
         if graphs and gpu:
-            # buckets up to decode_batch only: a call never holds more windows
+            # buckets up to decode_batch only: a call never holds more windows. Lengths not
+            # warmed here (a short stream's last window) decode eagerly: a capture while
+            # serving would stall every stream for a one-off window
             buckets = (*(b for b in BUCKETS if b < batch), batch)
-            self.graphs = GraphedDecoder(self._decode_codes, self.k, self.device, buckets)
+            self.graphs = GraphedDecoder(
+                self._decode_codes, self.k, self.device, buckets, capture_on_use=False
+            )
             self.graphs.warm(self.window_lengths())
             log.info("vocoder: %d decoder graphs captured (window lengths %s)",
                      self.graphs.num_graphs, self.window_lengths())  # fmt: skip

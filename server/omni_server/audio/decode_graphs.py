@@ -13,9 +13,14 @@ Invariants:
 - every graph shares one memory pool: they replay one at a time on the caller's thread, and each
   output is copied to the host before the next replay.
 
-Windows of a length not seen before are captured on first use (a few ms); `warm` captures the
-lengths a stream's chunks are known to take (first, second, steady) at start, so serving starts
-with them in place. Above `max_graphs` (or above the largest bucket) the decoder runs eagerly.
+`warm` captures the lengths a stream's chunks are known to take (first, second, steady) at
+start, so serving starts with them in place. A (bucket, length) not captured yet is captured on
+first use (a warm-up decode and a capture: tens of ms on the full decoder, during which the
+caller waits), unless `capture_on_use` is off: then it runs eagerly, as every call does above
+`max_graphs` or above the largest bucket. The vocoder turns it off: the lengths it has not
+warmed are the last windows of streams shorter than the steady window, each a one-off, and
+capturing them while serving stalled every stream (a profile under load on the H200 found a
+quarter of the vocoder's time in such captures: docs/models.md).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class GraphedDecoder:
         device: torch.device | str,
         buckets: tuple[int, ...] = BUCKETS,
         max_graphs: int = 96,
+        capture_on_use: bool = True,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type != "cuda":
@@ -44,6 +50,7 @@ class GraphedDecoder:
         self.k = num_codebooks
         self.buckets = tuple(sorted(buckets))
         self.max_graphs = max_graphs
+        self.capture_on_use = capture_on_use
         self._pool = torch.cuda.graph_pool_handle()
         # (bucket, length) -> (graph, static codes [bucket, K, L], static audio [bucket, S])
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]]
@@ -64,7 +71,8 @@ class GraphedDecoder:
         bucket = next((b for b in self.buckets if b >= rows), None)
         entry = None
         if bucket is not None and (
-            (bucket, length) in self._graphs or len(self._graphs) < self.max_graphs
+            (bucket, length) in self._graphs
+            or (self.capture_on_use and len(self._graphs) < self.max_graphs)
         ):
             entry = self._graph(bucket, length)
         if entry is None:
