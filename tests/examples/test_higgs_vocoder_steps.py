@@ -1,6 +1,7 @@
 """The Higgs vocoder's steps (examples/higgs-audio-v2/vocoder/model.py, an ar stage fed by the
 engine's frames), driven directly: the step budget and the batch size change when a window is
-decoded, never what a stream hears, and the most urgent windows go first.
+decoded, never what a stream hears; the most urgent windows go first; bad step parameters are
+refused naming them.
 
 The audio tokenizer is a stand-in here (labelled: `ColumnCodec`, each column's samples are its
 first codebook's code, so any window decodes exactly as the whole stream would): what is tested
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from omni_server.audio.higgs_codec import delayed
-from omni_server.backend import Request, StageContext
+from omni_server.backend import Request, StageConfigError, StageContext
 from omni_server.compiler.compiler import compile_repository
 from omni_server.stage.backends import load_backend
 from tests.helpers.server import ROOT
@@ -160,3 +161,12 @@ def test_a_first_chunk_goes_before_later_chunks_when_time_is_short(monkeypatch) 
     assert got == {"new"}
     assert backend.has_work()
     assert {o.request.id for o in backend.step() if o.chunk is not None} == {"old"}
+
+
+@pytest.mark.parametrize(
+    ("parameter", "value"),
+    [("decode_batch", 0), ("decode_batch", 2.5), ("step_budget_ms", 0), ("step_budget_ms", True)],
+)
+def test_a_bad_step_parameter_is_refused_naming_it(monkeypatch, parameter, value) -> None:
+    with pytest.raises(StageConfigError, match=f"parameters.{parameter} must be"):
+        vocoder(monkeypatch, **{parameter: value})
