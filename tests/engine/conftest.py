@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from omni_server.engine import Engine, EngineConfig, LlamaShape, load_gguf, smollm2_gguf_path
-from omni_server.engine.gguf_weights import GGUFModel
-from omni_server.engine.llama import Llama
+from omni_server.engine.families.llama.gguf import GGUFModel
+from omni_server.engine.families.llama.model import Llama
 from omni_server.engine.tokenizer import GGUFTokenizer
 
 CHAT_PROMPTS = [

@@ -10,11 +10,11 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import omni_server.engine.llama as llama_module
+import omni_server.engine.families.llama.model as llama_module
 from omni_server.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from omni_server.engine.attention import DecodeGroup, ForwardBatch, PrefillChunk, paged_attention
+from omni_server.engine.families.llama.model import Llama
 from omni_server.engine.huge_pages import HUGE_PAGE, pack_parameters
-from omni_server.engine.llama import Llama
 from tests.engine.conftest import TINY
 
 H, HKV, D = 6, 2, 16

@@ -162,7 +162,7 @@ def test_stop_string_truncates_and_holds_back(
 
 def test_bfloat16_on_cpu_answers_like_float32(gguf, tokenizer: GGUFTokenizer) -> None:
     from omni_server.engine import EngineConfig
-    from omni_server.engine.llama import Llama
+    from omni_server.engine.families.llama.model import Llama
 
     model = Llama(gguf.shape, max_positions=1024)
     model.load_weights(gguf.weights)

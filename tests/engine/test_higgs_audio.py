@@ -446,7 +446,7 @@ def test_audio_layers_deferred_adds_equal_plain_on_gpu(higgs_dir: Path) -> None:
     (forward_deferred): on a decode step's audio-only rows (the audio norms and MLP) and on
     text rows, two DualFFN layers give the plain layers' residual stream to the last bit."""
     from omni_server.engine.attention import DecodeGroup, ForwardBatch
-    from omni_server.engine.higgs_audio import DualFFNLayer
+    from omni_server.engine.families.higgs_audio_v2.model import DualFFNLayer
 
     config = EngineConfig(max_total_tokens=1024, device="cuda", dtype="bfloat16")
     model = Engine.from_checkpoint(higgs_dir, config).model

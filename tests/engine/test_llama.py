@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from omni_server.engine.attention import ForwardBatch, PrefillChunk, causal_chunk_mask
-from omni_server.engine.gguf_weights import GGUFModel, smollm2_gguf_path
+from omni_server.engine.families.llama.gguf import GGUFModel, smollm2_gguf_path
+from omni_server.engine.families.llama.model import Llama
 from omni_server.engine.kv_cache import KVCache
-from omni_server.engine.llama import Llama
 from omni_server.engine.tokenizer import GGUFTokenizer
 from tests.engine.conftest import CHAT_PROMPTS
 

@@ -143,7 +143,7 @@ def test_engine_paged_greedy_equals_transformers(tmp_path: Path) -> None:
 def test_fused_kernels_equal_torch(dtype: torch.dtype) -> None:
     """fused.py against the torch ops it replaces (llama.py's CPU path), same inputs."""
     from omni_server.engine import fused
-    from omni_server.engine.llama import RMSNorm, apply_rope, rope_table
+    from omni_server.engine.families.llama.model import RMSNorm, apply_rope, rope_table
 
     gen = torch.Generator().manual_seed(1)
     norm = RMSNorm(576, 1e-5).to("cuda", dtype)
@@ -187,7 +187,7 @@ def test_deferred_adds_equal_the_plain_layers(dtype: torch.dtype) -> None:
     """Two decoder layers with each residual add done by the next norm (forward_deferred, the
     CUDA path in bf16/fp16) give the plain layers' residual stream to the last bit."""
     from omni_server.engine.attention import DecodeGroup, ForwardBatch
-    from omni_server.engine.llama import DecoderLayer, Llama
+    from omni_server.engine.families.llama.model import DecoderLayer, Llama
 
     model = Llama(TINY, max_positions=256).place("cuda", dtype)
     model.init_random(5)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from omni_bench.harness import tables
-from omni_server.engine.audio_frames import AudioSpec
+from omni_server.engine.families.higgs_audio_v2.frames import AudioSpec
 from omni_server.engine.sampling import SamplingParams, sample
 
 PROMPT_TOKENS = 74

@@ -1,6 +1,6 @@
 """TTS engine (`kind = "ar"`): Higgs Audio v2 on the engine, one continuous batch over every
-request, one frame of K codes a request a step (engine/audio_frames.py: the delay pattern, per
-codebook sampling, the audio stream's end).
+request, one frame of K codes a request a step (engine/families/higgs_audio_v2/frames.py: the
+delay pattern, per codebook sampling, the audio stream's end).
 
 In: the audio encoder's payload (prompt ids, the voice's frames, sampling, encoding). Chunks to
 the vocoder: {"frames": [[K codes]]} a step (delay pattern and stream BOS / EOS included, as

@@ -22,7 +22,6 @@ beside the engine's, the model `Llama`, its `apply_rope`, and `bucket_for` (the 
 batch bucket a batch size replays).
 """
 
-from omni_server.engine.audio_frames import AudioSpec
 from omni_server.engine.config import (
     LLAMA_1B,
     LLAMA_3B,
@@ -34,9 +33,10 @@ from omni_server.engine.config import (
 from omni_server.engine.cuda_graphs import bucket_for
 from omni_server.engine.engine import Engine
 from omni_server.engine.errors import CheckpointError, ContextLengthExceeded
-from omni_server.engine.gguf_weights import load_gguf, smollm2_gguf_path
+from omni_server.engine.families.higgs_audio_v2.frames import AudioSpec
+from omni_server.engine.families.llama.gguf import load_gguf, smollm2_gguf_path
+from omni_server.engine.families.llama.model import Llama, apply_rope
 from omni_server.engine.hf_tokenizer import HFTokenizer
-from omni_server.engine.llama import Llama, apply_rope
 from omni_server.engine.memory import MemoryBudgetError
 from omni_server.engine.parallel import TensorParallel
 from omni_server.engine.sampling import SamplingParams

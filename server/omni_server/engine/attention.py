@@ -56,7 +56,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [R] int64: tokens whose next-token logits are wanted
     decode: DecodeGroup | None
     prefills: list[PrefillChunk]
-    # Audio-frame models (higgs_audio.py) only; a text model never reads them.
+    # Audio-frame models (families/higgs_audio_v2) only; a text model never reads them.
     audio_codes: torch.Tensor | None = None  # [A, K] int64 codes of the audio rows; None: no audio
     audio_rows: torch.Tensor | None = None  # [A] int64 rows that are audio; None: every row is
     text_rows: torch.Tensor | None = None  # [T - A] int64 the other rows (set with audio_rows)

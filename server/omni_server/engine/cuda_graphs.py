@@ -37,8 +37,8 @@ import torch
 
 from omni_server.engine import fused
 from omni_server.engine.attention import DecodeGroup, ForwardBatch
+from omni_server.engine.families.llama.model import Llama
 from omni_server.engine.kv_cache import KVCache
-from omni_server.engine.llama import Llama
 
 
 def batch_buckets(max_batch_size: int) -> list[int]:

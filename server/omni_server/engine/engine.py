@@ -22,13 +22,18 @@ from pathlib import Path
 import torch
 
 from omni_server.engine import deadline_order, overlap
-from omni_server.engine.audio_frames import AudioSpec, DelayState, redraw_repeats, sample_frames
 from omni_server.engine.batcher import Batcher, StepBatch
 from omni_server.engine.config import EngineConfig, LlamaShape
 from omni_server.engine.errors import ContextLengthExceeded
-from omni_server.engine.gguf_weights import load_gguf
+from omni_server.engine.families.higgs_audio_v2.frames import (
+    AudioSpec,
+    DelayState,
+    redraw_repeats,
+    sample_frames,
+)
+from omni_server.engine.families.llama.gguf import load_gguf
+from omni_server.engine.families.llama.model import Llama
 from omni_server.engine.kv_cache import KVCache
-from omni_server.engine.llama import Llama
 from omni_server.engine.model_build import build_model, gguf_header, with_weights
 from omni_server.engine.parallel import SINGLE, TensorParallel
 from omni_server.engine.runner import ModelRunner
@@ -85,7 +90,7 @@ class Engine:
         )
         self.batcher = Batcher(config, self.cache.allocator, StepCost(keys), beside)
         self.runner = ModelRunner(model, self.cache, config, self.max_seq_len)
-        # set: every step emits one frame of K codes a request (audio_frames.py), not a token
+        # set: every step emits one frame of K codes a request (higgs_audio_v2), not a token
         self.audio: AudioSpec | None = model.audio
         self._sequences: dict[str, Sequence] = {}
         self._pending: list[TokenEvent] = []  # abort events, handed out by the next step()

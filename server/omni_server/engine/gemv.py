@@ -12,7 +12,7 @@ Numbers: float32 accumulation, rounded once to the model dtype, as torch's bf16 
 rounds (the sum order differs, so results agree to the dtype's rounding, not bit for bit).
 `linear` uses it where `config_for` has a configuration for the (M, N, K) (measured faster
 than cuBLAS on the H200: tools/device/gemv_bench.py), and F.linear elsewhere; the CPU never
-comes here (llama.py calls it only on CUDA with Triton).
+comes here (families/llama/model.py calls it only on CUDA with Triton).
 """
 
 from __future__ import annotations

@@ -10,13 +10,13 @@ from typing import Any
 import torch
 
 from omni_server.engine.config import EngineConfig, LlamaShape
-from omni_server.engine.gguf_weights import (
+from omni_server.engine.families.llama.gguf import (
     _engine_name,
     read_metadata,
     shape_from_metadata,
     smollm2_gguf_path,
 )
-from omni_server.engine.llama import Llama
+from omni_server.engine.families.llama.model import Llama
 from omni_server.engine.parallel import SINGLE, TensorParallel
 
 

@@ -9,8 +9,8 @@ from omni_server.engine.attention import DecodeGroup, ForwardBatch, PrefillChunk
 from omni_server.engine.batcher import StepBatch
 from omni_server.engine.config import EngineConfig
 from omni_server.engine.cuda_graphs import DecodeGraphs
+from omni_server.engine.families.llama.model import Llama
 from omni_server.engine.kv_cache import KVCache, blocks_for
-from omni_server.engine.llama import Llama
 from omni_server.engine.paged_decode import use_paged
 from omni_server.engine.sampling import greedy_tokens
 from omni_server.engine.sequence import Sequence

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omni_server.engine.audio_frames import AudioSpec, DelayState
+from omni_server.engine.families.higgs_audio_v2.frames import AudioSpec, DelayState
 from omni_server.engine.sampling import SamplingParams, make_generator
 from omni_server.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
 from omni_server.playback import Playback

@@ -31,11 +31,11 @@ from typing import Any
 import torch
 
 from omni_server.engine.attention import DecodeGroup, ForwardBatch, PrefillChunk
-from omni_server.engine.audio_frames import sample_frames
 from omni_server.engine.config import DEFAULT_MAX_TOTAL_TOKENS, EngineConfig
 from omni_server.engine.cuda_graphs import batch_buckets, context_buckets
+from omni_server.engine.families.higgs_audio_v2.frames import sample_frames
+from omni_server.engine.families.llama.model import Llama
 from omni_server.engine.kv_cache import KVCache
-from omni_server.engine.llama import Llama
 from omni_server.engine.memory import KVBudget, check_pinned, size_kv_cache
 from omni_server.engine.paged_decode import use_paged
 from omni_server.engine.sampling import SamplingParams, sample

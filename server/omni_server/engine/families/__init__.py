@@ -22,8 +22,8 @@ from typing import Any
 
 from omni_server.engine.errors import CheckpointError
 from omni_server.engine.families.base import Family, LazyWeights, ModelSpec, TensorSource
-from omni_server.engine.families.higgs_audio_v2 import HiggsAudioV2Family
-from omni_server.engine.families.llama import LlamaFamily
+from omni_server.engine.families.higgs_audio_v2.checkpoint import HiggsAudioV2Family
+from omni_server.engine.families.llama.checkpoint import LlamaFamily
 
 __all__ = ["FAMILIES", "Family", "LazyWeights", "ModelSpec", "TensorSource", "family_for"]
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from omni_server.engine.audio_frames import AudioSpec
 from omni_server.engine.config import LlamaShape
-from omni_server.engine.llama import Llama
+from omni_server.engine.families.higgs_audio_v2.frames import AudioSpec
+from omni_server.engine.families.llama.model import Llama
 from omni_server.engine.parallel import TensorParallel
 
 

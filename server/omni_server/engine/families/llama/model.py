@@ -19,8 +19,8 @@ from torch import nn
 
 from omni_server.engine import fused, gemv
 from omni_server.engine.attention import ForwardBatch, paged_attention
-from omni_server.engine.audio_frames import AudioSpec
 from omni_server.engine.config import Llama3RopeScaling, LlamaShape
+from omni_server.engine.families.higgs_audio_v2.frames import AudioSpec
 from omni_server.engine.huge_pages import pack_parameters
 from omni_server.engine.paged_decode import available as fused_kernels
 from omni_server.engine.parallel import SINGLE, TensorParallel
@@ -247,7 +247,7 @@ class DecoderLayer(nn.Module):
 
 
 class Llama(nn.Module):
-    # A family's variant (higgs_audio.py) swaps the layer, drops the text head, adds an audio head.
+    # A family's variant (higgs_audio_v2) swaps the layer, drops the text head, adds an audio head.
     layer_class: type[DecoderLayer] = DecoderLayer
     text_head = True
     audio: AudioSpec | None = None  # set: forward returns frame logits [R, K * C] (audio_frames)

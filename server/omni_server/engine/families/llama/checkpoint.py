@@ -2,7 +2,7 @@
 -> the engine's.
 
 transformers' Llama rotates the halves of each head `(x[i], x[i + D/2])`; the engine rotates
-adjacent pairs `(x[2i], x[2i+1])` (the GGUF row order, llama.py). Loading reorders the rows of
+adjacent pairs `(x[2i], x[2i+1])` (the GGUF row order, model.py). Loading reorders the rows of
 q_proj / k_proj within each head (half-major -> pair-major: llama.cpp's converter permutation),
 which is exact: the same permutation of Q and K leaves every `q . k` unchanged.
 """
@@ -18,7 +18,7 @@ import torch
 from omni_server.engine.config import Llama3RopeScaling, LlamaShape
 from omni_server.engine.errors import CheckpointError
 from omni_server.engine.families.base import Family, LazyWeights, ModelSpec, TensorSource
-from omni_server.engine.llama import Llama
+from omni_server.engine.families.llama.model import Llama
 from omni_server.engine.parallel import TensorParallel
 
 # transformers' name of each per-layer tensor -> the engine's (Llama.load_weights names)

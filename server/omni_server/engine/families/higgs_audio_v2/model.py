@@ -2,7 +2,7 @@
 ("DualFFN") and whose head predicts one frame of K codebooks instead of a text token.
 
 Per position, as transformers' `HiggsAudioV2Model`: a text position embeds its token and runs the
-text norms + MLP; an audio position (a frame token in the text track, audio_frames.py) embeds the
+text norms + MLP; an audio position (a frame token in the text track, frames.py) embeds the
 sum of its K code embeddings (`embed_audio[code + k * C]`) and runs the audio norms + MLP.
 Attention (and the KV cache) is shared. The head is `audio_lm_head` alone: [K * C] logits a
 position (the training-only text head is not loaded).
@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from omni_server.engine.attention import ForwardBatch
-from omni_server.engine.audio_frames import AudioSpec
 from omni_server.engine.config import LlamaShape
-from omni_server.engine.llama import MLP, DecoderLayer, Llama, RMSNorm
+from omni_server.engine.families.higgs_audio_v2.frames import AudioSpec
+from omni_server.engine.families.llama.model import MLP, DecoderLayer, Llama, RMSNorm
 from omni_server.engine.parallel import SINGLE, TensorParallel
 
 

@@ -13,16 +13,16 @@ from typing import Any
 
 import torch
 
-from omni_server.engine.audio_frames import AudioSpec
 from omni_server.engine.errors import CheckpointError
 from omni_server.engine.families.base import Family, ModelSpec, TensorSource
-from omni_server.engine.families.llama import (
+from omni_server.engine.families.higgs_audio_v2.frames import AudioSpec
+from omni_server.engine.families.higgs_audio_v2.model import HiggsAudioV2
+from omni_server.engine.families.llama.checkpoint import (
     llama_engine_weights,
     llama_weight_shapes,
     read_llama_shape,
 )
-from omni_server.engine.higgs_audio import HiggsAudioV2
-from omni_server.engine.llama import Llama
+from omni_server.engine.families.llama.model import Llama
 from omni_server.engine.parallel import TensorParallel
 
 # transformers' name of each per-layer audio tensor -> the engine's (HiggsAudioV2.load_weights)
