@@ -112,7 +112,7 @@ def greedy(max_tokens: int = MAX_FRAMES) -> SamplingParams:
 
 
 def test_greedy_frames_equal_transformers_generate(base: Engine, hf_higgs) -> None:
-    audio = base.audio
+    audio = base.model.audio
     assert audio is not None
     k, bos, eos = audio.num_codebooks, audio.stream_bos_id, audio.stream_eos_id
     ended = 0
@@ -154,7 +154,7 @@ def test_reference_voice_prompt_equals_transformers(base: Engine, hf_higgs) -> N
     of text and audio rows together), as the reference's `audio_input_ids` do."""
     from transformers import HiggsAudioV2Processor
 
-    audio = base.audio
+    audio = base.model.audio
     assert audio is not None and base.tokenizer is not None
     codes = torch.randint(
         0,
@@ -267,7 +267,7 @@ def test_abort_mid_generation_frees_its_blocks(base: Engine) -> None:
 def test_bad_audio_requests_are_refused(base: Engine) -> None:
     engine = make(base)
     ids = prompt(base, TEXTS[0])
-    audio = base.audio
+    audio = base.model.audio
     assert audio is not None
     with pytest.raises(ValueError, match="0 audio frame token"):
         engine.add(GenerationRequest("a", ids, greedy(), audio_codes=[[0] * 8]))
@@ -321,7 +321,7 @@ def test_repetition_aware_sampling_redraws_only_repeats(base: Engine) -> None:
     """The reference's rule (ras_win_len 7, ras_win_max_num_repeat 2, as the published
     generation_config.json): greedy frames are untouched until the first frame that repeats a
     code twice in the last 7 frames; from there the code is redrawn, seeded and reproducibly."""
-    audio = base.audio
+    audio = base.model.audio
     assert audio is not None
     special = {audio.stream_bos_id, audio.stream_eos_id}
     for text in TEXTS:  # the first prompt whose greedy frames repeat a code
@@ -446,6 +446,7 @@ def test_audio_layers_deferred_adds_equal_plain_on_gpu(higgs_dir: Path) -> None:
     (forward_deferred): on a decode step's audio-only rows (the audio norms and MLP) and on
     text rows, two DualFFN layers give the plain layers' residual stream to the last bit."""
     from omni_server.engine.attention import DecodeGroup, ForwardBatch
+    from omni_server.engine.families.higgs_audio_v2.head import FrameInputs
     from omni_server.engine.families.higgs_audio_v2.model import DualFFNLayer
 
     config = EngineConfig(max_total_tokens=1024, device="cuda", dtype="bfloat16")
@@ -475,7 +476,7 @@ def test_audio_layers_deferred_adds_equal_plain_on_gpu(higgs_dir: Path) -> None:
                 block_size=16,
             ),
             prefills=[],
-            audio_codes=audio_codes,
+            family_inputs=None if audio_codes is None else FrameInputs(audio_codes),
         )
         rope = model.rope_rows(batch.positions)
         plain, deferred, delta = h0, h0, None

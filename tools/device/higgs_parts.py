@@ -119,12 +119,12 @@ def engine(folder: Path, batches: list[int], device: str = "cuda") -> list[dict[
          "max_batch_size": max(batches)}
     )  # fmt: skip
     eng = Engine.from_checkpoint(folder, config)
-    audio = eng.audio
+    audio = eng.model.audio
     assert audio is not None
     rng = np.random.default_rng(1)
     rows = []
     ids = iter(range(10**9))
-    import omni_server.engine.engine as engine_module
+    import omni_server.engine.families.higgs_audio_v2.head as engine_module
 
     now = (engine_module.sample_frames, engine_module.redraw_repeats)
     before = (_before_sample_frames, _before_redraw_repeats)

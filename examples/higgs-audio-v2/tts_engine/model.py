@@ -68,7 +68,7 @@ class TTSEngine(StageBackend):
             raise StageConfigError(str(err)) from err
         except (TypeError, ValueError) as err:
             raise StageConfigError(f"[engine]: {err}") from err
-        if self.engine.audio is None:
+        if getattr(self.engine.model, "audio", None) is None:  # the family's frame spec
             raise StageConfigError(f"checkpoint {checkpoint.folder}: not an audio model")
         self._warm_graphs(int(params.get("warm_graphs_tokens", 1024)))
         self.defaults = {key: params.get(key, value) for key, value in DEFAULTS.items()}

@@ -12,6 +12,7 @@ against `[.., Hkv, ctx, D]` keys (HF's `repeat_kv` maps query head h to KV head 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,10 +57,9 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [R] int64: tokens whose next-token logits are wanted
     decode: DecodeGroup | None
     prefills: list[PrefillChunk]
-    # Audio-frame models (families/higgs_audio_v2) only; a text model never reads them.
-    audio_codes: torch.Tensor | None = None  # [A, K] int64 codes of the audio rows; None: no audio
-    audio_rows: torch.Tensor | None = None  # [A] int64 rows that are audio; None: every row is
-    text_rows: torch.Tensor | None = None  # [T - A] int64 the other rows (set with audio_rows)
+    # What the model's family reads besides token ids (its head's step_inputs, head.py), e.g.
+    # higgs_audio_v2's FrameInputs; None: token ids only. Only the family's own module reads it.
+    family_inputs: Any = None
 
 
 def paged_attention(

@@ -18,7 +18,7 @@ request alone always fits (max_seq_len <= capacity), the oldest always progresse
 
 Playback-aware order: when a request's output is media (`playback_seconds`) and the step cannot
 hold everyone, deadline_order.py fills it instead: urgent streams, then new requests' prefill
-and first frame, then the rest by their listeners' deadlines. When everyone fits, the batch
+and first output, then the rest by their listeners' deadlines. When everyone fits, the batch
 above runs unchanged.
 """
 

@@ -17,8 +17,10 @@ from 256 up to max_seq_len. Graphs are captured lazily on first use (or all at o
 A step's inputs travel in one host-to-device copy: each graph's token rows (ids, positions,
 slots: int64) and, paged, its context lengths and block table (int32, viewed in the same bytes)
 are views of one device buffer, filled from one pinned host buffer of the same layout. A text
-model's graph also takes the greedy token of every row (argmax inside the graph): a greedy
-step then reads [b] int64 back instead of launching an argmax over [b, V] logits.
+model whose head draws the argmax (a text token; head.py `argmax_is_draw`) has its graph take
+the greedy token of every row too: a greedy step then reads [b] int64 back instead of launching
+an argmax over [b, V] logits. Inputs a model reads besides token ids are the head's: static
+buffers made once per graph (`graph_inputs`), filled before each replay.
 
 The greedy tokens go to one device buffer all graphs share, `feed` [max_batch_size] int64, and
 each graph reads its input ids through it: a row whose host id is negative (overlap.PENDING)
@@ -37,8 +39,9 @@ import torch
 
 from omni_server.engine import fused
 from omni_server.engine.attention import DecodeGroup, ForwardBatch
-from omni_server.engine.families.llama.model import Llama
+from omni_server.engine.head import StepModel
 from omni_server.engine.kv_cache import KVCache
+from omni_server.engine.sequence import Sequence
 
 
 def batch_buckets(max_batch_size: int) -> list[int]:
@@ -71,7 +74,7 @@ class CapturedGraph:
     graph: torch.cuda.CUDAGraph
     batch: ForwardBatch  # static input buffers the graph reads (views of `inputs`)
     logits: torch.Tensor  # [b, V] static output
-    greedy: torch.Tensor | None  # [b] int64 argmax of each row's logits (text models)
+    greedy: torch.Tensor | None  # [b] int64 argmax of each row's logits (argmax_is_draw)
     inputs: torch.Tensor  # int64 device buffer: [3, b] token rows, then the int32 section
     host: torch.Tensor  # the pinned host buffer `inputs` is copied from, the same layout
     copied: torch.cuda.Event  # recorded after each copy out of `host`: refill only after it
@@ -85,14 +88,14 @@ class CapturedGraph:
 
 @dataclass
 class DecodeOutput:
-    logits: torch.Tensor  # [B, V] float32 (frame logits [B, K * C] for an audio model)
-    greedy: torch.Tensor | None  # [B] int64 argmax of each row, from the graph (text models)
+    logits: torch.Tensor  # [B, ...] float32, the head's logits
+    greedy: torch.Tensor | None  # [B] int64 argmax of each row, from the graph (argmax_is_draw)
 
 
 class DecodeGraphs:
     def __init__(
         self,
-        model: Llama,
+        model: StepModel,
         cache: KVCache,
         max_batch_size: int,
         max_seq_len: int,
@@ -100,6 +103,7 @@ class DecodeGraphs:
         forward: Callable[..., torch.Tensor] | None = None,  # e.g. the torch.compile'd forward
     ) -> None:
         self.model = model
+        self.head = model.head
         self.paged = paged
         self.forward = forward or model.forward
         self.cache = cache
@@ -108,7 +112,7 @@ class DecodeGraphs:
         self.context_buckets = context_buckets(max_seq_len)
         self.graphs: dict[tuple[int, int], CapturedGraph] = {}
         self.pool: Any = None  # one memory pool shared by all graphs
-        # [max_batch_size] int64: the last replayed text graph's argmax by row (module doc)
+        # [max_batch_size] int64: the last replayed graph's argmax by row (module doc)
         self.feed = torch.zeros(max_batch_size, dtype=torch.int64, device=self.device)
         self._stream: Any = None  # the side stream graphs warm up and are captured on
 
@@ -124,7 +128,7 @@ class DecodeGraphs:
         slot_mapping: list[int],
         tables: list[list[int]],  # [B] each request's block table
         context: list[int],  # [B] context length of each request (L = max)
-        audio_codes: list[list[int]] | None = None,  # [B][K]: an audio model's decode frames
+        decodes: list[Sequence] | None = None,  # [B] the requests: the head's inputs (if any)
     ) -> DecodeOutput:
         n, length = len(ids), max(context)
         b, bucket = bucket_for(n, self.batch_buckets), bucket_for(length, self.context_buckets)
@@ -155,10 +159,9 @@ class DecodeGraphs:
             s.decode.kv_slots[:n, :length].copy_(kv_slots, non_blocking=True)
             mask = torch.arange(length).unsqueeze(0) < torch.tensor(context).unsqueeze(1)
             s.decode.kv_mask[:n, 0, 0, :length].copy_(mask, non_blocking=True)
-        if s.audio_codes is not None:  # padded rows embed frame 0 (their output is unused)
-            assert audio_codes is not None, "an audio model's decode step carries its frames"
-            s.audio_codes.zero_()
-            s.audio_codes[:n].copy_(torch.tensor(audio_codes), non_blocking=True)
+        if s.family_inputs is not None:  # the head's, besides token ids (padded rows: unused)
+            assert decodes is not None, "a model with inputs of its own is given the requests"
+            self.head.fill_graph_inputs(s.family_inputs, decodes)
         g.graph.replay()
         return DecodeOutput(g.logits[:n], None if g.greedy is None else g.greedy[:n])
 
@@ -198,10 +201,9 @@ class DecodeGraphs:
             logits_indices=torch.arange(b, device=dev),
             decode=decode,
             prefills=[],
+            family_inputs=self.head.graph_inputs(b, dev),
         )
-        audio = self.model.audio
-        if audio is not None:  # every row a frame (audio_rows None): the audio path alone
-            static.audio_codes = torch.zeros(b, audio.num_codebooks, dtype=torch.int64, device=dev)
+        argmax = self.head.argmax_is_draw
         # One side stream for every warm-up and capture: each stream a matmul runs on keeps a
         # cuBLAS workspace for good, so a fresh stream per graph would hold up to 32 of them.
         if self._stream is None:
@@ -211,16 +213,16 @@ class DecodeGraphs:
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(2):  # warm up kernels / allocator outside the capture
                 logits = self.forward(static, self.cache.k, self.cache.v)
-                if audio is None:  # not into the feed: a step in flight may need it next
+                if argmax:  # not into the feed: a step in flight may need it next
                     fused.greedy_tokens(logits, torch.empty(b, dtype=torch.int64, device=dev))
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream), torch.inference_mode():
             greedy = None
-            if audio is None:  # PENDING rows embed the previous step's token
+            if argmax:  # PENDING rows embed the previous step's token
                 static.input_ids = torch.where(rows[0] < 0, self.feed[:b], rows[0])
             logits = self.forward(static, self.cache.k, self.cache.v)
-            if audio is None:  # the argmax (sampling.greedy_tokens), written into the feed
+            if argmax:  # the argmax (sampling.greedy_tokens), written into the feed
                 greedy = fused.greedy_tokens(logits, out=self.feed[:b])
         if self.pool is None:
             self.pool = graph.pool()

@@ -25,19 +25,13 @@ from omni_server.engine import deadline_order, overlap
 from omni_server.engine.batcher import Batcher, StepBatch
 from omni_server.engine.config import EngineConfig, LlamaShape
 from omni_server.engine.errors import ContextLengthExceeded
-from omni_server.engine.families.higgs_audio_v2.frames import (
-    AudioSpec,
-    DelayState,
-    redraw_repeats,
-    sample_frames,
-)
 from omni_server.engine.families.llama.gguf import load_gguf
-from omni_server.engine.families.llama.model import Llama
+from omni_server.engine.head import StepModel
 from omni_server.engine.kv_cache import KVCache
 from omni_server.engine.model_build import build_model, gguf_header, with_weights
 from omni_server.engine.parallel import SINGLE, TensorParallel
 from omni_server.engine.runner import ModelRunner
-from omni_server.engine.sampling import SamplingParams, sample
+from omni_server.engine.sampling import SamplingParams
 from omni_server.engine.sequence import (
     FinishReason,
     GenerationRequest,
@@ -56,7 +50,7 @@ WeightSource = Callable[[str, Callable[[], Mapping[str, torch.Tensor]]], Mapping
 class Engine:
     def __init__(
         self,
-        model: Llama,
+        model: StepModel,
         config: EngineConfig,
         tokenizer: TextTokenizer | None,
         clock: Callable[[], float] = time.monotonic,
@@ -90,14 +84,14 @@ class Engine:
         )
         self.batcher = Batcher(config, self.cache.allocator, StepCost(keys), beside)
         self.runner = ModelRunner(model, self.cache, config, self.max_seq_len)
-        # set: every step emits one frame of K codes a request (higgs_audio_v2), not a token
-        self.audio: AudioSpec | None = model.audio
+        # what a step emits for a request and how it is sampled: the model's family's (head.py)
+        self.head = model.head
         self._sequences: dict[str, Sequence] = {}
         self._pending: list[TokenEvent] = []  # abort events, handed out by the next step()
         self._arrivals = 0
         # Greedy decode steps launched before their tokens are read (overlap.py)
         self._overlap = overlap.enabled(
-            config, self.runner.graphs is not None, self.audio is None, model.tp.size
+            config, self.runner.graphs is not None, self.head.argmax_is_draw, model.tp.size
         )
         self.runner.feeds_greedy = self._overlap
         self._readback = overlap.Readback(config.max_batch_size, device)
@@ -147,7 +141,7 @@ class Engine:
         tp: TensorParallel = SINGLE,
     ) -> Engine:
         """A Hugging Face checkpoint folder as published: config.json's `model_type` picks the
-        family (engine/families: llama, higgs_audio_v2), the safetensors its weights, its
+        family (engine/families), the safetensors its weights, its
         tokenizer.json and chat template the tokenizer (none without tokenizer.json).
 
         CheckpointError (a ValueError naming the folder) when config.json is missing, the
@@ -210,35 +204,17 @@ class Engine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if request.params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
-        self._check_audio(request)
+        self.head.check(request)
         deadline_order.check_playback_seconds(request.playback_seconds)
         asked = request.params.max_tokens
         if len(prompt) + (asked or 1) > self.max_seq_len:
             raise ContextLengthExceeded(len(prompt), asked, self.max_seq_len)
         max_tokens = asked if asked is not None else self.max_seq_len - len(prompt)
-        seq = Sequence(request, max_tokens, self.tokenizer, self._arrivals, self.audio)
+        seq = Sequence(request, max_tokens, self.tokenizer, self._arrivals)
+        seq.state = self.head.start(request, seq.token_ids)
         self._arrivals += 1
         self._sequences[request.request_id] = seq
         self.batcher.add(seq)
-
-    def _check_audio(self, request: GenerationRequest) -> None:
-        audio, frames = self.audio, request.audio_codes or []
-        if audio is None:
-            if frames:
-                raise ValueError("audio_codes given, but this model has no audio head")
-            return
-        if request.params.stop:
-            raise ValueError("stop strings do not apply to an audio-frame model")
-        placeholders = sum(audio.is_frame_token(t) for t in request.prompt_token_ids)
-        if placeholders != len(frames):
-            raise ValueError(
-                f"the prompt has {placeholders} audio frame token(s) but {len(frames)} frame(s) "
-                "of audio_codes were given"
-            )
-        k, c = audio.num_codebooks, audio.codebook_size
-        for frame in frames:
-            if len(frame) != k or any(not isinstance(x, int) or not 0 <= x < c for x in frame):
-                raise ValueError(f"each audio frame must be {k} integer codes in [0, {c})")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. False if it is unknown or already done."""
@@ -248,7 +224,7 @@ class Engine:
             return False
         self.batcher.finish(seq)
         seq.finish_reason = FinishReason.ABORT
-        self._pending.append(self._event(seq, [], ""))
+        self._pending.append(seq.event([], ""))
         return True
 
     def finish(self, request_id: str) -> bool:
@@ -263,7 +239,7 @@ class Engine:
         seq.finish_reason = FinishReason.LENGTH
         if seq.detokenizer is not None:
             seq.text += seq.detokenizer.flush()
-        self._pending.append(self._event(seq, [], self._take_text(seq, final=True)))
+        self._pending.append(seq.event([], seq.take_text(final=True)))
         return True
 
     def has_work(self) -> bool:
@@ -318,7 +294,7 @@ class Engine:
         if media:
             done = self._now()
             self.batcher.record_step(done - start, batch)
-            for seq in sampled:  # each produced one frame (token) of media: its listener's lead
+            for seq in sampled:  # each produced one step of media: its listener's lead
                 if seq.playback is not None and seq.playback_seconds is not None:
                     seq.playback.produced(seq.playback_seconds, done)
         return events
@@ -331,7 +307,7 @@ class Engine:
             if seq.status is Status.FINISHED:
                 continue
             ahead = overlap.take_pending(seq) - 1  # steps launched after this one: 0 or 1
-            events.append(self._append_token(seq, token))
+            events.append(self._append(seq, token))
             if seq.finish_reason is None:
                 seq.token_ids.extend([overlap.PENDING] * ahead)
         return events
@@ -353,44 +329,9 @@ class Engine:
         sampled: list[Sequence],
         greedy: torch.Tensor | None,  # [R] each row's argmax, where the decode graph took it
     ) -> list[TokenEvent]:
-        events: list[TokenEvent] = []
-        params, generators = [s.params for s in sampled], [s.generator for s in sampled]
-        if self.audio is not None:
-            masks = [_delay(s).next_masks(s.token_ids[-1]) for s in sampled]
-            frames = sample_frames(logits, self.audio, masks, params, generators)
-            if any(p.ras_window for p in params):
-                histories = [s.frame_history for s in sampled]
-                redraw_repeats(logits, self.audio, frames, histories, params, generators)
-            self._advance(batch)
-            for seq, frame in zip(sampled, frames, strict=True):
-                events.append(self._append_frame(seq, frame, self.audio))
-            return events
-        tokens = sample(logits, params, generators, greedy)
+        draws = self.head.sample(logits, sampled, greedy)
         self._advance(batch)
-        for seq, token in zip(sampled, tokens, strict=True):
-            events.append(self._append_token(seq, token))
-        return events
-
-    def _append_frame(self, seq: Sequence, frame: list[int], audio: AudioSpec) -> TokenEvent:
-        """The reference's bookkeeping after a frame: its text-track token, the end of audio."""
-        token = audio.next_text_token(frame, seq.token_ids[-1])
-        ends = token == audio.eos_token_id
-        if ends and seq.params.ignore_eos:  # benchmarks: keep decoding frames past the end
-            token, ends = audio.audio_delay_token_id, False
-        seq.token_ids.append(token)
-        if audio.is_frame_token(token):  # the next step embeds this frame at this position
-            seq.frames[seq.num_tokens - 1] = frame
-            seq.frame_history.append(frame)
-        if ends:
-            seq.finish_reason = FinishReason.STOP
-        elif seq.num_output_tokens >= seq.max_tokens:
-            seq.finish_reason = FinishReason.LENGTH
-        if seq.finish_reason is not None:
-            self.batcher.finish(seq)
-            del self._sequences[seq.request_id]
-        event = self._event(seq, [] if ends else [token], "")
-        event.audio_frames = [frame]
-        return event
+        return [self._append(seq, draw) for seq, draw in zip(sampled, draws, strict=True)]
 
     def _advance(self, batch: StepBatch) -> None:
         for seq in batch.decodes:
@@ -398,63 +339,14 @@ class Engine:
         for work in batch.prefills:
             work.seq.num_computed += work.length
 
-    def _append_token(self, seq: Sequence, token: int) -> TokenEvent:
-        seq.token_ids.append(token)
-        params = seq.params
-        stop_ids = params.stop_token_ids or (
-            self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
-        )
-        new_ids: list[int] = []
-        if token in stop_ids and not params.ignore_eos:
-            seq.finish_reason = FinishReason.STOP  # the EOS token is not part of the answer
-        else:
-            new_ids.append(token)
-            if seq.detokenizer is not None:
-                before = len(seq.text)
-                seq.text += seq.detokenizer.push(token)
-                self._check_stop_strings(seq, before)
-        if seq.finish_reason is None and seq.num_output_tokens >= seq.max_tokens:
-            seq.finish_reason = FinishReason.LENGTH
+    def _append(self, seq: Sequence, draw: object) -> TokenEvent:
+        """Record a request's draw (its head's bookkeeping); a request that ends leaves the
+        batcher, its KV blocks freed at once."""
+        event = self.head.append(seq, draw)
         if seq.finish_reason is not None:
-            if seq.detokenizer is not None and seq.finish_reason is not FinishReason.STOP:
-                seq.text += seq.detokenizer.flush()
             self.batcher.finish(seq)
             del self._sequences[seq.request_id]
-            return self._event(seq, new_ids, self._take_text(seq, final=True))
-        return self._event(seq, new_ids, self._take_text(seq, final=False))
-
-    def _check_stop_strings(self, seq: Sequence, before: int) -> None:
-        stops = seq.params.stop
-        if not stops:
-            return
-        longest = max(len(s) for s in stops)
-        start = max(0, before - longest + 1)  # a stop string may straddle the last delta
-        hits = [i for i in (seq.text.find(s, start) for s in stops) if i >= 0]
-        if hits:
-            seq.text = seq.text[: min(hits)]  # the stop string is not part of the answer
-            seq.finish_reason = FinishReason.STOP
-
-    def _take_text(self, seq: Sequence, final: bool) -> str:
-        """The next text delta. Unless final, hold back what could still begin a stop string."""
-        end = len(seq.text)
-        if not final and seq.params.stop:
-            end -= max(len(s) for s in seq.params.stop) - 1
-        if end <= seq.emitted_chars:
-            return ""
-        delta = seq.text[seq.emitted_chars : end]
-        seq.emitted_chars = end
-        return delta
-
-    def _event(self, seq: Sequence, token_ids: list[int], text: str) -> TokenEvent:
-        return TokenEvent(
-            request_id=seq.request_id,
-            token_ids=token_ids,
-            text=text,
-            finished=seq.finish_reason is not None,
-            finish_reason=seq.finish_reason,
-            prompt_tokens=seq.num_prompt_tokens,
-            completion_tokens=seq.num_output_tokens,
-        )
+        return event
 
     # --- convenience ------------------------------------------------------------------------
 
@@ -478,11 +370,6 @@ class Engine:
         self.generate([GenerationRequest("__warmup__", [0, 1, 2], _warmup_params())])
         if capture_all_graphs and self.runner.graphs is not None:
             self.runner.graphs.capture_all()
-
-
-def _delay(seq: Sequence) -> DelayState:
-    assert seq.delay is not None, "an audio model's requests carry delay state"
-    return seq.delay
 
 
 def _warmup_params() -> SamplingParams:

@@ -9,7 +9,7 @@ from omni_server.engine.attention import DecodeGroup, ForwardBatch, PrefillChunk
 from omni_server.engine.batcher import StepBatch
 from omni_server.engine.config import EngineConfig
 from omni_server.engine.cuda_graphs import DecodeGraphs
-from omni_server.engine.families.llama.model import Llama
+from omni_server.engine.head import StepModel
 from omni_server.engine.kv_cache import KVCache, blocks_for
 from omni_server.engine.paged_decode import use_paged
 from omni_server.engine.sampling import greedy_tokens
@@ -18,9 +18,10 @@ from omni_server.engine.sequence import Sequence
 
 class ModelRunner:
     def __init__(
-        self, model: Llama, cache: KVCache, config: EngineConfig, max_seq_len: int
+        self, model: StepModel, cache: KVCache, config: EngineConfig, max_seq_len: int
     ) -> None:
         self.model = model
+        self.head = model.head
         self.cache = cache
         self.device = next(model.parameters()).device
         self.forward = model.forward
@@ -52,13 +53,8 @@ class ModelRunner:
         tables = [seq.block_table for seq in decodes]
         slot_of = self.cache.slot_of
         slot_mapping = [slot_of(t, pos) for t, pos in zip(tables, positions, strict=True)]
-        audio = self.model.audio is not None
         if not batch.prefills and self.graphs is not None and decodes:
-            # every generated position of an audio model is a frame: a decode is audio only
-            frames = None
-            if audio:
-                frames = [seq.frames[pos] for seq, pos in zip(decodes, positions, strict=True)]
-            out = self.graphs.run(ids, positions, slot_mapping, tables, context, frames)
+            out = self.graphs.run(ids, positions, slot_mapping, tables, context, decodes)
             return out.logits, list(decodes), out.greedy
 
         sampled: list[Sequence] = list(decodes)
@@ -86,9 +82,8 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
             decode=decode,
             prefills=chunks,
+            family_inputs=self.head.step_inputs(batch, dev),
         )
-        if audio:
-            self._audio_rows(fwd, batch)
         if not (self.feeds_greedy and not batch.prefills):
             return self.forward(fwd, self.cache.k, self.cache.v), sampled, None
         if self._feed is not None and len(self._feed) == len(ids):  # PENDING (< 0): the feed
@@ -116,33 +111,3 @@ class ModelRunner:
         kv_slots = self.cache.slot_matrix(tables, length)
         mask = torch.arange(length).unsqueeze(0) < torch.tensor(context).unsqueeze(1)
         return DecodeGroup(len(tables), kv_slots.to(dev), mask[:, None, None, :].to(dev))
-
-    def _audio_rows(self, fwd: ForwardBatch, batch: StepBatch) -> None:
-        """Mark the batch's frame positions (decodes first, then each chunk: the flat order)."""
-        rows: list[int] = []
-        codes: list[list[int]] = []
-        row = 0
-        for seq in batch.decodes:
-            frame = seq.frames.get(seq.num_computed)
-            if frame is not None:
-                rows.append(row)
-                codes.append(frame)
-            row += 1
-        for work in batch.prefills:
-            frames = work.seq.frames
-            for pos in range(work.start, work.start + work.length):
-                frame = frames.get(pos)
-                if frame is not None:
-                    rows.append(row)
-                    codes.append(frame)
-                row += 1
-        if not rows:
-            return  # text only
-        dev = self.device
-        fwd.audio_codes = torch.tensor(codes, dtype=torch.int64, device=dev)  # [A, K]
-        if len(rows) == row:
-            return  # audio only: audio_rows None
-        audio = set(rows)
-        text = [r for r in range(row) if r not in audio]
-        fwd.audio_rows = torch.tensor(rows, dtype=torch.int64, device=dev)
-        fwd.text_rows = torch.tensor(text, dtype=torch.int64, device=dev)

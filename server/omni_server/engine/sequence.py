@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from omni_server.engine.families.higgs_audio_v2.frames import AudioSpec, DelayState
 from omni_server.engine.sampling import SamplingParams, make_generator
 from omni_server.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
 from omni_server.playback import Playback
@@ -66,7 +67,6 @@ class Sequence:
         max_tokens: int,
         tokenizer: TextTokenizer | None,
         arrival: int,
-        audio: AudioSpec | None = None,
     ) -> None:
         self.request_id = request.request_id
         self.params = request.params
@@ -82,15 +82,12 @@ class Sequence:
         self.text = ""  # output text so far (after stop-string truncation)
         self.emitted_chars = 0  # how much of `text` has left in events
         self.finish_reason: FinishReason | None = None
-        # Audio-frame models: position -> its frame, for every frame token (prompt and output)
-        self.frames: dict[int, list[int]] = {}
-        self.delay: DelayState | None = None
-        if audio is not None:
-            positions = [i for i, t in enumerate(self.token_ids) if audio.is_frame_token(t)]
-            self.frames = dict(zip(positions, request.audio_codes or [], strict=True))
-            self.delay = DelayState(audio, self.token_ids)
-        # the frames in order (prompt's, then generated): repetition-aware sampling's window
-        self.frame_history: list[list[int]] = list(self.frames.values())
+        # a text model's stop tokens: the request's own, else the tokenizer's EOS
+        self.stop_token_ids: Collection[int] = request.params.stop_token_ids or (
+            tokenizer.eos_token_ids if tokenizer is not None else ()
+        )
+        # the model's head's own state of this request (head.py: Head.start), through preemption
+        self.state: Any = None
         # how far ahead of its listener its output is (None: it plays nothing itself)
         self.playback_seconds = request.playback_seconds
         self.playback = Playback() if request.playback_seconds is not None else None
@@ -106,3 +103,26 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    def take_text(self, final: bool) -> str:
+        """The next text delta. Unless final, hold back what could still begin a stop string."""
+        end = len(self.text)
+        if not final and self.params.stop:
+            end -= max(len(s) for s in self.params.stop) - 1
+        if end <= self.emitted_chars:
+            return ""
+        delta = self.text[self.emitted_chars : end]
+        self.emitted_chars = end
+        return delta
+
+    def event(self, token_ids: list[int], text: str) -> TokenEvent:
+        """This step's event of the request, its counters as they stand."""
+        return TokenEvent(
+            request_id=self.request_id,
+            token_ids=token_ids,
+            text=text,
+            finished=self.finish_reason is not None,
+            finish_reason=self.finish_reason,
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=self.num_output_tokens,
+        )

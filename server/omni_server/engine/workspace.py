@@ -33,12 +33,10 @@ import torch
 from omni_server.engine.attention import DecodeGroup, ForwardBatch, PrefillChunk
 from omni_server.engine.config import DEFAULT_MAX_TOTAL_TOKENS, EngineConfig
 from omni_server.engine.cuda_graphs import batch_buckets, context_buckets
-from omni_server.engine.families.higgs_audio_v2.frames import sample_frames
-from omni_server.engine.families.llama.model import Llama
+from omni_server.engine.head import StepModel
 from omni_server.engine.kv_cache import KVCache
 from omni_server.engine.memory import KVBudget, check_pinned, size_kv_cache
 from omni_server.engine.paged_decode import use_paged
-from omni_server.engine.sampling import SamplingParams, sample
 
 log = logging.getLogger("omni_server.engine")
 
@@ -58,7 +56,7 @@ class Workspace:
 
 
 def plan_kv_cache(
-    model: Llama, config: EngineConfig, max_seq_len: int
+    model: StepModel, config: EngineConfig, max_seq_len: int
 ) -> tuple[int, KVBudget | None]:
     """The KV cache's token budget, and the sizing it came from (None where nothing is sized).
 
@@ -96,7 +94,7 @@ def plan_kv_cache(
     return pinned, budget
 
 
-def measure_workspace(model: Llama, config: EngineConfig, max_seq_len: int) -> Workspace:
+def measure_workspace(model: StepModel, config: EngineConfig, max_seq_len: int) -> Workspace:
     device = next(model.parameters()).device
     scratch = KVCache(
         model.local_shape, config.block_size, config.block_size, config.torch_dtype, device
@@ -165,7 +163,7 @@ def _peak(device: torch.device, run: Callable[..., object], *args: Any) -> int:
 
 
 def _step(
-    model: Llama,
+    model: StepModel,
     scratch: KVCache,
     decodes: int,
     chunk: int,
@@ -206,18 +204,9 @@ def _step(
         logits_indices=torch.tensor(rows, dtype=torch.int64, device=dev),
         decode=decode,
         prefills=prefills,
+        # the head's inputs of such a step (a model whose decodes differ from its prompt rows
+        # takes both paths, mixed)
+        family_inputs=model.head.profile_inputs(decodes, tokens, dev),
     )
-    audio = model.audio
-    if audio is not None and decodes:  # an audio model decodes frames: its audio path, mixed
-        fwd.audio_codes = torch.zeros(decodes, audio.num_codebooks, dtype=torch.int64, device=dev)
-        if chunk:
-            fwd.audio_rows = torch.arange(decodes, device=dev)
-            fwd.text_rows = torch.arange(decodes, tokens, device=dev)
     logits = model.forward(fwd, scratch.k, scratch.v)
-    params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * len(rows)
-    generators = [torch.Generator().manual_seed(0) for _ in rows]
-    if audio is not None:
-        masks = [([False] * audio.num_codebooks, [False] * audio.num_codebooks)] * len(rows)
-        sample_frames(logits, audio, masks, params, generators)
-    else:
-        sample(logits, params, generators)
+    model.head.profile_sample(logits)

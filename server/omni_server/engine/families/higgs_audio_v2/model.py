@@ -7,10 +7,11 @@ sum of its K code embeddings (`embed_audio[code + k * C]`) and runs the audio no
 Attention (and the KV cache) is shared. The head is `audio_lm_head` alone: [K * C] logits a
 position (the training-only text head is not loaded).
 
-Which rows are audio comes in the ForwardBatch: `audio_codes` None means every row is text,
-`audio_rows` None with codes means every row is audio (a decode step: every generated position is
-a frame, so a decode graph runs the audio path alone, no index work), both set means mixed (a
-prefill chunk with reference audio, or a recompute after preemption).
+Which rows are audio comes in the ForwardBatch's `family_inputs` (`FrameInputs`, built by the
+family's head, head.py): None means every row is text, `audio_rows` None with codes means every
+row is audio (a decode step: every generated position is a frame, so a decode graph runs the
+audio path alone, no index work), both set means mixed (a prefill chunk with reference audio, or
+a recompute after preemption).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 from omni_server.engine.attention import ForwardBatch
 from omni_server.engine.config import LlamaShape
 from omni_server.engine.families.higgs_audio_v2.frames import AudioSpec
+from omni_server.engine.families.higgs_audio_v2.head import FrameHead, frame_inputs
 from omni_server.engine.families.llama.model import MLP, DecoderLayer, Llama, RMSNorm
 from omni_server.engine.parallel import SINGLE, TensorParallel
 
@@ -43,13 +45,14 @@ class DualFFNLayer(DecoderLayer):
         v_cache: torch.Tensor,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        if batch.audio_codes is None:  # text only
+        frames = frame_inputs(batch)
+        if frames is None:  # text only
             return super().forward(h, rope, k_cache, v_cache, batch)
-        rows = batch.audio_rows
+        rows = frames.audio_rows
         if rows is None:  # audio only
             h = h + self.attn(self.audio_attn_norm(h), rope, k_cache, v_cache, batch)
             return h + self.audio_mlp(self.audio_ffn_norm(h))
-        text = batch.text_rows
+        text = frames.text_rows
         assert text is not None, "a mixed batch names its text rows too"
         x = self.attn_norm(h).index_copy(0, rows, self.audio_attn_norm(h.index_select(0, rows)))
         h = h + self.attn(x, rope, k_cache, v_cache, batch)
@@ -69,9 +72,10 @@ class DualFFNLayer(DecoderLayer):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """DecoderLayer.forward_deferred with the audio norms and MLP on an audio-only batch
         (a decode step); a mixed batch adds `delta` and runs forward() (prefill only)."""
-        if batch.audio_codes is None:
+        frames = frame_inputs(batch)
+        if frames is None:
             return super().forward_deferred(h, delta, rope, k_cache, v_cache, batch)
-        if batch.audio_rows is None:
+        if frames.audio_rows is None:
             h, x = self.audio_attn_norm.after_add(delta, h)
             h, x = self.audio_ffn_norm.after_add(self.attn(x, rope, k_cache, v_cache, batch), h)
             return h, self.audio_mlp(x)
@@ -93,7 +97,7 @@ class HiggsAudioV2(Llama):
     ) -> None:
         super().__init__(shape, max_positions, tp)
         self.audio = audio
-        self.frame_spec = audio  # the same, typed as present
+        self.head = FrameHead(audio)  # a frame of K codes a step (head.py)
         k, c = audio.num_codebooks, audio.codebook_size
         self.embed_audio = nn.Embedding(k * c, shape.hidden_size)  # codebook k at rows k*C..
         self.audio_head = nn.Linear(shape.hidden_size, k * c, bias=False)
@@ -107,11 +111,12 @@ class HiggsAudioV2(Llama):
         v_caches: list[torch.Tensor],
     ) -> torch.Tensor:  # [R, K * C] float32 frame logits of batch.logits_indices
         h = self.embed(batch.input_ids)  # [T, C]
-        if batch.audio_codes is not None:
-            k, c = self.frame_spec.num_codebooks, self.frame_spec.codebook_size
-            offsets = torch.arange(0, k * c, c, device=batch.audio_codes.device)  # [K]
-            frames = self.embed_audio(batch.audio_codes + offsets).sum(dim=1)  # [A, C]
-            rows = batch.audio_rows
+        inputs = frame_inputs(batch)
+        if inputs is not None:
+            k, c = self.audio.num_codebooks, self.audio.codebook_size
+            offsets = torch.arange(0, k * c, c, device=inputs.audio_codes.device)  # [K]
+            frames = self.embed_audio(inputs.audio_codes + offsets).sum(dim=1)  # [A, C]
+            rows = inputs.audio_rows
             h = frames if rows is None else h.index_copy(0, rows, frames)
         rope = self.rope_rows(batch.positions)  # [T, 1, D/2]
         h = self.final_hidden(h, rope, batch, k_caches, v_caches)  # [R, C]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -20,10 +20,11 @@ from torch import nn
 from omni_server.engine import fused, gemv
 from omni_server.engine.attention import ForwardBatch, paged_attention
 from omni_server.engine.config import Llama3RopeScaling, LlamaShape
-from omni_server.engine.families.higgs_audio_v2.frames import AudioSpec
+from omni_server.engine.head import Head
 from omni_server.engine.huge_pages import pack_parameters
 from omni_server.engine.paged_decode import available as fused_kernels
 from omni_server.engine.parallel import SINGLE, TensorParallel
+from omni_server.engine.token_head import TokenHead
 
 
 class RMSNorm(nn.Module):
@@ -247,10 +248,11 @@ class DecoderLayer(nn.Module):
 
 
 class Llama(nn.Module):
-    # A family's variant (higgs_audio_v2) swaps the layer, drops the text head, adds an audio head.
+    # A family's variant (higgs_audio_v2) swaps the layer, drops the text head, adds its own.
     layer_class: type[DecoderLayer] = DecoderLayer
     text_head = True
-    audio: AudioSpec | None = None  # set: forward returns frame logits [R, K * C] (audio_frames)
+    # What a step emits and how it is sampled (head.py): a text token, the vocabulary logits
+    head: Head[Any] = TokenHead()
 
     def __init__(self, shape: LlamaShape, max_positions: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()

@@ -1,0 +1,87 @@
+"""A text token a step: the output of a language model's head (head.py's `Head`).
+
+Sampling is sampling.py's (greedy takes the decode graph's argmax where it computed one). After
+a token: it ends the request when it is a stop token (the request's stop_token_ids, else the
+tokenizer's EOS; not with ignore_eos) or its text reaches a stop string (the text is cut before
+it); otherwise it is detokenized into the request's text, of which the event carries the part
+that can no longer begin a stop string.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from omni_server.engine.sampling import SamplingParams, sample
+from omni_server.engine.sequence import FinishReason, GenerationRequest, Sequence, TokenEvent
+from omni_server.engine.step_batch import StepBatch
+
+
+class TokenHead:
+    """The head of a text model: one token a step, its text detokenized as it comes."""
+
+    argmax_is_draw = True
+
+    def check(self, request: GenerationRequest) -> None:
+        if request.audio_codes:
+            raise ValueError("audio_codes given, but this model has no audio head")
+
+    def start(self, request: GenerationRequest, token_ids: list[int]) -> Any:
+        return None
+
+    def step_inputs(self, batch: StepBatch, device: torch.device) -> Any:
+        return None
+
+    def graph_inputs(self, rows: int, device: torch.device) -> Any:
+        return None
+
+    def fill_graph_inputs(self, static: Any, decodes: list[Sequence]) -> None:
+        return None
+
+    def profile_inputs(self, decodes: int, rows: int, device: torch.device) -> Any:
+        return None
+
+    def sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None
+    ) -> list[int]:
+        params, generators = [s.params for s in seqs], [s.generator for s in seqs]
+        return sample(logits, params, generators, greedy)
+
+    def profile_sample(self, logits: torch.Tensor) -> None:
+        rows = logits.shape[0]
+        params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * rows
+        sample(logits, params, [torch.Generator().manual_seed(0) for _ in range(rows)])
+
+    def append(self, seq: Sequence, draw: int) -> TokenEvent:
+        token = draw
+        seq.token_ids.append(token)
+        params = seq.params
+        new_ids: list[int] = []
+        if token in seq.stop_token_ids and not params.ignore_eos:
+            seq.finish_reason = FinishReason.STOP  # the EOS token is not part of the answer
+        else:
+            new_ids.append(token)
+            if seq.detokenizer is not None:
+                before = len(seq.text)
+                seq.text += seq.detokenizer.push(token)
+                _check_stop_strings(seq, before)
+        if seq.finish_reason is None and seq.num_output_tokens >= seq.max_tokens:
+            seq.finish_reason = FinishReason.LENGTH
+        if seq.finish_reason is not None:
+            if seq.detokenizer is not None and seq.finish_reason is not FinishReason.STOP:
+                seq.text += seq.detokenizer.flush()
+            return seq.event(new_ids, seq.take_text(final=True))
+        return seq.event(new_ids, seq.take_text(final=False))
+
+
+def _check_stop_strings(seq: Sequence, before: int) -> None:
+    stops = seq.params.stop
+    if not stops:
+        return
+    longest = max(len(s) for s in stops)
+    start = max(0, before - longest + 1)  # a stop string may straddle the last delta
+    hits = [i for i in (seq.text.find(s, start) for s in stops) if i >= 0]
+    if hits:
+        seq.text = seq.text[: min(hits)]  # the stop string is not part of the answer
+        seq.finish_reason = FinishReason.STOP
