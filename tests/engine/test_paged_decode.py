@@ -143,7 +143,8 @@ def test_engine_paged_greedy_equals_transformers(tmp_path: Path) -> None:
 def test_fused_kernels_equal_torch(dtype: torch.dtype) -> None:
     """fused.py against the torch ops it replaces (llama.py's CPU path), same inputs."""
     from omni_server.engine import fused
-    from omni_server.engine.families.llama.model import RMSNorm, apply_rope, rope_table
+    from omni_server.engine.families.llama.model import RMSNorm, rope_table
+    from omni_server.engine.kernels import apply_rope
 
     gen = torch.Generator().manual_seed(1)
     norm = RMSNorm(576, 1e-5).to("cuda", dtype)

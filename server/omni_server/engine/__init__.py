@@ -1,6 +1,7 @@
 """The autoregressive engine: a KV cache allocated once, continuous batching, per-request
-sampling, CUDA graphs on GPU. Model-agnostic at its seams (a model is a module whose forward takes
-a ForwardBatch and the cache); Llama is the model it ships. See docs/engine.md.
+sampling, CUDA graphs on GPU. Model-agnostic: a model family (engine/families, one folder each)
+builds the module and says what its step emits (`engine.head`, head.py: a text token, a frame of
+codes); the step, runner and graphs name no family. See docs/engine.md.
 
 One compute thread drives it:
 
@@ -9,8 +10,10 @@ One compute thread drives it:
     while engine.has_work():
         for event in engine.step(): ...   # TokenEvent(request_id, token_ids, text, finished, ...)
 
-A Hugging Face checkpoint folder loads by its config.json's `model_type` (engine/families: llama,
-higgs_audio_v2): `Engine.from_checkpoint(folder, config)`; a folder it cannot load raises
+Every model loads through one path (loading.py): `Engine.from_checkpoint(path, config)` takes a
+Hugging Face checkpoint folder (config.json's `model_type` picks the family: llama,
+higgs_audio_v2) or a GGUF file (its `general.architecture` does); `from_gguf` defaults to the
+embedded SmolLM2; `from_random` draws a Llama's weights. A folder it cannot load raises
 `CheckpointError` (a ValueError naming the folder). An audio-frame model (`engine.model.audio`,
 an `AudioSpec`) emits one frame of codes a step in `TokenEvent.audio_frames`.
 
@@ -35,8 +38,9 @@ from omni_server.engine.engine import Engine
 from omni_server.engine.errors import CheckpointError, ContextLengthExceeded
 from omni_server.engine.families.higgs_audio_v2.frames import AudioSpec
 from omni_server.engine.families.llama.gguf import load_gguf, smollm2_gguf_path
-from omni_server.engine.families.llama.model import Llama, apply_rope
+from omni_server.engine.families.llama.model import Llama
 from omni_server.engine.hf_tokenizer import HFTokenizer
+from omni_server.engine.kernels import apply_rope
 from omni_server.engine.memory import MemoryBudgetError
 from omni_server.engine.parallel import TensorParallel
 from omni_server.engine.sampling import SamplingParams

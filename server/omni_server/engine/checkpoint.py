@@ -1,6 +1,7 @@
-"""A Hugging Face checkpoint folder, read as published: config.json picks the family
-(`model_type`), the safetensors files (one, or shards listed by model.safetensors.index.json)
-hold the weights, tokenizer.json + tokenizer_config.json the tokenizer and chat template.
+"""A Hugging Face checkpoint folder (a ModelSource, families/base.py), read as published:
+config.json picks the family (`model_type`), the safetensors files (one, or shards listed by
+model.safetensors.index.json) hold the weights, tokenizer.json + tokenizer_config.json the
+tokenizer and chat template.
 
 Everything is checked before a weight is placed: the config's fields (the family's `read`), then
 every tensor's name and shape from the safetensors headers against what the config implies. Any
@@ -18,17 +19,21 @@ from typing import Any
 import torch
 
 from omni_server.engine.errors import CheckpointError
-from omni_server.engine.families import Family, ModelSpec, family_for
+from omni_server.engine.families import Architecture, Family, FamilyModel, ModelSource, family_for
 from omni_server.engine.hf_tokenizer import HFTokenizer
 
 
 @dataclass
-class Checkpoint:
+class Checkpoint(ModelSource):
     folder: Path
     config: dict[str, Any]  # config.json
     family: Family
-    spec: ModelSpec
+    spec: Architecture
     files: dict[str, Path]  # tensor name -> the safetensors file holding it
+
+    def fill(self, model: FamilyModel) -> None:
+        """The family's load: tensors read one at a time, renamed, placed."""
+        self.family.load(model, self.tensor, self.spec)
 
     def tensor(self, name: str) -> torch.Tensor:
         from safetensors import safe_open

@@ -16,7 +16,7 @@ request's KV blocks at once; its final event (finish_reason "abort") comes out o
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -25,10 +25,15 @@ from omni_server.engine import deadline_order, overlap
 from omni_server.engine.batcher import Batcher, StepBatch
 from omni_server.engine.config import EngineConfig, LlamaShape
 from omni_server.engine.errors import ContextLengthExceeded
-from omni_server.engine.families.llama.gguf import load_gguf
 from omni_server.engine.head import StepModel
 from omni_server.engine.kv_cache import KVCache
-from omni_server.engine.model_build import build_model, gguf_header, with_weights
+from omni_server.engine.loading import (
+    ModelSource,
+    RandomWeights,
+    SharedWeights,
+    load_model,
+    open_model,
+)
 from omni_server.engine.parallel import SINGLE, TensorParallel
 from omni_server.engine.runner import ModelRunner
 from omni_server.engine.sampling import SamplingParams
@@ -40,11 +45,8 @@ from omni_server.engine.sequence import (
     TokenEvent,
 )
 from omni_server.engine.step_cost import StepCost, keys_per_token
-from omni_server.engine.tokenizer import GGUFTokenizer, TextTokenizer
+from omni_server.engine.tokenizer import TextTokenizer
 from omni_server.engine.workspace import plan_kv_cache
-
-# a stage's `context.shared_weights(key, load)`: load() on a leader, the leader's tensors else
-WeightSource = Callable[[str, Callable[[], Mapping[str, torch.Tensor]]], Mapping[str, torch.Tensor]]
 
 
 class Engine:
@@ -98,68 +100,36 @@ class Engine:
         self._in_flight: overlap.InFlight | None = None
 
     @classmethod
+    def from_checkpoint(
+        cls,
+        path: Path | str,
+        config: EngineConfig | None = None,
+        tp: TensorParallel = SINGLE,
+        weights: SharedWeights | None = None,
+    ) -> Engine:
+        """A model as published: a Hugging Face checkpoint folder (config.json's `model_type`
+        picks the family (families/), the safetensors its weights, its tokenizer.json
+        and chat template the tokenizer; none without tokenizer.json) or a GGUF file (its
+        `general.architecture` picks the family; the tokenizer from its header).
+
+        CheckpointError (a ValueError naming the folder) when config.json is missing, the
+        model_type unknown, or a weight's name or shape disagrees with the config; nothing is
+        placed on the device before those checks pass. With `tp`, this rank keeps its slice
+        of the weights (parallel.py; ValueError when tp.size does not divide the heads). With
+        `weights` (a stage's `context.shared_weights`), the placed weights come through it: a
+        sharing follower reads only the header and aliases its leader's tensors."""
+        return cls._load(open_model(path), config or EngineConfig(), tp, weights)
+
+    @classmethod
     def from_gguf(
         cls,
         config: EngineConfig | None = None,
         path: Path | str | None = None,
         tp: TensorParallel = SINGLE,
-        weights: WeightSource | None = None,
+        weights: SharedWeights | None = None,
     ) -> Engine:
-        """The model and tokenizer of a llama GGUF (default: the embedded SmolLM2-135M).
-
-        With `tp`, this rank keeps its slice of the weights (parallel.py); ValueError when
-        tp.size does not divide the model's heads. With `weights` (a stage's
-        `context.shared_weights`), the placed weights come through it: a sharing follower
-        reads only the GGUF's header and aliases its leader's tensors."""
-        config = config or EngineConfig()
-        if weights is not None:  # the weights may come from a sharing leader (its load)
-            shape, metadata = gguf_header(path)
-
-            def load() -> dict[str, torch.Tensor]:
-                gguf = load_gguf(path)
-                model = build_model(gguf.shape, config, tp)
-                model.load_weights(gguf.weights)
-                return dict(
-                    model.place(
-                        config.device, config.torch_dtype, config.cpu_weight_order
-                    ).named_parameters()
-                )
-
-            model = with_weights(shape, config, tp, weights("llama", load))
-            return cls(model, config, GGUFTokenizer(metadata))
-        gguf = load_gguf(path)
-        model = build_model(gguf.shape, config, tp)
-        model.load_weights(gguf.weights)
-        model.place(config.device, config.torch_dtype, config.cpu_weight_order)
-        return cls(model, config, GGUFTokenizer(gguf.metadata))
-
-    @classmethod
-    def from_checkpoint(
-        cls,
-        folder: Path | str,
-        config: EngineConfig | None = None,
-        tp: TensorParallel = SINGLE,
-    ) -> Engine:
-        """A Hugging Face checkpoint folder as published: config.json's `model_type` picks the
-        family (engine/families), the safetensors its weights, its
-        tokenizer.json and chat template the tokenizer (none without tokenizer.json).
-
-        CheckpointError (a ValueError naming the folder) when config.json is missing, the
-        model_type unknown, or a weight's name or shape disagrees with the config; nothing is
-        placed on the device before those checks pass."""
-        from omni_server.engine.checkpoint import open_checkpoint
-
-        config = config or EngineConfig()
-        checkpoint = open_checkpoint(folder)
-        shape = checkpoint.spec.shape
-        limit = min(
-            config.max_seq_len or shape.max_position_embeddings, shape.max_position_embeddings
-        )
-        with torch.device("meta"):  # place() allocates on the device; load() fills
-            model = checkpoint.family.build(checkpoint.spec, limit, tp)
-        model.place(config.device, config.torch_dtype, config.cpu_weight_order)
-        checkpoint.family.load(model, checkpoint.tensor, checkpoint.spec)
-        return cls(model, config, checkpoint.tokenizer())
+        """`from_checkpoint` of a GGUF file (default: the embedded SmolLM2-135M)."""
+        return cls._load(open_model(path), config or EngineConfig(), tp, weights)
 
     @classmethod
     def from_random(
@@ -168,27 +138,25 @@ class Engine:
         config: EngineConfig,
         seed: int = 0,
         tp: TensorParallel = SINGLE,
-        weights: WeightSource | None = None,
+        weights: SharedWeights | None = None,
     ) -> Engine:
         """Random weights of a given shape, no tokenizer (token ids only): speed benchmarks.
 
         The weights are drawn on the engine's device (an 8B shape in seconds on a GPU), the same
-        for every `tp` (each rank keeps its slice). `weights`: as in from_gguf."""
+        for every `tp` (each rank keeps its slice). `weights`: as in from_checkpoint."""
+        return cls._load(RandomWeights(shape, seed), config, tp, weights)
 
-        def load() -> dict[str, torch.Tensor]:
-            with torch.device("meta"):  # no CPU copy of the weights: place() allocates them
-                model = build_model(shape, config, tp)
-            model.place(config.device, config.torch_dtype, config.cpu_weight_order)
-            model.init_random(seed)
-            return dict(model.named_parameters())
-
-        if weights is not None:
-            return cls(with_weights(shape, config, tp, weights("llama", load)), config, None)
-        with torch.device("meta"):
-            model = build_model(shape, config, tp)
-        model.place(config.device, config.torch_dtype, config.cpu_weight_order)
-        model.init_random(seed)
-        return cls(model, config, None)
+    @classmethod
+    def _load(
+        cls,
+        source: ModelSource,
+        config: EngineConfig,
+        tp: TensorParallel,
+        weights: SharedWeights | None,
+    ) -> Engine:
+        """The one load path (loading.py) for every source."""
+        tokenizer = source.tokenizer()
+        return cls(load_model(source, config, tp, weights), config, tokenizer)
 
     # --- requests -------------------------------------------------------------------------
 

@@ -19,7 +19,8 @@ Invariants:
     to a block already freed, which is safe because every later use of the block comes after
     N+1 on the same stream; its token is dropped when N+1 is settled (the request is finished);
   - abort / finish settle first, so they act on read tokens.
-Sampled (non-greedy) rows, prefills, media requests (their step clock), audio-frame models and
+Sampled (non-greedy) rows, prefills, media requests (their step clock), models whose head's
+greedy draw is no argmax (head.py `argmax_is_draw`: an audio frame) and
 tensor parallelism keep the synchronous path.
 """
 
@@ -36,9 +37,9 @@ from omni_server.engine.sequence import Sequence, Status
 PENDING = -1  # a token launched on the device and not read yet (never a vocabulary id)
 
 
-def enabled(config: EngineConfig, graphs: bool, text: bool, tp_size: int) -> bool:
+def enabled(config: EngineConfig, graphs: bool, argmax_is_draw: bool, tp_size: int) -> bool:
     """Whether steps may go in flight (EngineConfig.overlap_decode)."""
-    if config.overlap_decode == "off" or not text or tp_size != 1:
+    if config.overlap_decode == "off" or not argmax_is_draw or tp_size != 1:
         return False
     return graphs or config.overlap_decode == "on"
 

@@ -8,13 +8,14 @@ reference does not load it for generation either).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from omni_server.engine.errors import CheckpointError
-from omni_server.engine.families.base import Family, ModelSpec, TensorSource
+from omni_server.engine.families.base import Architecture, Family, FamilyModel, TensorSource
 from omni_server.engine.families.higgs_audio_v2.frames import AudioSpec
 from omni_server.engine.families.higgs_audio_v2.model import HiggsAudioV2
 from omni_server.engine.families.llama.checkpoint import (
@@ -22,7 +23,6 @@ from omni_server.engine.families.llama.checkpoint import (
     llama_weight_shapes,
     read_llama_shape,
 )
-from omni_server.engine.families.llama.model import Llama
 from omni_server.engine.parallel import TensorParallel
 
 # transformers' name of each per-layer audio tensor -> the engine's (HiggsAudioV2.load_weights)
@@ -74,17 +74,24 @@ def read_audio_spec(config: Mapping[str, Any], folder: Path) -> AudioSpec:
     return spec
 
 
+@dataclass(frozen=True)
+class HiggsArchitecture(Architecture):
+    """The Llama backbone's shape and the audio head."""
+
+    audio: AudioSpec
+
+
 class HiggsAudioV2Family(Family):
     name = "higgs_audio_v2"
     model_types = ("higgs_audio_v2",)
     ignored_weights = ("text_lm_head.weight", "rotary_emb.inv_freq")
 
-    def read(self, config: Mapping[str, Any], folder: Path) -> ModelSpec:
+    def read(self, config: Mapping[str, Any], folder: Path) -> HiggsArchitecture:
         shape = read_llama_shape(config, folder)
-        return ModelSpec(shape, read_audio_spec(config, folder))
+        return HiggsArchitecture(shape, read_audio_spec(config, folder))
 
-    def expected_weights(self, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-        assert spec.audio is not None
+    def expected_weights(self, spec: Architecture) -> dict[str, tuple[int, ...]]:
+        assert isinstance(spec, HiggsArchitecture)
         shape, audio = spec.shape, spec.audio
         c, inter = shape.hidden_size, shape.intermediate_size
         frame = audio.num_codebooks * audio.codebook_size
@@ -102,11 +109,11 @@ class HiggsAudioV2Family(Family):
             names.update({f"model.layers.{i}.{k}": v for k, v in per_layer.items()})
         return names
 
-    def build(self, spec: ModelSpec, max_positions: int, tp: TensorParallel) -> Llama:
-        assert spec.audio is not None
+    def build(self, spec: Architecture, max_positions: int, tp: TensorParallel) -> HiggsAudioV2:
+        assert isinstance(spec, HiggsArchitecture)
         return HiggsAudioV2(spec.shape, spec.audio, max_positions=max_positions, tp=tp)
 
-    def load(self, model: Llama, tensors: TensorSource, spec: ModelSpec) -> None:
+    def load(self, model: FamilyModel, tensors: TensorSource, spec: Architecture) -> None:
         weights = llama_engine_weights(tensors, spec.shape)
 
         def read(name: str) -> Callable[[], torch.Tensor]:

@@ -11,15 +11,25 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from omni_server.engine.config import Llama3RopeScaling, LlamaShape
 from omni_server.engine.errors import CheckpointError
-from omni_server.engine.families.base import Family, LazyWeights, ModelSpec, TensorSource
+from omni_server.engine.families.base import (
+    Architecture,
+    Family,
+    FamilyModel,
+    LazyWeights,
+    ModelSource,
+    TensorSource,
+)
 from omni_server.engine.families.llama.model import Llama
 from omni_server.engine.parallel import TensorParallel
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 # transformers' name of each per-layer tensor -> the engine's (Llama.load_weights names)
 LAYER_TENSORS = {
@@ -161,21 +171,27 @@ class LlamaFamily(Family):
         "lm_head.weight",
         "rotary_emb.inv_freq",
     )  # a tied head saved anyway; old buffers
+    gguf_architecture = "llama"
 
-    def read(self, config: Mapping[str, Any], folder: Path) -> ModelSpec:
-        return ModelSpec(read_llama_shape(config, folder))
+    def read(self, config: Mapping[str, Any], folder: Path) -> Architecture:
+        return Architecture(read_llama_shape(config, folder))
 
-    def expected_weights(self, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    def expected_weights(self, spec: Architecture) -> dict[str, tuple[int, ...]]:
         names = llama_weight_shapes(spec.shape)
         if not spec.shape.tie_word_embeddings:
             names["lm_head.weight"] = (spec.shape.vocab_size, spec.shape.hidden_size)
         return names
 
-    def build(self, spec: ModelSpec, max_positions: int, tp: TensorParallel) -> Llama:
+    def build(self, spec: Architecture, max_positions: int, tp: TensorParallel) -> Llama:
         return Llama(spec.shape, max_positions=max_positions, tp=tp)
 
-    def load(self, model: Llama, tensors: TensorSource, spec: ModelSpec) -> None:
+    def load(self, model: FamilyModel, tensors: TensorSource, spec: Architecture) -> None:
         weights = llama_engine_weights(tensors, spec.shape)
         if not spec.shape.tie_word_embeddings:
             weights.add("lm_head", lambda: tensors("lm_head.weight").float())
         model.load_weights(weights)
+
+    def open_gguf(self, path: Path, reader: GGUFReader, metadata: dict[str, Any]) -> ModelSource:
+        from omni_server.engine.families.llama.gguf import GGUFFile
+
+        return GGUFFile(self, path, reader, metadata)

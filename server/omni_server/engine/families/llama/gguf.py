@@ -1,12 +1,15 @@
 """Reading a llama-architecture GGUF: hyperparameters, tokenizer metadata, dequantized weights.
 
+A GGUF is one more way of reading the llama family's weights (`GGUFFile`, a ModelSource): the
+engine loads it through the same path as a checkpoint folder (engine/loading.py).
+
 Weights come back under this engine's own names (see `llama.Llama.load_weights`) as float32 torch
 tensors in `nn.Linear` layout `[out_features, in_features]`.
 
 Q/K row order: llama.cpp's converter permutes the rows of `attn_q` / `attn_k` so that each head's
 RoPE pairs are adjacent rows (GGML's "normal" rope rotates (x[2i], x[2i+1])), where HF checkpoints
 rotate the two halves of a head (x[i], x[i + d/2]). transformers un-permutes when it reads a GGUF;
-we keep the file's order and rotate adjacent pairs (`llama.apply_rope`). Both compute the same
+we keep the file's order and rotate adjacent pairs (`kernels.apply_rope`). Both compute the same
 attention scores: the permutation is the same for Q and K, and q.k is invariant under it.
 """
 
@@ -21,6 +24,8 @@ import numpy as np
 import torch
 
 from omni_server.engine.config import LlamaShape
+from omni_server.engine.families.base import Architecture, Family, FamilyModel, ModelSource
+from omni_server.engine.tokenizer import GGUFTokenizer
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -153,3 +158,24 @@ def load_gguf(path: Path | str | None = None) -> GGUFModel:
     tied = "lm_head" not in weights
     shape = LlamaShape(**{**shape.__dict__, "tie_word_embeddings": tied})
     return GGUFModel(shape=shape, weights=weights, metadata=metadata)
+
+
+class GGUFFile(ModelSource):
+    """A llama GGUF opened: its shape and tokenizer from the header; its weights dequantized
+    only when the placed module asks for them (a sharing follower never does)."""
+
+    def __init__(
+        self, family: Family, path: Path, reader: GGUFReader, metadata: dict[str, Any]
+    ) -> None:
+        self.family = family
+        self.path = path
+        self.metadata = metadata
+        shape = shape_from_metadata(metadata, path)
+        tied = all(_engine_name(t.name) != "lm_head" for t in reader.tensors)
+        self.spec = Architecture(LlamaShape(**{**shape.__dict__, "tie_word_embeddings": tied}))
+
+    def fill(self, model: FamilyModel) -> None:
+        model.load_weights(load_gguf(self.path).weights)
+
+    def tokenizer(self) -> GGUFTokenizer:
+        return GGUFTokenizer(self.metadata)

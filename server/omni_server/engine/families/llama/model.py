@@ -1,10 +1,11 @@
 """A plain-torch Llama decoder over a flat batch of tokens and a paged KV cache.
 
-RMSNorm, RoPE on adjacent pairs (the GGUF's Q/K row order, see gguf_weights), grouped-query
-attention (attention.py), SwiGLU MLP, tied or separate LM head. Q/K/V and gate/up are fused into
-one matmul each: fewer, larger kernels (what decode speed on CPU and launch count on GPU want).
-Under tensor parallelism (parallel.py) each rank holds its share of the heads and of the MLP and
-one all-reduce closes each half of a block.
+RMSNorm, RoPE on adjacent pairs (the GGUF's Q/K row order, see gguf.py), grouped-query
+attention (attention.py), SwiGLU MLP, tied or separate LM head. The kernels are one backend
+object chosen when the model is placed (kernels.py: CPU, torch, Triton): no layer checks the
+device. Q/K/V and gate/up are fused into one matmul each: fewer, larger kernels (what decode
+speed on CPU and launch count on GPU want). Under tensor parallelism (parallel.py) each rank
+holds its share of the heads and of the MLP and one all-reduce closes each half of a block.
 """
 
 from __future__ import annotations
@@ -14,69 +15,37 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from omni_server.engine import fused, gemv
 from omni_server.engine.attention import ForwardBatch, paged_attention
 from omni_server.engine.config import Llama3RopeScaling, LlamaShape
 from omni_server.engine.head import Head
 from omni_server.engine.huge_pages import pack_parameters
-from omni_server.engine.paged_decode import available as fused_kernels
+from omni_server.engine.kernels import CPU, TorchKernels, kernels_for
 from omni_server.engine.parallel import SINGLE, TensorParallel
 from omni_server.engine.token_head import TokenHead
 
 
 class RMSNorm(nn.Module):
+    kernels: TorchKernels = CPU  # the placed model's backend (Llama.place)
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, C]
-        if x.dtype != torch.float32 and x.is_cuda and fused_kernels() and x.stride(-1) == 1:
-            return fused.rms_norm(x, self.weight, self.eps)  # the 4 kernels below in one
-        if x.dtype == torch.float32 and not x.is_cuda:
-            # F.rms_norm's own arithmetic (it is a composite on the CPU), without its casts
-            # and checks, two of its tensors reused in place: bitwise the same, a third less
-            # time after a matmul has flushed the caches (every call in a decode step)
-            scale = torch.mean(x * x, dim=-1, keepdim=True).add_(self.eps).rsqrt_()
-            return torch.mul(x, scale).mul_(self.weight)
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel
-        # Normalize in float32, then scale in the model dtype, as transformers does.
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        return self.kernels.rms_norm(x, self.weight, self.eps)
 
     def after_add(
         self, delta: torch.Tensor | None, h: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(h + delta, norm(h + delta)); delta None: (h, norm(h)). The residual add that
-        precedes this norm, and the norm: one kernel where the fused kernels run (defers_adds),
-        torch's add then this norm elsewhere (the same roundings)."""
+        precedes this norm, and the norm: one kernel where the backend defers adds
+        (kernels.py), torch's add then this norm elsewhere (the same roundings)."""
         if delta is None:
             return h, self(h)
-        if defers_adds(h):
-            return fused.add_rms_norm(delta, h, self.weight, self.eps)
-        h = h + delta
-        return h, self(h)
-
-
-def defers_adds(h: torch.Tensor) -> bool:
-    """Whether a forward over `h` runs the deferred-add layers (DecoderLayer.forward_deferred):
-    CUDA with the Triton kernels, in bf16/fp16 (fused.add_rms_norm's roundings are torch's
-    there; float32 and the CPU keep the plain layers and their addmm residual)."""
-    return h.is_cuda and h.dtype != torch.float32 and fused_kernels()
-
-
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """F.linear(x, weight) (then cast to out_dtype); on CUDA in bf16 / fp16 with the Triton
-    kernels, through gemv.linear: its kernel for the few-row matmuls it is faster at."""
-    if x.is_cuda and x.dtype != torch.float32 and fused_kernels():
-        return gemv.linear(x, weight, out_dtype)
-    out = F.linear(x, weight)
-    return out if out_dtype is None else out.to(out_dtype)
+        return self.kernels.add_rms_norm(delta, h, self.weight, self.eps)
 
 
 def rope_table(shape: LlamaShape, max_positions: int) -> torch.Tensor:
@@ -105,15 +74,6 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torc
     return torch.where(medium, smoothed, scaled)
 
 
-def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs (x[2i], x[2i+1]) as complex numbers. x [T, N, D]; rope [T, 1, D/2]."""
-    t, n, d = x.shape
-    single = x.dtype == torch.float32  # no cast calls then: each costs a call after a matmul
-    pairs = torch.view_as_complex((x if single else x.float()).view(t, n, d // 2, 2))
-    out = torch.view_as_real(pairs * rope).view(t, n, d)  # [T, N, D/2] complex, as real pairs
-    return out if single else out.to(x.dtype)
-
-
 def sampled_rows(h: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
     """h[logits_indices]. The indices rise (decodes, then each finished chunk's last token),
     so as many as h has rows are all of them in order: h itself, no copy (every decode step)."""
@@ -122,24 +82,10 @@ def sampled_rows(h: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
     return h.index_select(0, logits_indices)
 
 
-def project(
-    x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel, residual: torch.Tensor | None
-) -> torch.Tensor:
-    """x @ weight.T summed over the ranks (a row-parallel matmul), plus `residual` if given.
-
-    One rank on the CPU in float32: the residual add rides in the matmul (addmm, beta = 1), one
-    op and one tensor fewer, the same numbers at decode sizes. Elsewhere the add stays its own
-    op: on CUDA the step's kernels stay what they were, bf16 rounds the product first as
-    transformers does, and under TP the residual must not be summed over the ranks."""
-    if residual is None:
-        return tp.all_reduce(linear(x, weight))
-    if tp.size == 1 and not x.is_cuda and x.dtype == torch.float32:
-        return torch.addmm(residual, x, weight.t())
-    return residual + tp.all_reduce(linear(x, weight))
-
-
 class Attention(nn.Module):
     """`shape` is this rank's share (local heads); the output is summed over the ranks."""
+
+    kernels: TorchKernels = CPU
 
     def __init__(self, shape: LlamaShape, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -163,31 +109,23 @@ class Attention(nn.Module):
         residual: torch.Tensor | None = None,  # [T, C]: added to the output if given
     ) -> torch.Tensor:  # [T, C]
         # The Linear modules hold the weights; calling F.linear skips a module call per matmul.
-        t = x.shape[0]
-        q_size, kv_size, _ = self.split
-        qkv = linear(x, self.wqkv.weight)  # [T, (H + 2 Hkv) D]
-        if qkv.is_cuda and fused_kernels():  # RoPE and both cache writes in one kernel
-            q = fused.rope_kv(qkv, rope, batch.slot_mapping, k_cache, v_cache, self.num_heads)
-            out = paged_attention(q, k_cache, v_cache, batch)
-            return project(out.view(t, -1), self.wo.weight, self.tp, residual)
-        # Q and K heads rotated in one call: [T, H + Hkv, D]
-        qk = apply_rope(qkv[:, : q_size + kv_size].view(t, -1, self.head_dim), rope)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, q_size + kv_size :]
-        # Write first: each token then attends to itself through the cache like any other key.
-        k_cache.index_copy_(0, batch.slot_mapping, k)
-        v_cache.index_copy_(0, batch.slot_mapping, v.view(t, self.num_kv_heads, self.head_dim))
+        t, kernels = x.shape[0], self.kernels
+        qkv = kernels.linear(x, self.wqkv.weight)  # [T, (H + 2 Hkv) D]
+        # RoPE on Q and K, K / V written to the cache (first: each token then attends to
+        # itself through the cache like any other key)
+        q = kernels.rope_and_cache(qkv, rope, batch.slot_mapping, k_cache, v_cache, self.num_heads)
         out = paged_attention(q, k_cache, v_cache, batch)  # [T, H, D]
-        return project(out.view(t, -1), self.wo.weight, self.tp, residual)
+        return kernels.project(out.view(t, -1), self.wo.weight, self.tp, residual)
 
 
 class MLP(nn.Module):
     """`shape` is this rank's share (local width); the output is summed over the ranks."""
 
+    kernels: TorchKernels = CPU
+
     def __init__(self, shape: LlamaShape, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.tp = tp
-        self.intermediate = shape.intermediate_size
         self.w_gate_up = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
         self.w_down = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
 
@@ -196,20 +134,8 @@ class MLP(nn.Module):
         x: torch.Tensor,  # [T, C]
         residual: torch.Tensor | None = None,  # [T, C]: added to the output if given
     ) -> torch.Tensor:  # [T, C]
-        gate_up = linear(x, self.w_gate_up.weight)  # [T, 2I]
-        if gate_up.is_cuda and fused_kernels():
-            down = (
-                None
-                if gate_up.dtype == torch.float32
-                else (gemv.silu_mul_linear(gate_up, self.w_down.weight))
-            )  # the activation inside the few-row matmul, where it takes this one
-            if down is not None:  # project()'s sum over the ranks and residual add
-                down = self.tp.all_reduce(down)
-                return down if residual is None else residual + down
-            return project(fused.silu_mul(gate_up), self.w_down.weight, self.tp, residual)
-        gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]  # [T, I]
-        # in place into silu's output: one tensor fewer, rounded as silu(gate) * up
-        return project(F.silu(gate).mul_(up), self.w_down.weight, self.tp, residual)
+        gate_up = self.kernels.linear(x, self.w_gate_up.weight)  # [T, 2I]
+        return self.kernels.swiglu_down(gate_up, self.w_down.weight, self.tp, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -253,6 +179,7 @@ class Llama(nn.Module):
     text_head = True
     # What a step emits and how it is sampled (head.py): a text token, the vocabulary logits
     head: Head[Any] = TokenHead()
+    kernels: TorchKernels = CPU  # set with the device (place, adopt): kernels.py
 
     def __init__(self, shape: LlamaShape, max_positions: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -284,7 +211,7 @@ class Llama(nn.Module):
         rope = self.rope_rows(batch.positions)  # [T, 1, D/2]
         h = self.final_hidden(h, rope, batch, k_caches, v_caches)  # [R, C]: the head only there
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return linear(h, head, torch.float32)
+        return self.kernels.linear(h, head, torch.float32)
 
     def final_hidden(
         self,
@@ -297,7 +224,7 @@ class Llama(nn.Module):
         rows = batch.logits_indices
         decoder = cast(list[DecoderLayer], list(self.layers))
         layers = zip(decoder, k_caches, v_caches, strict=True)
-        if not defers_adds(h):
+        if not self.kernels.defers_adds(h):
             for layer, k_cache, v_cache in layers:
                 h = layer(h, rope, k_cache, v_cache, batch)
             return self.norm(sampled_rows(h, rows))
@@ -320,6 +247,7 @@ class Llama(nn.Module):
         On the CPU the weights go into one buffer of huge pages (huge_pages.py), the wide
         matmul weights by columns if `cpu_weight_order` is "columns" (EngineConfig)."""
         self.rope = self.rope.to(device)
+        self.use_kernels(kernels_for(device))
         if torch.device(device).type == "cpu":
             by_columns = self.matmul_weights() if cpu_weight_order == "columns" else set()
             pack_parameters(self, dtype, by_columns)
@@ -332,6 +260,21 @@ class Llama(nn.Module):
                 else:
                     p.data = p.data.to(device=device, dtype=dtype)
         return self
+
+    def adopt(self, weights: Mapping[str, torch.Tensor], device: torch.device | str) -> Llama:
+        """Make `weights` the parameters themselves (no copy: a sharing follower's tensors alias
+        its leader's memory; the caller checked names, shapes, dtype and device), the RoPE
+        table and the kernels on `device`."""
+        self.load_state_dict(dict(weights), strict=True, assign=True)
+        self.rope = self.rope.to(device)
+        self.use_kernels(kernels_for(device))
+        return self
+
+    def use_kernels(self, kernels: TorchKernels) -> None:
+        """Every module of the model calls `kernels` (chosen once, for the device)."""
+        for module in self.modules():
+            if isinstance(module, (Llama, RMSNorm, Attention, MLP)):
+                module.kernels = kernels
 
     def matmul_weights(self) -> set[str]:
         """The parameters a step multiplies by: every Linear's, and the embedding where the
