@@ -31,6 +31,7 @@ from omni_server.compiler.schema import (
     check_fields,
     field_value,
 )
+from omni_server.engine_config import EngineConfigError, check_table
 
 DEFAULT_BACKEND_FILE = "model.py"
 IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -102,7 +103,7 @@ def parse_stage(rs: RawStage) -> StageSpec:
         stream_to=stream_to,
         process_local=process_local,
         scheduler=scheduler,
-        engine=_engine(data),
+        engine=_engine(data, fail),
         timeout_s=float(data["timeout_s"]) if "timeout_s" in data else None,
         sampling=_sampling(data.get("sampling", {})),
         voice_cloning=bool(_value(data, "voice_cloning")),
@@ -177,10 +178,14 @@ def _fan_in(data: dict[str, Any], fail: _Fail) -> tuple[tuple[str, ...], str | N
     return wait_for, merge
 
 
-def _engine(data: dict[str, Any]) -> EngineSpec | None:
+def _engine(data: dict[str, Any], fail: _Fail) -> EngineSpec | None:
     if "engine" not in data:
         return None
     table = data["engine"]
+    try:  # each field is checked already; here the rules across fields, EngineConfig's own
+        check_table(table)
+    except EngineConfigError as err:
+        raise fail(f"engine.{err.field}", err.problem) from None
     return EngineSpec(
         max_total_tokens=field_value(table, ENGINE_FIELDS, "max_total_tokens"),
         settings=freeze(table),

@@ -8,10 +8,11 @@ rules live in the compiler (`compiler`, `graph`, `placement`).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 
 from omni_server.compiler.errors import RepositoryError
 from omni_server.compiler.plan import BindingPolicy, MpsMode, SchedulerKind
+from omni_server.engine_config import field_problem, table_fields
 
 
 class Kind(StrEnum):
@@ -45,6 +47,9 @@ class Field:
     minimum: float | None = None  # ints and numbers: smallest valid value
     maximum: float | None = None  # ints and numbers: largest valid value
     fraction: bool = False  # numbers: must lie in (0, 1]
+    # the check, where another module declares the field ([engine]: engine_config.py), with
+    # that module's message; None: this table's kind and range
+    rule: Callable[[Any], str | None] | None = None
 
     @property
     def expected(self) -> str:
@@ -61,6 +66,8 @@ class Field:
 
     def check(self, value: Any) -> str | None:
         """None when `value` (as TOML gives it) is valid for this field, else what was wrong."""
+        if self.rule is not None:
+            return self.rule(value)
         ok = _TYPE_CHECKS[self.kind](value)
         if ok and self.kind is Kind.ENUM:
             ok = value in self.choices
@@ -191,44 +198,29 @@ SCHEDULER_FIELDS = _fields(
     ),
 )
 
-ENGINE_FIELDS = _fields(
-    Field(
-        "max_total_tokens",
-        Kind.INT,
-        "pinned KV token budget of the engine (absent: sized from gpu_memory_fraction on a "
-        "GPU, else the engine's 16384); weight_share = on requires it",
-        minimum=1,
-    ),
-    Field("max_batch_size", Kind.INT, "most requests in one engine step", minimum=1),
-    Field(
-        "max_step_tokens",
-        Kind.INT,
-        "tokens in one forward: decodes first, prefill chunks fill the rest",
-        minimum=2,
-    ),
-    Field("max_seq_len", Kind.INT, "longest prompt + completion of one request", minimum=2),
-    Field("block_size", Kind.INT, "tokens per KV cache block", minimum=1),
-    Field("dtype", Kind.ENUM, "weights and KV cache", choices=("float32", "bfloat16", "float16")),
-    Field("cuda_graphs", Kind.BOOL, "capture decode steps in CUDA graphs (GPU stages)"),
-    Field("compile", Kind.BOOL, "torch.compile the model's forward"),
-    Field(
-        "playback_order",
-        Kind.BOOL,
-        "a full step is ordered by media requests' listener deadlines (false: the plain order)",
-    ),
-    Field(
-        "cpu_weight_order",
-        Kind.ENUM,
-        "float32 CPU weights wider than deep stored by rows, or by columns (fast at one row)",
-        choices=("rows", "columns"),
-    ),
-    Field(
-        "overlap_decode",
-        Kind.ENUM,
-        "launch a greedy decode step before the previous step's tokens are read",
-        choices=("auto", "on", "off"),
-    ),
-)
+_ENGINE_KINDS = {"int": Kind.INT, "bool": Kind.BOOL, "choice": Kind.ENUM}
+
+
+def _engine_fields() -> Mapping[str, Field]:
+    """[engine]: EngineConfig's table fields (engine_config.py, the one declaration): its kinds
+    type command-line overrides, its checks and messages judge the values."""
+    fields = []
+    for f in table_fields():
+        meta = f.metadata
+        fields.append(
+            Field(
+                f.name,
+                _ENGINE_KINDS[meta["kind"]],
+                meta["doc"],
+                choices=meta["choices"],
+                minimum=meta["minimum"] if meta["kind"] == "int" else None,
+                rule=functools.partial(field_problem, f.name),
+            )
+        )
+    return _fields(*fields)
+
+
+ENGINE_FIELDS = _engine_fields()
 
 # A request's sampling defaults: what the stage that reads a chat request's sampling fields (a
 # model's entry) gives a request that leaves one out, as vLLM applies a model's
