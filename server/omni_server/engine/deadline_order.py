@@ -47,7 +47,7 @@ from omni_server.engine.step_cost import StepCost
 SLACK_S = 1.0
 
 
-class Batcher(Protocol):
+class BatcherView(Protocol):
     """What the order reads and moves of the batcher (batcher.py) it fills a step for."""
 
     config: EngineConfig
@@ -86,7 +86,7 @@ def rank(seq: Sequence, now: float, margin_s: float) -> tuple[int, float, int]:
     return (0 if deadline - now < margin_s else 2, deadline, seq.arrival)
 
 
-def ordered_batch(batcher: Batcher, now: float, margin_s: float) -> StepBatch | None:
+def ordered_batch(batcher: BatcherView, now: float, margin_s: float) -> StepBatch | None:
     """The next step's batch filled in playback order (the module docstring)."""
     config, allocator, cost = batcher.config, batcher.allocator, batcher.cost
     order = sorted([*batcher.running, *batcher.waiting], key=lambda s: rank(s, now, margin_s))
@@ -145,7 +145,7 @@ def ordered_batch(batcher: Batcher, now: float, margin_s: float) -> StepBatch | 
     return StepBatch(decodes, prefills)
 
 
-def _absorbable(batcher: Batcher, now: float, margin_s: float) -> float:
+def _absorbable(batcher: BatcherView, now: float, margin_s: float) -> float:
     """The cost a step may have before the tightest started stream's listener runs out (its
     lead less the margin, over the measured seconds a cost unit takes); inf: no stream has
     started, or no step was measured yet."""
@@ -161,7 +161,11 @@ def _absorbable(batcher: Batcher, now: float, margin_s: float) -> float:
 
 
 def _room_to_decode(
-    batcher: Batcher, seq: Sequence, order: list[Sequence], chosen: set[int], preempted: set[int]
+    batcher: BatcherView,
+    seq: Sequence,
+    order: list[Sequence],
+    chosen: set[int],
+    preempted: set[int],
 ) -> bool:
     """KV for `seq`'s next token, preempting the running request that comes last in `order`
     and is not in the batch yet (possibly `seq` itself: then False)."""
@@ -180,7 +184,7 @@ def _room_to_decode(
     return True
 
 
-def _may_admit(batcher: Batcher, seq: Sequence, now: float) -> bool:
+def _may_admit(batcher: BatcherView, seq: Sequence, now: float) -> bool:
     """Room among the running requests: under max_batch_size, or (a media request) fewer than
     max_batch_size of them without SLACK_S of lead to give."""
     running, limit = batcher.running, batcher.config.max_batch_size
