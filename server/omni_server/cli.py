@@ -26,6 +26,7 @@ from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.errors import RepositoryError
 from omni_server.compiler.plan import Plan
 from omni_server.compiler.render import config_json, config_toml, topology_text
+from omni_server.gpu.devices import discover
 from omni_server.serve.options import ServeOptions
 from omni_server.serve.voice_store import DataDirError, default_data_dir, prepare_dir
 
@@ -426,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _resolve(args: list[str]) -> int:
     opts, overrides = _resolve_parser().parse_known_args(args)
-    plan = compile_repository(opts.repo, overrides)
+    plan = compile_repository(opts.repo, overrides, discover(os.environ).facts())
     if opts.show in (None, "config"):
         print(config_json(plan) if opts.format == "json" else config_toml(plan), end="")
         if opts.format == "json":
@@ -442,7 +443,10 @@ def _serve(args: list[str]) -> int:
     opts, overrides = _serve_parser().parse_known_args(args)
     options = _serve_options(opts)
     _check_control(opts)
-    plan = compile_repository(opts.repo, overrides)
+    # the machine is asked once: the plan is compiled for it (device = "auto") and the runtime
+    # places stages on it
+    machine = discover(os.environ)
+    plan = compile_repository(opts.repo, overrides, machine.facts())
     for name in opts.load_model:
         if name != "*" and plan.model(name) is None:
             raise RepositoryError(
@@ -455,6 +459,7 @@ def _serve(args: list[str]) -> int:
         "load_models": tuple(opts.load_model),
         "poll_s": opts.repository_poll_secs,
         "overrides": tuple(overrides),
+        "machine": machine,
     }
     return _start_server(plan, opts.host, opts.port, options, control)
 
