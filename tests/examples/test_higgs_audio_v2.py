@@ -69,6 +69,16 @@ GREEDY = ["--stages.tts_engine.parameters.ras_window", "0",
           "--stages.tts_engine.parameters.max_audio_seconds", str(MAX_FRAMES / 25)]  # fmt: skip
 
 
+@pytest.fixture(scope="module", autouse=True)
+def on_the_cpu() -> Iterator[None]:
+    """The example places itself on a GPU where there is one (bf16); these tests compare its
+    fp32 CPU run with the reference, so every server and compile here sees no GPU
+    (test_higgs_gpu_placement.py serves it on the GPU)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")
+        yield
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from omni_bench.random_checkpoint import write_higgs_audio_v2
