@@ -35,7 +35,8 @@ API_KEY_ENV = "OMNI_SERVER_API_KEY"
 
 OVERRIDES_HELP = """\
 overrides:
-  --stages.<stage>.<field> VALUE       a stage.toml field (process, gpu, next, ...)
+  --stages.<stage>.<field> VALUE       a stage.toml field (process, device, gpu, next, ...);
+                                       --stages.<stage>.device cpu|gpu|auto moves a stage
   --stages.<stage>.max_batch_size N    [scheduler] fields (also --stages.<stage>.scheduler.<f>)
   --stages.<stage>.max_total_tokens N  [engine] fields (also --stages.<stage>.engine.<f>)
   --stages.<stage>.parameters.<key> V  free-form [parameters] (V read as a TOML value)
