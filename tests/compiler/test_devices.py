@@ -122,7 +122,9 @@ def test_auto_needs_every_gpu_of_the_stage(tmp_path: Path) -> None:
     assert compile_repository(root, machine=MachineFacts(gpus=2)).stages["synth"].gpu == (0, 1)
     plan = compile_repository(root, machine=ONE_GPU)
     assert plan.stages["synth"].gpu == () and plan.stages["synth"].tp_size == 2
-    assert 'synth   : cpu  (device = "auto": needs 2 GPUs, 1 GPU found)' in topology_text(plan)
+    assert 'synth   : cpu  (device = "auto": 1 GPU found, not every one it needs)' in topology_text(
+        plan
+    )
     root = _repo(tmp_path / "ids", 'device = "auto"\ngpu = 1\n')
     assert compile_repository(root, machine=ONE_GPU).stages["synth"].gpu == ()
     assert compile_repository(root, machine=MachineFacts(gpus=2)).stages["synth"].gpu == (1,)
@@ -196,3 +198,16 @@ def test_a_gpu_asked_for_on_a_machine_without_one_exits_1_naming_the_stage(
     root = _repo(tmp_path, 'device = "gpu"\n')
     line = failed_start_line(root)
     assert "stage synth (synth@r0) wants cuda:0, but this machine has no usable CUDA GPU" in line
+
+
+def test_a_group_model_control_loads_keeps_the_machine_and_the_parameters() -> None:
+    """Model control starts each group of models from a subplan: it runs on the machine the
+    plan was compiled for, with the repository's [parameters] (the checkpoint)."""
+    from omni_server.compiler.partition import groups, subplan
+
+    plan = compile_repository(HIGGS, ["--parameters.checkpoint", "/ckpt"], machine=ONE_GPU)
+    ((models, stages),) = groups(plan, plan.models)
+    part = subplan(plan, models, stages)
+    assert part.machine == ONE_GPU and part.on_gpu_applied
+    assert part.parameters == {"checkpoint": "/ckpt"}
+    assert part.stages["tts_engine"].gpu == (0,)

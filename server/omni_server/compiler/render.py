@@ -188,7 +188,7 @@ def topology_text(plan: Plan) -> str:
 def _device_choice(plan: Plan, spec: StageSpec) -> str:
     """`cuda:0 bfloat16  (device = "auto": 1 GPU found; [on_gpu] applied)`."""
     ids = list(
-        dict.fromkeys(d for i in plan.instances for s, d in i.devices.items() if s == spec.name)
+        dict.fromkeys(i.devices[spec.name] for i in plan.instances if spec.name in i.devices)
     )
     where = ", ".join("cpu" if d is None else f"cuda:{d}" for d in ids)
     dtype = spec.engine.settings.get("dtype") if spec.engine is not None else None
@@ -200,9 +200,9 @@ def _device_choice(plan: Plan, spec: StageSpec) -> str:
     else:
         reason = f'device = "{spec.device}"'
         if spec.device is DeviceRequest.AUTO:
-            missing = not spec.gpu and machine.gpus > 0
-            wants = f"needs {_gpus(spec.tp_size)}, " if missing else ""
-            reason += f": {wants}{machine.describe()}"
+            reason += f": {machine.describe()}"
+            if not spec.gpu and machine.gpus > 0:
+                reason += ", not every one it needs"
         reasons = [reason]
     if spec.gpu and not machine.has_gpus(spec.gpu):
         reasons.append(f"not on this machine: {machine.describe()}")
@@ -216,10 +216,6 @@ def _device_choice(plan: Plan, spec: StageSpec) -> str:
 
 def _one(ids: tuple[int, ...]) -> int | list[int]:
     return ids[0] if len(ids) == 1 else list(ids)
-
-
-def _gpus(count: int) -> str:
-    return "1 GPU" if count == 1 else f"{count} GPUs"
 
 
 def _placement(inst: ProcessInstance) -> str:
