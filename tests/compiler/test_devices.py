@@ -211,3 +211,18 @@ def test_a_group_model_control_loads_keeps_the_machine_and_the_parameters() -> N
     assert part.machine == ONE_GPU and part.on_gpu_applied
     assert part.parameters == {"checkpoint": "/ckpt"}
     assert part.stages["tts_engine"].gpu == (0,)
+
+
+def test_replica_devices_of_auto_stages_belong_in_on_gpu(tmp_path: Path) -> None:
+    replicas = "[processes.synth]\nnum_replicas = 2\nreplica_devices = [0, 0]\n"
+    root = _repo(tmp_path, 'device = "auto"\ngpu_memory_fraction = 0.4\n', replicas)
+    with pytest.raises(RepositoryError, match=r"\[on_gpu.processes.synth\]"):
+        compile_repository(root, machine=NO_GPU)
+    root = _repo(
+        tmp_path / "on_gpu",
+        'device = "auto"\ngpu_memory_fraction = 0.4\n',
+        "[on_gpu.processes.synth]\nnum_replicas = 2\nreplica_devices = [0, 0]\n",
+    )
+    assert compile_repository(root, machine=NO_GPU).processes["synth"].num_replicas == 1
+    plan = compile_repository(root, machine=ONE_GPU)
+    assert [i.devices["synth"] for i in plan.instances_of("synth")] == [0, 0]
