@@ -94,7 +94,7 @@ class MachineFacts:
         return bool(ids) and max(ids) < self.gpus
 
     def describe(self) -> str:
-        """ "1 GPU found", "no GPU found": the fact behind a `device = "auto"` choice."""
+        """The fact behind a `device = "auto"` choice: `1 GPU found`, `no GPU found`."""
         if self.gpus == 0:
             return "no GPU found"
         return f"{self.gpus} GPU{'s' if self.gpus > 1 else ''} found"
