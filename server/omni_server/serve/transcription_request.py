@@ -117,6 +117,7 @@ class Form:
     fields: dict[str, list[str]] = field(default_factory=dict)
     file: bytes | None = None
     filename: str | None = None
+    file_part: str = "file"  # the name the file part had (a voice's clip: `audio_sample`)
 
     def one(self, name: str) -> str | None:
         values = self.fields.get(name)
@@ -126,7 +127,7 @@ class Form:
         """The form as TranscriptionForm reads it: `include[]` parts (or `include` parts) are
         one array, `chunking_strategy[type]` is part of `chunking_strategy`, the last of
         repeated parts wins, and an empty part is a field left out."""
-        values: dict[str, Any] = {} if self.file is None else {"file": self.file}
+        values: dict[str, Any] = {} if self.file is None else {self.file_part: self.file}
         for name, parts in self.fields.items():
             base = name.split("[", 1)[0]
             sent = [part for part in parts if part]
@@ -137,9 +138,14 @@ class Form:
         return values
 
 
-async def read_form(request: web.Request, max_file_bytes: int = MAX_FILE_BYTES) -> Form:
+async def read_form(
+    request: web.Request,
+    max_file_bytes: int = MAX_FILE_BYTES,
+    file_parts: tuple[str, ...] = ("file",),
+) -> Form:
     """The multipart form, read within the limits (see the module docstring); the file part
-    within `max_file_bytes` (other forms with a file part, custom voices' clips, share it)."""
+    (named one of `file_parts`) within `max_file_bytes` (other forms with a file part, custom
+    voices' clips, share it)."""
     if request.content_type != "multipart/form-data":
         raise ApiError(
             400,
@@ -179,15 +185,15 @@ async def read_form(request: web.Request, max_file_bytes: int = MAX_FILE_BYTES) 
                 f"the file's name must be at most {MAX_FILENAME_CHARS} characters with no "
                 "control characters",
             )
-        if name == "file":
+        if name in file_parts:
             if form.file is not None:
-                raise invalid_field("file", "the form has more than one 'file' part")
+                raise invalid_field(name, f"the form has more than one file part ({name})")
             form.file = await _read_part(
                 part,
                 max_file_bytes,
-                on_over=lambda: _too_large("the file is larger", max_file_bytes),
+                on_over=lambda name=name: _too_large("the file is larger", max_file_bytes, name),
             )
-            form.filename = part.filename
+            form.filename, form.file_part = part.filename, name
         else:
             data = await _read_part(part, MAX_FIELD_BYTES, on_over=_field_too_large(name))
             try:
@@ -218,11 +224,11 @@ def _plain_text(text: str, limit: int) -> bool:
     return len(text) <= limit and not any(ord(c) < 0x20 or ord(c) == 0x7F for c in text)
 
 
-def _too_large(what: str, limit: int) -> ApiError:
+def _too_large(what: str, limit: int, param: str = "file") -> ApiError:
     return ApiError(
         413,
         f"{what} than the limit; uploads are limited to {limit} bytes ({limit / 2**20:g} MiB)",
-        param="file",
+        param=param,
         code="request_too_large",
     )
 

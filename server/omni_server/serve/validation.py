@@ -114,7 +114,7 @@ def _describe(error: ErrorDetails) -> tuple[str, str]:
         return "invalid_value", f"must be one of {choices}; got {error['input']!r}"
     if kind == "too_short" and ctx.get("min_length") == 1:
         return "empty_array", "is empty; send at least one item"
-    if kind == "string_too_long":
+    if kind == "string_too_long" or (kind == "too_long" and isinstance(error["input"], str)):
         return (
             "string_above_max_length",
             f"is {len(error['input'])} characters long; at most {ctx.get('max_length')} are "
