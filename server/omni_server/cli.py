@@ -23,7 +23,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from omni_server import __version__
+from omni_server.cli_help import ENDPOINTS_HELP, OVERRIDES_HELP, add_version
 from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.errors import RepositoryError
 from omni_server.compiler.plan import Plan
@@ -33,41 +33,6 @@ from omni_server.serve.voice_store import DataDirError, default_data_dir, prepar
 
 EXIT_INVALID = 2
 API_KEY_ENV = "OMNI_SERVER_API_KEY"
-
-OVERRIDES_HELP = """\
-overrides:
-  --stages.<stage>.<field> VALUE       a stage.toml field (process, gpu, next, ...)
-  --stages.<stage>.max_batch_size N    [scheduler] fields (also --stages.<stage>.scheduler.<f>)
-  --stages.<stage>.max_total_tokens N  [engine] fields (also --stages.<stage>.engine.<f>)
-  --stages.<stage>.parameters.<key> V  free-form [parameters] (V read as a TOML value)
-  --processes.<name>.<field> VALUE     num_replicas, replica_devices, binding
-  --models.<id>.<field> VALUE          entry, tasks, aliases, voices, default_voice, ...
-  --server.<field> VALUE               mps, weight_share, gpu_memory_limit, stage_timeout_s
-  --parameters.<key> VALUE             repository.toml's [parameters], which every stage
-                                       sees (a checkpoint path, ...)
-  Also --path=VALUE. Lists: comma-separated (1,2) or JSON ([1, 2]); booleans: true / false.
-  Every field: docs/repository.md.
-"""
-
-ENDPOINTS_HELP = """endpoints (docs/serving.md), as each model's tasks in repository.toml allow:
-  POST /v1/audio/speech                  text to speech (OpenAI's; whole or streamed)
-  POST /v1/audio/transcriptions          speech to text (OpenAI's multipart form)
-  POST /v1/chat/completions              chat, text or text and audio out, audio in
-  GET  /v1/realtime                      WebSocket: OpenAI's realtime voice sessions
-  GET  /v1/audio/speech/stream-input     WebSocket: text in as it is written, audio out
-  GET|POST /v1/audio/voices, DELETE /v1/audio/voices/{id}
-                                         the models' voices; custom voices (cloning models)
-  GET  /v1/models, /v1/models/{id}       the served models
-  GET  /health, /health/live, /health/ready, /metrics (Prometheus), /openapi.json,
-       / (the browser playground)
-  POST /v2/repository/...                Triton's model repository API (load, unload)
-"""
-
-
-def _add_version(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--version", action="version", version=f"%(prog)s {__version__}", help="print the version"
-    )
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -89,7 +54,7 @@ def _serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repo", required=True, metavar="DIR", help="the repository folder")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to bind (8000)")
-    _add_version(parser)
+    add_version(parser)
     _add_serve_options(parser)
     return parser
 
