@@ -5,6 +5,7 @@ downloaded here: every check and speed run starts from one of these).
     omni-bench random-checkpoint higgs-audio-v2 --size tiny --out DIR   # CPU tests, ~3 MB
     omni-bench random-checkpoint higgs-audio-v2 --size full --out DIR   # the real shapes (GPU)
     omni-bench random-checkpoint llama --size tiny --out DIR
+    omni-bench random-checkpoint qwen3-omni --size tiny --out DIR     # see random_qwen3_omni.py
 
 higgs-audio-v2 writes what `HiggsAudioV2ForConditionalGeneration.from_pretrained(DIR)` and
 `HiggsAudioV2Processor.from_pretrained(DIR)` load: config.json, generation_config.json,
@@ -34,7 +35,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("higgs-audio-v2", "llama")
+FAMILIES = ("higgs-audio-v2", "llama", "qwen3-omni")
 SIZES = ("tiny", "full")
 SHARD_BYTES = 4 << 30
 
@@ -235,14 +236,12 @@ def write_random_weights(
     `draw_on` "cuda": drawn on the GPU (seconds instead of minutes for the full size; other
     values than the CPU's for the same seed)."""
     import torch
-    from safetensors.torch import save_file
 
     with torch.device("meta"):
         model = model_class(config)
     torch_dtype = getattr(torch, dtype)
     gen = torch.Generator(device=draw_on).manual_seed(seed)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = total = 0
+    tensors: dict[str, torch.Tensor] = {}
     for name, meta in model.state_dict().items():
         if name.endswith("norm.weight") or "layernorm" in name:
             value = torch.ones(meta.shape, dtype=torch_dtype)
@@ -258,11 +257,23 @@ def write_random_weights(
             value = torch.zeros(
                 meta.shape, dtype=meta.dtype if not meta.is_floating_point() else torch_dtype
             )
+        tensors[name] = value.contiguous()
+    return save_sharded(tensors, out)
+
+
+def save_sharded(tensors: dict[str, Any], out: Path) -> int:
+    """`tensors` into out/model.safetensors, or shards of at most 4 GiB + the index past that
+    (the published layout). Returns the bytes written."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, Any]] = [{}]
+    size = total = 0
+    for name, value in tensors.items():
         nbytes = value.numel() * value.element_size()
         if size and size + nbytes > SHARD_BYTES:
             shards.append({})
             size = 0
-        shards[-1][name] = value.contiguous()
+        shards[-1][name] = value
         size += nbytes
         total += nbytes
     if len(shards) == 1:
@@ -519,7 +530,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     dtype = args.dtype or ("float32" if args.size == "tiny" else "bfloat16")
-    write = write_higgs_audio_v2 if args.family == "higgs-audio-v2" else write_llama
+    from omni_bench.random_qwen3_omni import write_qwen3_omni
+
+    write = {"higgs-audio-v2": write_higgs_audio_v2, "llama": write_llama,
+             "qwen3-omni": write_qwen3_omni}[args.family]  # fmt: skip
     out = write(args.out, args.size, dtype, args.seed, args.draw_on)
     files = sorted(p for p in out.rglob("*") if p.is_file())
     total = sum(p.stat().st_size for p in files)
