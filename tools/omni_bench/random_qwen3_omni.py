@@ -45,14 +45,40 @@ CORPUS = (
 
 # Qwen's special tokens by offset from the base vocabulary (151643 in the published tokenizer).
 SPECIAL_NAMES = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
-    "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>",
-    "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
-    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
-    "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
-    "<think>", "</think>", "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>",
-    "<tts_text_eod>", "<tts_text_bos_single>", "<|audio_pad|>",
-]  # fmt: skip
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+    "<|audio_start|>",
+    "<|audio_end|>",
+    "<tts_pad>",
+    "<tts_text_bos>",
+    "<tts_text_eod>",
+    "<tts_text_bos_single>",
+    "<|audio_pad|>",
+]
 SPECIAL = {name: offset for offset, name in enumerate(SPECIAL_NAMES)}
 SPECIAL_SLOTS = 64  # ids reserved past the base for special tokens (the tail is unused)
 
@@ -77,8 +103,14 @@ CHAT_TEMPLATE = """{%- for message in messages -%}
 # The talker's codec vocabulary past the codebook, by offset from the codebook size (2048
 # published): pad +100, bos +101, eos +102, no-think +107, think bos / eos +108 / +109,
 # speakers from +253. The last 1024 ids of the vocabulary are specials.
-CODEC_SPECIAL = {"pad": 100, "bos": 101, "eos": 102, "nothink": 107, "think_bos": 108,
-                 "think_eos": 109}  # fmt: skip
+CODEC_SPECIAL = {
+    "pad": 100,
+    "bos": 101,
+    "eos": 102,
+    "nothink": 107,
+    "think_bos": 108,
+    "think_eos": 109,
+}
 SPEAKERS = {"chelsie": 253, "ethan": 254, "aiden": 255}
 
 
@@ -88,56 +120,143 @@ def shapes(size: str) -> dict[str, Any]:
         text_vocab = 151643 + 421  # 152064
         thinker_hidden, codebook, groups = 2048, 2048, 16
         mrope = [24, 20, 20]
-        text = dict(hidden_size=thinker_hidden, intermediate_size=768, num_hidden_layers=48,
-                    num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                    moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-                    max_position_embeddings=65536)  # fmt: skip
-        audio = dict(d_model=1280, encoder_layers=32, encoder_attention_heads=20,
-                     encoder_ffn_dim=5120, downsample_hidden_size=480, n_window_infer=800)  # fmt: skip
-        vision = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
-                      deepstack_visual_indexes=[8, 16, 24])  # fmt: skip
-        talker = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=20,
-                      num_attention_heads=16, num_key_value_heads=2, head_dim=128,
-                      moe_intermediate_size=384, shared_expert_intermediate_size=768,
-                      num_experts=128, num_experts_per_tok=6)  # fmt: skip
-        predictor = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=5,
-                         num_attention_heads=16, num_key_value_heads=8, head_dim=128)  # fmt: skip
-        code2wav = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
-                        num_key_value_heads=16, intermediate_size=3072, sliding_window=72,
-                        decoder_dim=1536)  # fmt: skip
+        text = dict(
+            hidden_size=thinker_hidden,
+            intermediate_size=768,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            max_position_embeddings=65536,
+        )
+        audio = dict(
+            d_model=1280,
+            encoder_layers=32,
+            encoder_attention_heads=20,
+            encoder_ffn_dim=5120,
+            downsample_hidden_size=480,
+            n_window_infer=800,
+        )
+        vision = dict(
+            depth=27,
+            hidden_size=1152,
+            intermediate_size=4304,
+            num_heads=16,
+            deepstack_visual_indexes=[8, 16, 24],
+        )
+        talker = dict(
+            hidden_size=1024,
+            intermediate_size=2048,
+            num_hidden_layers=20,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=128,
+            moe_intermediate_size=384,
+            shared_expert_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=6,
+        )
+        predictor = dict(
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=5,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+        )
+        code2wav = dict(
+            hidden_size=1024,
+            num_hidden_layers=8,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            intermediate_size=3072,
+            sliding_window=72,
+            decoder_dim=1536,
+        )
         accept_layer = 24
     else:
         text_vocab = 448 + SPECIAL_SLOTS
         thinker_hidden, codebook, groups = 64, 128, 8
         mrope = [4, 2, 2]
-        text = dict(hidden_size=thinker_hidden, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                    moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4,
-                    max_position_embeddings=2048)  # fmt: skip
+        text = dict(
+            hidden_size=thinker_hidden,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            moe_intermediate_size=32,
+            num_experts=16,
+            num_experts_per_tok=4,
+            max_position_embeddings=2048,
+        )
         # n_window_infer 200: attention windows of 26 encoder frames (2 s), so a few-second clip
         # crosses one
-        audio = dict(d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64,
-                     downsample_hidden_size=8, n_window_infer=200)  # fmt: skip
-        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
-                      deepstack_visual_indexes=[0])  # fmt: skip
-        talker = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                      moe_intermediate_size=16, shared_expert_intermediate_size=48,
-                      num_experts=8, num_experts_per_tok=2)  # fmt: skip
-        predictor = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)  # fmt: skip
-        code2wav = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        num_key_value_heads=2, intermediate_size=64, sliding_window=8,
-                        decoder_dim=32)  # fmt: skip
+        audio = dict(
+            d_model=32,
+            encoder_layers=2,
+            encoder_attention_heads=2,
+            encoder_ffn_dim=64,
+            downsample_hidden_size=8,
+            n_window_infer=200,
+        )
+        vision = dict(
+            depth=1, hidden_size=32, intermediate_size=64, num_heads=2, deepstack_visual_indexes=[0]
+        )
+        talker = dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=48,
+            num_experts=8,
+            num_experts_per_tok=2,
+        )
+        predictor = dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+        )
+        code2wav = dict(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            sliding_window=8,
+            decoder_dim=32,
+        )
         accept_layer = 1
-    rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": mrope,
-            "interleaved": True, "mrope_interleaved": True}  # fmt: skip
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 1000000.0,
+        "mrope_section": mrope,
+        "interleaved": True,
+        "mrope_interleaved": True,
+    }
     return {
-        "text_vocab": text_vocab, "thinker_hidden": thinker_hidden, "codebook": codebook,
-        "groups": groups, "rope": rope, "text": text, "audio": audio, "vision": vision,
-        "talker": talker, "predictor": predictor, "code2wav": code2wav,
+        "text_vocab": text_vocab,
+        "thinker_hidden": thinker_hidden,
+        "codebook": codebook,
+        "groups": groups,
+        "rope": rope,
+        "text": text,
+        "audio": audio,
+        "vision": vision,
+        "talker": talker,
+        "predictor": predictor,
+        "code2wav": code2wav,
         "accept_layer": accept_layer,
-    }  # fmt: skip
+    }
 
 
 def build_config(size: str, word_ids: dict[str, int]) -> Any:
@@ -150,43 +269,83 @@ def build_config(size: str, word_ids: dict[str, int]) -> Any:
     ids = {name: base + offset for name, offset in SPECIAL.items()}
     codec_vocab = s["codebook"] + 1024
     codec = {k: s["codebook"] + v for k, v in CODEC_SPECIAL.items()}
-    text = dict(s["text"], vocab_size=s["text_vocab"], rope_parameters=s["rope"],
-                rms_norm_eps=1e-6, norm_topk_prob=True)  # fmt: skip
+    text = dict(
+        s["text"],
+        vocab_size=s["text_vocab"],
+        rope_parameters=s["rope"],
+        rms_norm_eps=1e-6,
+        norm_topk_prob=True,
+    )
     thinker = dict(
         text_config=text,
-        audio_config=dict(s["audio"], num_mel_bins=128, output_dim=s["thinker_hidden"],
-                          n_window=50, max_source_positions=1500),  # fmt: skip
-        vision_config=dict(s["vision"], out_hidden_size=s["thinker_hidden"], patch_size=16,
-                           spatial_merge_size=2, temporal_patch_size=2),  # fmt: skip
-        audio_token_id=ids["<|audio_pad|>"], image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-        audio_start_token_id=ids["<|audio_start|>"], audio_end_token_id=ids["<|audio_end|>"],
-        user_token_id=word_ids["user"], position_id_per_seconds=13,
-    )  # fmt: skip
+        audio_config=dict(
+            s["audio"],
+            num_mel_bins=128,
+            output_dim=s["thinker_hidden"],
+            n_window=50,
+            max_source_positions=1500,
+        ),
+        vision_config=dict(
+            s["vision"],
+            out_hidden_size=s["thinker_hidden"],
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        ),
+        audio_token_id=ids["<|audio_pad|>"],
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        audio_start_token_id=ids["<|audio_start|>"],
+        audio_end_token_id=ids["<|audio_end|>"],
+        user_token_id=word_ids["user"],
+        position_id_per_seconds=13,
+    )
     talker = dict(
-        text_config=dict(s["talker"], vocab_size=codec_vocab, rope_parameters=s["rope"],
-                         norm_topk_prob=False),  # fmt: skip
-        code_predictor_config=dict(s["predictor"], vocab_size=s["codebook"],
-                                   num_code_groups=s["groups"]),  # fmt: skip
-        num_code_groups=s["groups"], thinker_hidden_size=s["thinker_hidden"],
-        accept_hidden_layer=s["accept_layer"], spatial_merge_size=2,
-        codec_pad_id=codec["pad"], codec_bos_id=codec["bos"], codec_eos_token_id=codec["eos"],
-        codec_nothink_id=codec["nothink"], codec_think_bos_id=codec["think_bos"],
+        text_config=dict(
+            s["talker"], vocab_size=codec_vocab, rope_parameters=s["rope"], norm_topk_prob=False
+        ),
+        code_predictor_config=dict(
+            s["predictor"], vocab_size=s["codebook"], num_code_groups=s["groups"]
+        ),
+        num_code_groups=s["groups"],
+        thinker_hidden_size=s["thinker_hidden"],
+        accept_hidden_layer=s["accept_layer"],
+        spatial_merge_size=2,
+        codec_pad_id=codec["pad"],
+        codec_bos_id=codec["bos"],
+        codec_eos_token_id=codec["eos"],
+        codec_nothink_id=codec["nothink"],
+        codec_think_bos_id=codec["think_bos"],
         codec_think_eos_id=codec["think_eos"],
         speaker_id={k: s["codebook"] + v for k, v in SPEAKERS.items()},
-        audio_token_id=ids["<|audio_pad|>"], image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-        audio_start_token_id=ids["<|audio_start|>"], position_id_per_seconds=13,
-    )  # fmt: skip
-    code2wav = dict(s["code2wav"], codebook_size=s["codebook"], num_quantizers=s["groups"],
-                    upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2])  # fmt: skip
+        audio_token_id=ids["<|audio_pad|>"],
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        audio_start_token_id=ids["<|audio_start|>"],
+        position_id_per_seconds=13,
+    )
+    code2wav = dict(
+        s["code2wav"],
+        codebook_size=s["codebook"],
+        num_quantizers=s["groups"],
+        upsample_rates=[8, 5, 4, 3],
+        upsampling_ratios=[2, 2],
+    )
     return Qwen3OmniMoeConfig(
-        thinker_config=thinker, talker_config=talker, code2wav_config=code2wav,
-        im_start_token_id=ids["<|im_start|>"], im_end_token_id=ids["<|im_end|>"],
-        tts_pad_token_id=ids["<tts_pad>"], tts_bos_token_id=ids["<tts_text_bos>"],
-        tts_eos_token_id=ids["<tts_text_eod>"], system_token_id=word_ids["system"],
-        user_token_id=word_ids["user"], assistant_token_id=word_ids["assistant"],
-    )  # fmt: skip
+        thinker_config=thinker,
+        talker_config=talker,
+        code2wav_config=code2wav,
+        im_start_token_id=ids["<|im_start|>"],
+        im_end_token_id=ids["<|im_end|>"],
+        tts_pad_token_id=ids["<tts_pad>"],
+        tts_bos_token_id=ids["<tts_text_bos>"],
+        tts_eos_token_id=ids["<tts_text_eod>"],
+        system_token_id=word_ids["system"],
+        user_token_id=word_ids["user"],
+        assistant_token_id=word_ids["assistant"],
+    )
 
 
 def write_tokenizer(out: Path, vocab_size: int) -> tuple[Any, dict[str, int]]:
@@ -216,14 +375,19 @@ def write_tokenizer(out: Path, vocab_size: int) -> tuple[Any, dict[str, int]]:
     words = {w: tok.encode(w).ids for w in ("system", "user", "assistant")}
     assert all(len(v) == 1 for v in words.values()), f"role words must be one token: {words}"
     fast = Qwen2TokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
         extra_special_tokens={
-            "image_token": "<|image_pad|>", "audio_token": "<|audio_pad|>",
-            "video_token": "<|video_pad|>", "vision_bos_token": "<|vision_start|>",
-            "vision_eos_token": "<|vision_end|>", "audio_bos_token": "<|audio_start|>",
+            "image_token": "<|image_pad|>",
+            "audio_token": "<|audio_pad|>",
+            "video_token": "<|video_pad|>",
+            "vision_bos_token": "<|vision_start|>",
+            "vision_eos_token": "<|vision_end|>",
+            "audio_bos_token": "<|audio_start|>",
             "audio_eos_token": "<|audio_end|>",
         },
-    )  # fmt: skip
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     return fast, {w: v[0] for w, v in words.items()}
@@ -308,8 +472,10 @@ def write_qwen3_omni(
     config = build_config(size, word_ids)
     config.save_pretrained(out)
     im_end = config.im_end_token_id
-    GenerationConfig(eos_token_id=[im_end, config.im_start_token_id - 1],
-                     pad_token_id=config.im_start_token_id - 1).save_pretrained(out)  # fmt: skip
+    GenerationConfig(
+        eos_token_id=[im_end, config.im_start_token_id - 1],
+        pad_token_id=config.im_start_token_id - 1,
+    ).save_pretrained(out)
     with torch.device("meta"):
         model = Qwen3OmniMoeForConditionalGeneration(config)
     tensors = draw_weights(model, seed, getattr(torch, dtype), draw_on)
@@ -328,9 +494,15 @@ def write_preprocessor_config(out: Path) -> None:
     from transformers import Qwen2VLImageProcessorPil, WhisperFeatureExtractor
 
     features = WhisperFeatureExtractor(
-        feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=30, n_fft=400,
-        padding_value=0.0, return_attention_mask=True, dither=0.0,
-    )  # fmt: skip
+        feature_size=128,
+        sampling_rate=16000,
+        hop_length=160,
+        chunk_length=30,
+        n_fft=400,
+        padding_value=0.0,
+        return_attention_mask=True,
+        dither=0.0,
+    )
     images = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2)
     fields = {**images.to_dict(), **features.to_dict()}
     fields.pop("mel_filters", None)  # recomputed from the sizes on load
