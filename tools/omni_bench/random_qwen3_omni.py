@@ -481,7 +481,7 @@ def write_qwen3_omni(
     tensors = draw_weights(model, seed, getattr(torch, dtype), draw_on)
     if size == "tiny":
         scale_code2wav_output(tensors, config)
-    save_sharded(tensors, out)
+    save_sharded(published_names(tensors), out)
     write_preprocessor_config(out)
     return out
 
@@ -510,3 +510,28 @@ def write_preprocessor_config(out: Path) -> None:
     fields["feature_extractor_type"] = "WhisperFeatureExtractor"
     fields["processor_class"] = "Qwen3OmniMoeProcessor"
     (out / "preprocessor_config.json").write_text(json.dumps(fields, indent=2, default=str))
+
+
+def published_names(tensors: dict[str, Any]) -> dict[str, Any]:
+    """transformers' in-memory names -> the published checkpoint's (what its loader converts
+    back): the thinker's text model directly under `thinker.model`, its towers under `thinker`,
+    and every expert its own three matrices (`mlp.experts.{e}.gate_proj.weight`, `up_proj`,
+    `down_proj`) instead of the stacked `gate_up_proj` / `down_proj`."""
+    import re
+
+    out = {}
+    for name, value in tensors.items():
+        name = re.sub(r"^thinker\.model\.language_model\.", "thinker.model.", name)
+        name = re.sub(r"^thinker\.model\.(audio_tower|visual)\.", r"thinker.\1.", name)
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H]: gate rows, then up rows
+            stem, half = name[: -len("gate_up_proj")], value.shape[1] // 2
+            for e in range(value.shape[0]):
+                out[f"{stem}{e}.gate_proj.weight"] = value[e, :half].contiguous()
+                out[f"{stem}{e}.up_proj.weight"] = value[e, half:].contiguous()
+        elif name.endswith("mlp.experts.down_proj"):  # [E, H, I]
+            stem = name[: -len("down_proj")]
+            for e in range(value.shape[0]):
+                out[f"{stem}{e}.down_proj.weight"] = value[e].contiguous()
+        else:
+            out[name] = value
+    return out
