@@ -28,8 +28,9 @@ class Checkpoint:
 def checkpoint(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Checkpoint:
-    from omni_bench.random_qwen3_omni import write_qwen3_omni
     from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
+
+    from omni_bench.random_qwen3_omni import write_qwen3_omni
 
     folder = write_qwen3_omni(
         tmp_path_factory.mktemp("qwen3omni") / "ckpt", "tiny", seed=request.param
