@@ -41,8 +41,14 @@ def feature_extractor(checkpoint: Checkpoint):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("seconds", [0.5, 2.73, 4.0])
 def test_log_mel_matches_the_feature_extractor(feature_extractor, seconds: float) -> None:  # type: ignore[no-untyped-def]
     audio = clip(seconds, 3)
-    theirs = feature_extractor(audio, sampling_rate=16000, padding=True, truncation=False,
-                               return_attention_mask=True, return_tensors="pt")  # fmt: skip
+    theirs = feature_extractor(
+        audio,
+        sampling_rate=16000,
+        padding=True,
+        truncation=False,
+        return_attention_mask=True,
+        return_tensors="pt",
+    )
     ours = log_mel(audio)
     assert ours.shape[1] == frames_for(len(audio)) == int(theirs["attention_mask"].sum())
     torch.testing.assert_close(ours, theirs["input_features"][0], atol=2e-5, rtol=1e-5)
@@ -69,9 +75,15 @@ def test_greedy_text_for_an_audio_prompt_equals_generate(
     audio = clip(2.73, checkpoint.seed)
     features = log_mel(audio)
     count = int(output_lengths(torch.tensor(features.shape[1])))
-    messages = [{"role": "user", "content": [
-        {"type": "audio", "audio": "clip.wav"}, {"type": "text", "text": "What is in this audio clip?"},
-    ]}]  # fmt: skip
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "audio", "audio": "clip.wav"},
+                {"type": "text", "text": "What is in this audio clip?"},
+            ],
+        }
+    ]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     # the processor's expansion: one placeholder per embedding the tower gives
     text = text.replace(tokenizer.audio_token, tokenizer.audio_token * count)
@@ -79,10 +91,15 @@ def test_greedy_text_for_an_audio_prompt_equals_generate(
     eos = checkpoint.reference.generation_config.eos_token_id
     with torch.no_grad():
         theirs = checkpoint.reference.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), return_audio=False,
-            input_features=features[None], feature_attention_mask=torch.ones(1, features.shape[1], dtype=torch.long),
-            thinker_max_new_tokens=NEW_TOKENS, thinker_do_sample=False, thinker_suppress_tokens=eos,
-        )  # fmt: skip
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            return_audio=False,
+            input_features=features[None],
+            feature_attention_mask=torch.ones(1, features.shape[1], dtype=torch.long),
+            thinker_max_new_tokens=NEW_TOKENS,
+            thinker_do_sample=False,
+            thinker_suppress_tokens=eos,
+        )
         thinker = Thinker.from_checkpoint(checkpoint.folder)[0]
         audio_token = tokenizer.audio_token_id
         embeds = thinker.embed(ids, audio_token, tower(features, [features.shape[1]]))

@@ -53,8 +53,10 @@ class EncoderAttention(nn.Module):
         """x [N, d]; bidirectional attention inside each window (lengths summing to N)."""
         n, d = x.shape
         head_dim = d // self.heads
-        q, k, v = (p(x).view(n, self.heads, head_dim).transpose(0, 1) for p in
-                   (self.q_proj, self.k_proj, self.v_proj))  # fmt: skip
+        q, k, v = (
+            p(x).view(n, self.heads, head_dim).transpose(0, 1)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         outs = []
         for qs, ks, vs in zip(*(t.split(windows, dim=1) for t in (q, k, v)), strict=True):
             outs.append(F.scaled_dot_product_attention(qs, ks, vs, scale=head_dim**-0.5))
