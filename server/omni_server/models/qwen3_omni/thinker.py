@@ -14,6 +14,7 @@ Image and video grids (3-D positions) are not implemented here yet.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -143,9 +144,32 @@ def greedy_generate(
 ) -> list[int]:
     """Greedy tokens after the prompt, one KV-cached step each, until a stop id (included) or
     `max_new_tokens`. `suppress_ids` never win (the tests keep EOS out of long runs)."""
+    return greedy_run(thinker, prompt_embeds, max_new_tokens, stop_ids, suppress_ids).tokens
+
+
+@dataclass
+class ThinkerRun:
+    tokens: list[int]  # generated
+    embeds: torch.Tensor  # [1, T + n - 1, hidden]: the input of every position run
+    captured: torch.Tensor | None  # [1, T + n - 1, hidden]: layer `capture_layer`'s input
+
+
+@torch.no_grad()
+def greedy_run(
+    thinker: Thinker,
+    prompt_embeds: torch.Tensor,
+    max_new_tokens: int,
+    stop_ids: tuple[int, ...] = (),
+    suppress_ids: tuple[int, ...] = (),
+    capture_layer: int | None = None,
+) -> ThinkerRun:
+    """`greedy_generate`, keeping what the talker hears: every position's input embedding and
+    the input of layer `capture_layer` (the last generated token is never run)."""
     prompt_len = prompt_embeds.shape[1]
     kv = KVCache.for_decoder(thinker.shape, prompt_len + max_new_tokens)
-    logits, _, _ = thinker(prompt_embeds, prompt_positions(0, prompt_len), kv)
+    embeds = [prompt_embeds]
+    logits, _, captured = thinker(prompt_embeds, prompt_positions(0, prompt_len), kv, capture_layer)
+    taps = [captured]
     tokens: list[int] = []
     while True:
         last = logits[0, -1].clone()
@@ -154,6 +178,10 @@ def greedy_generate(
         token = int(torch.argmax(last))
         tokens.append(token)
         if token in stop_ids or len(tokens) == max_new_tokens:
-            return tokens
-        embeds = thinker.embed_tokens(torch.tensor([[token]]))
-        logits, _, _ = thinker(embeds, prompt_positions(kv.length, 1), kv)
+            break
+        step = thinker.embed_tokens(torch.tensor([[token]]))
+        embeds.append(step)
+        logits, _, captured = thinker(step, prompt_positions(kv.length, 1), kv, capture_layer)
+        taps.append(captured)
+    hidden = None if capture_layer is None else torch.cat([t for t in taps if t is not None], 1)
+    return ThinkerRun(tokens, torch.cat(embeds, dim=1), hidden)

@@ -1,0 +1,103 @@
+"""What crosses the thinker -> talker edge: the talker's prompt, the thinker text it hears one
+step at a time, and the tts pad it hears after that, built from the thinker's inputs and outputs
+as the reference's `generate` builds them (one conversation, no padding).
+
+    user turn(s): every token of a user turn, projected: audio / image / video placeholders
+        through `hidden_projection` of the thinker's layer `accept_hidden_layer` output there,
+        text through `text_projection` of the thinker's input embedding
+    assistant turn (9 positions): text side  = <|im_start|> assistant \\n, 4 x tts_pad,
+        tts_bos, the first generated token; codec side (added) = 0, 0, 0, no-think,
+        think-bos, think-eos, the speaker, codec pad, codec bos
+    trailing text: the generated tokens from the second on (as fed back to the thinker, so the
+        last generated token is not among them), then tts_eos
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from omni_server.models.qwen3_omni.config import Qwen3OmniConfig
+from omni_server.models.qwen3_omni.talker import Talker
+from omni_server.models.qwen3_omni.thinker import Thinker
+
+
+@dataclass
+class TalkerPrompt:
+    prompt: torch.Tensor  # [1, T, talker hidden]
+    trailing_text: torch.Tensor  # [1, n, talker hidden]
+    tts_pad: torch.Tensor  # [1, 1, talker hidden]
+
+
+@torch.no_grad()
+def talker_prompt(
+    config: Qwen3OmniConfig,
+    thinker: Thinker,
+    talker: Talker,
+    prompt_ids: torch.Tensor,  # [1, S]
+    generated: list[int],  # N tokens (the last one, usually EOS, is never fed back)
+    thinker_embeds: torch.Tensor,  # [1, S + N - 1, thinker hidden]: inputs of every position
+    thinker_hidden: torch.Tensor,  # [1, S + N - 1, thinker hidden]: layer accept_hidden_layer
+    speaker: str,
+) -> TalkerPrompt:
+    ids = config.talker_ids
+    speaker_id = ids.speakers.get(speaker.lower())
+    if speaker_id is None:
+        raise ValueError(f"unknown speaker {speaker!r}; this checkpoint has {sorted(ids.speakers)}")
+    s = prompt_ids.shape[1]
+    tokens = prompt_ids[0].tolist()
+    placeholders = {config.audio_token_id, config.image_token_id, config.video_token_id}
+
+    # the user turns: each prompt position's role is the token after the latest <|im_start|>
+    user_positions, role = [], None
+    for i, token in enumerate(tokens):
+        if token == config.im_start_token_id and i + 1 < s:
+            role = tokens[i + 1]
+        if role == config.user_token_id:
+            user_positions.append(i)
+    parts = []
+    for i in user_positions:
+        if tokens[i] in placeholders:
+            parts.append(talker.hidden_projection(thinker_hidden[:, i : i + 1]))
+        else:
+            parts.append(talker.text_projection(thinker_embeds[:, i : i + 1]))
+    user = (
+        torch.cat(parts, dim=1)
+        if parts
+        else thinker_embeds.new_zeros(1, 0, talker.shape.hidden_size)
+    )
+
+    starts = [
+        i
+        for i in range(s - 1)
+        if tokens[i] == config.im_start_token_id and tokens[i + 1] == config.assistant_token_id
+    ]
+    if not starts:
+        raise ValueError("the prompt has no assistant turn (<|im_start|>assistant)")
+    assistant = talker.text_projection(thinker_embeds[:, starts[-1] : s + len(generated)])
+    specials = torch.tensor(
+        [[config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id]]
+    )
+    tts_bos, tts_eos, tts_pad = talker.text_projection(thinker.embed_tokens(specials)).chunk(3, 1)
+    text_side = torch.cat(
+        (assistant[:, :3], tts_pad.expand(1, 4, -1), tts_bos, assistant[:, 3:4]), 1
+    )
+    codec_ids = torch.tensor(
+        [
+            [
+                ids.codec_nothink,
+                ids.codec_think_bos,
+                ids.codec_think_eos,
+                speaker_id,
+                ids.codec_pad,
+                ids.codec_bos,
+            ]
+        ]
+    )
+    codec_side = torch.cat(
+        (text_side.new_zeros(1, 3, text_side.shape[-1]), talker.codec_embedding(codec_ids)), 1
+    )
+    prompt = torch.cat((user, text_side + codec_side), dim=1)
+    trailing = torch.cat((assistant[:, 4:], tts_eos), dim=1)
+    return TalkerPrompt(prompt, trailing, tts_pad)
