@@ -78,6 +78,8 @@ class EncoderLayer(nn.Module):
 
 
 class AudioEncoder(nn.Module):
+    positions: torch.Tensor  # [max_source_positions, d_model] sinusoids
+
     def __init__(self, shape: AudioEncoderShape) -> None:
         super().__init__()
         self.shape = shape

@@ -171,6 +171,8 @@ class TransformerLayer(nn.Module):
 
 
 class PreTransformer(nn.Module):
+    inv_freq: torch.Tensor
+
     def __init__(self, shape: Code2WavShape) -> None:
         super().__init__()
         self.shape = shape
@@ -191,6 +193,8 @@ class PreTransformer(nn.Module):
 
 
 class Code2Wav(nn.Module):
+    code_offset: torch.Tensor  # [1, G, 1]: group g's codes at g * codebook_size
+
     def __init__(self, shape: Code2WavShape) -> None:
         super().__init__()
         self.shape = shape
@@ -198,7 +202,7 @@ class Code2Wav(nn.Module):
         self.code_embedding = nn.Embedding(shape.codebook_size * shape.num_quantizers, h)
         self.pre_transformer = PreTransformer(shape)
         self.upsample = nn.ModuleList(
-            nn.ModuleList([CausalTransposeConv(h, h, r, r), ConvNeXtBlock(h)])
+            nn.Sequential(CausalTransposeConv(h, h, r, r), ConvNeXtBlock(h))
             for r in shape.upsampling_ratios
         )
         dims = [shape.decoder_dim // 2**i for i in range(len(shape.upsample_rates) + 1)]
@@ -233,8 +237,7 @@ class Code2Wav(nn.Module):
         x = self.code_embedding(codes + self.code_offset).mean(1)
         x = self.pre_transformer(x).transpose(1, 2)
         for stage in self.upsample:
-            for module in stage:
-                x = module(x)
+            x = stage(x)
         for module in self.decoder:
             x = module(x)
         return x.clamp(-1.0, 1.0)

@@ -86,6 +86,8 @@ class TalkerState:
 
 
 class Talker(nn.Module):
+    suppressed: torch.Tensor  # [vocab] bool: ids code 0 may never take
+
     def __init__(self, config: Qwen3OmniConfig) -> None:
         super().__init__()
         shape, ids = config.talker, config.talker_ids

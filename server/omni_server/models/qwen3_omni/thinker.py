@@ -42,6 +42,8 @@ def prompt_positions(start: int, count: int) -> torch.Tensor:
 class Decoder(nn.Module):
     """A Qwen3 (MoE) decoder stack over embeddings: the thinker's and the talker's body."""
 
+    inv_freq: torch.Tensor
+
     def __init__(self, shape: DecoderShape) -> None:
         super().__init__()
         self.shape = shape
@@ -112,6 +114,8 @@ class Thinker(nn.Module):
         placeholder tokens (in order; their count must match)."""
         embeds = self.embed_tokens(ids)
         if audio_features is not None:
+            if audio_token_id is None:
+                raise ValueError("audio features given without the audio placeholder token id")
             slots = ids == audio_token_id
             if int(slots.sum()) != audio_features.shape[0]:
                 raise ValueError(
