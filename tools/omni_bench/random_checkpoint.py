@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -261,29 +262,39 @@ def write_random_weights(
     return save_sharded(tensors, out)
 
 
-def save_sharded(tensors: dict[str, Any], out: Path) -> int:
+def save_sharded(tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], out: Path) -> int:
     """`tensors` into out/model.safetensors, or shards of at most 4 GiB + the index past that
-    (the published layout). Returns the bytes written."""
+    (the published layout). Streams: a shard is written as soon as it is full, so an iterable
+    that draws its tensors lazily holds one shard in memory. Returns the bytes written."""
     from safetensors.torch import save_file
 
-    shards: list[dict[str, Any]] = [{}]
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    written: list[tuple[Path, list[str]]] = []
+    shard: dict[str, Any] = {}
     size = total = 0
-    for name, value in tensors.items():
+
+    def flush() -> None:
+        path = out / f".shard-{len(written) + 1}.safetensors.partial"
+        save_file(shard, str(path), metadata={"format": "pt"})
+        written.append((path, list(shard)))
+
+    for name, value in items:
         nbytes = value.numel() * value.element_size()
         if size and size + nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = value
+            flush()
+            shard, size = {}, 0
+        shard[name] = value
         size += nbytes
         total += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+    flush()
+    if len(written) == 1:
+        written[0][0].rename(out / "model.safetensors")
         return total
     weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
+    for i, (path, names) in enumerate(written, 1):
+        file = f"model-{i:05d}-of-{len(written):05d}.safetensors"
+        path.rename(out / file)
+        weight_map.update(dict.fromkeys(names, file))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return total

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -404,8 +405,11 @@ def _fan_in(module: Any, shape: tuple[int, ...]) -> int:
     return shape[-1]  # Linear [out, in]; stacked experts [E, out, in]
 
 
-def draw_weights(model: Any, seed: int, dtype: Any, draw_on: str = "cpu") -> dict[str, Any]:
-    """Random tensors for every entry of `model`'s (meta) state dict (module docstring)."""
+def draw_weights(
+    model: Any, seed: int, dtype: Any, draw_on: str = "cpu"
+) -> Iterator[tuple[str, Any]]:
+    """(name, random tensor) for every entry of `model`'s (meta) state dict, drawn one at a
+    time (module docstring)."""
     import torch
 
     gen = torch.Generator(device=draw_on).manual_seed(seed)
@@ -413,7 +417,6 @@ def draw_weights(model: Any, seed: int, dtype: Any, draw_on: str = "cpu") -> dic
     for mname, module in model.named_modules():
         for pname, _ in module.named_parameters(recurse=False):
             owners[f"{mname}.{pname}" if mname else pname] = module
-    tensors = {}
     for name, meta in model.state_dict().items():
         module = owners.get(name)
         leaf = name.rsplit(".", 1)[-1]
@@ -431,8 +434,7 @@ def draw_weights(model: Any, seed: int, dtype: Any, draw_on: str = "cpu") -> dic
         else:  # matrices, stacked experts [E, out, in], convolutions
             fan_in = _fan_in(module, shape)
             value = torch.randn(shape, generator=gen, device=draw_on).mul_(fan_in**-0.5)
-        tensors[name] = value.to(dtype).cpu().contiguous()
-    return tensors
+        yield name, value.to(dtype).cpu().contiguous()
 
 
 def scale_code2wav_output(tensors: dict[str, Any], config: Any, target_rms: float = 0.1) -> None:
@@ -479,9 +481,11 @@ def write_qwen3_omni(
     with torch.device("meta"):
         model = Qwen3OmniMoeForConditionalGeneration(config)
     tensors = draw_weights(model, seed, getattr(torch, dtype), draw_on)
-    if size == "tiny":
-        scale_code2wav_output(tensors, config)
-    save_sharded(published_names(tensors), out)
+    if size == "tiny":  # all in memory (3 MB) to measure code2wav's output
+        drawn = dict(tensors)
+        scale_code2wav_output(drawn, config)
+        tensors = iter(drawn.items())
+    save_sharded(published_names(tensors), out)  # full: one 4 GiB shard in memory at a time
     write_preprocessor_config(out)
     return out
 
@@ -512,26 +516,24 @@ def write_preprocessor_config(out: Path) -> None:
     (out / "preprocessor_config.json").write_text(json.dumps(fields, indent=2, default=str))
 
 
-def published_names(tensors: dict[str, Any]) -> dict[str, Any]:
+def published_names(tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
     """transformers' in-memory names -> the published checkpoint's (what its loader converts
     back): the thinker's text model directly under `thinker.model`, its towers under `thinker`,
     and every expert its own three matrices (`mlp.experts.{e}.gate_proj.weight`, `up_proj`,
     `down_proj`) instead of the stacked `gate_up_proj` / `down_proj`."""
     import re
 
-    out = {}
-    for name, value in tensors.items():
+    for name, value in tensors:
         name = re.sub(r"^thinker\.model\.language_model\.", "thinker.model.", name)
         name = re.sub(r"^thinker\.model\.(audio_tower|visual)\.", r"thinker.\1.", name)
         if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H]: gate rows, then up rows
             stem, half = name[: -len("gate_up_proj")], value.shape[1] // 2
             for e in range(value.shape[0]):
-                out[f"{stem}{e}.gate_proj.weight"] = value[e, :half].contiguous()
-                out[f"{stem}{e}.up_proj.weight"] = value[e, half:].contiguous()
+                yield f"{stem}{e}.gate_proj.weight", value[e, :half].contiguous()
+                yield f"{stem}{e}.up_proj.weight", value[e, half:].contiguous()
         elif name.endswith("mlp.experts.down_proj"):  # [E, H, I]
             stem = name[: -len("down_proj")]
             for e in range(value.shape[0]):
-                out[f"{stem}{e}.down_proj.weight"] = value[e].contiguous()
+                yield f"{stem}{e}.down_proj.weight", value[e].contiguous()
         else:
-            out[name] = value
-    return out
+            yield name, value

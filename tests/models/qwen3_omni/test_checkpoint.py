@@ -5,8 +5,10 @@ published layout, and our modules read exactly its tensors: tiny (written) and f
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from omni_server.models.qwen3_omni.audio_encoder import AudioEncoder
@@ -62,7 +64,7 @@ def _published_shapes() -> tuple[dict[str, tuple[int, ...]], Any]:
     config = build_config("full", {"system": 8948, "user": 872, "assistant": 77091})
     with torch.device("meta"):
         model = Qwen3OmniMoeForConditionalGeneration(config)
-    return {k: tuple(v.shape) for k, v in published_names(model.state_dict()).items()}, config
+    return {k: tuple(v.shape) for k, v in published_names(model.state_dict().items())}, config
 
 
 def test_full_size_names_and_shapes_are_what_our_modules_read() -> None:
@@ -108,3 +110,26 @@ def _published(prefix: str, name: str) -> str:
             "code_predictor.codec_embedding.", "code_predictor.model.codec_embedding."
         )
     return name
+
+
+def test_sharded_writes_read_the_same(
+    checkpoint: Checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the shard size the writer streams shards + an index (as the full size does at
+    4 GiB); the tensors read back are the unsharded write's, for transformers and for us."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    import omni_bench.random_checkpoint as writer
+    from omni_bench.random_qwen3_omni import write_qwen3_omni
+
+    monkeypatch.setattr(writer, "SHARD_BYTES", 1 << 20)
+    folder = write_qwen3_omni(tmp_path / "sharded", "tiny", seed=checkpoint.seed)
+    assert (folder / "model.safetensors.index.json").is_file()
+    assert len(list(folder.glob("model-*-of-*.safetensors"))) > 2
+    ours = CheckpointWeights(folder).prefixed("")
+    single = CheckpointWeights(checkpoint.folder).prefixed("")
+    assert ours.keys() == single.keys()
+    assert all(torch.equal(ours[k], single[k]) for k in ours)
+    loaded = Qwen3OmniMoeForConditionalGeneration.from_pretrained(folder).state_dict()
+    reference = checkpoint.reference.state_dict()
+    assert all(torch.equal(loaded[k], reference[k]) for k in reference)
