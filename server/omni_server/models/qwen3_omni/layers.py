@@ -41,10 +41,11 @@ def rotary_cos_sin(
     i < 3 * section[1], the width position when i % 3 == 2 and i < 3 * section[2], else the
     temporal one. Text and audio carry the same position on all three axes, which makes it the
     plain rotary."""
+    positions = positions.to(inv_freq.device).float()
     if mrope_section is None:
-        freqs = positions.float()[:, None] * inv_freq  # [T, D/2]
+        freqs = positions[:, None] * inv_freq  # [T, D/2]
     else:
-        per_axis = positions.float()[..., None] * inv_freq  # [3, T, D/2]
+        per_axis = positions[..., None] * inv_freq  # [3, T, D/2]
         freqs = per_axis[0].clone()
         for axis in (1, 2):
             picked = slice(axis, 3 * mrope_section[axis], 3)
@@ -82,8 +83,19 @@ class KVCache:
         self.length = 0
 
     @classmethod
-    def for_decoder(cls, shape: DecoderShape, capacity: int, batch: int = 1) -> KVCache:
-        return cls(shape.num_layers, batch, shape.num_kv_heads, shape.head_dim, capacity)
+    def for_decoder(
+        cls,
+        shape: DecoderShape,
+        capacity: int,
+        batch: int = 1,
+        like: torch.Tensor | None = None,
+    ) -> KVCache:
+        """Sized for `shape`'s layers; dtype and device of `like` (else fp32 on the CPU)."""
+        dtype = like.dtype if like is not None else torch.float32
+        device = like.device if like is not None else "cpu"
+        return cls(
+            shape.num_layers, batch, shape.num_kv_heads, shape.head_dim, capacity, dtype, device
+        )
 
     def write(
         self, layer: int, k: torch.Tensor, v: torch.Tensor

@@ -60,14 +60,15 @@ class CodePredictor(nn.Module):
         """Greedy codes 1 .. G-1 of one frame from [talker hidden, code 0 embedding] [1, 1, h]
         each. A fresh KV cache of G positions a frame."""
         groups = len(self.lm_head) + 1
-        kv = KVCache.for_decoder(self.shape, groups)
+        kv = KVCache.for_decoder(self.shape, groups, like=talker_hidden)
+        device = talker_hidden.device
         x = torch.cat((talker_hidden, code0_embed), dim=1)
         codes: list[int] = []
         for g in range(groups - 1):
             hidden, _ = self.model(x, torch.arange(kv.length, kv.length + x.shape[1]), kv)
             codes.append(int(torch.argmax(self.lm_head[g](hidden[0, -1]))))
             if g + 1 < groups - 1:
-                x = self.codec_embedding[g](torch.tensor([[codes[-1]]]))
+                x = self.codec_embedding[g](torch.tensor([[codes[-1]]], device=device))
         return codes
 
 
@@ -128,7 +129,7 @@ class Talker(nn.Module):
         tts_pad: torch.Tensor,
         max_frames: int,
     ) -> TalkerState:
-        kv = KVCache.for_decoder(self.shape, prompt.shape[1] + max_frames + 1)
+        kv = KVCache.for_decoder(self.shape, prompt.shape[1] + max_frames + 1, like=prompt)
         hidden, _ = self.model(prompt, prompt_positions(0, prompt.shape[1]), kv)
         last = hidden[:, -1:]
         return TalkerState(kv, trailing_text, tts_pad, self.codec_head(last)[0, 0], last)
@@ -141,7 +142,7 @@ class Talker(nn.Module):
         EOS too with `suppress_eos`: the tests' long runs)."""
         logits = state.logits.clone()
         if repetition_penalty != 1.0 and state.first_codes:
-            seen = torch.tensor(sorted(set(state.first_codes)))
+            seen = torch.tensor(sorted(set(state.first_codes)), device=logits.device)
             picked = logits[seen]
             logits[seen] = torch.where(
                 picked < 0, picked * repetition_penalty, picked / repetition_penalty
@@ -155,11 +156,13 @@ class Talker(nn.Module):
     def step_frame(self, state: TalkerState, code0: int) -> list[int]:
         """Complete the frame whose code 0 was chosen, feed it (plus the next text) to the
         talker, and leave the next frame's logits in `state`. Returns the frame's G codes."""
-        code0_embed = self.codec_embedding(torch.tensor([[code0]]))
+        device = state.hidden.device
+        code0_embed = self.codec_embedding(torch.tensor([[code0]], device=device))
         rest = self.code_predictor.complete(state.hidden, code0_embed)
         step_input = code0_embed.clone()
         for g, code in enumerate(rest):
-            step_input = step_input + self.code_predictor.codec_embedding[g](torch.tensor([[code]]))
+            code_id = torch.tensor([[code]], device=device)
+            step_input = step_input + self.code_predictor.codec_embedding[g](code_id)
         if state.step < state.trailing_text.shape[1]:
             step_input = step_input + state.trailing_text[:, state.step : state.step + 1]
         else:

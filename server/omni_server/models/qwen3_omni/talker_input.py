@@ -76,28 +76,19 @@ def talker_prompt(
     if not starts:
         raise ValueError("the prompt has no assistant turn (<|im_start|>assistant)")
     assistant = talker.text_projection(thinker_embeds[:, starts[-1] : s + len(generated)])
-    specials = torch.tensor(
-        [[config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id]]
+    device = thinker_embeds.device
+    specials = [config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id]
+    projected = talker.text_projection(
+        thinker.embed_tokens(torch.tensor([specials], device=device))
     )
-    tts_bos, tts_eos, tts_pad = talker.text_projection(thinker.embed_tokens(specials)).chunk(3, 1)
+    tts_bos, tts_eos, tts_pad = projected.chunk(3, 1)
     text_side = torch.cat(
         (assistant[:, :3], tts_pad.expand(1, 4, -1), tts_bos, assistant[:, 3:4]), 1
     )
-    codec_ids = torch.tensor(
-        [
-            [
-                ids.codec_nothink,
-                ids.codec_think_bos,
-                ids.codec_think_eos,
-                speaker_id,
-                ids.codec_pad,
-                ids.codec_bos,
-            ]
-        ]
-    )
-    codec_side = torch.cat(
-        (text_side.new_zeros(1, 3, text_side.shape[-1]), talker.codec_embedding(codec_ids)), 1
-    )
+    codec_ids = [ids.codec_nothink, ids.codec_think_bos, ids.codec_think_eos, speaker_id,
+                 ids.codec_pad, ids.codec_bos]  # fmt: skip
+    codec_embeds = talker.codec_embedding(torch.tensor([codec_ids], device=device))
+    codec_side = torch.cat((text_side.new_zeros(1, 3, text_side.shape[-1]), codec_embeds), 1)
     prompt = torch.cat((user, text_side + codec_side), dim=1)
     trailing = torch.cat((assistant[:, 4:], tts_eos), dim=1)
     return TalkerPrompt(prompt, trailing, tts_pad)

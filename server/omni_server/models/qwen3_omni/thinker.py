@@ -170,7 +170,7 @@ def greedy_run(
     """`greedy_generate`, keeping what the talker hears: every position's input embedding and
     the input of layer `capture_layer` (the last generated token is never run)."""
     prompt_len = prompt_embeds.shape[1]
-    kv = KVCache.for_decoder(thinker.shape, prompt_len + max_new_tokens)
+    kv = KVCache.for_decoder(thinker.shape, prompt_len + max_new_tokens, like=prompt_embeds)
     embeds = [prompt_embeds]
     logits, _, captured = thinker(prompt_embeds, prompt_positions(0, prompt_len), kv, capture_layer)
     taps = [captured]
@@ -183,7 +183,7 @@ def greedy_run(
         tokens.append(token)
         if token in stop_ids or len(tokens) == max_new_tokens:
             break
-        step = thinker.embed_tokens(torch.tensor([[token]]))
+        step = thinker.embed_tokens(torch.tensor([[token]], device=prompt_embeds.device))
         embeds.append(step)
         logits, _, captured = thinker(step, prompt_positions(kv.length, 1), kv, capture_layer)
         taps.append(captured)
