@@ -16,7 +16,7 @@ import torch
 from omni_server.models.qwen3_omni.audio_encoder import AudioEncoder, output_lengths
 from omni_server.models.qwen3_omni.mel import log_mel
 from omni_server.models.qwen3_omni.talker import Talker
-from omni_server.models.qwen3_omni.talker_input import talker_prompt
+from omni_server.models.qwen3_omni.talker_input import project_text, talker_prompt
 from omni_server.models.qwen3_omni.thinker import Thinker, greedy_run
 from tests.models.qwen3_omni.conftest import Checkpoint
 from tests.models.qwen3_omni.test_audio import clip
@@ -142,3 +142,33 @@ def test_talker_codes_for_an_audio_prompt_equal_the_reference(
     state = talker.prefill(heard.prompt, heard.trailing_text, heard.tts_pad, FRAMES + 1)
     ours = talker.greedy_frames(state, FRAMES + 1, PENALTY, suppress_eos=True)
     assert torch.equal(ours, expected)
+
+
+def test_streamed_thinker_text_gives_the_same_codes(checkpoint: Checkpoint, models) -> None:  # type: ignore[no-untyped-def]
+    """The talker starts once the thinker's first token is in, and hears the rest token by
+    token (then tts_eos) while it speaks: the frames equal the whole-text run's."""
+    config, thinker, talker = models
+    messages = [{"role": "user", "content": "Hello, how are you today?"}]
+    ids = checkpoint.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    layer = config.talker_ids.accept_hidden_layer
+    run = greedy_run(thinker, thinker.embed(ids), THINKER_TOKENS, capture_layer=layer)
+    whole = talker_prompt(
+        config, thinker, talker, ids, run.tokens, run.embeds, run.captured, "Ethan"
+    )
+    state = talker.prefill(whole.prompt, whole.trailing_text, whole.tts_pad, FRAMES + 1)
+    expected = talker.greedy_frames(state, FRAMES + 1, PENALTY, suppress_eos=True)
+
+    s = ids.shape[1]
+    start = talker_prompt(config, thinker, talker, ids, run.tokens[:2], run.embeds[:, : s + 1],
+                          run.captured[:, : s + 1], "Ethan", text_done=False)  # fmt: skip
+    assert torch.equal(start.prompt, whole.prompt)
+    state = talker.prefill(start.prompt, start.trailing_text, start.tts_pad, FRAMES + 1)
+    pending = [project_text(thinker, talker, [t]) for t in run.tokens[1:-1]] + [start.tts_eos]
+    frames = []
+    for _ in range(FRAMES):
+        if pending:  # one thinker token arrives per talker frame, ahead of its use
+            state.hear(pending.pop(0))
+        frames.append(talker.step_frame(state, talker.choose_code0(state, PENALTY, True)))
+    assert torch.equal(torch.tensor(frames).T, expected)

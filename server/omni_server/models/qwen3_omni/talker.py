@@ -85,6 +85,12 @@ class TalkerState:
     step: int = 0
     first_codes: list[int] = field(default_factory=list)
 
+    def hear(self, text: torch.Tensor) -> None:
+        """Append projected thinker text [1, n, hidden] as the thinker streams it (then its
+        tts_eos). The talker must not run ahead of it: a step past the text heard so far takes
+        tts_pad, as after the end."""
+        self.trailing_text = torch.cat((self.trailing_text, text.to(self.trailing_text)), dim=1)
+
 
 class Talker(nn.Module):
     suppressed: torch.Tensor  # [vocab] bool: ids code 0 may never take

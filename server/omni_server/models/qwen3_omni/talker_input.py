@@ -28,6 +28,14 @@ class TalkerPrompt:
     prompt: torch.Tensor  # [1, T, talker hidden]
     trailing_text: torch.Tensor  # [1, n, talker hidden]
     tts_pad: torch.Tensor  # [1, 1, talker hidden]
+    tts_eos: torch.Tensor  # [1, 1, talker hidden]: heard after the last text
+
+
+def project_text(thinker: Thinker, talker: Talker, token_ids: list[int]) -> torch.Tensor:
+    """Generated thinker tokens as the talker hears them: [1, n, talker hidden] (stream them
+    into `TalkerState.hear` as the thinker produces them)."""
+    ids = torch.tensor([token_ids], device=thinker.embed_tokens.weight.device)
+    return talker.text_projection(thinker.embed_tokens(ids))
 
 
 @torch.no_grad()
@@ -40,7 +48,11 @@ def talker_prompt(
     thinker_embeds: torch.Tensor,  # [1, S + N - 1, thinker hidden]: inputs of every position
     thinker_hidden: torch.Tensor,  # [1, S + N - 1, thinker hidden]: layer accept_hidden_layer
     speaker: str,
+    text_done: bool = True,
 ) -> TalkerPrompt:
+    """`text_done` False: the thinker is still generating (at least its first token is in
+    `thinker_embeds`); the trailing text holds what was generated so far without tts_eos, and
+    the rest is streamed in with `project_text` + `TalkerState.hear`, tts_eos last."""
     ids = config.talker_ids
     speaker_id = ids.speakers.get(speaker.lower())
     if speaker_id is None:
@@ -90,5 +102,5 @@ def talker_prompt(
     codec_embeds = talker.codec_embedding(torch.tensor([codec_ids], device=device))
     codec_side = torch.cat((text_side.new_zeros(1, 3, text_side.shape[-1]), codec_embeds), 1)
     prompt = torch.cat((user, text_side + codec_side), dim=1)
-    trailing = torch.cat((assistant[:, 4:], tts_eos), dim=1)
-    return TalkerPrompt(prompt, trailing, tts_pad)
+    trailing = torch.cat((assistant[:, 4:], tts_eos), dim=1) if text_done else assistant[:, 4:]
+    return TalkerPrompt(prompt, trailing, tts_pad, tts_eos)
