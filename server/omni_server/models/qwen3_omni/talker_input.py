@@ -68,17 +68,14 @@ def talker_prompt(
             role = tokens[i + 1]
         if role == config.user_token_id:
             user_positions.append(i)
-    parts = []
-    for i in user_positions:
-        if tokens[i] in placeholders:
-            parts.append(talker.hidden_projection(thinker_hidden[:, i : i + 1]))
-        else:
-            parts.append(talker.text_projection(thinker_embeds[:, i : i + 1]))
-    user = (
-        torch.cat(parts, dim=1)
-        if parts
-        else thinker_embeds.new_zeros(1, 0, talker.shape.hidden_size)
-    )
+    # projected over the whole prompt (as the reference batches it), then the user positions
+    prompt_embeds = thinker_embeds[:, :s]
+    multimodal = torch.tensor([t in placeholders for t in tokens], device=prompt_embeds.device)
+    projected = prompt_embeds.new_empty(1, s, talker.shape.hidden_size)
+    projected[:, ~multimodal] = talker.text_projection(prompt_embeds[:, ~multimodal])
+    if bool(multimodal.any()):
+        projected[:, multimodal] = talker.hidden_projection(thinker_hidden[:, :s][:, multimodal])
+    user = projected[:, user_positions]
 
     starts = [
         i
