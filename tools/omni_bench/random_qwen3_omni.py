@@ -537,3 +537,42 @@ def published_names(tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, A
                 yield f"{stem}{e}.down_proj.weight", value[e].contiguous()
         else:
             yield name, value
+
+
+def torchvision_stand_in(folder: Path) -> Path:
+    """A stand-in `torchvision` package under `folder` (returned: put it on PYTHONPATH), for a
+    machine without torchvision (this one: no wheel for its torch).
+
+    `Qwen3OmniMoeProcessor` cannot even be built without torchvision: its video processor needs
+    it, and transformers' video utilities import `torchvision.io` when it is installed. For
+    text and audio nothing of torchvision is called; every image or video call through the
+    stand-in fails (its functions raise), so nothing can silently use it."""
+    root = folder / "torchvision"
+    for sub in ("", "io", "transforms", "transforms/v2"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    refuse = (
+        "def __getattr__(name):\n"
+        "    raise AttributeError(f'torchvision stand-in (omni_bench): no {name}')\n"
+    )
+    (root / "__init__.py").write_text(
+        '"""Stand-in (omni_bench.random_qwen3_omni): no image or video ops."""\n'
+        "from . import io, transforms\n__version__ = '0.28.0'\n"
+    )
+    (root / "io" / "__init__.py").write_text(refuse)
+    (root / "transforms" / "__init__.py").write_text(
+        "import enum\nfrom . import functional, v2\n"
+        "class InterpolationMode(enum.Enum):\n"
+        "    NEAREST = 'nearest'\n    NEAREST_EXACT = 'nearest-exact'\n"
+        "    BILINEAR = 'bilinear'\n    BICUBIC = 'bicubic'\n    BOX = 'box'\n"
+        "    HAMMING = 'hamming'\n    LANCZOS = 'lanczos'\n"
+    )
+    (root / "transforms" / "functional.py").write_text(
+        "def pil_to_tensor(*args, **kwargs):\n"
+        "    raise NotImplementedError('torchvision stand-in (omni_bench)')\n" + refuse
+    )
+    (root / "transforms" / "v2" / "__init__.py").write_text("from . import functional\n")
+    (root / "transforms" / "v2" / "functional.py").write_text(refuse)
+    meta = folder / "torchvision-0.28.0.dist-info"
+    meta.mkdir(exist_ok=True)
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.28.0\n")
+    return folder
