@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from omni_server.models.qwen3_omni.audio_encoder import output_lengths
@@ -33,6 +34,7 @@ torch.save(dict(batch), out)
 """
 
 
+@pytest.mark.slow  # a child process importing transformers: ~12 s here
 def test_processor_loads_and_agrees_with_ours(checkpoint: Checkpoint, tmp_path: Path) -> None:
     from omni_bench.random_qwen3_omni import torchvision_stand_in
 
