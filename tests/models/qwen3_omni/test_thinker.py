@@ -67,3 +67,19 @@ def test_greedy_text_equals_generate(checkpoint: Checkpoint, thinker: Thinker, t
     assert len(expected) == NEW_TOKENS
     assert ours == expected
     assert len(set(ours)) > 8  # not one token repeated: the context steers the output
+
+
+def test_multimodal_rotary_matches_transformers_for_3d_positions(checkpoint: Checkpoint) -> None:
+    """The interleaved sections with temporal, height and width positions that differ (as
+    image and video tokens will have them): cos / sin equal the reference's rotary."""
+    from omni_server.models.qwen3_omni.layers import rotary_cos_sin
+
+    rotary = checkpoint.reference.thinker.model.language_model.rotary_emb
+    positions = torch.stack([torch.arange(20) * 3, torch.arange(20) % 4, torch.arange(20) // 4])
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions[:, None, :])
+    config = Thinker.from_checkpoint(checkpoint.folder)[1].thinker
+    ours_cos, ours_sin = rotary_cos_sin(positions, rotary.inv_freq, config.mrope_section)
+    torch.testing.assert_close(ours_cos, cos[0])
+    torch.testing.assert_close(ours_sin, sin[0])
+    plain_cos, _ = rotary_cos_sin(positions[0], rotary.inv_freq, None)
+    assert not torch.allclose(plain_cos, ours_cos)  # the height / width sections count
