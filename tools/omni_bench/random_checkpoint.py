@@ -5,6 +5,7 @@ downloaded here: every check and speed run starts from one of these).
     omni-bench random-checkpoint higgs-audio-v2 --size tiny --out DIR   # CPU tests, ~3 MB
     omni-bench random-checkpoint higgs-audio-v2 --size full --out DIR   # the real shapes (GPU)
     omni-bench random-checkpoint llama --size tiny --out DIR
+    omni-bench random-checkpoint qwen3-omni --size tiny --out DIR     # see random_qwen3_omni.py
 
 higgs-audio-v2 writes what `HiggsAudioV2ForConditionalGeneration.from_pretrained(DIR)` and
 `HiggsAudioV2Processor.from_pretrained(DIR)` load: config.json, generation_config.json,
@@ -31,10 +32,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("higgs-audio-v2", "llama")
+FAMILIES = ("higgs-audio-v2", "llama", "qwen3-omni")
 SIZES = ("tiny", "full")
 SHARD_BYTES = 4 << 30
 
@@ -235,14 +237,12 @@ def write_random_weights(
     `draw_on` "cuda": drawn on the GPU (seconds instead of minutes for the full size; other
     values than the CPU's for the same seed)."""
     import torch
-    from safetensors.torch import save_file
 
     with torch.device("meta"):
         model = model_class(config)
     torch_dtype = getattr(torch, dtype)
     gen = torch.Generator(device=draw_on).manual_seed(seed)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = total = 0
+    tensors: dict[str, torch.Tensor] = {}
     for name, meta in model.state_dict().items():
         if name.endswith("norm.weight") or "layernorm" in name:
             value = torch.ones(meta.shape, dtype=torch_dtype)
@@ -258,21 +258,43 @@ def write_random_weights(
             value = torch.zeros(
                 meta.shape, dtype=meta.dtype if not meta.is_floating_point() else torch_dtype
             )
+        tensors[name] = value.contiguous()
+    return save_sharded(tensors, out)
+
+
+def save_sharded(tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], out: Path) -> int:
+    """`tensors` into out/model.safetensors, or shards of at most 4 GiB + the index past that
+    (the published layout). Streams: a shard is written as soon as it is full, so an iterable
+    that draws its tensors lazily holds one shard in memory. Returns the bytes written."""
+    from safetensors.torch import save_file
+
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    written: list[tuple[Path, list[str]]] = []
+    shard: dict[str, Any] = {}
+    size = total = 0
+
+    def flush() -> None:
+        path = out / f".shard-{len(written) + 1}.safetensors.partial"
+        save_file(shard, str(path), metadata={"format": "pt"})
+        written.append((path, list(shard)))
+
+    for name, value in items:
         nbytes = value.numel() * value.element_size()
         if size and size + nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = value.contiguous()
+            flush()
+            shard, size = {}, 0
+        shard[name] = value
         size += nbytes
         total += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+    flush()
+    if len(written) == 1:
+        written[0][0].rename(out / "model.safetensors")
         return total
     weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
+    for i, (path, names) in enumerate(written, 1):
+        file = f"model-{i:05d}-of-{len(written):05d}.safetensors"
+        path.rename(out / file)
+        weight_map.update(dict.fromkeys(names, file))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return total
@@ -519,7 +541,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     dtype = args.dtype or ("float32" if args.size == "tiny" else "bfloat16")
-    write = write_higgs_audio_v2 if args.family == "higgs-audio-v2" else write_llama
+    from omni_bench.random_qwen3_omni import write_qwen3_omni
+
+    write = {"higgs-audio-v2": write_higgs_audio_v2, "llama": write_llama,
+             "qwen3-omni": write_qwen3_omni}[args.family]  # fmt: skip
     out = write(args.out, args.size, dtype, args.seed, args.draw_on)
     files = sorted(p for p in out.rglob("*") if p.is_file())
     total = sum(p.stat().st_size for p in files)
