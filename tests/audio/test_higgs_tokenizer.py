@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 import soxr
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from omni_server.audio import decode
 from omni_server.audio.higgs_tokenizer import (
@@ -235,7 +235,7 @@ def test_bad_folders_name_the_file_and_what_is_wrong(tmp_path: Path) -> None:
     with pytest.raises(TokenizerFolderError, match=r"model\.safetensors: lacks fc2\.bias"):
         load(tmp_path)
     save_file({**tensors, "fc9.weight": torch.zeros(1)}, str(path))
-    with pytest.raises(TokenizerFolderError, match="has unexpected fc9.weight"):
+    with pytest.raises(TokenizerFolderError, match=r"has unexpected fc9\.weight"):
         load(tmp_path)
     save_file({**tensors, "fc2.bias": torch.zeros(3)}, str(path))
     with pytest.raises(
@@ -247,13 +247,13 @@ def test_bad_folders_name_the_file_and_what_is_wrong(tmp_path: Path) -> None:
     config = {**TINY, "semantic_model_config": {**TINY["semantic_model_config"],
                                                 "do_stable_layer_norm": True}}  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(TokenizerFolderError, match="semantic_model_config.do_stable_layer_norm"):
+    with pytest.raises(TokenizerFolderError, match=r"semantic_model_config\.do_stable_layer_norm"):
         load(tmp_path)
     (tmp_path / "config.json").write_text('{"model_type": "dac"}')
     with pytest.raises(TokenizerFolderError, match="model_type is not 'higgs_audio_v2_tokenizer'"):
         load(tmp_path)
     (tmp_path / "config.json").unlink()
-    with pytest.raises(TokenizerFolderError, match="no config.json"):
+    with pytest.raises(TokenizerFolderError, match=r"no config\.json"):
         load(tmp_path)
 
 
