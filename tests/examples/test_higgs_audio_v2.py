@@ -629,6 +629,18 @@ def test_a_wrong_checkpoint_is_exit_1_with_one_line(
     (mismatched / "config.json").write_text(json.dumps(config))
     line = start_error(mismatched, no_transformers)
     assert str(mismatched) in line and "config.json implies" in line
+    # the audio tokenizer's weights: one tensor gone (read by our own code, no transformers)
+    from safetensors.torch import load_file, save_file
+
+    lacking = tmp_path / "lacking"
+    shutil.copytree(checkpoint, lacking)
+    (lacking / "processor_config.json").unlink()  # it names the original's tokenizer folder
+    weights = lacking / "audio_tokenizer" / "model.safetensors"
+    tensors = load_file(str(weights))
+    del tensors["fc2.bias"]
+    save_file(tensors, str(weights))
+    line = start_error(lacking, no_transformers)
+    assert f"{weights}: lacks fc2.bias" in line
 
 
 def test_repository_resolves_with_its_topology() -> None:
