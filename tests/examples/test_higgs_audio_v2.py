@@ -19,12 +19,18 @@ module's tmp dir), against transformers' reference (tests/examples/reference_hig
   (exit 1, one line naming the folder): no checkpoint, a missing folder, another model_type,
   a config whose shapes disagree with the weights.
 
-Real processes throughout (the runtime's, or `omni-server`). Stand-in, labelled: this machine
-has no torchaudio wheel for its torch, and transformers will not build the audio tokenizer
-without it; the stage processes and the reference see `torchaudio_stand_in(...,
-resample_with_soxr=True)` (omni_bench.random_checkpoint), whose resample (24 -> 16 kHz for the
-semantic encoder of a clip) is soxr's. Both sides use the same stand-in, so the clip's codes
-agree; with a real torchaudio it is not used.
+Real processes throughout (the runtime's, or `omni-server`), and serving needs neither
+transformers nor torchaudio: every server and stage process here runs where importing either
+raises (a `sys.meta_path` blocker in a sitecustomize on PYTHONPATH; the test of the blocker
+shows it was loaded in each of them), so the six formats, the cloned voice `joe` and every
+other served test run on our own tokenizer.
+
+Stand-in, labelled: this machine has no torchaudio wheel for its torch, and transformers (the
+reference) will not build the audio tokenizer without it; the reference sees
+`torchaudio_stand_in(..., resample_like_torchaudio=True)` (omni_bench.random_checkpoint),
+whose resample (24 -> 16 kHz for the semantic encoder of a clip) is the served tokenizer's own
+re-implementation of torchaudio's algorithm, so the clip's codes agree; with a real torchaudio
+it is not used (the function against the real one: tools/device/higgs_tokenizer_check.py).
 """
 
 from __future__ import annotations
@@ -88,11 +94,46 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def stand_in(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The reference's torchaudio, where there is none (the reference only: serving needs none)."""
     from omni_bench.random_checkpoint import has_torchaudio, torchaudio_stand_in
 
     if has_torchaudio():
         return []
-    return [str(torchaudio_stand_in(tmp_path_factory.mktemp("ta"), resample_with_soxr=True))]
+    folder = tmp_path_factory.mktemp("ta")
+    return [str(torchaudio_stand_in(folder, resample_like_torchaudio=True))]
+
+
+BLOCKER = """\
+# Test blocker (tests/examples/test_higgs_audio_v2.py): this interpreter cannot import
+# transformers or torchaudio; it notes its pid and command line in processes.log beside it.
+import os, sys
+BLOCKED = ("transformers", "torchaudio")
+class _Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in BLOCKED:
+            raise ImportError(f"{name} is blocked here: serving must not need it")
+        return None
+sys.meta_path.insert(0, _Blocked())
+with open("/proc/self/cmdline", "rb") as _f:
+    _cmd = _f.read().replace(b"\\0", b" ").decode(errors="replace")
+with open(os.path.join(os.path.dirname(__file__), "processes.log"), "a") as _f:
+    _f.write(f"{os.getpid()} {_cmd}\\n")
+"""
+
+
+@pytest.fixture(scope="module")
+def no_transformers(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """PYTHONPATH entries under which importing transformers or torchaudio raises."""
+    folder = tmp_path_factory.mktemp("blocker")
+    (folder / "sitecustomize.py").write_text(BLOCKER)
+    return [str(folder)]
+
+
+def blocked_pids(no_transformers: list[str]) -> set[int]:
+    """The processes that started under the blocker so far."""
+    log = Path(no_transformers[0]) / "processes.log"
+    lines = log.read_text().splitlines() if log.exists() else []
+    return {int(line.split()[0]) for line in lines}
 
 
 @contextlib.contextmanager
@@ -269,7 +310,7 @@ async def served(runtime: Any, model: Any, fields: dict[str, Any]) -> dict[str, 
 
 
 async def test_greedy_frames_and_audio_equal_transformers_and_seeds_hold(
-    checkpoint: Path, stand_in: list[str], reference: list[dict[str, Any]]
+    checkpoint: Path, no_transformers: list[str], reference: list[dict[str, Any]]
 ) -> None:
     """Through the runtime's real processes: greedy frames identical to the reference and the
     streamed pcm within 30 dB of its decode; then seeded sampling, alone, again, and as one of
@@ -281,7 +322,7 @@ async def test_greedy_frames_and_audio_equal_transformers_and_seeds_hold(
                  "--stages.vocoder.parameters.return_frames", "true"]  # fmt: skip
     plan = compile_repository(REPO, overrides)
     model = plan.models[MODEL]
-    with python_path(stand_in):
+    with python_path(no_transformers):
         async with running(plan) as runtime:
             for (text, voice, system), expected in zip(CASES, reference, strict=True):
                 got = await served(runtime, model, inputs(text, voice, instructions=system))
@@ -309,7 +350,7 @@ async def test_greedy_frames_and_audio_equal_transformers_and_seeds_hold(
 @pytest.fixture(scope="module")
 def higgs_server(
     checkpoint: Path,
-    stand_in: list[str],
+    no_transformers: list[str],
     piper_clips: dict[str, tuple[Path, str]],
     data_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
@@ -322,7 +363,7 @@ def higgs_server(
     shutil.copy(clip, repo / "voices" / f"{EXTRA}.wav")
     (repo / "voices" / f"{EXTRA}.txt").write_text(transcript + "\n")
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with python_path(stand_in):
+    with python_path(no_transformers):
         server = ServerProcess.start(
             repo, log, "--parameters.checkpoint", str(checkpoint), *GREEDY,
             "--data-dir", str(data_dir), f"--models.{MODEL}.voices", ",".join(VOICES),
@@ -417,6 +458,28 @@ def test_voice_clone_encodes_once_and_unknown_voice_is_400(higgs_server: ServerP
     assert error["param"] == "voice" and "higgs" in error["message"] and CLONED in error["message"]
 
 
+def test_every_served_process_ran_without_transformers_or_torchaudio(
+    higgs_server: ServerProcess, no_transformers: list[str]
+) -> None:
+    """The server the tests above spoke to (six formats, `joe` cloned, custom voices): it and
+    each of its stage processes started under the blocker, where the import raises."""
+    from tests.helpers.proc import descendants
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*no_transformers, *sys.path])}
+    for name in ("transformers", "torchaudio"):
+        run = subprocess.run([sys.executable, "-c", f"import {name}"], env=env,
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert run.returncode == 1 and f"{name} is blocked here" in run.stderr, run.stderr
+    workers = [
+        pid
+        for pid in descendants(higgs_server.proc.pid)
+        if b"omni_server.stage.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    assert len(workers) == 3  # tts_frontend, pipeline, vocoder
+    assert {higgs_server.proc.pid, *workers} <= blocked_pids(no_transformers)
+    assert speech(higgs_server, input=TEXTS[0], voice=CLONED, response_format="flac")[0] == 200
+
+
 def test_a_custom_voice_clones_as_the_reference_encodes_once_and_deletes(
     higgs_server: ServerProcess,
     custom_voice: dict[str, Any],
@@ -503,14 +566,14 @@ def test_bad_requests_are_400(higgs_server: ServerProcess) -> None:
 
 
 def test_abort_mid_stream_frees_the_kv_and_stops_the_vocoder(
-    checkpoint: Path, stand_in: list[str], tmp_path: Path
+    checkpoint: Path, no_transformers: list[str], tmp_path: Path
 ) -> None:
     """Every request runs to the context (ignore_eos): the client leaves after its first bytes."""
     import http.client
 
     overrides = ["--parameters.checkpoint", str(checkpoint),
                  "--stages.tts_engine.parameters.ignore_eos", "true"]  # fmt: skip
-    with python_path(stand_in):
+    with python_path(no_transformers):
         server = ServerProcess.start(REPO, tmp_path / "server.log", *overrides)
     with server:
         connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
@@ -533,12 +596,12 @@ def test_abort_mid_stream_frees_the_kv_and_stops_the_vocoder(
         assert speech(server, input="Hi", response_format="pcm")[0] == 200
 
 
-def start_error(checkpoint: Path | None, stand_in: list[str]) -> str:
+def start_error(checkpoint: Path | None, python_paths: list[str]) -> str:
     """omni-server on the example exits 1 with one ERROR line and no traceback: that line."""
     command = [sys.executable, "-m", "omni_server", "--repo", str(REPO), "--port", "0"]
     if checkpoint is not None:
         command += ["--parameters.checkpoint", str(checkpoint)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*stand_in, *sys.path])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*python_paths, *sys.path])}
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert done.returncode == 1, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
@@ -548,24 +611,36 @@ def start_error(checkpoint: Path | None, stand_in: list[str]) -> str:
 
 
 def test_a_wrong_checkpoint_is_exit_1_with_one_line(
-    checkpoint: Path, stand_in: list[str], tmp_path: Path
+    checkpoint: Path, no_transformers: list[str], tmp_path: Path
 ) -> None:
-    assert "--parameters.checkpoint DIR" in start_error(None, stand_in)
+    assert "--parameters.checkpoint DIR" in start_error(None, no_transformers)
     missing = tmp_path / "nowhere"
-    assert f"checkpoint {missing}: no such folder" in start_error(missing, stand_in)
+    assert f"checkpoint {missing}: no such folder" in start_error(missing, no_transformers)
     other = tmp_path / "other"
     shutil.copytree(checkpoint, other)
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
-    line = start_error(other, stand_in)
+    line = start_error(other, no_transformers)
     assert str(other) in line and "model_type is 'llama'" in line
     mismatched = tmp_path / "mismatched"
     shutil.copytree(checkpoint, mismatched)
     config = json.loads((mismatched / "config.json").read_text())
     config["intermediate_size"] += 32
     (mismatched / "config.json").write_text(json.dumps(config))
-    line = start_error(mismatched, stand_in)
+    line = start_error(mismatched, no_transformers)
     assert str(mismatched) in line and "config.json implies" in line
+    # the audio tokenizer's weights: one tensor gone (read by our own code, no transformers)
+    from safetensors.torch import load_file, save_file
+
+    lacking = tmp_path / "lacking"
+    shutil.copytree(checkpoint, lacking)
+    (lacking / "processor_config.json").unlink()  # it names the original's tokenizer folder
+    weights = lacking / "audio_tokenizer" / "model.safetensors"
+    tensors = load_file(str(weights))
+    del tensors["fc2.bias"]
+    save_file(tensors, str(weights))
+    line = start_error(lacking, no_transformers)
+    assert f"{weights}: lacks fc2.bias" in line
 
 
 def test_repository_resolves_with_its_topology() -> None:

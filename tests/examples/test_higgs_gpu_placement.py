@@ -7,7 +7,6 @@ The GPU tier (docs/gpu.md); the same resolution without a GPU is tests/compiler/
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import urllib.request
@@ -46,26 +45,14 @@ def test_the_example_resolves_to_the_gpu_here() -> None:
 
 
 def test_the_example_serves_on_the_gpu_with_no_override(tmp_path: Path) -> None:
-    from omni_bench.random_checkpoint import (
-        has_torchaudio,
-        torchaudio_stand_in,
-        write_higgs_audio_v2,
-    )
+    from omni_bench.random_checkpoint import write_higgs_audio_v2
 
+    # serving needs no torchaudio (our own tokenizer): no stand-in on the path
     checkpoint = write_higgs_audio_v2(tmp_path / "higgs", "tiny", seed=5)
-    paths = [] if has_torchaudio() else [str(torchaudio_stand_in(tmp_path / "ta", True))]
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [before])])
-    try:
-        server = ServerProcess.start(
-            REPO, tmp_path / "server.log", "--parameters.checkpoint", str(checkpoint),
-            "--stages.tts_engine.parameters.max_audio_seconds", "2",
-        )  # fmt: skip
-    finally:
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
+    server = ServerProcess.start(
+        REPO, tmp_path / "server.log", "--parameters.checkpoint", str(checkpoint),
+        "--stages.tts_engine.parameters.max_audio_seconds", "2",
+    )  # fmt: skip
     with server:
         body = {"model": "tts-1", "voice": "alloy", "input": "Hello there.", "seed": 1}
         body |= {"response_format": "wav", "stream": False}

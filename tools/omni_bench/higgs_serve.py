@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -273,18 +272,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _torchaudio_or_stand_in(folder: Path) -> str:
-    """Without a working torchaudio (CPU machines here), the servers see the tests' stand-in
-    (random_checkpoint.torchaudio_stand_in, soxr's resample): labelled in the report."""
-    from omni_bench.random_checkpoint import has_torchaudio, torchaudio_stand_in
-
-    if has_torchaudio():
-        return "torchaudio"
-    path = str(torchaudio_stand_in(folder, resample_with_soxr=True))
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")]))
-    return "torchaudio stand-in (soxr resample)"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -306,8 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             ["higgs-audio-v2", "--size", args.size, "--out", str(args.checkpoint), *draw]
         )
     args.out.mkdir(parents=True, exist_ok=True)
-    audio = _torchaudio_or_stand_in(args.out / "stand-in")
-    print(f"# higgs-serve: {args.checkpoint}, gpu={args.gpu}, {audio}", flush=True)
+    print(f"# higgs-serve: {args.checkpoint}, gpu={args.gpu}", flush=True)
     runs = []
     for replicas in counts:
         runs.append(_serve(args, replicas))

@@ -407,24 +407,37 @@ def _scale_decoder(model: Any) -> None:
     layers[-1].weight.mul_(0.1 / float(rms))
 
 
-def torchaudio_stand_in(folder: Path, resample_with_soxr: bool = False) -> Path:
+def torchaudio_stand_in(
+    folder: Path, resample_with_soxr: bool = False, resample_like_torchaudio: bool = False
+) -> Path:
     """A stand-in `torchaudio` package under `folder` (returned: put it on PYTHONPATH), for a
-    machine without a working torchaudio (this one: no wheel for torch 2.13).
+    machine without a working torchaudio (this one: no wheel for torch 2.13), where transformers
+    runs as the tests' reference: serving needs no torchaudio (our own tokenizer).
 
     transformers refuses to build `HiggsAudioV2TokenizerModel` without torchaudio, which it uses
     only to resample audio it *encodes* (reference voices, 24 kHz -> its semantic model's 16
     kHz). Writing random weights and decoding codes never call it; by default the stand-in's
     resample raises, so nothing can silently use it. `resample_with_soxr`: its resample is
     soxr's instead (a different filter than torchaudio's, so codes of a clip differ from
-    those a real torchaudio gives; the same in every process that uses the stand-in), for
-    tests that encode reference voices here."""
+    those a real torchaudio gives). `resample_like_torchaudio`: its resample is
+    omni_server.audio.higgs_tokenizer.resample, torchaudio's algorithm as the served tokenizer
+    runs it (so a reference on this machine encodes a clip as the server does; that function
+    against the real torchaudio: tools/device/higgs_tokenizer_check.py)."""
     package = folder / "torchaudio"
     package.mkdir(parents=True, exist_ok=True)
     (package / "__init__.py").write_text(
         '"""Stand-in (omni_bench.random_checkpoint): no audio I/O."""\n'
         "from . import functional\n__version__ = '2.11.0'\n"
     )
-    if resample_with_soxr:
+    if resample_like_torchaudio:
+        (package / "functional.py").write_text(
+            '"""Stand-in: torchaudio\'s resample algorithm, as our tokenizer runs it."""\n'
+            "from omni_server.audio.higgs_tokenizer.resample import resample as _resample\n"
+            "def resample(waveform, orig_freq, new_freq, **kwargs):\n"
+            "    assert not kwargs, kwargs  # the defaults only\n"
+            "    return _resample(waveform, int(orig_freq), int(new_freq))\n"
+        )
+    elif resample_with_soxr:
         (package / "functional.py").write_text(
             '"""Stand-in: resample with soxr, NOT torchaudio\'s sinc filter."""\n'
             "import numpy as np, soxr, torch\n"
