@@ -1,10 +1,14 @@
-"""examples/higgs-audio-v2 served end to end on a tiny random checkpoint (the writer's, in this
-module's tmp dir), against transformers' reference (tests/examples/reference_higgs.py):
+"""examples/higgs-audio-v2 served end to end on tiny random checkpoints (the writer's, in this
+module's tmp dir: seeds 0 and 5 with `--audio-eos-scale 0.7`, so greedy generations run 94-150
+frames, not ~10-40), against transformers' reference (tests/examples/reference_higgs.py):
 
-- greedy: the frames the engine emits equal `HiggsAudioV2ForConditionalGeneration.generate(
-  do_sample=False)` for the same text, voice and instructions (the reference processor builds
-  its prompt and encodes the voice's clip); the served waveform matches the processor's decode
-  of those frames (all at once) at >= 30 dB SNR, streamed and whole;
+- greedy, on both seeds through the runtime and on seed 0 over HTTP: the frames the engine
+  emits equal `HiggsAudioV2ForConditionalGeneration.generate(do_sample=False)` for the same
+  text, voice and instructions (the reference processor builds its prompt and encodes the
+  voice's clip), each comparison at least MIN_COMPARED frames long and the counts reported
+  (`record_property` "frames_compared"); then the served waveform matches the processor's
+  decode of those frames (all at once) at >= 30 dB SNR, streamed and whole (over HTTP the
+  frames are not visible: their count is the audio's length, checked first);
 - seeded sampling reproducible and independent of the batch: 8 concurrent requests of
   different lengths each equal their run alone;
 - a cloned voice's encoder runs once; an unknown voice is a 400 naming the voices; the six
@@ -69,6 +73,9 @@ TEXTS = [
     "It may not be a holiday, but it's the best day of the year. Hooray!",
 ]
 MIN_SNR_DB = 30.0
+SEEDS = (0, 5)  # the served equality's checkpoints; the HTTP server's is the first
+AUDIO_EOS_SCALE = 0.7  # random_checkpoint --audio-eos-scale: long greedy generations
+MIN_COMPARED = 48  # every greedy comparison with transformers covers at least this many frames
 MAX_FRAMES = 150  # both sides stop there (6 s of audio at 25 frames a second)
 # the reference's greedy: ras_win_len=None, max_new_tokens=MAX_FRAMES
 GREEDY = ["--stages.tts_engine.parameters.ras_window", "0",
@@ -86,10 +93,29 @@ def on_the_cpu() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     from omni_bench.random_checkpoint import write_higgs_audio_v2
 
-    return write_higgs_audio_v2(tmp_path_factory.mktemp("ckpt") / "higgs", "tiny", seed=5)
+    folder = tmp_path_factory.mktemp("ckpt")
+    return {
+        seed: write_higgs_audio_v2(
+            folder / f"higgs-{seed}", "tiny", seed=seed, audio_eos_scale=AUDIO_EOS_SCALE
+        )
+        for seed in SEEDS
+    }
+
+
+@pytest.fixture(scope="module")
+def checkpoint(checkpoints: dict[int, Path]) -> Path:
+    return checkpoints[SEEDS[0]]
+
+
+def report_compared(record_property: Any, counts: list[int]) -> None:
+    """Says how many frames each greedy comparison covered (junit property, and -s / -rP), and
+    fails one that could pass on the delay pattern's opening alone."""
+    record_property("frames_compared", counts)
+    print(f"frames compared with transformers: {counts} ({sum(counts)} in all)")
+    assert min(counts) >= MIN_COMPARED, f"frames compared {counts}: under {MIN_COMPARED}"
 
 
 @pytest.fixture(scope="module")
@@ -233,17 +259,9 @@ def post_voice(server: ServerProcess, clip: Path, transcript: str) -> dict[str, 
     return entry
 
 
-@pytest.fixture(scope="module")
-def references(
-    checkpoint: Path,
-    stand_in: list[str],
-    custom_voice: dict[str, Any],
-    tmp_path_factory: pytest.TempPathFactory,
-) -> list[dict[str, Any]]:
-    """transformers' frames and waveform for each of CASES, then for the custom voice's stored
-    clip and transcript (one child process)."""
-    folder = tmp_path_factory.mktemp("reference")
-    cases = [
+def reference_cases() -> list[dict[str, Any]]:
+    """CASES as reference_higgs.py takes them."""
+    return [
         {
             "conversation": conversation(
                 text, None if voice == "higgs" else voice, system or SYSTEM
@@ -252,14 +270,34 @@ def references(
         }
         for text, voice, system in CASES
     ]
-    cases.append(
-        {
-            "conversation": conversation(
-                CUSTOM_TEXT, custom_voice["id"], transcript=custom_voice["transcript"]
-            ),
-            "clip": str(custom_voice["clip"]),
-        }
-    )
+
+
+@pytest.fixture(scope="module")
+def references(
+    checkpoint: Path,
+    stand_in: list[str],
+    custom_voice: dict[str, Any],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> list[dict[str, Any]]:
+    """transformers' frames and waveform on the first seed for each of CASES, then for the
+    custom voice's stored clip and transcript (one child process)."""
+    custom = {
+        "conversation": conversation(
+            CUSTOM_TEXT, custom_voice["id"], transcript=custom_voice["transcript"]
+        ),
+        "clip": str(custom_voice["clip"]),
+    }
+    return run_reference(checkpoint, stand_in, [*reference_cases(), custom], tmp_path_factory)
+
+
+def run_reference(
+    checkpoint: Path,
+    stand_in: list[str],
+    cases: list[dict[str, Any]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> list[dict[str, Any]]:
+    """reference_higgs.py on `cases` in a child process that sees the stand-in."""
+    folder = tmp_path_factory.mktemp("reference")
     (folder / "cases.json").write_text(json.dumps(cases))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*stand_in, *sys.path])}
     run = subprocess.run(
@@ -275,6 +313,20 @@ def references(
 @pytest.fixture(scope="module")
 def reference(references: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return references[: len(CASES)]
+
+
+@pytest.fixture(scope="module")
+def greedy_references(
+    checkpoints: dict[int, Path],
+    stand_in: list[str],
+    reference: list[dict[str, Any]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[int, list[dict[str, Any]]]:
+    """CASES' reference on every seed (the first seed's from `reference`)."""
+    out = {SEEDS[0]: reference}
+    for seed in SEEDS[1:]:
+        out[seed] = run_reference(checkpoints[seed], stand_in, reference_cases(), tmp_path_factory)
+    return out
 
 
 def snr_db(reference: np.ndarray, served: np.ndarray) -> float:
@@ -309,30 +361,67 @@ async def served(runtime: Any, model: Any, fields: dict[str, Any]) -> dict[str, 
     return {**result, "body": bytes(body)}
 
 
-async def test_greedy_frames_and_audio_equal_transformers_and_seeds_hold(
-    checkpoint: Path, no_transformers: list[str], reference: list[dict[str, Any]]
-) -> None:
-    """Through the runtime's real processes: greedy frames identical to the reference and the
-    streamed pcm within 30 dB of its decode; then seeded sampling, alone, again, and as one of
-    8 concurrent requests of different lengths."""
+def first_difference(got: list[list[int]], expected: list[list[int]]) -> int | None:
+    pairs = zip(got, expected, strict=False)
+    return next((n for n, (a, b) in enumerate(pairs) if a != b), None)
+
+
+def runtime_plan(checkpoint: Path) -> Any:
     from omni_server.compiler import compile_repository
-    from tests.helpers.runtime import running
 
     overrides = ["--parameters.checkpoint", str(checkpoint), *GREEDY,
                  "--stages.vocoder.parameters.return_frames", "true"]  # fmt: skip
-    plan = compile_repository(REPO, overrides)
+    return compile_repository(REPO, overrides)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+async def test_greedy_frames_then_audio_equal_transformers(
+    seed: int,
+    checkpoints: dict[int, Path],
+    no_transformers: list[str],
+    greedy_references: dict[int, list[dict[str, Any]]],
+    record_property: Any,
+) -> None:
+    """Through the runtime's real processes: greedy frames identical to the reference (each
+    comparison >= MIN_COMPARED frames, the end of audio reached on seed 0), then the streamed
+    pcm within 30 dB of the reference's decode of them."""
+    from tests.helpers.runtime import running
+
+    reference = greedy_references[seed]
+    plan = runtime_plan(checkpoints[seed])
     model = plan.models[MODEL]
     with python_path(no_transformers):
         async with running(plan) as runtime:
-            for (text, voice, system), expected in zip(CASES, reference, strict=True):
-                got = await served(runtime, model, inputs(text, voice, instructions=system))
-                assert got["generated"] == expected["frames"], (text, voice)
-                wave = decode(got["body"], "pcm").samples
-                assert snr_db(np.array(expected["audio"], np.float32), wave) >= MIN_SNR_DB
-                assert got["frames"] * 960 == len(wave)
-            assert len({len(r["frames"]) for r in reference}) > 1  # of different lengths
-            assert reference[0]["frames"] != reference[2]["frames"]  # instructions matter
+            got = [
+                await served(runtime, model, inputs(text, voice, instructions=system))
+                for text, voice, system in CASES
+            ]
+    for (text, voice, _), mine, expected in zip(CASES, got, reference, strict=True):
+        frames, want = mine["generated"], expected["frames"]
+        first = first_difference(frames, want)
+        assert frames == want, (text, voice, len(frames), len(want), f"first diff {first}")
+        wave = decode(mine["body"], "pcm").samples
+        assert mine["frames"] * 960 == len(wave)
+        assert snr_db(np.array(expected["audio"], np.float32), wave) >= MIN_SNR_DB
+    report_compared(record_property, [len(r["frames"]) for r in reference])
+    assert reference[0]["frames"] != reference[2]["frames"]  # instructions matter
+    if seed == SEEDS[0]:  # an ending inside MAX_FRAMES: the closing delay pattern, decoded
+        config = json.loads((checkpoints[seed] / "config.json").read_text())
+        end = [config["audio_stream_eos_id"]] * config["num_codebooks"]
+        assert any(r["frames"][-1] == end for r in reference)
 
+
+async def test_seeded_sampling_reproducible_and_batch_independent(
+    checkpoint: Path, no_transformers: list[str]
+) -> None:
+    """Seeded sampling through the runtime's processes: alone, again, with another seed, and
+    as one of 8 concurrent requests of different lengths."""
+    from tests.helpers.runtime import running
+
+    plan = runtime_plan(checkpoint)
+    model = plan.models[MODEL]
+    with python_path(no_transformers):
+        async with running(plan) as runtime:
             sampled = [
                 inputs(TEXTS[i % 3] * (1 + i % 2), "higgs" if i % 2 else CLONED,
                        temperature=1.0, seed=100 + i)
@@ -390,26 +479,34 @@ def speech(server: ServerProcess, **body: Any) -> tuple[int, bytes, dict[str, st
 
 
 def test_served_audio_matches_the_reference_streamed_and_whole(
-    higgs_server: ServerProcess, reference: list[dict[str, Any]]
+    higgs_server: ServerProcess, reference: list[dict[str, Any]], record_property: Any
 ) -> None:
+    """Over HTTP the frames are not visible; their count is the audio's length (960 samples a
+    decoded column), equal to the reference's first, then the waveform within 30 dB."""
     from openai import OpenAI
 
     client = OpenAI(base_url=higgs_server.url + "/v1", api_key="unused")
     for (text, voice, system), expected in zip(CASES, reference, strict=True):
         want = np.array(expected["audio"], np.float32)
         extra = {} if system is None else {"instructions": system}
-        streamed = client.audio.speech.create(
-            model="tts-1", voice=voice, input=text, response_format="pcm",
-            extra_body={"temperature": 0}, **extra,
-        ).content  # fmt: skip
-        assert snr_db(want, decode(streamed, "pcm").samples) >= MIN_SNR_DB
+        streamed = decode(
+            client.audio.speech.create(
+                model="tts-1", voice=voice, input=text, response_format="pcm",
+                extra_body={"temperature": 0}, **extra,
+            ).content,
+            "pcm",
+        ).samples  # fmt: skip
+        assert len(streamed) == len(want), (text, len(streamed) / 960, len(want) / 960)
+        assert snr_db(want, streamed) >= MIN_SNR_DB
         status, whole, headers = speech(
             higgs_server, input=text, voice=voice, response_format="wav", stream=False, **extra
         )
         assert status == 200 and int(headers["Content-Length"]) == len(whole)
         clip = decode(whole, "wav")
         assert clip.sample_rate == 24000
+        assert len(clip.samples) == len(want), (text, len(clip.samples) / 960, len(want) / 960)
         assert snr_db(want, clip.samples) >= MIN_SNR_DB
+    report_compared(record_property, [len(r["frames"]) for r in reference])
 
 
 def test_formats_speed_and_models(higgs_server: ServerProcess) -> None:
