@@ -52,6 +52,8 @@ FORBIDDEN = {
     "gpu": {"pipeline", "stage", "serve"},
     "compiler": {"pipeline", "stage", "serve", "wire", "gpu", "engine"},  # pure
     "engine": {"pipeline", "stage", "serve", "wire", "gpu", "compiler"},
+    # plain-torch model code (Qwen3-Omni's parts): engine families build on it, never the reverse
+    "models": {"pipeline", "stage", "serve", "wire", "gpu", "compiler", "engine"},
     "serve": {"stage", "wire", "gpu"},  # HTTP reaches the pipeline through Runtime
     # Ray Serve replicas reuse the server's app and Runtime; only the command line imports it
     "cluster": {"stage", "wire", "gpu", "engine"},

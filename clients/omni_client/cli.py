@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import os
 import sys
@@ -29,6 +30,14 @@ PROG = "omni-client"
 EXIT_SERVER = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+
+
+def version() -> str:
+    """The installed distribution's version (omni-server ships the clients)."""
+    try:
+        return importlib.metadata.version("omni-server")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 class CommandError(Exception):
@@ -84,9 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         parents=[connection],
-        description="Client for omni-server's OpenAI-compatible speech API.",
+        description="Client for omni-server's OpenAI-compatible API: speech (to a file, stdout,\n"
+        "a raw PCM stream, a batch), text piped in as it is written and spoken sentence by\n"
+        "sentence (the stream-input WebSocket), transcription (whole or streamed), one spoken\n"
+        "turn over the realtime WebSocket, the served models and the model repository API\n"
+        "(index, load, unload), and health. Chat has no command here: use the openai client\n"
+        "or the playground (docs/clients.md).",
         epilog="exit status: 0 ok, 1 server or connection error, 2 usage or rejected request",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     speak = commands.add_parser(

@@ -17,8 +17,13 @@ bit-identical audio in any process, replica or topology (tested, with 1 and 2 in
 too; CPUs of another type may round differently). Without a seed, each request draws from a
 fresh unseeded generator, so audio varies as the model intends.
 
-Speed is the voice's length scale divided by the request's speed (0.25..4.0): the duration
-predictor stretches phonemes, pitch is untouched.
+Speed scales the frames of every phoneme id by 1 / speed (0.25..4.0), pitch untouched. VITS
+rounds each id's frames up (`Ceil`, its duration w_ceil), so scaling its length scale instead
+would add up to a frame per id at any speed and leave the audio far from 1 / speed (0.65x at
+speed 2). The graph is also cut at that `Ceil`: the durations are computed at the voice's own
+length scale, rounded up as Piper does (speed 1 is Piper's audio, bit for bit), then scaled and
+rounded so that every id *ends* at its nearest frame (`scaled_durations`): the sentence lasts
+1 / speed of its frames within one frame (11.6 ms).
 
 A sentence the frontend marked with a `cut` (a request's first) leaves as two chunks: the
 graph runs once up to its decoder, and the decoder runs on the frames before the cut, then on
@@ -65,11 +70,34 @@ class NoiseSpec:
     dtype: np.dtype
 
 
+@dataclass(frozen=True)
+class DurationSpec:
+    """VITS's `Ceil` op (frames per phoneme id), now computed by us at the request's speed."""
+
+    like: str  # the op's input: the predicted frames per id at the voice's length scale
+    tensor: str  # its output, w_ceil [1, 1, ids], fed to the following segment
+
+
+Feed = NoiseSpec | DurationSpec
+
+
 @dataclass
 class Segment:
     session: ort.InferenceSession
     inputs: list[str]
     outputs: list[str]
+
+
+def scaled_durations(frames: np.ndarray, speed: float) -> np.ndarray:
+    """VITS's frames per phoneme id at `speed`: `frames` (the predicted durations at the voice's
+    length scale, [1, 1, ids]) rounded up as Piper rounds them, then scaled by 1 / speed with
+    each id's end rounded to its nearest frame, so the total is within half a frame of
+    1 / speed of Piper's (ids may take 0 frames when fast, as the pad ids do at speed 2)."""
+    piper = np.ceil(frames)
+    if speed == 1.0:
+        return piper
+    ends = np.round(np.cumsum(piper.reshape(-1), dtype=np.float64) / speed)  # [ids]
+    return np.diff(ends, prepend=0.0).astype(frames.dtype).reshape(frames.shape)
 
 
 def sentence_rng(seed: int, sentence: int) -> np.random.Generator:
@@ -78,7 +106,8 @@ def sentence_rng(seed: int, sentence: int) -> np.random.Generator:
 
 
 class SeededVits:
-    """A VITS ONNX graph whose random ops are fed from a numpy generator.
+    """A VITS ONNX graph whose random ops are fed from a numpy generator, and whose durations
+    (its one `Ceil`) are computed at the request's speed (`scaled_durations`).
 
     Thread-safe (onnxruntime sessions are); the generator is the caller's.
     """
@@ -87,32 +116,35 @@ class SeededVits:
         model = onnx.shape_inference.infer_shapes(onnx.load(str(model_path)))
         graph = model.graph
         self.output_names = [o.name for o in graph.output]
-        self.noise: list[NoiseSpec] = []
-        # level: the segment a tensor is computed in = 1 + the last random op it depends on
+        # VITS's frames per phoneme id (w_ceil, [1, 1, ids]): the graph's only Ceil op. We
+        # compute it (at the request's speed), and keep it, so a sentence can be cut at a
+        # word's frame (CutSentence). A graph with other Ceils is run as it is.
+        ceils = [node for node in graph.node if node.op_type == "Ceil"]
+        duration = ceils[0] if len(ceils) == 1 else None
+        self.duration_output: str | None = None if duration is None else duration.output[0]
+        self.feeds: list[Feed] = []  # the tensors we feed, in graph order
+        # level: the segment a tensor is computed in = 1 + the last fed tensor it depends on
         # (0: none). ONNX graphs are topologically sorted, so one pass settles every level.
         level: dict[str, int] = {}
         node_level: list[int] = []
         for node in graph.node:
             lvl = max((level.get(name, 0) for name in node.input if name), default=0)
             if node.op_type == RANDOM_OP:
-                self.noise.append(_noise_spec(node, lvl, len(self.noise)))
-                lvl = len(self.noise)  # its output belongs to the next segment
+                self.feeds.append(_noise_spec(node, lvl, len(self.feeds)))
+                lvl = len(self.feeds)  # its output belongs to the next segment
+            elif node is duration:
+                self.feeds.append(DurationSpec(like=node.input[0], tensor=node.output[0]))
+                lvl = len(self.feeds)
             for name in node.output:
                 level[name] = lvl
             node_level.append(lvl)
-        segment_nodes: list[list[onnx.NodeProto]] = [[] for _ in range(len(self.noise) + 1)]
+        segment_nodes: list[list[onnx.NodeProto]] = [[] for _ in range(len(self.feeds) + 1)]
         for node, lvl in zip(graph.node, node_level, strict=True):
-            if node.op_type != RANDOM_OP:
+            if node.op_type != RANDOM_OP and node is not duration:
                 segment_nodes[lvl].append(node)
-        # A tensor crosses out of its segment when a later segment, a graph output or the shape
-        # of a later noise draw needs it.
-        needed_later = {spec.like for spec in self.noise} | set(self.output_names)
-        # VITS's frames per phoneme id (w_ceil, [1, 1, ids]): the graph's only Ceil op. Kept as
-        # an output of its segment, so a sentence can be cut at a word's frame (CutSentence).
-        ceils = [node.output[0] for node in graph.node if node.op_type == "Ceil"]
-        self.duration_output: str | None = ceils[0] if len(ceils) == 1 else None
-        if self.duration_output is not None:
-            needed_later.add(self.duration_output)
+        # A tensor crosses out of its segment when a later segment, a graph output or a later
+        # feed (a noise draw's shape, the durations' frames) needs it.
+        needed_later = {spec.like for spec in self.feeds} | set(self.output_names)
         for lvl, nodes in enumerate(segment_nodes):
             for node in nodes:
                 needed_later.update(n for n in node.input if n and level.get(n, 0) < lvl)
@@ -137,23 +169,28 @@ class SeededVits:
         """Whether the last segment can be decoded in windows of frames: it follows a noise draw
         shaped [B, C, frames] (VITS: the prior sample z_p; what follows is the flow and the
         HiFi-GAN decoder, convolutions over frames, whose inputs all have frames last)."""
-        return len(self.noise) > 0
+        return bool(self.feeds) and isinstance(self.feeds[-1], NoiseSpec)
 
-    def __call__(self, feeds: dict[str, np.ndarray], rng: np.random.Generator) -> np.ndarray:
-        """Run the graph on `feeds` (its declared inputs); returns the first graph output."""
+    def __call__(
+        self, feeds: dict[str, np.ndarray], rng: np.random.Generator, speed: float = 1.0
+    ) -> np.ndarray:
+        """Run the graph on `feeds` (its declared inputs); returns the first graph output.
+        `speed` scales the durations (a graph without its one Ceil: only its feeds do)."""
         if not self.splittable:
-            env = self._run(self.segments, dict(feeds), rng)
+            env = self._run(self.segments, dict(feeds), rng, speed)
             return env[self.output_names[0]]
-        latents = self.latents(feeds, rng)
+        latents = self.latents(feeds, rng, speed)
         return self.decode(latents, 0, latents.frames)
 
-    def latents(self, feeds: dict[str, np.ndarray], rng: np.random.Generator) -> Latents:
+    def latents(
+        self, feeds: dict[str, np.ndarray], rng: np.random.Generator, speed: float = 1.0
+    ) -> Latents:
         """Every segment but the last, and the last noise draw: what `decode` needs (only for
         a `splittable` graph). The noise is drawn as `__call__` draws it, so decoding every
         frame gives the same audio."""
-        env = self._run(self.segments[:-1], dict(feeds), rng)
-        self._draw(env, len(self.noise) - 1, rng)
-        frames = int(env[self.noise[-1].like].shape[-1])
+        env = self._run(self.segments[:-1], dict(feeds), rng, speed)
+        self._feed(env, len(self.feeds) - 1, rng, speed)
+        frames = int(env[self.feeds[-1].like].shape[-1])
         out = self.duration_output
         durations = None if out is None else env[out].reshape(-1)  # [ids]
         inputs = {name: env[name] for name in self.segments[-1].inputs}
@@ -172,18 +209,28 @@ class SeededVits:
         return dict(zip(segment.outputs, results, strict=True))[self.output_names[0]]
 
     def _run(
-        self, segments: list[Segment], env: dict[str, np.ndarray], rng: np.random.Generator
+        self,
+        segments: list[Segment],
+        env: dict[str, np.ndarray],
+        rng: np.random.Generator,
+        speed: float,
     ) -> dict[str, np.ndarray]:
         for index, segment in enumerate(segments):
             if index > 0:
-                self._draw(env, index - 1, rng)
+                self._feed(env, index - 1, rng, speed)
             results = segment.session.run(segment.outputs, {n: env[n] for n in segment.inputs})
             env.update(zip(segment.outputs, results, strict=True))
         return env
 
-    def _draw(self, env: dict[str, np.ndarray], index: int, rng: np.random.Generator) -> None:
-        """Noise `index`, in the shape its op's input has now taken."""
-        spec = self.noise[index]
+    def _feed(
+        self, env: dict[str, np.ndarray], index: int, rng: np.random.Generator, speed: float
+    ) -> None:
+        """Feed `index`: the durations at `speed`, or noise in the shape its op's input has
+        now taken."""
+        spec = self.feeds[index]
+        if isinstance(spec, DurationSpec):
+            env[spec.tensor] = scaled_durations(env[spec.like], speed)
+            return
         draw = rng.standard_normal(env[spec.like].shape, dtype=np.float32)
         if spec.mean != 0.0 or spec.scale != 1.0:
             draw = spec.mean + spec.scale * draw
@@ -263,7 +310,8 @@ class PiperVoice:
         """One sentence: phoneme ids [n] -> float32 mono audio [samples] at sample_rate, peak 1.
 
         `wide`: on the session with more threads (the same audio, bit for bit)."""
-        audio = self.graph(wide)(self._feeds(phoneme_ids, speed), rng).reshape(-1)  # [samples]
+        model = self.graph(wide)
+        audio = model(self._feeds(phoneme_ids, speed), rng, speed).reshape(-1)  # [samples]
         # Piper's default (normalize_audio): each sentence peaks at full scale.
         peak = float(np.max(np.abs(audio))) if audio.size else 0.0
         return _scaled(audio, 1.0 / peak if peak >= 1e-8 else 0.0)
@@ -283,18 +331,19 @@ class PiperVoice:
         model = self.graph(wide)
         if not model.splittable:
             return None
-        latents = model.latents(self._feeds(phoneme_ids, speed), rng)
+        latents = model.latents(self._feeds(phoneme_ids, speed), rng, speed)
         frame = latents.frame_of(cut, len(phoneme_ids))
         return CutSentence(self, latents, frame)
 
     def _feeds(self, phoneme_ids: np.ndarray, speed: float) -> dict[str, np.ndarray]:
         ids = np.asarray(phoneme_ids, dtype=np.int64).reshape(1, -1)  # [1, n]
+        # the graph's durations at the voice's own length scale; the model scales them by
+        # speed (scaled_durations), or, a graph it cannot cut there, the length scale does
+        length_scale = self.length_scale / (speed if self.model.duration_output is None else 1.0)
         return {
             "input": ids,
             "input_lengths": np.array([ids.shape[1]], dtype=np.int64),
-            "scales": np.array(
-                [self.noise_scale, self.length_scale / speed, self.noise_w], dtype=np.float32
-            ),
+            "scales": np.array([self.noise_scale, length_scale, self.noise_w], dtype=np.float32),
         }
 
     def graph(self, wide: bool) -> SeededVits:

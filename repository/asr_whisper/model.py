@@ -83,6 +83,7 @@ class WhisperStage(StageBackend):
             prompt=raw.get("prompt"),
             temperature=float(raw.get("temperature", 0.0)),
             words=bool(raw.get("words", False)),
+            logprobs=bool(raw.get("logprobs", False)),
         )
         clip = self.recognizer.transcription(inputs["audio"], inputs["windows"], options)
         self._held[id(request)] = (request, clip)

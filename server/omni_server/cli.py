@@ -7,6 +7,7 @@
     omni-server ray --repo DIR [--address ADDR] [--host H] [--port P]
                 [--num-replicas N | --autoscale MIN:MAX] [serve options] [overrides...]
                                                      serve it on a Ray cluster (Ray Serve)
+    omni-server --version                                            print the version
 
 Overrides are dotted paths into the repository's files (`--stages.tts.max_batch_size 8`),
 typed by the schema; see docs/repository.md. Every invalid repository ends with exit code 2
@@ -22,48 +23,39 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from omni_server.cli_help import ENDPOINTS_HELP, OVERRIDES_HELP, add_version
 from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.errors import RepositoryError
 from omni_server.compiler.plan import Plan
 from omni_server.compiler.render import config_json, config_toml, topology_text
+from omni_server.gpu.devices import discover
 from omni_server.serve.options import ServeOptions
 from omni_server.serve.voice_store import DataDirError, default_data_dir, prepare_dir
 
 EXIT_INVALID = 2
 API_KEY_ENV = "OMNI_SERVER_API_KEY"
 
-OVERRIDES_HELP = """\
-overrides:
-  --stages.<stage>.<field> VALUE       a stage.toml field (process, gpu, next, ...)
-  --stages.<stage>.max_batch_size N    [scheduler] fields (also --stages.<stage>.scheduler.<f>)
-  --stages.<stage>.max_total_tokens N  [engine] fields (also --stages.<stage>.engine.<f>)
-  --stages.<stage>.parameters.<key> V  free-form [parameters] (V read as a TOML value)
-  --processes.<name>.<field> VALUE     num_replicas, replica_devices
-  --models.<id>.<field> VALUE          entry, tasks, aliases, voices, default_voice, ...
-  --server.<field> VALUE               mps, weight_share, gpu_memory_limit
-  Also --path=VALUE. Lists: comma-separated (1,2) or JSON ([1, 2]); booleans: true / false.
-"""
-
 
 def _serve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omni-server",
         usage="%(prog)s --repo DIR [--host HOST] [--port PORT] [options] [overrides ...]\n"
-        "       %(prog)s config resolve --help",
-        description="Serve a model repository over an OpenAI-compatible HTTP API (speech:\n"
-        "POST /v1/audio/speech; GET /v1/models, /health, /metrics, / the playground;\n"
-        "POST /v2/repository/... Triton's model repository API),\n"
-        "running the pipeline its stage folders declare. Logs 'omni-server ready on ...'\n"
-        "once every stage has started; SIGINT / SIGTERM stop it (exit 0). Invalid\n"
-        "repositories exit with code 2 and one line naming the file, stage and field; a port\n"
-        "that cannot be bound or a pipeline that fails to start exits 1.",
-        epilog=OVERRIDES_HELP,
+        "       %(prog)s config resolve --help   (print what would run)\n"
+        "       %(prog)s ray --help              (serve on a Ray cluster)\n"
+        "       %(prog)s --version",
+        description="Serve a model repository over an OpenAI-compatible HTTP and WebSocket API\n"
+        "(the endpoints below), running the pipeline its stage folders declare. Logs\n"
+        "'omni-server ready on ...' once every stage has started; SIGINT / SIGTERM stop it\n"
+        "(exit 0). Invalid repositories exit with code 2 and one line naming the file, stage\n"
+        "and field; a port that cannot be bound or a pipeline that fails to start exits 1.",
+        epilog=ENDPOINTS_HELP + "\n" + OVERRIDES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
     parser.add_argument("--repo", required=True, metavar="DIR", help="the repository folder")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to bind (8000)")
+    add_version(parser)
     _add_serve_options(parser)
     return parser
 
@@ -317,7 +309,7 @@ def _ray_parser() -> argparse.ArgumentParser:
         "Logs 'omni-server ready on ...' once every replica is up; SIGINT / SIGTERM stop it\n"
         "(exit 0). Invalid repositories or options exit 2; a failed deployment exits 1.\n"
         "Needs the ray extra: pip install 'omni-server[ray]'. See docs/scaling.md.",
-        epilog=OVERRIDES_HELP,
+        epilog=ENDPOINTS_HELP + "\n" + OVERRIDES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
@@ -426,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _resolve(args: list[str]) -> int:
     opts, overrides = _resolve_parser().parse_known_args(args)
-    plan = compile_repository(opts.repo, overrides)
+    plan = compile_repository(opts.repo, overrides, discover(os.environ).facts())
     if opts.show in (None, "config"):
         print(config_json(plan) if opts.format == "json" else config_toml(plan), end="")
         if opts.format == "json":
@@ -442,7 +434,10 @@ def _serve(args: list[str]) -> int:
     opts, overrides = _serve_parser().parse_known_args(args)
     options = _serve_options(opts)
     _check_control(opts)
-    plan = compile_repository(opts.repo, overrides)
+    # the machine is asked once: the plan is compiled for it (device = "auto") and the runtime
+    # places stages on it
+    machine = discover(os.environ)
+    plan = compile_repository(opts.repo, overrides, machine.facts())
     for name in opts.load_model:
         if name != "*" and plan.model(name) is None:
             raise RepositoryError(
@@ -455,6 +450,7 @@ def _serve(args: list[str]) -> int:
         "load_models": tuple(opts.load_model),
         "poll_s": opts.repository_poll_secs,
         "overrides": tuple(overrides),
+        "machine": machine,
     }
     return _start_server(plan, opts.host, opts.port, options, control)
 

@@ -20,6 +20,7 @@ from dataclasses import replace
 from aiohttp import web
 
 from omni_server.compiler.plan import Plan
+from omni_server.gpu.devices import Machine
 from omni_server.pipeline import ControlMode, ModelControl, Runtime
 from omni_server.serve import create_app, log_throttle
 from omni_server.serve.access import LOOPBACK_NAMES, loopback_hosts
@@ -40,6 +41,7 @@ def serve(
     load_models: Sequence[str] = (),
     poll_s: float = 15.0,
     overrides: Sequence[str] = (),
+    machine: Machine | None = None,
 ) -> int:
     """Serve `plan` on http://host:port until a stop signal; 0 after a clean stop, 1 if the
     port cannot be bound or the pipeline fails to start. Bound to a loopback address, only
@@ -48,7 +50,9 @@ def serve(
 
     `model_control` "explicit" or "poll" serves through `ModelControl` (models loaded,
     reloaded and unloaded while serving; `load_models` and `poll_s` as its `load` and
-    `poll_s`); the repository is compiled again with `overrides` on every load."""
+    `poll_s`); the repository is compiled again with `overrides` on every load. `machine`:
+    the GPUs `plan` was compiled for (None: the runtime discovers them if the plan has GPU
+    stages)."""
     if not logging.getLogger().handlers:
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -63,7 +67,7 @@ def serve(
     start_timeout, supervision = options.start_timeout_s, options.supervision()
 
     def runtime(of: Plan) -> Runtime:
-        return Runtime(of, supervision=supervision, start_timeout=start_timeout)
+        return Runtime(of, supervision=supervision, start_timeout=start_timeout, machine=machine)
 
     if model_control == ControlMode.NONE:
         return asyncio.run(_serve(lambda: runtime(plan), host, port, options))

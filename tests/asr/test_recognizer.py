@@ -151,3 +151,29 @@ def test_windows_of_several_clips_in_one_call_are_heard_as_each_alone(recognizer
         for a, b in zip(mine, theirs, strict=True):
             assert abs(a["start"] - b["start"]) <= 0.02 and abs(a["end"] - b["end"]) <= 0.02
             assert [w["word"] for w in a["words"]] == [w["word"] for w in b["words"]]
+
+
+def test_token_logprobs_when_asked_score_what_was_said_above_what_was_not(recognizer, paused):
+    """include[]=logprobs: every sentence's tokens with Whisper's log-probability, decoded as
+    its tokens; the words the clip says score higher than other words over the same audio."""
+    options = whisper.DecodeOptions(logprobs=True)
+    windows = _windows(paused.samples)
+    segments = [s for b in recognizer.windows(paused.samples, windows, options) for s in b]
+    for segment in segments:
+        scored = segment["logprobs"]
+        assert len(scored) == len(segment["tokens"])
+        assert "".join(t["token"] for t in scored).strip() == segment["text"]
+        assert all(t["logprob"] <= 0 and bytes(t["bytes"]).decode() == t["token"] for t in scored)
+    start, end = windows[0]
+    audio = paused.samples[int(start * whisper.WHISPER_RATE) : int(end * whisper.WHISPER_RATE)]
+    encode = recognizer.model.hf_tokenizer.encode
+    heard = [s for s in segments if start - 0.01 <= s["start"] < end]
+    said = [t for s in heard for t in s["tokens"]]
+    other = encode(" Purple elephants dance quietly under the frozen moon.").ids
+    assert (
+        np.mean(recognizer.token_logprobs(audio, said))
+        > np.mean(recognizer.token_logprobs(audio, other)) + 1.0
+    )
+    assert all(
+        "logprobs" not in s for b in recognizer.windows(audio, [(0, end - start)]) for s in b
+    )

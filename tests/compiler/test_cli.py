@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import re
 import subprocess
 import sys
 import tomllib
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import omni_server
 from omni_server.cli import main
 from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.render import config_dict
@@ -215,6 +218,48 @@ def test_help_documents_both_commands() -> None:
     )
     assert resolve.returncode == 0
     assert "--show {config,topology}" in resolve.stdout and "--format {toml,json}" in resolve.stdout
+
+
+def _routes(repo: Path) -> set[str]:
+    """Every path the real app routes, its `{name}` parts written `{}`."""
+    from omni_server.serve import create_app
+
+    app = create_app(types.SimpleNamespace(), plan=compile_repository(repo))  # routes only
+    return {re.sub(r"\{[^}]*\}", "{}", r.resource.canonical) for r in app.router.routes()}
+
+
+def test_help_describes_every_endpoint_and_override(repo: Path) -> None:
+    """`omni-server --help` names each route the app serves (Triton's /v2/repository/ API as
+    one), the ray command, and the override roots and fields docs/repository.md lists."""
+    serve = subprocess.run(
+        [sys.executable, "-m", "omni_server", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert serve.returncode == 0
+    text = re.sub(r"\{[^}]*\}", "{}", serve.stdout)
+    missing = [
+        path
+        for path in _routes(repo)
+        if path not in text
+        and not (path.startswith("/v2/repository/") and "/v2/repository/" in text)
+    ]
+    assert missing == []
+    for named in ("ray --help", "--parameters.<key>", "binding", "stage_timeout_s", "--version"):
+        assert named in serve.stdout, named
+    for method in ("/v1/audio/speech", "/v1/audio/transcriptions", "/v1/chat/completions"):
+        assert f"POST /{method.lstrip('/')}" in serve.stdout
+
+
+@pytest.mark.parametrize("package", ["omni_server", "omni_client", "omni_bench.cli"])
+def test_version_prints_the_package_version(package: str) -> None:
+    command = [sys.executable, "-m", package, "--version"]
+    if package == "omni_bench.cli":  # no __main__: its console script calls main()
+        command = [sys.executable, "-c", "import sys, omni_bench.cli as c; sys.exit(c.main())"]
+        command.append("--version")
+    run = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    name = package.split(".")[0].replace("_", "-")
+    assert run.stdout.strip() == f"{name} {importlib.metadata.version('omni-server')}"
+    assert importlib.metadata.version("omni-server") == omni_server.__version__
 
 
 def test_serve_without_server_module(

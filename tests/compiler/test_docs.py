@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from omni_server.cli import main
@@ -29,16 +30,26 @@ def blocks() -> list[tuple[str, str, str]]:
     return [(m[1], m[2].strip(), m[3]) for m in FENCE.finditer(DOC.read_text())]
 
 
-@pytest.fixture
-def example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The worked example written out from the doc's file blocks, as ./example."""
-    root = tmp_path / "example"
+def write_example(root: Path) -> list[str]:
+    """The worked example's files, written out from the doc's file blocks under `root`."""
+    files = []
     for lang, info, body in blocks():
         if lang in ("toml", "python") and info:
             path = root / info
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(body)
+            files.append(info)
+    return files
+
+
+@pytest.fixture
+def example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The worked example as ./example, resolved as on a machine without a GPU (the doc's
+    output): CUDA_VISIBLE_DEVICES="" hides any GPU from discovery, as from CUDA."""
+    root = tmp_path / "example"
+    assert len(write_example(root)) == 7
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     return root
 
 
@@ -110,10 +121,11 @@ def test_no_undocumented_field_in_tables() -> None:
 
 
 def test_example_backends_run(example: Path) -> None:
-    """The example's model.py files work against the backend API, chained by hand here (the
-    runtime's own tests run pipelines for real)."""
+    """The example's model.py files work against the backend API, chained by hand here
+    (`test_example_serves_every_format` runs them in the server)."""
     import importlib.util
 
+    from omni_server.audio import decode
     from omni_server.backend import Request, StageContext
 
     def load(stage: str, cls: str, parameters: dict):
@@ -125,10 +137,11 @@ def test_example_backends_run(example: Path) -> None:
         return backend
 
     frontend = load("frontend", "Frontend", {"language": "en-us"})
-    synth = load("synth", "Synth", {"chunk_frames": 20})
-    encoder = load("encoder", "Encoder", {"sample_rate": 22050})
+    synth = load("synth", "Synth", {"sample_rate": 22050, "chunk_phonemes": 20})
+    encoder = load("encoder", "Encoder", {})
 
-    (phonemes,) = frontend.execute([Request("r1", {"text": "hello " * 9})])
+    inputs = {"text": "hello " * 9, "response_format": "wav", "sample_rate": None}
+    (phonemes,) = frontend.execute([Request("r1", inputs)])
     assert len(phonemes["phonemes"]) == 54
     chunks = []
     gen = synth.generate(Request("r1", phonemes))
@@ -138,7 +151,68 @@ def test_example_backends_run(example: Path) -> None:
         except StopIteration as stop:
             result = stop.value
             break
-    assert [len(c["frames"]) for c in chunks] == [20, 20, 14]
-    assert result == {"num_phonemes": 54}
+    per_phoneme = int(0.08 * 22050)
+    assert [len(c["audio"]) for c in chunks] == [
+        20 * per_phoneme,
+        20 * per_phoneme,
+        14 * per_phoneme,
+    ]
+    assert result == {"native_rate": 22050, "format": "wav", "sample_rate": None}
     (audio,) = encoder.execute([Request("r1", result, _stream=iter(chunks))])
-    assert len(audio["audio"]) == 2 * 54 and audio["sample_rate"] == 22050
+    assert audio["sample_rate"] == 22050 and audio["format"] == "wav"
+    clip = decode(audio["audio"], "wav")
+    assert clip.sample_rate == 22050 and len(clip.samples) == 54 * per_phoneme
+    assert np.sqrt(np.mean(clip.samples**2)) > 0.05  # a tone, not silence
+
+
+# (format, sample_rate asked, the container FFmpeg must find, the rate it must carry)
+FORMATS = [
+    ("mp3", None, "mp3", 22050),
+    ("opus", None, "ogg", 48000),  # Ogg Opus decodes at 48 kHz, whatever it was coded at
+    ("aac", None, "aac", 22050),
+    ("flac", None, "flac", 22050),
+    ("wav", None, "wav", 22050),
+    ("wav", 16000, "wav", 16000),
+    ("pcm", None, None, 24000),
+]
+
+
+@pytest.mark.slow  # a real server: four stage processes, one of them importing torch
+def test_example_serves_every_format(tmp_path: Path) -> None:
+    """The seven files copied out of the doc serve as the doc says: on this machine (device
+    "auto"), audio in the format asked, non-silent, as long as the text says (80 ms a
+    character), streamed or not."""
+    from omni_server.audio import decode
+    from omni_server.audio.decode import container_name
+    from tests.helpers.server import ServerProcess
+
+    root = tmp_path / "example"
+    write_example(root)
+    text = "Hello world"
+    with ServerProcess.start(root, tmp_path / "server.log") as server:
+        for fmt, rate, container, decoded_rate in FORMATS:
+            for stream in (False, True):
+                body = {"model": "tts-1", "voice": "alloy", "input": text}
+                body |= {"response_format": fmt, "stream": stream}
+                if rate is not None:
+                    body["sample_rate"] = rate
+                audio = _post(server.url + "/v1/audio/speech", body)
+                what = f"{fmt} at {rate}, stream={stream}"
+                if container is not None:
+                    assert container_name(audio) == container, what
+                clip = decode(audio, fmt)
+                assert clip.sample_rate == decoded_rate, what
+                assert clip.seconds == pytest.approx(0.08 * len(text), abs=0.06), what
+                assert np.sqrt(np.mean(clip.samples**2)) > 0.05, what  # not silence
+
+
+def _post(url: str, body: dict) -> bytes:
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.status == 200
+        return response.read()

@@ -141,3 +141,27 @@ def test_full_size_names_and_shapes_match_transformers() -> None:
     spec = family.read(config.to_dict(), Path("full"))
     assert spec.shape.num_params > 3e9
     assert family.expected_weights(spec) == theirs
+
+
+def test_audio_eos_scale_scales_only_the_end_rows(higgs_dir: Path, tmp_path: Path) -> None:
+    """`--audio-eos-scale` (through `redraw_higgs_audio_v2`, which the writer's weights share):
+    the same seed's weights, the audio head's stream-EOS row of each codebook times the scale,
+    every other value unchanged; another seed, other values."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from omni_bench.random_checkpoint import redraw_higgs_audio_v2
+
+    plain = load_file(higgs_dir / "model.safetensors")
+    folder = tmp_path / "higgs"
+    shutil.copytree(higgs_dir, folder)
+    scaled = load_file(redraw_higgs_audio_v2(folder, 0, 0.5) / "model.safetensors")
+    head, head_scaled = plain["audio_lm_head.weight"], scaled["audio_lm_head.weight"]
+    end = torch.zeros(head.shape[0], dtype=torch.bool)
+    end[129::130] = True  # [8 * 130, hidden]: codebook k's EOS at row k * 130 + 129
+    assert torch.equal(head_scaled[end], head[end] * 0.5)
+    assert torch.equal(head_scaled[~end], head[~end])
+    assert all(torch.equal(plain[name], scaled[name]) for name in plain if "lm_head" not in name)
+    other = load_file(redraw_higgs_audio_v2(folder, 1) / "model.safetensors")
+    assert not torch.equal(other["audio_lm_head.weight"], head)

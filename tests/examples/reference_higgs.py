@@ -9,7 +9,10 @@ Each case {"conversation", "clip" (a wav path or null)} -> {"frames": generated 
 them after the prompt, "audio": `HiggsAudioV2Processor.decode` of them (24 kHz floats),
 "prompt": its token count, "prompt_frames": its reference clip's frames (0 without)}. The
 prompt is the processor's own: its chat template rendered, then `processor(text, audio)`,
-which encodes the clip with the audio tokenizer and expands the frame placeholders.
+which encodes the clip with the audio tokenizer and expands the frame placeholders. The
+template writes `<|begin_of_text|>` itself, so the text is tokenized without added special
+tokens, as `processor.apply_chat_template(..., tokenize=True)` does for such a template
+(transformers' processing_utils): the tokenizer's own BOS would make it the prompt's second.
 """
 
 from __future__ import annotations
@@ -37,8 +40,14 @@ def main(folder: str, cases_path: str, out_path: str, max_frames: str) -> None:
             samples, rate = decode(Path(case["clip"]).read_bytes())
             assert rate == 24000, rate
             audio = [samples]
-        inputs = processor(text=text, audio=audio, sampling_rate=24000, return_tensors="pt")
+        inputs = processor(
+            text=text, audio=audio, sampling_rate=24000, return_tensors="pt",
+            add_special_tokens=False,
+        )  # fmt: skip
         inputs.pop("token_type_ids", None)
+        first, second = inputs["input_ids"][0, :2].tolist()
+        bos = processor.tokenizer.bos_token_id
+        assert first == bos and second != bos, "the prompt opens with one BOS"
         length = inputs["input_ids"].shape[1]
         with torch.inference_mode():
             out = model.generate(

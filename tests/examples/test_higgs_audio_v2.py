@@ -1,10 +1,14 @@
-"""examples/higgs-audio-v2 served end to end on a tiny random checkpoint (the writer's, in this
-module's tmp dir), against transformers' reference (tests/examples/reference_higgs.py):
+"""examples/higgs-audio-v2 served end to end on tiny random checkpoints (the writer's, in this
+module's tmp dir: seeds 0 and 5 with `--audio-eos-scale 0.7`, so greedy generations run 94-150
+frames, not ~10-40), against transformers' reference (tests/examples/reference_higgs.py):
 
-- greedy: the frames the engine emits equal `HiggsAudioV2ForConditionalGeneration.generate(
-  do_sample=False)` for the same text, voice and instructions (the reference processor builds
-  its prompt and encodes the voice's clip); the served waveform matches the processor's decode
-  of those frames (all at once) at >= 30 dB SNR, streamed and whole;
+- greedy, on both seeds through the runtime and on seed 0 over HTTP: the frames the engine
+  emits equal `HiggsAudioV2ForConditionalGeneration.generate(do_sample=False)` for the same
+  text, voice and instructions (the reference processor builds its prompt and encodes the
+  voice's clip), each comparison at least MIN_COMPARED frames long and the counts reported
+  (`record_property` "frames_compared"); then the served waveform matches the processor's
+  decode of those frames (all at once) at >= 30 dB SNR, streamed and whole (over HTTP the
+  frames are not visible: their count is the audio's length, checked first);
 - seeded sampling reproducible and independent of the batch: 8 concurrent requests of
   different lengths each equal their run alone;
 - a cloned voice's encoder runs once; an unknown voice is a 400 naming the voices; the six
@@ -19,12 +23,18 @@ module's tmp dir), against transformers' reference (tests/examples/reference_hig
   (exit 1, one line naming the folder): no checkpoint, a missing folder, another model_type,
   a config whose shapes disagree with the weights.
 
-Real processes throughout (the runtime's, or `omni-server`). Stand-in, labelled: this machine
-has no torchaudio wheel for its torch, and transformers will not build the audio tokenizer
-without it; the stage processes and the reference see `torchaudio_stand_in(...,
-resample_with_soxr=True)` (omni_bench.random_checkpoint), whose resample (24 -> 16 kHz for the
-semantic encoder of a clip) is soxr's. Both sides use the same stand-in, so the clip's codes
-agree; with a real torchaudio it is not used.
+Real processes throughout (the runtime's, or `omni-server`), and serving needs neither
+transformers nor torchaudio: every server and stage process here runs where importing either
+raises (a `sys.meta_path` blocker in a sitecustomize on PYTHONPATH; the test of the blocker
+shows it was loaded in each of them), so the six formats, the cloned voice `joe` and every
+other served test run on our own tokenizer.
+
+Stand-in, labelled: this machine has no torchaudio wheel for its torch, and transformers (the
+reference) will not build the audio tokenizer without it; the reference sees
+`torchaudio_stand_in(..., resample_like_torchaudio=True)` (omni_bench.random_checkpoint),
+whose resample (24 -> 16 kHz for the semantic encoder of a clip) is the served tokenizer's own
+re-implementation of torchaudio's algorithm, so the clip's codes agree; with a real torchaudio
+it is not used (the function against the real one: tools/device/higgs_tokenizer_check.py).
 """
 
 from __future__ import annotations
@@ -63,26 +73,93 @@ TEXTS = [
     "It may not be a holiday, but it's the best day of the year. Hooray!",
 ]
 MIN_SNR_DB = 30.0
+SEEDS = (0, 5)  # the served equality's checkpoints; the HTTP server's is the first
+AUDIO_EOS_SCALE = 0.7  # random_checkpoint --audio-eos-scale: long greedy generations
+MIN_COMPARED = 48  # every greedy comparison with transformers covers at least this many frames
 MAX_FRAMES = 150  # both sides stop there (6 s of audio at 25 frames a second)
 # the reference's greedy: ras_win_len=None, max_new_tokens=MAX_FRAMES
 GREEDY = ["--stages.tts_engine.parameters.ras_window", "0",
           "--stages.tts_engine.parameters.max_audio_seconds", str(MAX_FRAMES / 25)]  # fmt: skip
 
 
+@pytest.fixture(scope="module", autouse=True)
+def on_the_cpu() -> Iterator[None]:
+    """The example places itself on a GPU where there is one (bf16); these tests compare its
+    fp32 CPU run with the reference, so every server and compile here sees no GPU
+    (test_higgs_gpu_placement.py serves it on the GPU)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")
+        yield
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     from omni_bench.random_checkpoint import write_higgs_audio_v2
 
-    return write_higgs_audio_v2(tmp_path_factory.mktemp("ckpt") / "higgs", "tiny", seed=5)
+    folder = tmp_path_factory.mktemp("ckpt")
+    return {
+        seed: write_higgs_audio_v2(
+            folder / f"higgs-{seed}", "tiny", seed=seed, audio_eos_scale=AUDIO_EOS_SCALE
+        )
+        for seed in SEEDS
+    }
+
+
+@pytest.fixture(scope="module")
+def checkpoint(checkpoints: dict[int, Path]) -> Path:
+    return checkpoints[SEEDS[0]]
+
+
+def report_compared(record_property: Any, counts: list[int]) -> None:
+    """Says how many frames each greedy comparison covered (junit property, and -s / -rP), and
+    fails one that could pass on the delay pattern's opening alone."""
+    record_property("frames_compared", counts)
+    print(f"frames compared with transformers: {counts} ({sum(counts)} in all)")
+    assert min(counts) >= MIN_COMPARED, f"frames compared {counts}: under {MIN_COMPARED}"
 
 
 @pytest.fixture(scope="module")
 def stand_in(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The reference's torchaudio, where there is none (the reference only: serving needs none)."""
     from omni_bench.random_checkpoint import has_torchaudio, torchaudio_stand_in
 
     if has_torchaudio():
         return []
-    return [str(torchaudio_stand_in(tmp_path_factory.mktemp("ta"), resample_with_soxr=True))]
+    folder = tmp_path_factory.mktemp("ta")
+    return [str(torchaudio_stand_in(folder, resample_like_torchaudio=True))]
+
+
+BLOCKER = """\
+# Test blocker (tests/examples/test_higgs_audio_v2.py): this interpreter cannot import
+# transformers or torchaudio; it notes its pid and command line in processes.log beside it.
+import os, sys
+BLOCKED = ("transformers", "torchaudio")
+class _Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in BLOCKED:
+            raise ImportError(f"{name} is blocked here: serving must not need it")
+        return None
+sys.meta_path.insert(0, _Blocked())
+with open("/proc/self/cmdline", "rb") as _f:
+    _cmd = _f.read().replace(b"\\0", b" ").decode(errors="replace")
+with open(os.path.join(os.path.dirname(__file__), "processes.log"), "a") as _f:
+    _f.write(f"{os.getpid()} {_cmd}\\n")
+"""
+
+
+@pytest.fixture(scope="module")
+def no_transformers(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """PYTHONPATH entries under which importing transformers or torchaudio raises."""
+    folder = tmp_path_factory.mktemp("blocker")
+    (folder / "sitecustomize.py").write_text(BLOCKER)
+    return [str(folder)]
+
+
+def blocked_pids(no_transformers: list[str]) -> set[int]:
+    """The processes that started under the blocker so far."""
+    log = Path(no_transformers[0]) / "processes.log"
+    lines = log.read_text().splitlines() if log.exists() else []
+    return {int(line.split()[0]) for line in lines}
 
 
 @contextlib.contextmanager
@@ -182,17 +259,9 @@ def post_voice(server: ServerProcess, clip: Path, transcript: str) -> dict[str, 
     return entry
 
 
-@pytest.fixture(scope="module")
-def references(
-    checkpoint: Path,
-    stand_in: list[str],
-    custom_voice: dict[str, Any],
-    tmp_path_factory: pytest.TempPathFactory,
-) -> list[dict[str, Any]]:
-    """transformers' frames and waveform for each of CASES, then for the custom voice's stored
-    clip and transcript (one child process)."""
-    folder = tmp_path_factory.mktemp("reference")
-    cases = [
+def reference_cases() -> list[dict[str, Any]]:
+    """CASES as reference_higgs.py takes them."""
+    return [
         {
             "conversation": conversation(
                 text, None if voice == "higgs" else voice, system or SYSTEM
@@ -201,14 +270,34 @@ def references(
         }
         for text, voice, system in CASES
     ]
-    cases.append(
-        {
-            "conversation": conversation(
-                CUSTOM_TEXT, custom_voice["id"], transcript=custom_voice["transcript"]
-            ),
-            "clip": str(custom_voice["clip"]),
-        }
-    )
+
+
+@pytest.fixture(scope="module")
+def references(
+    checkpoint: Path,
+    stand_in: list[str],
+    custom_voice: dict[str, Any],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> list[dict[str, Any]]:
+    """transformers' frames and waveform on the first seed for each of CASES, then for the
+    custom voice's stored clip and transcript (one child process)."""
+    custom = {
+        "conversation": conversation(
+            CUSTOM_TEXT, custom_voice["id"], transcript=custom_voice["transcript"]
+        ),
+        "clip": str(custom_voice["clip"]),
+    }
+    return run_reference(checkpoint, stand_in, [*reference_cases(), custom], tmp_path_factory)
+
+
+def run_reference(
+    checkpoint: Path,
+    stand_in: list[str],
+    cases: list[dict[str, Any]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> list[dict[str, Any]]:
+    """reference_higgs.py on `cases` in a child process that sees the stand-in."""
+    folder = tmp_path_factory.mktemp("reference")
     (folder / "cases.json").write_text(json.dumps(cases))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*stand_in, *sys.path])}
     run = subprocess.run(
@@ -224,6 +313,20 @@ def references(
 @pytest.fixture(scope="module")
 def reference(references: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return references[: len(CASES)]
+
+
+@pytest.fixture(scope="module")
+def greedy_references(
+    checkpoints: dict[int, Path],
+    stand_in: list[str],
+    reference: list[dict[str, Any]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[int, list[dict[str, Any]]]:
+    """CASES' reference on every seed (the first seed's from `reference`)."""
+    out = {SEEDS[0]: reference}
+    for seed in SEEDS[1:]:
+        out[seed] = run_reference(checkpoints[seed], stand_in, reference_cases(), tmp_path_factory)
+    return out
 
 
 def snr_db(reference: np.ndarray, served: np.ndarray) -> float:
@@ -258,30 +361,67 @@ async def served(runtime: Any, model: Any, fields: dict[str, Any]) -> dict[str, 
     return {**result, "body": bytes(body)}
 
 
-async def test_greedy_frames_and_audio_equal_transformers_and_seeds_hold(
-    checkpoint: Path, stand_in: list[str], reference: list[dict[str, Any]]
-) -> None:
-    """Through the runtime's real processes: greedy frames identical to the reference and the
-    streamed pcm within 30 dB of its decode; then seeded sampling, alone, again, and as one of
-    8 concurrent requests of different lengths."""
+def first_difference(got: list[list[int]], expected: list[list[int]]) -> int | None:
+    pairs = zip(got, expected, strict=False)
+    return next((n for n, (a, b) in enumerate(pairs) if a != b), None)
+
+
+def runtime_plan(checkpoint: Path) -> Any:
     from omni_server.compiler import compile_repository
-    from tests.helpers.runtime import running
 
     overrides = ["--parameters.checkpoint", str(checkpoint), *GREEDY,
                  "--stages.vocoder.parameters.return_frames", "true"]  # fmt: skip
-    plan = compile_repository(REPO, overrides)
-    model = plan.models[MODEL]
-    with python_path(stand_in):
-        async with running(plan) as runtime:
-            for (text, voice, system), expected in zip(CASES, reference, strict=True):
-                got = await served(runtime, model, inputs(text, voice, instructions=system))
-                assert got["generated"] == expected["frames"], (text, voice)
-                wave = decode(got["body"], "pcm").samples
-                assert snr_db(np.array(expected["audio"], np.float32), wave) >= MIN_SNR_DB
-                assert got["frames"] * 960 == len(wave)
-            assert len({len(r["frames"]) for r in reference}) > 1  # of different lengths
-            assert reference[0]["frames"] != reference[2]["frames"]  # instructions matter
+    return compile_repository(REPO, overrides)
 
+
+@pytest.mark.parametrize("seed", SEEDS)
+async def test_greedy_frames_then_audio_equal_transformers(
+    seed: int,
+    checkpoints: dict[int, Path],
+    no_transformers: list[str],
+    greedy_references: dict[int, list[dict[str, Any]]],
+    record_property: Any,
+) -> None:
+    """Through the runtime's real processes: greedy frames identical to the reference (each
+    comparison >= MIN_COMPARED frames, the end of audio reached on seed 0), then the streamed
+    pcm within 30 dB of the reference's decode of them."""
+    from tests.helpers.runtime import running
+
+    reference = greedy_references[seed]
+    plan = runtime_plan(checkpoints[seed])
+    model = plan.models[MODEL]
+    with python_path(no_transformers):
+        async with running(plan) as runtime:
+            got = [
+                await served(runtime, model, inputs(text, voice, instructions=system))
+                for text, voice, system in CASES
+            ]
+    for (text, voice, _), mine, expected in zip(CASES, got, reference, strict=True):
+        frames, want = mine["generated"], expected["frames"]
+        first = first_difference(frames, want)
+        assert frames == want, (text, voice, len(frames), len(want), f"first diff {first}")
+        wave = decode(mine["body"], "pcm").samples
+        assert mine["frames"] * 960 == len(wave)
+        assert snr_db(np.array(expected["audio"], np.float32), wave) >= MIN_SNR_DB
+    report_compared(record_property, [len(r["frames"]) for r in reference])
+    assert reference[0]["frames"] != reference[2]["frames"]  # instructions matter
+    if seed == SEEDS[0]:  # an ending inside MAX_FRAMES: the closing delay pattern, decoded
+        config = json.loads((checkpoints[seed] / "config.json").read_text())
+        end = [config["audio_stream_eos_id"]] * config["num_codebooks"]
+        assert any(r["frames"][-1] == end for r in reference)
+
+
+async def test_seeded_sampling_reproducible_and_batch_independent(
+    checkpoint: Path, no_transformers: list[str]
+) -> None:
+    """Seeded sampling through the runtime's processes: alone, again, with another seed, and
+    as one of 8 concurrent requests of different lengths."""
+    from tests.helpers.runtime import running
+
+    plan = runtime_plan(checkpoint)
+    model = plan.models[MODEL]
+    with python_path(no_transformers):
+        async with running(plan) as runtime:
             sampled = [
                 inputs(TEXTS[i % 3] * (1 + i % 2), "higgs" if i % 2 else CLONED,
                        temperature=1.0, seed=100 + i)
@@ -299,7 +439,7 @@ async def test_greedy_frames_and_audio_equal_transformers_and_seeds_hold(
 @pytest.fixture(scope="module")
 def higgs_server(
     checkpoint: Path,
-    stand_in: list[str],
+    no_transformers: list[str],
     piper_clips: dict[str, tuple[Path, str]],
     data_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
@@ -312,7 +452,7 @@ def higgs_server(
     shutil.copy(clip, repo / "voices" / f"{EXTRA}.wav")
     (repo / "voices" / f"{EXTRA}.txt").write_text(transcript + "\n")
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with python_path(stand_in):
+    with python_path(no_transformers):
         server = ServerProcess.start(
             repo, log, "--parameters.checkpoint", str(checkpoint), *GREEDY,
             "--data-dir", str(data_dir), f"--models.{MODEL}.voices", ",".join(VOICES),
@@ -339,26 +479,34 @@ def speech(server: ServerProcess, **body: Any) -> tuple[int, bytes, dict[str, st
 
 
 def test_served_audio_matches_the_reference_streamed_and_whole(
-    higgs_server: ServerProcess, reference: list[dict[str, Any]]
+    higgs_server: ServerProcess, reference: list[dict[str, Any]], record_property: Any
 ) -> None:
+    """Over HTTP the frames are not visible; their count is the audio's length (960 samples a
+    decoded column), equal to the reference's first, then the waveform within 30 dB."""
     from openai import OpenAI
 
     client = OpenAI(base_url=higgs_server.url + "/v1", api_key="unused")
     for (text, voice, system), expected in zip(CASES, reference, strict=True):
         want = np.array(expected["audio"], np.float32)
         extra = {} if system is None else {"instructions": system}
-        streamed = client.audio.speech.create(
-            model="tts-1", voice=voice, input=text, response_format="pcm",
-            extra_body={"temperature": 0}, **extra,
-        ).content  # fmt: skip
-        assert snr_db(want, decode(streamed, "pcm").samples) >= MIN_SNR_DB
+        streamed = decode(
+            client.audio.speech.create(
+                model="tts-1", voice=voice, input=text, response_format="pcm",
+                extra_body={"temperature": 0}, **extra,
+            ).content,
+            "pcm",
+        ).samples  # fmt: skip
+        assert len(streamed) == len(want), (text, len(streamed) / 960, len(want) / 960)
+        assert snr_db(want, streamed) >= MIN_SNR_DB
         status, whole, headers = speech(
             higgs_server, input=text, voice=voice, response_format="wav", stream=False, **extra
         )
         assert status == 200 and int(headers["Content-Length"]) == len(whole)
         clip = decode(whole, "wav")
         assert clip.sample_rate == 24000
+        assert len(clip.samples) == len(want), (text, len(clip.samples) / 960, len(want) / 960)
         assert snr_db(want, clip.samples) >= MIN_SNR_DB
+    report_compared(record_property, [len(r["frames"]) for r in reference])
 
 
 def test_formats_speed_and_models(higgs_server: ServerProcess) -> None:
@@ -405,6 +553,28 @@ def test_voice_clone_encodes_once_and_unknown_voice_is_400(higgs_server: ServerP
     assert status == 400
     error = json.loads(body)["error"]
     assert error["param"] == "voice" and "higgs" in error["message"] and CLONED in error["message"]
+
+
+def test_every_served_process_ran_without_transformers_or_torchaudio(
+    higgs_server: ServerProcess, no_transformers: list[str]
+) -> None:
+    """The server the tests above spoke to (six formats, `joe` cloned, custom voices): it and
+    each of its stage processes started under the blocker, where the import raises."""
+    from tests.helpers.proc import descendants
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*no_transformers, *sys.path])}
+    for name in ("transformers", "torchaudio"):
+        run = subprocess.run([sys.executable, "-c", f"import {name}"], env=env,
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert run.returncode == 1 and f"{name} is blocked here" in run.stderr, run.stderr
+    workers = [
+        pid
+        for pid in descendants(higgs_server.proc.pid)
+        if b"omni_server.stage.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    assert len(workers) == 3  # tts_frontend, pipeline, vocoder
+    assert {higgs_server.proc.pid, *workers} <= blocked_pids(no_transformers)
+    assert speech(higgs_server, input=TEXTS[0], voice=CLONED, response_format="flac")[0] == 200
 
 
 def test_a_custom_voice_clones_as_the_reference_encodes_once_and_deletes(
@@ -493,14 +663,14 @@ def test_bad_requests_are_400(higgs_server: ServerProcess) -> None:
 
 
 def test_abort_mid_stream_frees_the_kv_and_stops_the_vocoder(
-    checkpoint: Path, stand_in: list[str], tmp_path: Path
+    checkpoint: Path, no_transformers: list[str], tmp_path: Path
 ) -> None:
     """Every request runs to the context (ignore_eos): the client leaves after its first bytes."""
     import http.client
 
     overrides = ["--parameters.checkpoint", str(checkpoint),
                  "--stages.tts_engine.parameters.ignore_eos", "true"]  # fmt: skip
-    with python_path(stand_in):
+    with python_path(no_transformers):
         server = ServerProcess.start(REPO, tmp_path / "server.log", *overrides)
     with server:
         connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
@@ -523,12 +693,12 @@ def test_abort_mid_stream_frees_the_kv_and_stops_the_vocoder(
         assert speech(server, input="Hi", response_format="pcm")[0] == 200
 
 
-def start_error(checkpoint: Path | None, stand_in: list[str]) -> str:
+def start_error(checkpoint: Path | None, python_paths: list[str]) -> str:
     """omni-server on the example exits 1 with one ERROR line and no traceback: that line."""
     command = [sys.executable, "-m", "omni_server", "--repo", str(REPO), "--port", "0"]
     if checkpoint is not None:
         command += ["--parameters.checkpoint", str(checkpoint)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*stand_in, *sys.path])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*python_paths, *sys.path])}
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert done.returncode == 1, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
@@ -538,24 +708,36 @@ def start_error(checkpoint: Path | None, stand_in: list[str]) -> str:
 
 
 def test_a_wrong_checkpoint_is_exit_1_with_one_line(
-    checkpoint: Path, stand_in: list[str], tmp_path: Path
+    checkpoint: Path, no_transformers: list[str], tmp_path: Path
 ) -> None:
-    assert "--parameters.checkpoint DIR" in start_error(None, stand_in)
+    assert "--parameters.checkpoint DIR" in start_error(None, no_transformers)
     missing = tmp_path / "nowhere"
-    assert f"checkpoint {missing}: no such folder" in start_error(missing, stand_in)
+    assert f"checkpoint {missing}: no such folder" in start_error(missing, no_transformers)
     other = tmp_path / "other"
     shutil.copytree(checkpoint, other)
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
-    line = start_error(other, stand_in)
+    line = start_error(other, no_transformers)
     assert str(other) in line and "model_type is 'llama'" in line
     mismatched = tmp_path / "mismatched"
     shutil.copytree(checkpoint, mismatched)
     config = json.loads((mismatched / "config.json").read_text())
     config["intermediate_size"] += 32
     (mismatched / "config.json").write_text(json.dumps(config))
-    line = start_error(mismatched, stand_in)
+    line = start_error(mismatched, no_transformers)
     assert str(mismatched) in line and "config.json implies" in line
+    # the audio tokenizer's weights: one tensor gone (read by our own code, no transformers)
+    from safetensors.torch import load_file, save_file
+
+    lacking = tmp_path / "lacking"
+    shutil.copytree(checkpoint, lacking)
+    (lacking / "processor_config.json").unlink()  # it names the original's tokenizer folder
+    weights = lacking / "audio_tokenizer" / "model.safetensors"
+    tensors = load_file(str(weights))
+    del tensors["fc2.bias"]
+    save_file(tensors, str(weights))
+    line = start_error(lacking, no_transformers)
+    assert f"{weights}: lacks fc2.bias" in line
 
 
 def test_repository_resolves_with_its_topology() -> None:

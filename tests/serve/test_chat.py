@@ -225,7 +225,7 @@ def test_multibyte_text_streams_whole_characters(client):
 # ---- audio out
 
 
-@pytest.mark.parametrize("fmt", ["wav", "mp3", "flac", "opus", "pcm16"])
+@pytest.mark.parametrize("fmt", ["wav", "aac", "mp3", "flac", "opus", "pcm16"])
 def test_audio_answer_in_every_format(client, fmt):
     completion = client.chat.completions.create(
         model="fake-omni",

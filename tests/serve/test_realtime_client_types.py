@@ -119,6 +119,11 @@ async def test_output_audio_buffer_clear_stops_the_answer_and_is_cleared(app_cli
     ]
     done = _validated(events[-1], beta=beta)
     assert done.response.status == "cancelled"
+    # then OpenAI's rate_limits.updated: the model's admission places, this one free again
+    limits = _validated(await ws.receive_json(), beta=beta)
+    assert limits.type == "rate_limits.updated"
+    [requests] = limits.rate_limits
+    assert (requests.name, requests.remaining) == ("requests", requests.limit)
 
     # after response.done the client may still be playing it: clearing names that response
     await ws.send_str(json.dumps({"type": "output_audio_buffer.clear"}))

@@ -189,10 +189,55 @@ def test_prompt_and_temperature_are_accepted(client, spoken):
         prompt="A pangram, read aloud.",
         temperature=0.0,
         language="en",
-        include=["logprobs"],
-        chunking_strategy="auto",  # OpenAI's, accepted: the pipeline segments by its own VAD
+        chunking_strategy="auto",  # OpenAI's: the pipeline segments by its own VAD
     )
     assert word_error_rate([ONE_SENTENCE], [result.text]) <= MAX_WER
+
+
+def test_logprobs_are_whispers_tokens_of_the_text(client, spoken):
+    file = ("one.wav", spoken["one.wav"])
+    result = client.audio.transcriptions.create(model="whisper-1", file=file, include=["logprobs"])
+    assert result.logprobs and "".join(t.token for t in result.logprobs).strip() == result.text
+    assert all(
+        t.logprob <= 0 and bytes(int(b) for b in t.bytes) == t.token.encode()
+        for t in result.logprobs
+    )
+    assert sum(t.logprob for t in result.logprobs) / len(result.logprobs) > -1.0  # confident
+    events = list(
+        client.audio.transcriptions.create(
+            model="whisper-1", file=file, include=["logprobs"], stream=True
+        )
+    )
+    done = events[-1]
+    assert isinstance(done, TranscriptionTextDoneEvent)
+    assert [t.token for t in done.logprobs] == [t.token for t in result.logprobs]
+    deltas = [e for e in events if isinstance(e, TranscriptionTextDeltaEvent)]
+    assert [t.token for e in deltas for t in e.logprobs] == [t.token for t in done.logprobs]
+    assert client.audio.transcriptions.create(model="whisper-1", file=file).logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("options", "param", "code"),
+    [
+        ({"chunking_strategy": "sometimes"}, "chunking_strategy", "invalid_value"),
+        (
+            {"chunking_strategy": {"type": "server_vad", "silence_duration_ms": 300}},
+            "chunking_strategy",
+            "unsupported_value",
+        ),
+        ({"include": ["logprobs"], "response_format": "verbose_json"}, "include", None),
+        ({"temperature": 1.5}, "temperature", "decimal_above_max_value"),
+    ],
+    ids=["chunking-sometimes", "server-vad", "logprobs-verbose", "temperature"],
+)
+def test_bad_options_are_refused_naming_the_field(client, spoken, options, param, code):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.audio.transcriptions.create(
+            model="whisper-1", file=("one.wav", spoken["one.wav"]), **options
+        )
+    error = info.value.body
+    assert error["param"] == param and (code is None or error["code"] == code), error
+    assert param in error["message"]
 
 
 def test_unknown_fields_are_refused_as_openai_refuses_them(client, spoken):

@@ -3,7 +3,9 @@
 In-process and real: an inline runtime over a test repository whose voice stage clones
 (tests/fixtures/cloning_voice.py, a STAND-IN for the Higgs pipeline: it "speaks" its reference
 clip, so the clip's tone in the answer shows the clip reached the stage), behind the stand-in
-thinker for chat and realtime, plus a model that cannot clone (serve_stand_in.py); the app
+thinker for chat and realtime, plus a model that cannot clone (serve_stand_in.py) and a
+STAND-IN transcription model that hears a clip's tone (for OpenAI's form, which carries no
+transcript); the app
 with its middlewares, a real data directory, aiohttp's test client for HTTP and the WebSocket.
 """
 
@@ -13,6 +15,7 @@ import base64
 import io
 import json
 import stat
+import time
 import wave
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,12 +25,14 @@ import numpy as np
 import pytest
 from aiohttp import FormData
 from aiohttp.test_utils import TestClient
+from openai import AsyncOpenAI, NotFoundError
 
 from omni_server.audio import decode
 from omni_server.compiler.compiler import compile_repository
 from omni_server.pipeline import Runtime
 from omni_server.serve import create_app
 from omni_server.serve.options import ServeOptions
+from omni_server.serve.state import STATE
 from omni_server.serve.voice_store import DataDirError, VoiceStore
 from tests.fixtures import FIXTURES
 from tests.fixtures.cloning_voice import PLAIN_HZ
@@ -57,6 +62,12 @@ STAGES = {
         [scheduler]
         kind = "stream"
         """),
+    "ears": toml("""
+        backend = "model.py:ToneEars"
+        terminal = true
+        [scheduler]
+        kind = "stream"
+        """),
 }
 MODELS = """
 [models.clone-tts]
@@ -78,11 +89,16 @@ default_voice = "plain"
 entry = "speaker"
 tasks = ["speech"]
 voices = ["hush"]
+
+[models.ears]
+entry = "ears"
+tasks = ["transcription"]
 """
 FILES = {
     "thinker": FIXTURES / "fake_thinker.py",
     "voice": FIXTURES / "cloning_voice.py",
     "speaker": FIXTURES / "serve_stand_in.py",
+    "ears": FIXTURES / "cloning_voice.py",
 }
 
 
@@ -198,11 +214,12 @@ async def test_a_custom_voice_is_stored_privately_and_speaks_at_once(app_client,
     voice = await _add(client, language="en-GB")
     assert voice["id"].startswith("voice_")
     assert (voice["object"], voice["model"], voice["name"], voice["custom"]) == (
-        "voice",
+        "audio.voice",
         "clone-tts",
         "Ada",
         True,
     )
+    assert voice["type"] == "audio_sample" and abs(voice["created_at"] - time.time()) < 600
     assert voice["language"] == "en-GB"
     folder = data_dir / "voices"
     assert stat.S_IMODE(data_dir.stat().st_mode) == 0o700
@@ -282,7 +299,7 @@ async def test_custom_voices_survive_a_restart_and_delete_removes_them(app_clien
 
     deleted = await second.delete(f"/v1/audio/voices/{voice}")
     assert deleted.status == 200
-    assert await deleted.json() == {"id": voice, "object": "voice", "deleted": True}
+    assert await deleted.json() == {"id": voice, "object": "audio.voice.deleted", "deleted": True}
     assert list((data_dir / "voices").iterdir()) == []
     gone = await _speak(second, voice)
     assert gone.status == 400
@@ -315,23 +332,90 @@ async def test_a_bad_clip_is_refused_naming_file(app_client, data_dir, clip, cod
 
 
 @pytest.mark.parametrize(
-    ("fields", "param"),
+    ("fields", "param", "code"),
     [
-        ({"transcript": "   "}, "transcript"),
-        ({"transcript": "x" * 2001}, "transcript"),
-        ({"name": "n" * 65}, "name"),
-        ({"language": "not a tag!"}, "language"),
-        ({"frobnicate": "1"}, None),  # as OpenAI: "Unrecognized request argument supplied"
+        ({"transcript": "   "}, "transcript", "invalid_value"),
+        ({"transcript": "x" * 2001}, "transcript", "string_above_max_length"),
+        ({"name": "n" * 65}, "name", "string_above_max_length"),
+        ({"language": "not a tag!"}, "language", "invalid_value"),
+        ({"type": "prompt"}, "type", "unsupported_value"),
+        ({"frobnicate": "1"}, None, None),  # as OpenAI: "Unrecognized request argument supplied"
     ],
-    ids=["blank-transcript", "long-transcript", "long-name", "bad-language", "unknown-field"],
+    ids=[
+        "blank-transcript",
+        "long-transcript",
+        "long-name",
+        "bad-language",
+        "prompt",
+        "unknown-field",
+    ],
 )
-async def test_bad_fields_are_refused_by_name(app_client, fields, param):
+async def test_bad_fields_are_refused_by_name(app_client, fields, param, code):
     client = await app_client()
     response = await client.post("/v1/audio/voices", data=voice_form(**fields))
     assert response.status == 400
     error = (await response.json())["error"]
-    assert error["param"] == param
+    assert (error["param"], error["code"]) == (param, code)
     assert (param or "frobnicate") in error["message"]
+
+
+async def test_openais_client_creates_and_deletes_a_voice(app_client):
+    """OpenAI's form (audio_sample, consent, name; no model, no transcript) through the official
+    client with strict response validation: the one cloning stage takes it, the transcription
+    model hears what the clip says, and the answers parse as OpenAI's objects."""
+    client = await app_client()
+    openai = AsyncOpenAI(
+        base_url=str(client.make_url("/v1")),
+        api_key="unused",
+        max_retries=0,
+        _strict_response_validation=True,
+    )
+    async with openai:
+        voice = await openai.audio.voices.create(
+            audio_sample=("ada.wav", wav_clip(seconds=1.2)), consent="cons_1234", name="Ada"
+        )
+        assert (voice.object, voice.name, voice.type) == ("audio.voice", "Ada", "audio_sample")
+        stored = client.app[STATE].voices.store.get(voice.id)
+        assert (stored.model, stored.consent) == ("clone-tts", "cons_1234")
+        assert stored.transcript == f"a tone of {CLIP_HZ:.0f} hertz"  # heard from this clip
+        response = await _speak(client, voice.id)
+        samples, rate = decode(await response.read(), "pcm")
+        assert abs(dominant_hz(samples, rate) - CLIP_HZ) < 5
+
+        deleted = await openai.audio.voices.delete(voice.id)
+        assert (deleted.id, deleted.object, deleted.deleted) == (
+            voice.id,
+            "audio.voice.deleted",
+            True,
+        )
+        with pytest.raises(NotFoundError):
+            await openai.audio.voices.delete(voice.id)
+
+        # this server's own parts ride in extra_body (docs/voices.md's complete example)
+        named = await openai.audio.voices.create(
+            audio_sample=("ada.wav", wav_clip()),
+            consent="cons_1234",
+            name="Ada",
+            extra_body={"model": "clone-omni", "transcript": "Hello, this is Ada."},
+        )
+        stored = client.app[STATE].voices.store.get(named.id)
+        assert (stored.model, stored.transcript) == ("clone-omni", "Hello, this is Ada.")
+
+
+async def test_a_clip_part_is_named_as_sent(app_client):
+    client = await app_client()
+    form = FormData()
+    form.add_field("name", "Ada")
+    form.add_field("audio_sample", wav_clip(seconds=0.5), filename="ada.wav")
+    short = await client.post("/v1/audio/voices", data=form)
+    assert short.status == 400
+    error = (await short.json())["error"]
+    assert (error["param"], error["code"]) == ("audio_sample", "audio_too_short")
+    only_name = FormData({"name": "Ada"}, default_to_multipart=True)
+    missing = await client.post("/v1/audio/voices", data=only_name)
+    assert missing.status == 400
+    error = (await missing.json())["error"]
+    assert (error["param"], error["code"]) == ("audio_sample", "missing_required_parameter")
 
 
 async def test_bounds_on_clip_bytes_and_stored_voices(app_client):

@@ -142,7 +142,9 @@ def test_split_graph_computes_the_original_function(voice, original_graph):
     """Without noise both graphs are deterministic: the same audio, the same noise shapes."""
     session, n_random = original_graph
     model = voice.acoustic.voices["joe"].model
-    assert len(model.noise) == n_random == 2
+    noise = [f for f in model.feeds if type(f).__name__ == "NoiseSpec"]  # the stage module's class
+    assert len(noise) == n_random == 2
+    assert model.duration_output is not None  # its Ceil is ours: the durations at a speed
     ids = next(voice.frontend_chunks(voice.request("Testing the split graph.")))["phoneme_ids"]
     rng = RecordingRng(0, scale=0.0)  # zero noise: what noise_scale = noise_w = 0 does inside
     ours = model(feeds(ids, 0.0, 1.0, 0.0), rng)
@@ -189,10 +191,10 @@ def test_speed_changes_duration_not_pitch(voice):
     normal = np.concatenate(sentence_audio(voice, text, seed=3))
     fast = np.concatenate(sentence_audio(voice, text, seed=3, speed=2.0))
     slow = np.concatenate(sentence_audio(voice, text, seed=3, speed=0.5))
-    # Not exactly 1/speed: VITS rounds every phoneme id's frame count up (docs/voice.md),
-    # measured 0.65x at speed 2 and 1.75x at speed 0.5 for this text.
-    assert 0.5 < len(fast) / len(normal) < 0.72
-    assert 1.5 < len(slow) / len(normal) < 2.2
+    # 1 / speed within a frame (256 samples) of the sentence: the durations are scaled after
+    # VITS rounds them (docs/voice.md), not before (which gave 0.65x at speed 2, 1.75x at 0.5)
+    assert abs(len(fast) - len(normal) / 2) <= 256
+    assert abs(len(slow) - len(normal) * 2) <= 256
     f0 = pitch_hz(normal, rate)
     print(
         f"F0: normal {f0:.0f} Hz, x2 {pitch_hz(fast, rate):.0f} Hz, "

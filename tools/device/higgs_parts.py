@@ -85,10 +85,10 @@ def vocoder(folder: Path, lengths: list[int], windows: list[int]) -> list[dict[s
 
     def eager(codes: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
-            values = codec.decode(torch.from_numpy(codes).cuda(), return_dict=False)
+            values = codec.decode(torch.from_numpy(codes).cuda())
         return values[:, 0].float().cpu().numpy()
 
-    graphs = GraphedDecoder(lambda c: codec.decode(c, return_dict=False), k, "cuda")
+    graphs = GraphedDecoder(codec.decode, k, "cuda")
     rng = np.random.default_rng(0)
     rows = []
     for length in lengths:

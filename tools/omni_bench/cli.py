@@ -24,6 +24,7 @@ runs, so one benchmark's heavy imports never slow another.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import sys
 
 SUBCOMMANDS = {
@@ -49,8 +50,17 @@ SUBCOMMANDS = {
 }
 
 
+def version() -> str:
+    """The installed distribution's version (omni-server ships the benchmarks)."""
+    try:
+        return importlib.metadata.version("omni-server")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def usage() -> str:
     lines = ["usage: omni-bench {" + ",".join(SUBCOMMANDS) + "} [options]", ""]
+    lines += ["       omni-bench --version", ""]
     lines += [f"  {name:<11} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
@@ -60,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else 2
+    if argv == ["--version"]:
+        print(f"omni-bench {version()}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
         print(

@@ -7,12 +7,14 @@ HTTP and loaded with `omni-bench speech`, one replica of `pipeline` against seve
 The whole device run of issue 22's "Measure" in one command. A random checkpoint is written
 to DIR first when DIR has none (`random-checkpoint`, drawn on the GPU with --gpu). For each
 replica count, one server is started (`omni-server --repo examples/higgs-audio-v2
---parameters.checkpoint DIR`, with --gpu the overrides docs/models.md gives: bf16, cuda:0,
-CUDA graphs, the vocoder and the audio encoder on the GPU; more than one replica: the
-`pipeline` process repeated on cuda:0 under MPS with its weights shared; `3v`: the vocoder
+--parameters.checkpoint DIR`; with --gpu on the GPU as the example places itself there, its
+`device = "auto"` stages held to it: bf16, cuda:0, CUDA graphs, the vocoder and the audio
+encoder on the GPU, MPS where it starts (`mps = "auto"`); without, on the CPU. More than one
+replica: the `pipeline` process repeated on cuda:0 under MPS with its weights shared, each
+engine with its share of the example's fraction; `3v`: the vocoder
 stage moved into `pipeline`, so each replica decodes its own frames, handed over in-process;
-`1m`: one replica under MPS; `1e`: the vocoder without its CUDA graphs; `1f4`: the first chunk
-with 4 lookahead columns; flags combine, `1mf4`)
+`1m`: one replica with `mps = "on"`; `1e`: the vocoder without its CUDA graphs; `1f4`: the
+first chunk with 4 lookahead columns; flags combine, `1mf4`)
 and each concurrency level is a closed-loop `omni-bench speech` run against it (streamed pcm, the
 dataset's texts of one to three sentences, every request `--audio-seconds` of audio: random
 weights have no end of speech worth waiting for). Per level: TTFA p50/p95, RTF, audio seconds
@@ -26,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -38,6 +39,8 @@ from typing import Any, NamedTuple
 from omni_bench import speech
 from omni_bench.harness import tables
 from omni_bench.harness.server import OmniServer
+from omni_server.compiler.compiler import compile_repository
+from omni_server.compiler.plan import DeviceRequest, MachineFacts
 
 # the example repository, relative to where the bench runs (a source checkout), as --repo
 # defaults elsewhere: an installed omni_bench has no examples/ beside it
@@ -64,21 +67,22 @@ def parse_layout(text: str) -> Layout:
     return Layout(replicas, "v" in flags, "m" in flags or replicas > 1, "e" in flags, first)
 
 
-def gpu_overrides(replicas: int, kv_tokens: int, vocoders: bool = False) -> list[str]:
-    """docs/models.md's placement on cuda:0; replicas share the GPU (fractions scaled down)."""
-    engine = 0.55 / replicas
-    vocoder = 0.05 if vocoders else 0.1  # beside each engine (one vocoder: every stream's)
-    args = [
-        "--stages.tts_engine.gpu", "0",
-        "--stages.tts_engine.engine.dtype", "bfloat16",
-        "--stages.tts_engine.gpu_memory_fraction", f"{engine:.3f}",
-        "--stages.vocoder.gpu", "0", "--stages.vocoder.gpu_memory_fraction", f"{vocoder}",
-        "--stages.audio_encoder.gpu", "0", "--stages.audio_encoder.gpu_memory_fraction", "0.05",
-    ]  # fmt: skip
-    # the same KV cache for every replica count (weight sharing requires it pinned), so the
-    # memory columns compare like with like
-    args += ["--stages.tts_engine.engine.max_total_tokens", str(kv_tokens)]
-    return args
+def placement_overrides(repo: Path, gpu: bool, replicas: int) -> list[str]:
+    """The example's own placement, held to the machine the run asks for: its `device =
+    "auto"` stages on the GPU (`--gpu`: a machine without one fails the start instead of
+    running on the CPU) or on the CPU. With replicas sharing the GPU, each engine replica gets
+    its share of the example's engine fraction; everything else is the example's [on_gpu]
+    (bf16, the KV tokens, the fractions, MPS)."""
+    plan = compile_repository(repo, machine=MachineFacts(gpus=1))  # as on a GPU machine
+    device = "gpu" if gpu else "cpu"
+    out = []
+    for stage in plan.stages.values():
+        if stage.device is DeviceRequest.AUTO:
+            out += [f"--stages.{stage.name}.device", device]
+    engine = plan.stages["tts_engine"].gpu_memory_fraction
+    if gpu and replicas > 1 and engine is not None:
+        out += ["--stages.tts_engine.gpu_memory_fraction", f"{engine / replicas:.3f}"]
+    return out
 
 
 def serve_args(args: argparse.Namespace, text: str) -> list[str]:
@@ -90,6 +94,7 @@ def serve_args(args: argparse.Namespace, text: str) -> list[str]:
         "--stages.tts_engine.parameters.max_audio_seconds", str(args.audio_seconds),
         "--max-in-flight", str(max(64, 2 * max(args.levels))),
     ]  # fmt: skip
+    out += placement_overrides(args.repo, args.gpu, replicas)
     if replicas > 1:
         out += [
             "--processes.pipeline.num_replicas", str(replicas),
@@ -98,16 +103,14 @@ def serve_args(args: argparse.Namespace, text: str) -> list[str]:
         if args.gpu:
             devices = json.dumps([0] * replicas, separators=(",", ":"))
             out += ["--processes.pipeline.replica_devices", devices]
-        else:
-            out += ["--stages.tts_engine.engine.max_total_tokens", str(args.kv_tokens)]
+    if args.kv_tokens is not None:
+        out += ["--stages.tts_engine.engine.max_total_tokens", str(args.kv_tokens)]
     if vocoders:
         # not a replicated `vocoder` process: weight sharing makes every process replicated on
         # one GPU a sharing group, which needs an engine stage (compiler/placement.py)
         out += ["--stages.vocoder.process", "pipeline"]
-    if args.gpu:
-        out += gpu_overrides(replicas, args.kv_tokens, vocoders)
-        if layout.mps:
-            out += ["--server.mps", "on"]
+    if args.gpu and layout.mps:
+        out += ["--server.mps", "on"]  # the example's "auto" would fall back without MPS
     if layout.eager:
         out += ["--stages.vocoder.parameters.cuda_graphs", "false"]
     if layout.first_lookahead is not None:
@@ -240,7 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repo", type=Path, default=REPO, help=f"the Higgs repository ({REPO})")
     p.add_argument("--checkpoint", type=Path, required=True, help="folder (written if empty)")
     p.add_argument("--size", choices=("tiny", "full"), default="full", help="when written")
-    p.add_argument("--gpu", action="store_true", help="the GPU placement of docs/models.md")
+    p.add_argument(
+        "--gpu",
+        action="store_true",
+        help="on the GPU, as the example places itself there (default: on the CPU)",
+    )
     p.add_argument("--concurrency", default="1,4,16,64", help="closed-loop levels")
     p.add_argument(
         "--replicas",
@@ -251,25 +258,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=2, help="requests per level: rounds x c")
     p.add_argument("--min-requests", type=int, default=8, help="at least this many per level")
     p.add_argument("--audio-seconds", type=float, default=6.0, help="audio per request (6)")
-    p.add_argument("--kv-tokens", type=int, default=65536, help="pinned KV tokens a replica")
+    p.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=None,
+        help="pinned KV tokens a replica (default: the example's, 65536 on a GPU)",
+    )
     p.add_argument("--voice", default="higgs")
     p.add_argument("--dataset", type=Path, default=speech.DEFAULT_DATASET)
     p.add_argument("--ready-timeout", type=float, default=400.0, help="server start, seconds")
     p.add_argument("--out", type=Path, default=Path("bench-results/higgs-serve"))
     p.add_argument("extra", nargs="*", help="more omni-server arguments, after --")
     return p
-
-
-def _torchaudio_or_stand_in(folder: Path) -> str:
-    """Without a working torchaudio (CPU machines here), the servers see the tests' stand-in
-    (random_checkpoint.torchaudio_stand_in, soxr's resample): labelled in the report."""
-    from omni_bench.random_checkpoint import has_torchaudio, torchaudio_stand_in
-
-    if has_torchaudio():
-        return "torchaudio"
-    path = str(torchaudio_stand_in(folder, resample_with_soxr=True))
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")]))
-    return "torchaudio stand-in (soxr resample)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,8 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             ["higgs-audio-v2", "--size", args.size, "--out", str(args.checkpoint), *draw]
         )
     args.out.mkdir(parents=True, exist_ok=True)
-    audio = _torchaudio_or_stand_in(args.out / "stand-in")
-    print(f"# higgs-serve: {args.checkpoint}, gpu={args.gpu}, {audio}", flush=True)
+    print(f"# higgs-serve: {args.checkpoint}, gpu={args.gpu}", flush=True)
     runs = []
     for replicas in counts:
         runs.append(_serve(args, replicas))

@@ -5,6 +5,8 @@ downloaded here: every check and speed run starts from one of these).
     omni-bench random-checkpoint higgs-audio-v2 --size tiny --out DIR   # CPU tests, ~3 MB
     omni-bench random-checkpoint higgs-audio-v2 --size full --out DIR   # the real shapes (GPU)
     omni-bench random-checkpoint llama --size tiny --out DIR
+    omni-bench random-checkpoint qwen3-omni --size tiny --out DIR     # see random_qwen3_omni.py
+    omni-bench random-checkpoint higgs-audio-v2 --size tiny --audio-eos-scale 0.7 --out DIR
 
 higgs-audio-v2 writes what `HiggsAudioV2ForConditionalGeneration.from_pretrained(DIR)` and
 `HiggsAudioV2Processor.from_pretrained(DIR)` load: config.json, generation_config.json,
@@ -24,6 +26,11 @@ usual offsets, Higgs' audio tokens among them: <|audio_bos|> +11, <|audio_eos|> 
 <|audio_out_bos|> +13, <|reserved_special_token_6|> (the delay token) +14, <|AUDIO|> +15,
 <|AUDIO_OUT|> +16, which is where config.json's token ids point (128013 / 128014 / 128016 in
 the full size). <|scene_desc_start|> / <|scene_desc_end|> at +17 / +18 are this writer's choice.
+
+`--audio-eos-scale S` multiplies the audio head's stream-EOS rows (one a codebook) by S. At 1
+the random model ends its audio after ~10-70 greedy frames (the end code is one of 130 in each
+of 8 codebooks); at 0.7 most greedy generations run past 48 frames and some still end, so
+equality tests compare long generations and the end of audio (docs/models.md).
 """
 
 from __future__ import annotations
@@ -31,10 +38,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("higgs-audio-v2", "llama")
+FAMILIES = ("higgs-audio-v2", "llama", "qwen3-omni")
 SIZES = ("tiny", "full")
 SHARD_BYTES = 4 << 30
 
@@ -229,20 +237,25 @@ def _reserved(offset: int) -> int:
 
 
 def write_random_weights(
-    model_class: Any, config: Any, out: Path, dtype: str, seed: int, draw_on: str = "cpu"
+    model_class: Any,
+    config: Any,
+    out: Path,
+    dtype: str,
+    seed: int,
+    draw_on: str = "cpu",
+    adjust: Callable[[str, Any], None] | None = None,
 ) -> int:
     """Random tensors of the model's names and shapes into safetensors (sharded past 4 GiB).
     `draw_on` "cuda": drawn on the GPU (seconds instead of minutes for the full size; other
-    values than the CPU's for the same seed)."""
+    values than the CPU's for the same seed). `adjust(name, tensor)` may change a drawn tensor
+    in place before it is written."""
     import torch
-    from safetensors.torch import save_file
 
     with torch.device("meta"):
         model = model_class(config)
     torch_dtype = getattr(torch, dtype)
     gen = torch.Generator(device=draw_on).manual_seed(seed)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = total = 0
+    tensors: dict[str, torch.Tensor] = {}
     for name, meta in model.state_dict().items():
         if name.endswith("norm.weight") or "layernorm" in name:
             value = torch.ones(meta.shape, dtype=torch_dtype)
@@ -254,25 +267,49 @@ def write_random_weights(
                 .to(torch_dtype)
                 .cpu()
             )
+            if adjust is not None:
+                adjust(name, value)
         else:
             value = torch.zeros(
                 meta.shape, dtype=meta.dtype if not meta.is_floating_point() else torch_dtype
             )
+        tensors[name] = value.contiguous()
+    return save_sharded(tensors, out)
+
+
+def save_sharded(tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], out: Path) -> int:
+    """`tensors` into out/model.safetensors, or shards of at most 4 GiB + the index past that
+    (the published layout). Streams: a shard is written as soon as it is full, so an iterable
+    that draws its tensors lazily holds one shard in memory. Returns the bytes written."""
+    from safetensors.torch import save_file
+
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    written: list[tuple[Path, list[str]]] = []
+    shard: dict[str, Any] = {}
+    size = total = 0
+
+    def flush() -> None:
+        path = out / f".shard-{len(written) + 1}.safetensors.partial"
+        save_file(shard, str(path), metadata={"format": "pt"})
+        written.append((path, list(shard)))
+
+    for name, value in items:
         nbytes = value.numel() * value.element_size()
         if size and size + nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = value.contiguous()
+            flush()
+            shard, size = {}, 0
+        shard[name] = value
         size += nbytes
         total += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+    flush()
+    if len(written) == 1:
+        written[0][0].rename(out / "model.safetensors")
         return total
     weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
+    for i, (path, names) in enumerate(written, 1):
+        file = f"model-{i:05d}-of-{len(written):05d}.safetensors"
+        path.rename(out / file)
+        weight_map.update(dict.fromkeys(names, file))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return total
@@ -385,24 +422,37 @@ def _scale_decoder(model: Any) -> None:
     layers[-1].weight.mul_(0.1 / float(rms))
 
 
-def torchaudio_stand_in(folder: Path, resample_with_soxr: bool = False) -> Path:
+def torchaudio_stand_in(
+    folder: Path, resample_with_soxr: bool = False, resample_like_torchaudio: bool = False
+) -> Path:
     """A stand-in `torchaudio` package under `folder` (returned: put it on PYTHONPATH), for a
-    machine without a working torchaudio (this one: no wheel for torch 2.13).
+    machine without a working torchaudio (this one: no wheel for torch 2.13), where transformers
+    runs as the tests' reference: serving needs no torchaudio (our own tokenizer).
 
     transformers refuses to build `HiggsAudioV2TokenizerModel` without torchaudio, which it uses
     only to resample audio it *encodes* (reference voices, 24 kHz -> its semantic model's 16
     kHz). Writing random weights and decoding codes never call it; by default the stand-in's
     resample raises, so nothing can silently use it. `resample_with_soxr`: its resample is
     soxr's instead (a different filter than torchaudio's, so codes of a clip differ from
-    those a real torchaudio gives; the same in every process that uses the stand-in), for
-    tests that encode reference voices here."""
+    those a real torchaudio gives). `resample_like_torchaudio`: its resample is
+    omni_server.audio.higgs_tokenizer.resample, torchaudio's algorithm as the served tokenizer
+    runs it (so a reference on this machine encodes a clip as the server does; that function
+    against the real torchaudio: tools/device/higgs_tokenizer_check.py)."""
     package = folder / "torchaudio"
     package.mkdir(parents=True, exist_ok=True)
     (package / "__init__.py").write_text(
         '"""Stand-in (omni_bench.random_checkpoint): no audio I/O."""\n'
         "from . import functional\n__version__ = '2.11.0'\n"
     )
-    if resample_with_soxr:
+    if resample_like_torchaudio:
+        (package / "functional.py").write_text(
+            '"""Stand-in: torchaudio\'s resample algorithm, as our tokenizer runs it."""\n'
+            "from omni_server.audio.higgs_tokenizer.resample import resample as _resample\n"
+            "def resample(waveform, orig_freq, new_freq, **kwargs):\n"
+            "    assert not kwargs, kwargs  # the defaults only\n"
+            "    return _resample(waveform, int(orig_freq), int(new_freq))\n"
+        )
+    elif resample_with_soxr:
         (package / "functional.py").write_text(
             '"""Stand-in: resample with soxr, NOT torchaudio\'s sinc filter."""\n'
             "import numpy as np, soxr, torch\n"
@@ -434,11 +484,17 @@ def has_torchaudio() -> bool:
 
 
 def write_higgs_audio_v2(
-    out: Path, size: str, dtype: str = "float32", seed: int = 0, draw_on: str = "cpu"
+    out: Path,
+    size: str,
+    dtype: str = "float32",
+    seed: int = 0,
+    draw_on: str = "cpu",
+    audio_eos_scale: float = 1.0,
 ) -> Path:
     """The model folder at `out`, its audio tokenizer at out/audio_tokenizer. Without a working
     torchaudio the audio tokenizer and processor are written by a child process that sees the
-    stand-in (torchaudio_stand_in)."""
+    stand-in (torchaudio_stand_in). `audio_eos_scale` < 1: the end of audio rarer (the
+    module's docstring)."""
     out = out.resolve()
     if not has_torchaudio():
         import os
@@ -451,18 +507,20 @@ def write_higgs_audio_v2(
             )}  # fmt: skip
             args = [sys.executable, "-m", "omni_bench.random_checkpoint", "higgs-audio-v2",
                     "--size", size, "--out", str(out), "--dtype", dtype,
-                    "--seed", str(seed), "--draw-on", draw_on]  # fmt: skip
+                    "--seed", str(seed), "--draw-on", draw_on,
+                    "--audio-eos-scale", repr(audio_eos_scale)]  # fmt: skip
             subprocess.run(args, env=env, check=True, stdout=subprocess.DEVNULL)
         return out
-    return _write_higgs_audio_v2(out, size, dtype, seed, draw_on)
+    return _write_higgs_audio_v2(out, size, dtype, seed, draw_on, audio_eos_scale)
 
 
-def _write_higgs_audio_v2(out: Path, size: str, dtype: str, seed: int, draw_on: str) -> Path:
+def _write_higgs_audio_v2(
+    out: Path, size: str, dtype: str, seed: int, draw_on: str, audio_eos_scale: float
+) -> Path:
     from transformers import (
         DacFeatureExtractor,
         GenerationConfig,
         HiggsAudioV2Config,
-        HiggsAudioV2ForConditionalGeneration,
         HiggsAudioV2Processor,
         HiggsAudioV2TokenizerModel,
     )
@@ -481,7 +539,7 @@ def _write_higgs_audio_v2(out: Path, size: str, dtype: str, seed: int, draw_on: 
         pad_token_id=ids["pad_token_id"], ras_win_len=7, ras_win_max_num_repeat=2,
         use_text_head=True,
     ).save_pretrained(out)  # fmt: skip
-    write_random_weights(HiggsAudioV2ForConditionalGeneration, config, out, dtype, seed, draw_on)
+    write_higgs_model_weights(config, out, dtype, seed, draw_on, audio_eos_scale)
     tokenizer = write_tokenizer(out, shape["vocab_size"], HIGGS_CHAT_TEMPLATE)
     audio_dir = out / "audio_tokenizer"
     write_audio_tokenizer(audio_dir, size, codes, seed)
@@ -498,6 +556,36 @@ def _write_higgs_audio_v2(out: Path, size: str, dtype: str, seed: int, draw_on: 
     )  # fmt: skip
     processor.save_pretrained(out)
     return out
+
+
+def write_higgs_model_weights(
+    config: Any, out: Path, dtype: str, seed: int, draw_on: str, audio_eos_scale: float
+) -> None:
+    """The model's random weights (model.safetensors) for a `HiggsAudioV2Config`, the audio
+    head's stream-EOS rows times `audio_eos_scale`."""
+    from transformers import HiggsAudioV2ForConditionalGeneration
+
+    def rarer_end(name: str, value: Any) -> None:
+        if name == "audio_lm_head.weight":  # [K * C, hidden]: codebook k's logits at rows k*C..
+            value[config.audio_stream_eos_id :: config.codebook_size] *= audio_eos_scale
+
+    write_random_weights(
+        HiggsAudioV2ForConditionalGeneration, config, out, dtype, seed, draw_on, rarer_end
+    )
+
+
+def redraw_higgs_audio_v2(
+    folder: Path, seed: int, audio_eos_scale: float = 1.0, dtype: str = "float32"
+) -> Path:
+    """A written folder's model weights drawn anew for another seed, in this process (the model
+    needs no torchaudio; its tokenizers and audio tokenizer stay as they are): tests that
+    compare the model alone over several seeds without writing a whole folder for each."""
+    from transformers import HiggsAudioV2Config
+
+    write_higgs_model_weights(
+        HiggsAudioV2Config.from_pretrained(folder), folder, dtype, seed, "cpu", audio_eos_scale
+    )
+    return folder
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -517,10 +605,27 @@ def main(argv: list[str] | None = None) -> int:
         default="cpu",
         help="where the random values are drawn (cuda: fast for --size full; other values)",
     )
+    parser.add_argument(
+        "--audio-eos-scale",
+        type=float,
+        default=1.0,
+        help="higgs-audio-v2: the audio head's stream-EOS rows times this (below 1: the end of "
+        "audio rarer, greedy generations longer)",
+    )
     args = parser.parse_args(argv)
+    if args.audio_eos_scale != 1.0 and args.family != "higgs-audio-v2":
+        parser.error("--audio-eos-scale is for higgs-audio-v2")
     dtype = args.dtype or ("float32" if args.size == "tiny" else "bfloat16")
-    write = write_higgs_audio_v2 if args.family == "higgs-audio-v2" else write_llama
-    out = write(args.out, args.size, dtype, args.seed, args.draw_on)
+    if args.family == "higgs-audio-v2":
+        out = write_higgs_audio_v2(
+            args.out, args.size, dtype, args.seed, args.draw_on, args.audio_eos_scale
+        )
+    elif args.family == "qwen3-omni":
+        from omni_bench.random_qwen3_omni import write_qwen3_omni
+
+        out = write_qwen3_omni(args.out, args.size, dtype, args.seed, args.draw_on)
+    else:
+        out = write_llama(args.out, args.size, dtype, args.seed, args.draw_on)
     files = sorted(p for p in out.rglob("*") if p.is_file())
     total = sum(p.stat().st_size for p in files)
     print(

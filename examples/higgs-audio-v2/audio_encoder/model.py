@@ -1,8 +1,8 @@
 """Audio encoder: a voice's reference clip -> its codes (the audio tokenizer's encoder), and the
 prompt's token ids.
 
-The clip is read (PyAV), mixed to mono and resampled to 24 kHz (soxr), then encoded by
-`HiggsAudioV2TokenizerModel.encode` as the reference processor encodes it; its codes, with
+The clip is read (PyAV), mixed to mono and resampled to 24 kHz (soxr), then encoded by the
+audio tokenizer (audio/higgs_tokenizer) as the reference processor encodes it; its codes, with
 the stream BOS / EOS around them and the delay pattern, are the prompt's audio frames. The
 frames are cached, so a voice's encoder runs once: a custom voice's (POST /v1/audio/voices) by
 its id, as its clip never changes under it; a voices/ clip's by path, size and modification
@@ -121,7 +121,7 @@ class AudioEncoder(StageBackend):
         return frames
 
     def encode(self, clip: Path) -> np.ndarray:
-        """A clip -> its codes [n, K] (HiggsAudioV2TokenizerModel.encode at 24 kHz mono)."""
+        """A clip -> its codes [n, K] (the tokenizer's encode at 24 kHz mono)."""
         samples, rate = decode(clip.read_bytes())
         if samples.ndim > 1:
             samples = samples.mean(axis=1)
@@ -136,5 +136,5 @@ class AudioEncoder(StageBackend):
             )
         values = torch.from_numpy(np.ascontiguousarray(samples, dtype=np.float32))
         with torch.inference_mode():
-            codes = self.codec.encode(values.view(1, 1, -1).to(self.device), return_dict=False)
+            codes = self.codec.encode(values.view(1, 1, -1).to(self.device))
         return codes[0].transpose(0, 1).cpu().numpy()  # type: ignore[no-any-return]

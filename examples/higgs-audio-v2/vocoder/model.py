@@ -345,7 +345,7 @@ class Vocoder(StageBackend):
             stream.chunks += 1
 
     def _decode_codes(self, codes: torch.Tensor) -> torch.Tensor:  # [B, K, L] -> [B, 1, S]
-        return self.codec.decode(codes, return_dict=False)
+        return self.codec.decode(codes)
 
     def _send(self, stream: Stream, last: bool = False) -> bytes:
         """The stream's decoded audio, at its speed and rate, as the next body bytes."""

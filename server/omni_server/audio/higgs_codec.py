@@ -1,12 +1,9 @@
 """Higgs Audio v2's audio tokenizer for the stages of examples/higgs-audio-v2: the checkpoint
-folder checked at start, transformers' `HiggsAudioV2TokenizerModel` loaded from it (its encoder
-turns a reference clip into codes, its decoder codes into 24 kHz audio), the delay pattern undone
-as frames stream in, and decode windows cut so that audio decoded a chunk at a time equals the
-audio of decoding every code at once (docs/models.md).
-
-transformers is imported only where a model is loaded (it is an extra, not a base dependency),
-and transformers refuses to build the tokenizer without `torchaudio` (which it uses to resample
-a clip it encodes to its semantic model's 16 kHz).
+folder checked at start, the tokenizer loaded from it (our own torch code,
+audio/higgs_tokenizer: its encoder turns a reference clip into codes, its decoder codes into
+24 kHz audio), the delay pattern undone as frames stream in, and decode windows cut so that
+audio decoded a chunk at a time equals the audio of decoding every code at once
+(docs/models.md).
 """
 
 from __future__ import annotations
@@ -17,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from omni_server.audio import higgs_tokenizer
+from omni_server.audio.higgs_tokenizer import HiggsAudioTokenizer
 
 MODEL_TYPE = "higgs_audio_v2"
 SAMPLE_RATE = 24000  # the tokenizer's rate: a frame is hop_length (960) samples, 25 a second
@@ -31,7 +31,7 @@ class HiggsCheckpointError(ValueError):
 @dataclass(frozen=True)
 class HiggsCheckpoint:
     folder: Path  # the model: config.json, safetensors, tokenizer, chat template
-    audio_tokenizer: Path  # HiggsAudioV2TokenizerModel: config.json + model.safetensors
+    audio_tokenizer: Path  # the audio tokenizer: config.json + model.safetensors
 
 
 def open_checkpoint(parameters: Any) -> HiggsCheckpoint:
@@ -94,22 +94,18 @@ def _json(folder: Path, name: str) -> dict[str, Any]:
     return data
 
 
-def load_audio_tokenizer(checkpoint: HiggsCheckpoint, device: str) -> Any:
-    """transformers' HiggsAudioV2TokenizerModel, in eval mode on `device` (float32)."""
+def load_audio_tokenizer(checkpoint: HiggsCheckpoint, device: str) -> HiggsAudioTokenizer:
+    """The audio tokenizer of `checkpoint`, in eval mode on `device` (float32)."""
     try:
-        from transformers import HiggsAudioV2TokenizerModel
-    except ImportError as err:  # transformers missing, or torchaudio (its requirement)
-        raise HiggsCheckpointError(
-            f"audio tokenizer {checkpoint.audio_tokenizer}: cannot load "
-            f"HiggsAudioV2TokenizerModel ({err}); install transformers>=5 and torchaudio"
-        ) from err
-    model = HiggsAudioV2TokenizerModel.from_pretrained(checkpoint.audio_tokenizer)
-    if model.config.sample_rate != SAMPLE_RATE:
+        codec = higgs_tokenizer.load(checkpoint.audio_tokenizer, device)
+    except higgs_tokenizer.TokenizerFolderError as err:
+        raise HiggsCheckpointError(str(err)) from err
+    if codec.config.sample_rate != SAMPLE_RATE:
         raise HiggsCheckpointError(
             f"audio tokenizer {checkpoint.audio_tokenizer}: sample_rate "
-            f"{model.config.sample_rate}, expected {SAMPLE_RATE}"
+            f"{codec.config.sample_rate}, expected {SAMPLE_RATE}"
         )
-    return model.eval().to(device)
+    return codec
 
 
 def delayed(codes: np.ndarray, bos: int, eos: int) -> list[list[int]]:

@@ -19,11 +19,17 @@ A server hears several clips at once: `Recognizer.decode()` takes windows of sev
 audio copied into one array at the same 10 ms frame phase it has in its own clip, so each
 window's features, tokens and word times are the ones it gets decoded alone (up to the
 batch's arithmetic: `test_windows_of_several_clips_in_one_call_are_heard_as_each_alone`).
+
+Token log-probabilities (OpenAI's `include[]=logprobs`), when a clip asks for them: each window's
+sentence tokens are scored by Whisper in one forced-alignment pass over the window
+(CTranslate2's `align`, the pass faster-whisper times words with; it encodes the window again):
+the log of each token's probability given the audio and the tokens before it.
 """
 
 from __future__ import annotations
 
 import importlib.resources
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +78,7 @@ class DecodeOptions:
     prompt: str | None = None  # Whisper's initial prompt (OpenAI's `prompt`)
     temperature: float = 0.0  # 0: greedy and deterministic
     words: bool = False  # word timestamps in the segments (they are always computed)
+    logprobs: bool = False  # each segment's tokens with their log-probabilities ("logprobs")
 
 
 # Beam search width. The served stage decodes with beam 5 (`asr_whisper` [parameters]
@@ -84,6 +91,8 @@ MAX_BEAM_SIZE = 16  # CTranslate2 takes any width: this bounds the work a descri
 RESUME_MIN_S = 1.0  # audio left after a window's last segment that is worth another look
 RESUME_SPEECH_S = 0.3  # ... if Silero finds at least this much speech in it
 MAX_RESUMES = 4  # per window: each resume makes progress, but bound the work anyway
+WINDOW_FRAMES = 3000  # Whisper's encoder input: 30 s of 10 ms mel frames
+MIN_PROBABILITY = 1e-30  # a token's probability is floored here before its log
 
 
 class Recognizer:
@@ -181,7 +190,51 @@ class Recognizer:
                 batch[index].owner.options.words,
                 self.model.hf_tokenizer,
             )
+        for window, sentences in zip(batch, per_window, strict=True):
+            if window.owner.options.logprobs:
+                self._score(window, sentences)
         return per_window
+
+    def _score(self, window: Window, sentences: list[dict[str, Any]]) -> None:
+        """Give each sentence of `window` its tokens' log-probabilities (`logprobs`)."""
+        tokens = [t for s in sentences for t in s["tokens"]]
+        audio = window.owner.audio[
+            int(window.start * WHISPER_RATE) : int(window.end * WHISPER_RATE)
+        ]
+        scores = iter(self.token_logprobs(audio, tokens))
+        decode = self.model.hf_tokenizer.decode
+        for sentence in sentences:
+            sentence["logprobs"] = []
+            for token in sentence["tokens"]:
+                text = decode([token])
+                sentence["logprobs"].append(
+                    {"token": text, "logprob": next(scores), "bytes": list(text.encode())}
+                )
+
+    def token_logprobs(self, audio: np.ndarray, tokens: Sequence[int]) -> list[float]:
+        """Whisper's log-probability of each of `tokens` as the transcript of `audio` (16 kHz,
+        at most 30 s), each given the audio and the tokens before it."""
+        if not tokens:
+            return []
+        from faster_whisper.audio import pad_or_trim
+        from faster_whisper.tokenizer import Tokenizer
+
+        features = self.model.feature_extractor(audio)  # [mels, frames]
+        frames = min(int(features.shape[-1]), WINDOW_FRAMES)
+        encoded = self.model.encode(pad_or_trim(features, WINDOW_FRAMES))
+        tokenizer = Tokenizer(
+            self.model.hf_tokenizer,
+            self.model.model.is_multilingual,
+            task="transcribe",
+            language=LANGUAGE,
+        )
+        [result] = self.model.model.align(encoded, tokenizer.sot_sequence, [list(tokens)], frames)
+        probabilities = list(result.text_token_probs)
+        if len(probabilities) != len(tokens):
+            raise RuntimeError(
+                f"Whisper scored {len(probabilities)} tokens of the {len(tokens)} it was given"
+            )
+        return [math.log(max(float(p), MIN_PROBABILITY)) for p in probabilities]
 
     def _unheard(self, window: Window, segments: list[dict[str, Any]]) -> Window | None:
         """The rest of `window` to decode again, or None when Whisper heard it all."""

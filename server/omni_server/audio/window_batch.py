@@ -42,6 +42,9 @@ class DecodeOptions(Protocol):
     @property
     def words(self) -> bool: ...
 
+    @property
+    def logprobs(self) -> bool: ...
+
 
 @dataclass
 class Window:

@@ -1,25 +1,31 @@
 """Repository folder (+ overrides) -> a validated, immutable `Plan`.
 
-Passes, each in its own module: read (`loader`), override (`overrides`), fields (`descriptor`
-for each stage.toml, this module for repository.toml), wiring (`graph`: the stage DAG across
-stages), placement (`placement`: processes, replicas, devices, memory). Any broken rule raises
+Passes, each in its own module: read (`files`), where each stage lands on this machine
+(`devices`, from the files and the command line; then its [on_gpu], `on_gpu`), override
+(`overrides`), fields (`descriptor` for each stage.toml, this module for repository.toml),
+wiring (`graph`: the stage DAG across stages), placement (`placement`: processes, replicas,
+devices, memory). Any broken rule raises
 RepositoryError naming the file, stage and field; nothing is started and nothing is written.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from omni_server.compiler import graph, placement
+from omni_server.compiler import devices, graph, on_gpu, placement
 from omni_server.compiler.descriptor import check_unique, freeze, parse_stage
 from omni_server.compiler.errors import RepositoryError
-from omni_server.compiler.files import RawRepository, load_repository
+from omni_server.compiler.files import RawRepository, RawStage, load_repository
 from omni_server.compiler.overrides import apply_overrides
 from omni_server.compiler.plan import (
+    NO_GPU,
     FrozenMap,
+    MachineFacts,
     ModelSpec,
     MpsMode,
     Plan,
@@ -30,20 +36,63 @@ from omni_server.compiler.schema import (
     MODEL_FIELDS,
     REPOSITORY_TABLES,
     SERVER_FIELDS,
+    STAGE_FIELDS,
     TASKS,
     check_fields,
     field_value,
 )
 
 
-def compile_repository(path: str | Path, overrides: Sequence[str] = ()) -> Plan:
-    """Read, override, validate and compile the repository at `path` into a Plan."""
+def compile_repository(
+    path: str | Path, overrides: Sequence[str] = (), machine: MachineFacts = NO_GPU
+) -> Plan:
+    """Read, override, validate and compile the repository at `path` into a Plan for a
+    machine with `machine`'s facts (found by the caller: `omni_server.gpu.discover(...)
+    .facts()`; the default is a machine without a GPU)."""
     raw = load_repository(path)
-    overridden = apply_overrides(raw, overrides)
+    on_gpu.check(raw)
+    # Where each stage lands is decided on the files with the command line's overrides
+    # (`--stages.x.device cpu`); [on_gpu] cannot change it, so it applies under them after.
+    probe = copy.deepcopy(raw)
+    overridden = apply_overrides(probe, overrides)
+    from_on_gpu: dict[str, str] = {}
     try:
-        return _compile(raw)
+        gpu_stages = _stages_on_gpu(probe, machine)
+        from_on_gpu = on_gpu.apply(raw, gpu_stages)
+        apply_overrides(raw, overrides)
+        return _compile(raw, machine, gpu_stages)
     except RepositoryError as e:
-        raise _blame_override(e, overridden) from None
+        raise _blame_override(_blame_on_gpu(e, from_on_gpu, machine), overridden) from None
+
+
+def _stages_on_gpu(raw: RawRepository, machine: MachineFacts) -> list[str]:
+    out = []
+    for name, rs in raw.stages.items():
+        data = check_fields(rs.data, STAGE_FIELDS, file=rs.file, stage=name)
+        fail = functools.partial(_stage_error, rs)
+        if devices.choose(data, machine, fail).gpu:
+            out.append(name)
+    return out
+
+
+def _stage_error(rs: RawStage, field: str, message: str) -> RepositoryError:
+    return RepositoryError(message, file=rs.file, stage=rs.name, field=field)
+
+
+def _blame_on_gpu(
+    error: RepositoryError, from_on_gpu: Mapping[str, str], machine: MachineFacts
+) -> RepositoryError:
+    """Say so when the value breaking a rule came from an [on_gpu] table."""
+    key = f"stages.{error.stage}.{error.field}" if error.stage is not None else error.field
+    if key is None or key not in from_on_gpu:
+        return error
+    return RepositoryError(
+        f"{error.reason} (the value comes from [on_gpu] in {from_on_gpu[key]}, applied: "
+        f"{machine.describe()})",
+        file=error.file,
+        stage=error.stage,
+        field=error.field,
+    )
 
 
 def _blame_override(error: RepositoryError, overridden: Mapping[str, str]) -> RepositoryError:
@@ -65,10 +114,13 @@ def _blame_override(error: RepositoryError, overridden: Mapping[str, str]) -> Re
     )
 
 
-def _compile(raw: RawRepository) -> Plan:
+def _compile(raw: RawRepository, machine: MachineFacts, gpu_stages: list[str]) -> Plan:
     _check_repository_tables(raw)
     server = _server(raw)
-    stages = {name: parse_stage(rs) for name, rs in raw.stages.items()}
+    stages = {
+        name: parse_stage(rs, machine, name in gpu_stages and on_gpu.TABLE in rs.data)
+        for name, rs in raw.stages.items()
+    }
     files = {name: rs.file for name, rs in raw.stages.items()}
     models = _models(raw, stages)
     order = graph.check_wiring(stages, models, files, raw.file)
@@ -93,6 +145,8 @@ def _compile(raw: RawRepository) -> Plan:
         processes=FrozenMap(processes),
         instances=instances,
         edges=edges,
+        machine=machine,
+        on_gpu_applied=bool(gpu_stages) and bool(raw.data.get(on_gpu.TABLE)),
     )
 
 

@@ -1,7 +1,7 @@
 """One `stage.toml` -> a `StageSpec`: its fields typed and the rules that need no other stage.
 
-Rules across stages (targets exist, fan-in, cycles) live in `graph`; processes, devices and
-memory in `placement`.
+Rules across stages (targets exist, fan-in, cycles) live in `graph`; the stage's device in
+`devices`; processes, replicas and memory in `placement`.
 """
 
 from __future__ import annotations
@@ -10,12 +10,15 @@ import re
 from pathlib import Path
 from typing import Any
 
+from omni_server.compiler import devices
 from omni_server.compiler.errors import RepositoryError
 from omni_server.compiler.files import NAME, RawStage
 from omni_server.compiler.plan import (
+    NO_GPU,
     BackendRef,
     EngineSpec,
     FrozenMap,
+    MachineFacts,
     SamplingSpec,
     SchedulerKind,
     SchedulerSpec,
@@ -62,8 +65,11 @@ class _Fail:
         check_unique(values, file=self.rs.file, stage=self.rs.name, field=field)
 
 
-def parse_stage(rs: RawStage) -> StageSpec:
-    """Type-check one stage descriptor and apply the per-stage rules."""
+def parse_stage(
+    rs: RawStage, machine: MachineFacts = NO_GPU, on_gpu_applied: bool = False
+) -> StageSpec:
+    """Type-check one stage descriptor (its [on_gpu] already applied where it lands on a GPU)
+    and apply the per-stage rules; `machine` resolves its `device`."""
     data = check_fields(rs.data, STAGE_FIELDS, file=rs.file, stage=rs.name)
     for table, fields in STAGE_TABLES.items():
         if table in data:
@@ -72,7 +78,8 @@ def parse_stage(rs: RawStage) -> StageSpec:
     process = data.get("process", rs.name)  # the default is the stage's own name
     if not NAME.match(process):
         raise fail("process", "a process name may hold only letters, digits, '_' and '-'")
-    gpu, tp_size, fraction = _placement(data, fail)
+    device = devices.choose(data, machine, fail)
+    tp_size = device.tp_size
     scheduler = _scheduler(data.get("scheduler", {}), fail)
     if scheduler.first_chunk_lane and tp_size > 1:  # TP ranks mirror one call at a time
         raise fail("scheduler.first_chunk_lane", f"not with tp_size = {tp_size}")
@@ -92,9 +99,9 @@ def parse_stage(rs: RawStage) -> StageSpec:
         backend=_backend(rs, fail),
         parameters=freeze(_value(data, "parameters")),
         process=process,
-        gpu=gpu,
+        gpu=device.gpu,
         tp_size=tp_size,
-        gpu_memory_fraction=fraction,
+        gpu_memory_fraction=device.gpu_memory_fraction,
         next=nxt,
         route=route,
         terminal=terminal,
@@ -107,31 +114,13 @@ def parse_stage(rs: RawStage) -> StageSpec:
         timeout_s=float(data["timeout_s"]) if "timeout_s" in data else None,
         sampling=_sampling(data.get("sampling", {})),
         voice_cloning=bool(_value(data, "voice_cloning")),
+        device=device.request,
+        on_gpu_applied=on_gpu_applied,
     )
 
 
 def _value(data: dict[str, Any], name: str) -> Any:
     return field_value(data, STAGE_FIELDS, name)
-
-
-def _placement(data: dict[str, Any], fail: _Fail) -> tuple[tuple[int, ...], int, float | None]:
-    """A GPU id per TP rank (none: the CPU), the TP size, the GPU memory fraction."""
-    gpu = _names_or_ints(data.get("gpu"))
-    if "gpu" in data and not gpu:
-        raise fail("gpu", "gpu = [] names no GPU; drop the field for a CPU stage")
-    # Without `gpu` a TP stage runs its ranks on the CPU (torch.distributed over gloo).
-    tp_size: int = _value(data, "tp_size")
-    if gpu and len(gpu) != tp_size:
-        raise fail(
-            "gpu",
-            f"{len(gpu)} GPU ids for tp_size = {tp_size}; give exactly one id per TP rank",
-        )
-    if len(set(gpu)) != len(gpu):
-        raise fail("gpu", f"TP ranks may not share a GPU: {list(gpu)}")
-    fraction = data.get("gpu_memory_fraction")
-    if fraction is not None and not gpu:
-        raise fail("gpu_memory_fraction", "a CPU stage budgets no GPU memory; set gpu or drop it")
-    return gpu, tp_size, float(fraction) if fraction is not None else None
 
 
 def _routing(
@@ -235,12 +224,6 @@ def _scheduler(data: dict[str, Any], fail: _Fail) -> SchedulerSpec:
     return SchedulerSpec(
         kind=kind, max_batch_size=size, max_queue_delay_ms=delay, first_chunk_lane=lane
     )
-
-
-def _names_or_ints(value: int | list[int] | None) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return (value,) if isinstance(value, int) else tuple(value)
 
 
 def freeze(value: Any) -> Any:

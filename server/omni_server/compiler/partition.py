@@ -98,6 +98,9 @@ def subplan(plan: Plan, models: frozenset[str], stages: frozenset[str]) -> Plan:
         processes=FrozenMap(processes),
         instances=instances,
         edges=tuple(e for e in plan.edges if e.src in stages and e.dst in stages),
+        parameters=plan.parameters,
+        machine=plan.machine,
+        on_gpu_applied=plan.on_gpu_applied,
     )
 
 

@@ -24,6 +24,7 @@ from typing import Any
 from omni_server.compiler.errors import RepositoryError
 from omni_server.compiler.plan import (
     BindingPolicy,
+    DeviceRequest,
     Edge,
     FrozenMap,
     ProcessInstance,
@@ -78,9 +79,11 @@ def build_processes(
         devices = tuple(field_value(data, PROCESS_FIELDS, "replica_devices"))
         on_gpu = any(stages[s].on_gpu for s in group)
         if devices and not on_gpu:
+            auto = any(stages[s].device is DeviceRequest.AUTO for s in group)
+            hint = f" (only where they land on one: [on_gpu.processes.{name}])" if auto else ""
             raise RepositoryError(
                 f"process '{name}' runs only CPU stages ({', '.join(group)}); replica_devices "
-                "places GPU stages",
+                f"places GPU stages{hint}",
                 file=repository_file,
                 field=field + "replica_devices",
             )

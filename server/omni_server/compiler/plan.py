@@ -73,6 +73,36 @@ class MpsMode(StrEnum):
     ON = "on"
 
 
+class DeviceRequest(StrEnum):
+    """Where a stage asks to run (`device` in stage.toml); the compiler resolves it against
+    the machine's facts into the stage's `gpu` ids (none: the CPU)."""
+
+    CPU = "cpu"  # the CPU, whatever `gpu` says
+    GPU = "gpu"  # the `gpu` ids (default 0..tp_size-1); a machine without them fails the start
+    AUTO = "auto"  # the `gpu` ids when the machine has them, else the CPU
+
+
+@dataclass(frozen=True)
+class MachineFacts:
+    """What the machine offers, as the compiler needs it: found once at the edge (the CLI,
+    `omni_server.gpu.devices.discover`) and passed in, so compiling stays pure. The default
+    is a machine without a GPU."""
+
+    gpus: int = 0  # CUDA GPUs visible to a program started from the server's environment
+
+    def has_gpus(self, ids: tuple[int, ...]) -> bool:
+        return bool(ids) and max(ids) < self.gpus
+
+    def describe(self) -> str:
+        """The fact behind a `device = "auto"` choice: `1 GPU found`, `no GPU found`."""
+        if self.gpus == 0:
+            return "no GPU found"
+        return f"{self.gpus} GPU{'s' if self.gpus > 1 else ''} found"
+
+
+NO_GPU = MachineFacts()
+
+
 @dataclass(frozen=True)
 class BackendRef:
     """The stage's Python backend: a class in a file of the stage folder."""
@@ -126,7 +156,7 @@ class StageSpec:
     backend: BackendRef
     parameters: Mapping[str, Any] = EMPTY  # free-form [parameters], handed to initialize()
     process: str = ""  # logical process name; defaults to the stage name
-    gpu: tuple[int, ...] = ()  # () = CPU; one id per TP rank
+    gpu: tuple[int, ...] = ()  # () = CPU; one id per TP rank (resolved: `device` applied)
     tp_size: int = 1
     gpu_memory_fraction: float | None = None  # placement budget, never inferred
     next: tuple[str, ...] = ()  # static successors, or the route function's allowed targets
@@ -142,6 +172,10 @@ class StageSpec:
     sampling: SamplingSpec = NO_SAMPLING  # [sampling]: a request's defaults
     # speaks in voices cloned from a reference clip (docs/voices.md): requests carry the clip
     voice_cloning: bool = False
+    # `device` as declared (None: not declared, `gpu` alone decides) and whether its [on_gpu]
+    # table was applied: why the stage runs where it does (config resolve's topology)
+    device: DeviceRequest | None = None
+    on_gpu_applied: bool = False
 
     @property
     def on_gpu(self) -> bool:
@@ -227,6 +261,10 @@ class Plan:
     # repository.toml's free-form [parameters]: every stage's backend sees them
     # (StageContext.repository_parameters), e.g. the checkpoint folder all stages load from
     parameters: Mapping[str, Any] = EMPTY
+    # the machine the plan was compiled for, and whether repository.toml's [on_gpu] applied
+    # (a stage landed on a GPU): a recompile (model control) must use the same facts
+    machine: MachineFacts = NO_GPU
+    on_gpu_applied: bool = False
 
     def process_of(self, stage: str) -> ProcessSpec:
         return self.processes[self.stages[stage].process]

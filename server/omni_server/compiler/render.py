@@ -1,9 +1,10 @@
 """A compiled Plan as text: the resolved config (TOML / JSON) and the process topology.
 
-The resolved config uses the file format's own fields with every default filled in, so it can
-be read back as documentation of what the server will run. The topology prints one line per
+The resolved config uses the file format's own fields with every default filled in and every
+device resolved for this machine ([on_gpu] merged, `device` applied to `gpu`), so it can be
+read back as documentation of what the server will run. The topology prints one line per
 logical process (`tts_frontend : preprocessing, audio_encoder`), then one line per OS process
-(`talker_ar@r0 -> GPU 1`), then what each GPU hosts.
+(`talker_ar@r0 -> GPU 1`), then what each GPU hosts, then each stage's device and why.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import Any
 
 import tomli_w
 
+from omni_server.compiler.files import REPOSITORY_FILE
 from omni_server.compiler.placement import gpu_budgets
-from omni_server.compiler.plan import Plan, ProcessInstance, SchedulerKind, StageSpec
+from omni_server.compiler.plan import DeviceRequest, Plan, ProcessInstance, SchedulerKind, StageSpec
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 
@@ -172,7 +174,48 @@ def topology_text(plan: Plan) -> str:
                 total = sum(f for f, _ in budgets.values())
                 budget = f"  ({total:.3g} of {plan.server.gpu_memory_limit:g})"
             lines.append(f"GPU {gpu} : {names}{budget}")
+
+    why = plan.machine.describe()
+    if plan.on_gpu_applied:
+        why += f"; [on_gpu] of {REPOSITORY_FILE} applied"
+    lines += ["", f"# devices: where each stage runs and why (this machine: {why})"]
+    width = max(len(s) for s in plan.stages)
+    for spec in plan.stages.values():
+        lines.append(f"{spec.name:<{width}} : {_device_choice(plan, spec)}")
     return "\n".join(lines) + "\n"
+
+
+def _device_choice(plan: Plan, spec: StageSpec) -> str:
+    """`cuda:0 bfloat16  (device = "auto": 1 GPU found; [on_gpu] applied)`."""
+    ids = list(
+        dict.fromkeys(i.devices[spec.name] for i in plan.instances if spec.name in i.devices)
+    )
+    where = ", ".join("cpu" if d is None else f"cuda:{d}" for d in ids)
+    dtype = spec.engine.settings.get("dtype") if spec.engine is not None else None
+    if dtype is not None:
+        where += f" {dtype}"
+    machine = plan.machine
+    if spec.device is None:
+        reasons = [f"gpu = {_value(_one(spec.gpu))}" if spec.gpu else "no device declared"]
+    else:
+        reason = f'device = "{spec.device}"'
+        if spec.device is DeviceRequest.AUTO:
+            reason += f": {machine.describe()}"
+            if not spec.gpu and machine.gpus > 0:
+                reason += ", not every one it needs"
+        reasons = [reason]
+    if spec.gpu and not machine.has_gpus(spec.gpu):
+        reasons.append(f"not on this machine: {machine.describe()}")
+    process = plan.process_of(spec.name)
+    if spec.gpu and process.replica_devices:
+        reasons.append(f"replica_devices of process {process.name}")
+    if spec.on_gpu_applied:
+        reasons.append("[on_gpu] applied")
+    return f"{where}  ({'; '.join(reasons)})"
+
+
+def _one(ids: tuple[int, ...]) -> int | list[int]:
+    return ids[0] if len(ids) == 1 else list(ids)
 
 
 def _placement(inst: ProcessInstance) -> str:

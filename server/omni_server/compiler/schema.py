@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_server.compiler.errors import RepositoryError
-from omni_server.compiler.plan import BindingPolicy, MpsMode, SchedulerKind
+from omni_server.compiler.plan import BindingPolicy, DeviceRequest, MpsMode, SchedulerKind
 from omni_server.engine_config import field_problem, table_fields
 
 
@@ -251,7 +251,14 @@ STAGE_FIELDS = _fields(
         '"file.py:ClassName" (file relative to the stage folder) or "ClassName" (in model.py)',
     ),
     Field("process", Kind.STR, "logical process; stages naming one process share it", "<stage>"),
-    Field("gpu", Kind.GPU, "GPU id, or one id per TP rank; absent = CPU"),
+    Field(
+        "device",
+        Kind.ENUM,
+        'where the stage runs: "gpu" (its gpu ids), "cpu", or "auto" (the GPU when the '
+        "machine has one, else the CPU); absent: gpu decides",
+        choices=tuple(DeviceRequest),
+    ),
+    Field("gpu", Kind.GPU, "GPU id, or one id per TP rank (device gpu/auto: 0..tp_size-1)"),
     Field(
         "tp_size",
         Kind.INT,
@@ -298,7 +305,28 @@ STAGE_FIELDS = _fields(
         "[sampling] table: a request's defaults (temperature, top_p, top_k, min_p, max_tokens)",
     ),
     Field("parameters", Kind.TABLE, "[parameters]: free-form, handed to the backend", {}),
+    Field(
+        "on_gpu",
+        Kind.TABLE,
+        "[on_gpu] table: the stage's fields where it lands on a GPU (gpu_memory_fraction, "
+        "process, [engine], [parameters], ...), over the file's and under the command line's",
+    ),
 )
+
+# The fields [on_gpu] may change: where the stage lands is decided before it applies (not
+# device, gpu, tp_size), and the wiring does not depend on the machine.
+ON_GPU_STAGE_FIELDS: Mapping[str, Field] = {
+    name: STAGE_FIELDS[name]
+    for name in (
+        "process",
+        "gpu_memory_fraction",
+        "timeout_s",
+        "scheduler",
+        "engine",
+        "sampling",
+        "parameters",
+    )
+}
 
 # Sub-tables of a stage whose fields are known; [parameters] is free-form.
 STAGE_TABLES: Mapping[str, Mapping[str, Field]] = {
@@ -374,8 +402,13 @@ PROCESS_FIELDS = _fields(
 
 # repository.toml's top-level tables: [server] holds SERVER_FIELDS; [models.<id>] and
 # [processes.<name>] hold one table of MODEL_FIELDS / PROCESS_FIELDS per entry; [parameters] is
-# free-form, handed to every stage's backend (`context.repository_parameters`).
-REPOSITORY_TABLES = ("server", "models", "processes", "parameters")
+# free-form, handed to every stage's backend (`context.repository_parameters`); [on_gpu] below.
+REPOSITORY_TABLES = ("server", "models", "processes", "parameters", "on_gpu")
+
+# repository.toml's [on_gpu]: [on_gpu.server] and [on_gpu.processes.<name>], applied over the
+# file's tables (under the command line) when some stage lands on a GPU: the process layout
+# and MPS a repository wants there.
+ON_GPU_REPOSITORY_TABLES = ("server", "processes")
 
 
 def field_value(data: Mapping[str, Any], fields: Mapping[str, Field], name: str) -> Any:

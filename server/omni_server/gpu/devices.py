@@ -8,6 +8,7 @@ program started from this environment: the N-th visible GPU.
 
 `check_placement()` is the start check: every GPU a stage instance wants must exist, else one
 line naming the stage, its instance and the device (the runtime fails to start, exit 1).
+The CLI discovers the machine once and compiles for its `facts()` (`device = "auto"`).
 Tests hand the runtime a `Machine` of their own instead of discovering one.
 """
 
@@ -18,7 +19,7 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from omni_server.compiler.plan import Plan
+from omni_server.compiler.plan import MachineFacts, Plan
 from omni_server.errors import PipelineError
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
@@ -39,6 +40,10 @@ class Machine:
 
     def gpu(self, index: int) -> Gpu | None:
         return self.gpus[index] if 0 <= index < len(self.gpus) else None
+
+    def facts(self) -> MachineFacts:
+        """What the compiler needs of this machine (it resolves `device = "auto"` with it)."""
+        return MachineFacts(gpus=len(self.gpus))
 
 
 def discover(environ: Mapping[str, str]) -> Machine:

@@ -37,7 +37,7 @@ from typing import Any
 from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.errors import RepositoryError
 from omni_server.compiler.partition import fingerprint, groups, subplan
-from omni_server.compiler.plan import ModelSpec, Plan
+from omni_server.compiler.plan import NO_GPU, ModelSpec, Plan
 from omni_server.envelope import Payload
 from omni_server.errors import PipelineError
 
@@ -117,6 +117,8 @@ class ModelControl:
         self._state = "new"
         self._repo_plan: Plan | None = None
         self._first_plan = plan
+        # every compile is for the machine the first plan was compiled for (device = "auto")
+        self._machine = plan.machine if plan is not None else NO_GPU
         self.plan = served_plan(Path(repository), {})
 
     # ---- what the serving layer reads (as of a Runtime) ---------------------------------------
@@ -196,7 +198,9 @@ class ModelControl:
         self._state = "starting"
         plan = self._first_plan
         if plan is None:
-            plan = await asyncio.to_thread(compile_repository, self.repository, self._overrides)
+            plan = await asyncio.to_thread(
+                compile_repository, self.repository, self._overrides, self._machine
+            )
         self._remember(plan)
         wanted = set(plan.models)
         if self.mode is ControlMode.EXPLICIT and "*" not in self._initial:
@@ -303,7 +307,9 @@ class ModelControl:
     async def _compile(self, extra: Iterable[tuple[str, ...]], name: str) -> Plan:
         overrides = [*self._overrides, *(o for group in extra for o in group)]
         try:
-            plan = await asyncio.to_thread(compile_repository, self.repository, overrides)
+            plan = await asyncio.to_thread(
+                compile_repository, self.repository, overrides, self._machine
+            )
         except RepositoryError as exc:
             self._failed(name, str(exc))
             raise ControlError(str(exc), 400, "invalid_repository") from exc

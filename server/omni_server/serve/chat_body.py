@@ -41,8 +41,15 @@ MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_TOKENS = 2**31 - 1  # the thinker refuses what its context cannot hold (context_length_exceeded)
 MAX_TOP_K = 1 << 20  # beyond any vocabulary: the same as 0 (off)
 # OpenAI's chat `audio.format` -> the audio encoder's response_format
-AudioFormat = Literal["wav", "mp3", "flac", "opus", "pcm16"]
-AUDIO_FORMATS = {"wav": "wav", "mp3": "mp3", "flac": "flac", "opus": "opus", "pcm16": "pcm"}
+AudioFormat = Literal["wav", "aac", "mp3", "flac", "opus", "pcm16"]
+AUDIO_FORMATS = {
+    "wav": "wav",
+    "aac": "aac",
+    "mp3": "mp3",
+    "flac": "flac",
+    "opus": "opus",
+    "pcm16": "pcm",
+}
 assert tuple(AUDIO_FORMATS) == get_args(AudioFormat)
 STREAM_AUDIO_FORMAT = "pcm16"  # OpenAI streams chat audio as raw pcm16 only
 InputAudioFormat = Literal["wav", "mp3"]  # OpenAI's input_audio formats

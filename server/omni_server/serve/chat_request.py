@@ -49,7 +49,7 @@ class AudioOut:
     """What `modalities: ["text", "audio"]` asked for; `voice` is canonical (alias resolved)."""
 
     voice: str
-    format: str  # OpenAI's name (wav, mp3, flac, opus, pcm16)
+    format: str  # OpenAI's name (wav, aac, mp3, flac, opus, pcm16)
     reference: dict[str, Any] | None = None  # a custom voice's clip (docs/voices.md)
 
     @property

@@ -267,7 +267,7 @@ def _create_voice(voices: VoiceCatalog) -> Schema:
         "a custom voice from a reference clip and its transcript (models that clone)",
         "multipart/form-data",
         body,
-        _media(_VOICE),
+        _media(_VOICE_CREATED),
     )
     operation["responses"]["413"] = _error_response("the clip is over the size limit")
     return operation
@@ -391,10 +391,24 @@ _VOICE_LIST: Schema = {
     "required": ["object", "data"],
     "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _VOICE}},
 }
+_VOICE_CREATED: Schema = {  # OpenAI's audio.voice, with the listing's fields
+    "type": "object",
+    "required": [*_VOICE["required"], "created_at", "type"],
+    "properties": {
+        **_VOICE["properties"],
+        "object": {"const": "audio.voice"},
+        "created_at": {"type": "integer"},
+        "type": {"const": "audio_sample"},
+    },
+}
 _VOICE_DELETED: Schema = {
     "type": "object",
     "required": ["id", "object", "deleted"],
-    "properties": {"id": _TEXT, "object": {"const": "voice"}, "deleted": {"const": True}},
+    "properties": {
+        "id": _TEXT,
+        "object": {"const": "audio.voice.deleted"},
+        "deleted": {"const": True},
+    },
 }
 _STATUS: Schema = {"type": "object", "required": ["status"], "properties": {"status": _TEXT}}
 _HEALTH: Schema = {

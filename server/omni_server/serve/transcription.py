@@ -90,7 +90,10 @@ async def _answer(
                 continue
             if response is None:
                 response = await _start_stream(request, handle)
-            await response.write(_sse({"type": "transcript.text.delta", "delta": delta}))
+            event: dict[str, Any] = {"type": "transcript.text.delta", "delta": delta}
+            if asr.logprobs:
+                event["logprobs"] = chunk.get("logprobs", [])
+            await response.write(_sse(event))
         transcript = _transcript(await handle.result())
     except PipelineError as exc:
         error = request_error(exc, handle.id)
@@ -104,7 +107,7 @@ async def _answer(
         return response
 
     if not asr.stream:
-        body = fmt.render(transcript, asr.response_format, asr.granularities)
+        body = fmt.render(transcript, asr.response_format, asr.granularities, asr.logprobs)
         headers = {
             "Content-Type": fmt.CONTENT_TYPES[asr.response_format],
             "X-Request-Id": handle.id,
@@ -115,7 +118,9 @@ async def _answer(
     # No usage: OpenAI's done event carries token usage only (`{"type": "tokens", ...}`), which
     # Whisper's audio has no count of; the duration usage of the whole response is not allowed
     # here, and the official client's `TranscriptionTextDoneEvent` refuses it.
-    done = {"type": "transcript.text.done", "text": transcript["text"]}
+    done: dict[str, Any] = {"type": "transcript.text.done", "text": transcript["text"]}
+    if asr.logprobs:
+        done["logprobs"] = fmt.token_logprobs(transcript["segments"])
     await response.write(_sse(done))
     await response.write_eof()
     return response

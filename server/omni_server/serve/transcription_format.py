@@ -1,13 +1,14 @@
 """A transcript (the ASR pipeline's result) in OpenAI's response formats.
 
-    json          {"text", "usage": {"type": "duration", "seconds"}}
+    json          {"text", "logprobs"?, "usage": {"type": "duration", "seconds"}}
+                  (logprobs: with include[]=logprobs, [{"token", "logprob", "bytes"}])
     text          the text, a newline at the end
     srt / vtt     one cue per segment (SubRip: "HH:MM:SS,mmm"; WebVTT: "HH:MM:SS.mmm")
     verbose_json  {"task", "language", "duration", "text", "segments"?, "words"?, "usage"}
 
 The transcript is the terminal stage's result: {"text", "language", "duration", "segments"}
 with each segment {"id", "start", "end", "text", "tokens", "avg_logprob", "compression_ratio",
-"no_speech_prob", "words"}.
+"no_speech_prob", "words", "logprobs"?}.
 """
 
 from __future__ import annotations
@@ -32,9 +33,17 @@ def usage(transcript: dict[str, Any]) -> dict[str, Any]:
     return {"type": "duration", "seconds": math.ceil(float(transcript["duration"]))}
 
 
-def render(transcript: dict[str, Any], response_format: str, granularities: tuple[str, ...]) -> str:
+def render(
+    transcript: dict[str, Any],
+    response_format: str,
+    granularities: tuple[str, ...],
+    logprobs: bool = False,
+) -> str:
     if response_format == "json":
-        return _json({"text": transcript["text"], "usage": usage(transcript)})
+        body: dict[str, Any] = {"text": transcript["text"]}
+        if logprobs:
+            body["logprobs"] = token_logprobs(transcript["segments"])
+        return _json({**body, "usage": usage(transcript)})
     if response_format == "text":
         return transcript["text"] + "\n"
     if response_format == "srt":
@@ -44,6 +53,11 @@ def render(transcript: dict[str, Any], response_format: str, granularities: tupl
     if response_format == "verbose_json":
         return _json(verbose(transcript, granularities))
     raise ValueError(f"unknown response_format {response_format!r}")
+
+
+def token_logprobs(segments: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI's `logprobs` of a transcript: every segment's tokens, in order."""
+    return [lp for s in segments for lp in s.get("logprobs", ())]
 
 
 def verbose(transcript: dict[str, Any], granularities: tuple[str, ...]) -> dict[str, Any]:

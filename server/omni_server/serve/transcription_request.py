@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
-from pydantic import BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
 from omni_server.compiler.plan import ModelSpec, Plan
@@ -38,6 +38,25 @@ READ_CHUNK = 64 * 1024
 ResponseFormat = Literal["json", "text", "srt", "verbose_json", "vtt"]
 RESPONSE_FORMATS: tuple[str, ...] = get_args(ResponseFormat)
 LANGUAGES = ("en", "english")  # tiny.en hears English only
+
+
+def _chunking_strategy(value: Any) -> Any:
+    """OpenAI's `chunking_strategy`: "auto" (what this pipeline always does: its own voice
+    activity detector cuts the audio), or a `server_vad` object, whose settings it cannot take."""
+    if value == "auto":
+        return value
+    if isinstance(value, dict) and value.get("type") == "server_vad":
+        raise PydanticCustomError(
+            "unsupported_value",
+            "'server_vad' is not supported: this pipeline cuts the audio by its own voice "
+            "activity detector (Silero), whose settings a request cannot change; send 'auto' "
+            "or leave it out",
+        )
+    raise PydanticCustomError(
+        "invalid_value",
+        "must be 'auto' or an object with type 'server_vad'; got {got}",
+        {"got": repr(value)[:80]},
+    )
 
 
 def _form_boolean(value: Any) -> Any:
@@ -64,12 +83,15 @@ class TranscriptionForm(RequestModel):
     timestamp_granularities: list[Literal["segment", "word"]] = Field(
         [], alias="timestamp_granularities[]", description="with verbose_json only"
     )
-    # logprobs is accepted; Whisper here reports no per-token log probabilities
+    # logprobs: Whisper's token log-probabilities (response_format json, as OpenAI's)
     include: list[Literal["logprobs"]] = Field([], alias="include[]")
     stream: Annotated[bool, BeforeValidator(_form_boolean)] = False
-    # accepted and not used: the pipeline segments by its own voice activity detector and
-    # tells no speakers apart
-    chunking_strategy: Any = None
+    chunking_strategy: Annotated[Any, AfterValidator(_chunking_strategy)] = Field(
+        None,
+        description="'auto' (or left out): the pipeline's own voice activity detector cuts the "
+        "audio; a server_vad object is refused",
+    )
+    # accepted and not used: the pipeline tells no speakers apart
     known_speaker_names: list[str] = Field([], alias="known_speaker_names[]")
     known_speaker_references: list[str] = Field([], alias="known_speaker_references[]")
 
@@ -96,10 +118,18 @@ class TranscriptionRequest:
         """Word timings cost the recognizer an alignment pass: only when asked for."""
         return "word" in self.granularities
 
+    @property
+    def logprobs(self) -> bool:
+        """Token log-probabilities cost the recognizer a scoring pass: only when asked for."""
+        return "logprobs" in self.include
+
     def pipeline_inputs(self) -> dict[str, Any]:
-        return asr_inputs(
+        inputs = asr_inputs(
             self.file, prompt=self.prompt, temperature=self.temperature, words=self.words
         )
+        if self.logprobs:
+            inputs["options"]["logprobs"] = True
+        return inputs
 
 
 def asr_inputs(
@@ -117,6 +147,7 @@ class Form:
     fields: dict[str, list[str]] = field(default_factory=dict)
     file: bytes | None = None
     filename: str | None = None
+    file_part: str = "file"  # the name the file part had (a voice's clip: `audio_sample`)
 
     def one(self, name: str) -> str | None:
         values = self.fields.get(name)
@@ -126,20 +157,29 @@ class Form:
         """The form as TranscriptionForm reads it: `include[]` parts (or `include` parts) are
         one array, `chunking_strategy[type]` is part of `chunking_strategy`, the last of
         repeated parts wins, and an empty part is a field left out."""
-        values: dict[str, Any] = {} if self.file is None else {"file": self.file}
+        values: dict[str, Any] = {} if self.file is None else {self.file_part: self.file}
         for name, parts in self.fields.items():
-            base = name.split("[", 1)[0]
+            base, _, key = name.partition("[")
+            key = key.removesuffix("]")
             sent = [part for part in parts if part]
             if base in _ARRAYS:
                 values.setdefault(base, []).extend(sent)
+            elif key and sent and base in TranscriptionForm.model_fields:  # `name[key]` parts
+                value = values.get(base)
+                values[base] = {**(value if isinstance(value, dict) else {}), key: sent[-1]}
             elif sent:
                 values[base if base in TranscriptionForm.model_fields else name] = sent[-1]
         return values
 
 
-async def read_form(request: web.Request, max_file_bytes: int = MAX_FILE_BYTES) -> Form:
+async def read_form(
+    request: web.Request,
+    max_file_bytes: int = MAX_FILE_BYTES,
+    file_parts: tuple[str, ...] = ("file",),
+) -> Form:
     """The multipart form, read within the limits (see the module docstring); the file part
-    within `max_file_bytes` (other forms with a file part, custom voices' clips, share it)."""
+    (named one of `file_parts`) within `max_file_bytes` (other forms with a file part, custom
+    voices' clips, share it)."""
     if request.content_type != "multipart/form-data":
         raise ApiError(
             400,
@@ -179,15 +219,15 @@ async def read_form(request: web.Request, max_file_bytes: int = MAX_FILE_BYTES) 
                 f"the file's name must be at most {MAX_FILENAME_CHARS} characters with no "
                 "control characters",
             )
-        if name == "file":
+        if name in file_parts:
             if form.file is not None:
-                raise invalid_field("file", "the form has more than one 'file' part")
+                raise invalid_field(name, f"the form has more than one file part ({name})")
             form.file = await _read_part(
                 part,
                 max_file_bytes,
-                on_over=lambda: _too_large("the file is larger", max_file_bytes),
+                on_over=lambda name=name: _too_large("the file is larger", max_file_bytes, name),
             )
-            form.filename = part.filename
+            form.filename, form.file_part = part.filename, name
         else:
             data = await _read_part(part, MAX_FIELD_BYTES, on_over=_field_too_large(name))
             try:
@@ -218,11 +258,11 @@ def _plain_text(text: str, limit: int) -> bool:
     return len(text) <= limit and not any(ord(c) < 0x20 or ord(c) == 0x7F for c in text)
 
 
-def _too_large(what: str, limit: int) -> ApiError:
+def _too_large(what: str, limit: int, param: str = "file") -> ApiError:
     return ApiError(
         413,
         f"{what} than the limit; uploads are limited to {limit} bytes ({limit / 2**20:g} MiB)",
-        param="file",
+        param=param,
         code="request_too_large",
     )
 
@@ -247,6 +287,13 @@ def transcription_model(form: Form, plan: Plan) -> ModelSpec:
 def parse_transcription(form: Form, model: ModelSpec) -> TranscriptionRequest:
     fields = parse(TranscriptionForm, form.values(), form=True)
     _language(fields.language, model)
+    if fields.include and fields.response_format != "json":
+        raise invalid_field(
+            "include",
+            "'include[]' logprobs needs response_format json (as OpenAI's); got "
+            f"{fields.response_format!r}",
+            code="unsupported_value",
+        )
     granularities = tuple(dict.fromkeys(fields.timestamp_granularities))
     if granularities and fields.response_format != "verbose_json":
         raise invalid_field(

@@ -114,6 +114,17 @@ def _describe(error: ErrorDetails) -> tuple[str, str]:
         return "invalid_value", f"must be one of {choices}; got {error['input']!r}"
     if kind == "too_short" and ctx.get("min_length") == 1:
         return "empty_array", "is empty; send at least one item"
+    if kind == "string_too_long" or (kind == "too_long" and isinstance(error["input"], str)):
+        return (
+            "string_above_max_length",
+            f"is {len(error['input'])} characters long; at most {ctx.get('max_length')} are "
+            "allowed",
+        )
+    if kind == "string_too_short":
+        return (
+            "string_below_min_length",
+            f"must be at least {ctx.get('min_length')} characters long",
+        )
     if kind == "too_long":
         return (
             "array_above_max_length",
@@ -124,8 +135,14 @@ def _describe(error: ErrorDetails) -> tuple[str, str]:
     return "invalid_value", f"is invalid: {error['msg']}"
 
 
-# the codes our own checks raise (PydanticCustomError(code, phrase))
-_CUSTOM = frozenset({"invalid_value", "invalid_type", "unsupported_value", "unsupported_parameter"})
+# the codes our own checks raise (PydanticCustomError(code, phrase)); Between raises OpenAI's
+# codes of a number out of its bounds
+BOUND_CODES = frozenset(
+    f"{kind}_{side}_value" for kind in ("integer", "decimal") for side in ("below_min", "above_max")
+)
+_CUSTOM = frozenset(
+    {"invalid_value", "invalid_type", "unsupported_value", "unsupported_parameter"} | BOUND_CODES
+)
 
 
 # -- JSON types --------------------------------------------------------------------------------
@@ -161,26 +178,37 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 @dataclass(frozen=True)
 class Between:
     """`Annotated[float, Between(0, 2)]`: a number in [low, high], one message naming both
-    bounds (pydantic's own ge / le name one), and both in the JSON schema."""
+    bounds (pydantic's own ge / le name one), and both in the JSON schema. Its codes are
+    OpenAI's: `decimal_above_max_value` / `decimal_below_min_value` for a number field,
+    `integer_above_max_value` / `integer_below_min_value` for an integer field."""
 
     low: float
     high: float
 
     def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> Any:
-        return core_schema.no_info_after_validator_function(self._check, handler(source))
+        kind = "integer" if _is_integer_type(source) else "decimal"
+        return core_schema.no_info_after_validator_function(
+            lambda value: self._check(value, kind), handler(source)
+        )
 
     def __get_pydantic_json_schema__(self, schema: Any, handler: GetJsonSchemaHandler) -> Any:
         return {**handler(schema), "minimum": self.low, "maximum": self.high}
 
-    def _check(self, value: float) -> float:
+    def _check(self, value: float, kind: str) -> float:
         # written so that NaN (a form's "nan") is refused: it compares false to everything
-        if not self.low <= value <= self.high:
-            raise PydanticCustomError(
-                "invalid_value",
-                "must be between {low} and {high}; got {got}",
-                {"low": _number(self.low), "high": _number(self.high), "got": value},
-            )
-        return value
+        if self.low <= value <= self.high:
+            return value
+        side = "below_min" if value < self.low else "above_max"
+        raise PydanticCustomError(
+            f"{kind}_{side}_value",
+            "must be between {low} and {high}; got {got}",
+            {"low": _number(self.low), "high": _number(self.high), "got": value},
+        )
+
+
+def _is_integer_type(source: Any) -> bool:
+    """`int`, or `Integer` (an Annotated int): the field's declared type, not the value's."""
+    return source is int or getattr(source, "__origin__", None) is int
 
 
 def _number(value: float) -> str:

@@ -5,7 +5,7 @@ directory, private to the server's user, surviving a restart.
       voices/                    0700
         voice_<hex>.wav          0600  the reference clip, mono PCM16 at its own rate
         voice_<hex>.json         0600  {id, name, scope, model, language, transcript,
-                                        sample_rate, seconds, created_at}
+                                        sample_rate, seconds, created_at, consent}
 
 The JSON file is what makes a voice exist: it is written last (after the clip) and removed
 first, each by an atomic rename or unlink, so a crash between the two leaves at worst an
@@ -60,6 +60,7 @@ class StoredVoice:
     sample_rate: int
     seconds: float
     created_at: int
+    consent: str | None = None  # the consent recording's id the request named (OpenAI's form)
 
 
 def default_data_dir() -> Path:
@@ -131,12 +132,15 @@ class VoiceStore:
         samples: np.ndarray,  # [n] float32 mono in [-1, 1]
         sample_rate: int,
         limit: int,
+        consent: str | None = None,
     ) -> StoredVoice:
         """Store a new voice; raises StoreFull when `limit` voices are stored already."""
         with self._lock:
             if len(self._voices) >= limit:
                 raise StoreFull(f"{len(self._voices)} custom voices are stored (the limit)")
-            return self._add(name, scope, model, language, transcript, samples, sample_rate)
+            return self._add(
+                name, scope, model, language, transcript, samples, sample_rate, consent
+            )
 
     def _add(
         self,
@@ -147,6 +151,7 @@ class VoiceStore:
         transcript: str,
         samples: np.ndarray,
         sample_rate: int,
+        consent: str | None,
     ) -> StoredVoice:
         voice = StoredVoice(
             id=VOICE_PREFIX + secrets.token_hex(8),
@@ -158,6 +163,7 @@ class VoiceStore:
             sample_rate=sample_rate,
             seconds=round(len(samples) / sample_rate, 3),
             created_at=int(time.time()),
+            consent=consent,
         )
         _write_private(self.clip_path(voice.id), _wav_bytes(samples, sample_rate))
         try:

@@ -6,7 +6,9 @@ none free the client gets an `error` event (`rate_limit_exceeded`, as HTTP's 429
 response runs. An admitted response holds its place, counted in the in-pipeline gauge, from
 `response.created` until its pipeline request has ended, before its `.done` events go out.
 `cancel` aborts the pipeline request in every stage (barge-in, `response.cancel`, the socket
-gone); the run then reports the response cancelled.
+gone); the run then reports the response cancelled. After `response.done` comes OpenAI's
+`rate_limits.updated` (OpenAI's servers send it there): this server's one limit, the model's
+admission places (`requests`: `--max-in-flight`, and how many are free now).
 """
 
 from __future__ import annotations
@@ -276,3 +278,12 @@ class ResponseRun:
         if not events.beta:
             await events.send({"type": "conversation.item.done", "item": view})
         await events.send({"type": "response.done", "response": self._view(status, details)})
+        await events.send({"type": "rate_limits.updated", "rate_limits": [self._requests()]})
+
+    def _requests(self) -> dict[str, Any]:
+        """The `requests` rate limit: the model's admission places, free ones now (this run
+        has given its place back); a place frees as a response ends, not on a clock."""
+        admission = self.state.admission
+        limit = admission.max_in_flight
+        free = max(0, limit - admission.in_flight(self.model.id))
+        return {"name": "requests", "limit": limit, "remaining": free, "reset_seconds": 0.0}
