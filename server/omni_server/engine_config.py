@@ -242,7 +242,14 @@ def _problem(field: dataclasses.Field[Any], value: Any) -> str | None:
     if value is None and meta["optional"]:
         return None
     valid, wanted = _RULES[meta["kind"]](meta, value)
-    return None if valid else f"must be {wanted}, got {value!r}"
+    return None if valid else f"must be {wanted}, got {_toml(value)}"
+
+
+def _toml(value: Any) -> str:
+    """A value as a stage file writes it (the compiler's messages show values so too)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f'"{value}"' if isinstance(value, str) else repr(value)
 
 
 def _int(meta: Mapping[str, Any], value: Any) -> tuple[bool, str]:
@@ -256,7 +263,7 @@ def _bool(meta: Mapping[str, Any], value: Any) -> tuple[bool, str]:
 
 
 def _choice(meta: Mapping[str, Any], value: Any) -> tuple[bool, str]:
-    return value in meta["choices"], f"one of {list(meta['choices'])}"
+    return value in meta["choices"], "one of " + ", ".join(f'"{c}"' for c in meta["choices"])
 
 
 def _device(meta: Mapping[str, Any], value: Any) -> tuple[bool, str]:
