@@ -26,8 +26,8 @@ from omni_server.audio.decode import TooLong, decode
 from omni_server.compiler.plan import ModelSpec
 from omni_server.serve.errors import ApiError, invalid_field
 from omni_server.serve.models import model_not_found
+from omni_server.serve.multipart import FORM_OVERHEAD_BYTES, read_form
 from omni_server.serve.state import STATE, ServerState
-from omni_server.serve.transcription_request import FORM_OVERHEAD_BYTES, read_form
 from omni_server.serve.validation import RequestModel, Text, parse
 from omni_server.serve.voice_catalog import VoiceCatalog, custom_entry
 from omni_server.serve.voice_store import StoreFull
@@ -99,7 +99,7 @@ async def create_voice(request: web.Request) -> web.Response:
         raise invalid_field(
             "file", "'file' (the reference clip) is required", "missing_required_parameter"
         )
-    fields = parse(VoiceForm, form.values(), form=True)
+    fields = parse(VoiceForm, form.values(VoiceForm), form=True)
     store = state.voices.store
     if store is None:
         raise ApiError(
