@@ -36,8 +36,8 @@ from tests.helpers.proc import alive
 from tests.helpers.repo import toml
 from tests.helpers.runtime import running
 from tests.helpers.server import ROOT
-from tests.runtime.pipelines import chain
-from tests.runtime.test_gpu_start import fake_machine, gpu_repo
+from tests.helpers.pipelines import chain
+from tests.gpu.test_gpu_start import fake_machine, gpu_repo
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,7 +11,7 @@ import pytest
 
 from omni_server.pipeline import PipelineError
 from tests.helpers.runtime import running
-from tests.runtime.pipelines import chain
+from tests.helpers.pipelines import chain
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,7 +12,7 @@ from omni_server.pipeline import PipelineError
 from tests.fixtures import FIXTURES
 from tests.helpers.repo import make_repo, toml
 from tests.helpers.runtime import running
-from tests.runtime.pipelines import build, stage_toml
+from tests.helpers.pipelines import build, stage_toml
 
 pytestmark = pytest.mark.timeout(120)
 

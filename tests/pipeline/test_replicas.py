@@ -13,7 +13,7 @@ import pytest
 
 from omni_server.pipeline import PipelineError
 from tests.helpers.runtime import running
-from tests.runtime.pipelines import stream
+from tests.helpers.pipelines import stream
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers.repo import toml
 from tests.helpers.runtime import running
-from tests.runtime.pipelines import build, stage_toml
+from tests.helpers.pipelines import build, stage_toml
 
 torch = pytest.importorskip("torch")
 

@@ -11,7 +11,7 @@ import pytest
 from omni_server.pipeline import PipelineError
 from tests.helpers.repo import toml
 from tests.helpers.runtime import running
-from tests.runtime.pipelines import build, chain, stage_toml, stream
+from tests.helpers.pipelines import build, chain, stage_toml, stream
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers.proc import alive, run_segments
 from tests.helpers.runtime import running
-from tests.runtime.pipelines import chain
+from tests.helpers.pipelines import chain
 
 pytestmark = pytest.mark.timeout(120)
 
