@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -128,3 +129,11 @@ def test_to_dict_is_plain_json():
         "stop": ["a"],
         "speech": None,
     }
+
+
+def test_the_docs_example_runs():
+    """docs/backends.md shows the contracts with an example: it runs as shown."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "backends.md").read_text()
+    section = doc.split("## What the server hands a pipeline: typed contracts", 1)[1]
+    example = section.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(example, "docs/backends.md", "exec"), {})
