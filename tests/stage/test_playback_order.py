@@ -12,8 +12,8 @@ import pytest
 
 from omni_server.stage.scheduling import WorkItem
 from omni_server.stage.scheduling.calls import BackendContractError, StageCalls
-from omni_server.stage.scheduling.stream_order import MARGIN_FLOOR_S, Playback, StepClock, rank
 from omni_server.stage.scheduling.stream import ActiveRequest, pick
+from omni_server.stage.scheduling.stream_order import MARGIN_FLOOR_S, Playback, StepClock, rank
 
 
 class _Stream:
