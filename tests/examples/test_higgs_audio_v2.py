@@ -56,6 +56,7 @@ import numpy as np
 import pytest
 
 from omni_server.audio import decode
+from omni_server.contracts import SpeechOptions, speech_payload
 from tests.helpers.metrics import samples, value
 from tests.helpers.server import ROOT, ServerProcess
 
@@ -337,18 +338,8 @@ def snr_db(reference: np.ndarray, served: np.ndarray) -> float:
 
 def inputs(text: str, voice: str, **fields: Any) -> dict[str, Any]:
     """The speech endpoint's pipeline inputs (SpeechRequest.pipeline_inputs)."""
-    return {
-        "text": text,
-        "voice": voice,
-        "speed": 1.0,
-        "seed": None,
-        "response_format": "pcm",
-        "stream": True,
-        "sample_rate": None,
-        "instructions": None,
-        "temperature": 0.0,
-        **fields,
-    }
+    options = {"response_format": "pcm", "stream": True, "temperature": 0.0, **fields}
+    return speech_payload(text, SpeechOptions(voice, **options))
 
 
 async def served(runtime: Any, model: Any, fields: dict[str, Any]) -> dict[str, Any]:
@@ -429,7 +420,8 @@ async def test_seeded_sampling_reproducible_and_batch_independent(
             ]  # fmt: skip
             alone = [(await served(runtime, model, s))["generated"] for s in sampled]
             again = (await served(runtime, model, sampled[0]))["generated"]
-            other = (await served(runtime, model, {**sampled[0], "seed": 7}))["generated"]
+            reseeded = inputs(TEXTS[0], CLONED, temperature=1.0, seed=7)  # sampled[0], seed 7
+            other = (await served(runtime, model, reseeded))["generated"]
             together = await asyncio.gather(*(served(runtime, model, s) for s in sampled))
     assert again == alone[0] and other != alone[0]
     assert [r["generated"] for r in together] == alone

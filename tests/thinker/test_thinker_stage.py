@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from omni_server.compiler.compiler import compile_repository
+from omni_server.contracts import ChatInput, Message, Sampling, SpeechOptions
 from omni_server.pipeline import PipelineError
 from tests.helpers.repo import make_repo, toml
 from tests.helpers.runtime import running
@@ -42,8 +43,10 @@ def plan(tmp_path_factory):
     return compile_repository(root)
 
 
-def _inputs(question: str, **sampling) -> dict:
-    return {"messages": [{"role": "user", "content": question}], "max_tokens": 12, **sampling}
+def _inputs(question: str, speech: SpeechOptions | None = None, **sampling) -> dict:
+    """The thinker's typed inputs, as the chat endpoint builds them."""
+    messages = (Message("user", question),)
+    return ChatInput(messages, Sampling(max_tokens=12, **sampling), speech).payload()
 
 
 async def _answer(runtime, inputs: dict) -> tuple[str, dict]:
@@ -82,10 +85,10 @@ async def test_a_prompt_over_the_context_is_the_callers_fault(plan):
 
 
 async def test_speech_options_ride_the_first_chunk(plan):
-    speech = {"voice": "joe", "speed": 1.0, "seed": 1, "response_format": "pcm", "stream": True}
+    speech = SpeechOptions("joe", speed=1.0, seed=1, response_format="pcm", stream=True)
     async with running(plan) as runtime:
         handle = runtime.submit(
-            runtime.plan.models["chat"], {**_inputs(QUESTIONS[3], temperature=0), "speech": speech}
+            runtime.plan.models["chat"], _inputs(QUESTIONS[3], speech, temperature=0)
         )
         chunks = [chunk async for chunk in handle]
         await handle.result()

@@ -63,7 +63,7 @@ step() {  # step NAME SECONDS COMMAND...: run it (bounded), log it, say its exit
 }
 
 TESTS=${TESTS:-tests/transport/test_tensor_records.py tests/transport/test_cuda_ipc.py \
-  tests/runtime/test_cuda_packed.py tests/runtime/test_cuda_ipc.py tests/transport/test_ring.py}
+  tests/wire/test_cuda_packed.py tests/wire/test_cuda_ipc.py tests/transport/test_ring.py}
 step tests 120 python3 -m pytest -q -p no:cacheprovider -rs $TESTS
 TAIL=12 step handoff 150 python3 -m omni_bench.gpu_handoff --compare --requests 200 --warmup 20 \
   --rounds 2 --sizes-mib 1,64
@@ -87,9 +87,9 @@ TAIL=16 PYTHONPATH=$BEFORE/server:${PYTHONPATH#*/server:} step higgsbefore "${HI
   --repo "$BEFORE/examples/higgs-audio-v2" --out /tmp/higgs-before ${HIGGS_BEFORE_ARGS:-}
 cp /tmp/higgs-before/higgs_serve.md "$OUT/higgs_before.md" 2>/dev/null
 step tier "${TIER_S:-300}" python3 -m pytest -q -p no:cacheprovider -m "gpu or gpu2" -rs \
-  tests/transport/test_cuda_ipc.py tests/runtime/test_cuda_ipc.py tests/engine/test_cuda_graphs.py \
-  tests/engine/test_paged_decode.py tests/engine/test_memory_gpu.py tests/runtime/test_oom.py \
-  tests/runtime/test_gpu_start.py tests/runtime/test_mps.py tests/runtime/test_weight_share_gpu.py
+  tests/transport/test_cuda_ipc.py tests/wire/test_cuda_ipc.py tests/engine/test_cuda_graphs.py \
+  tests/engine/test_paged_decode.py tests/engine/test_memory_gpu.py tests/gpu/test_oom.py \
+  tests/gpu/test_gpu_start.py tests/gpu/test_mps.py tests/gpu/test_weight_share_gpu.py
 BEFORE_PY="PYTHONPATH=$BEFORE_TREE/server:$BEFORE_TREE/tools:$BEFORE_TREE/clients:$BEFORE_TREE/transport_ext:/tmp/site"
 PARTS="env $BEFORE_PY python3 tools/device/crossing_parts.py --label before"
 PARTS="$PARTS && python3 tools/device/crossing_parts.py --label after"

@@ -36,11 +36,11 @@ from typing import Any
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from omni_server.compiler.plan import ModelSpec
+from omni_server.contracts import SpeechOptions, speech_payload
 from omni_server.pipeline import PipelineError
 from omni_server.serve.errors import ApiError
 from omni_server.serve.pipeline_call import admitted, request_error, submitted
 from omni_server.serve.sentences import SentenceBuffer, speakable
-from omni_server.serve.speech_request import speech_options
 from omni_server.serve.state import STATE, ServerState
 from omni_server.serve.stream_settings import Settings, read_settings
 
@@ -253,18 +253,16 @@ class SpeechStream:
     async def _speak(self, text: str) -> None:
         settings, state = self.settings, self.state
         model: ModelSpec = settings.model
-        inputs = {
-            "text": text,
-            **speech_options(
-                settings.voice.name,
-                response_format="pcm",
-                stream=True,
-                speed=settings.speed,
-                seed=settings.seed,
-                sample_rate=settings.sample_rate,
-                reference=settings.voice.reference,
-            ),
-        }
+        speech = SpeechOptions(
+            settings.voice.name,
+            response_format="pcm",
+            stream=True,
+            speed=settings.speed,
+            seed=settings.seed,
+            sample_rate=settings.sample_rate,
+            reference=settings.voice.reference,
+        )
+        inputs = speech_payload(text, speech)
         try:
             async with admitted(state, model), submitted(state, model, inputs) as handle:
                 try:

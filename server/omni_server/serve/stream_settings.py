@@ -19,11 +19,11 @@ from typing import Any
 
 from omni_server.audio import check_sample_rate
 from omni_server.compiler.plan import ModelSpec
+from omni_server.contracts import MAX_SEED, MAX_SPEED, MIN_SPEED
 from omni_server.serve.errors import ApiError, invalid_field
 from omni_server.serve.models import resolve_model
-from omni_server.serve.speech_request import MAX_SEED, MAX_SPEED, MIN_SPEED, choose_voice
 from omni_server.serve.state import ServerState
-from omni_server.serve.voice_catalog import VoiceChoice
+from omni_server.serve.voice_catalog import VoiceChoice, choose_voice
 
 DEFAULT_RATE = 24_000
 SETTINGS = ("model", "model_id", "voice", "output_format", "binary", "speed", "seed")
