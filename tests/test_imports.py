@@ -41,6 +41,7 @@ def fresh() -> Iterator[FreshImports]:
         yield imports
 
 
+@pytest.mark.slow  # a forked child per module: a minute or two of imports for 230 modules
 @pytest.mark.parametrize("module", _modules())
 def test_module_imports_alone(fresh: FreshImports, module: str) -> None:
     error = fresh.error(module)
