@@ -94,6 +94,7 @@ def create_app(
     app.router.add_post("/v1/chat/completions", chat.create_chat_completion)
     app.router.add_get("/v1/realtime", realtime)
     app.router.add_get(speech_stream.PATH, speech_stream.stream_input)
+    app.router.add_get(speech_stream.ELEVENLABS_PATH, speech_stream.stream_input)
     app.router.add_get("/v1/audio/voices", voices.list_voices)
     app.router.add_post("/v1/audio/voices", voices.create_voice)
     app.router.add_delete("/v1/audio/voices/{voice}", voices.delete_voice)
