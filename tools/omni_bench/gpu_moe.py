@@ -8,10 +8,12 @@ the same for both paths). For each token count, the median of --iters timed call
 after --warmup calls), in µs:
 
   loop    layers.Experts' plain path on the GPU: one gathered matmul pair per expert hit
-  fused   moe_triton.fused_moe: the sort by expert + two grouped-GEMM launches
+  fused   moe_triton.fused_moe: the sort by expert + two grouped-GEMM launches, called eagerly
+          (the host's launches included: on a slow host they, not the GPU, set this figure)
+  graph   the same call captured once in a CUDA graph, replays timed: the GPU's time alone
   floor   bytes of the experts the routing hits (gate, up, down of each) / 4.8 TB/s (H200 HBM)
 
-With --sweep, also each tile set of SWEEP on the fused kernel (the best per row, and which).
+With --sweep, also each tile set of SWEEP on the fused kernel, as graphs (the best per row).
 Routing (the router's matmul and top-k) is outside both figures: the two paths share it. Imports
 are torch's and ours only (runs on a bare GPU machine with torch and triton)."""
 
@@ -79,6 +81,20 @@ def median_us(call, warmup: int, iters: int) -> float:  # type: ignore[no-untype
     return statistics.median(times)
 
 
+def graph_median_us(call, warmup: int, iters: int) -> float:  # type: ignore[no-untyped-def]
+    """`call` captured once in a CUDA graph, each replay timed: the GPU's time alone, without
+    the host's launches (what a decode step run as a graph, as the engine runs it, pays)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return median_us(graph.replay, warmup, iters)
+
+
 def measure(experts: Experts, tokens: int, args: argparse.Namespace) -> dict[str, object]:
     generator = torch.Generator("cuda").manual_seed(args.seed + tokens)
     x = torch.randn(tokens, THINKER["hidden"], device="cuda", generator=generator)
@@ -96,14 +112,17 @@ def measure(experts: Experts, tokens: int, args: argparse.Namespace) -> dict[str
         loop = median_us(lambda: experts(x, ids, weights), args.warmup, args.iters)
         experts.fused = fused
         kernel = median_us(lambda: experts(x, ids, weights), args.warmup, args.iters)
+        graphed = graph_median_us(lambda: experts(x, ids, weights), args.warmup, args.iters)
     best = ("", float("inf"))
+    swept: dict[str, float] = {}
     if args.sweep:
         w = (experts.gate_proj, experts.up_proj, experts.down_proj)
         for name, tiles in SWEEP.items():
             with torch.no_grad():
-                us = median_us(
+                us = graph_median_us(
                     lambda t=tiles: fused_moe(x, ids, weights, *w, tiles=t), args.warmup, args.iters
                 )
+            swept[name] = us
             best = min(best, (name, us), key=lambda b: b[1])
     hit = ids.unique().numel()
     expert_bytes = 3 * THINKER["hidden"] * THINKER["inter"] * 2
@@ -112,22 +131,24 @@ def measure(experts: Experts, tokens: int, args: argparse.Namespace) -> dict[str
         "experts_hit": hit,
         "loop_us": loop,
         "fused_us": kernel,
+        "graph_us": graphed,
         "floor_us": hit * expert_bytes / HBM_BYTES_PER_S * 1e6,
         "best": f"{best[1]:.1f} ({best[0]})" if best[0] else "",
+        "swept": swept,
     }
 
 
 def table(rows: list[dict[str, object]]) -> str:
     lines = [
-        "| tokens | experts hit | loop µs | fused µs | floor µs | loop / fused | fused / floor "
-        "| best swept µs |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| tokens | experts hit | loop µs | fused µs | fused graph µs | floor µs | loop / fused "
+        "| graph / floor | best swept graph µs |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r['tokens']} | {r['experts_hit']} | {r['loop_us']:.1f} | {r['fused_us']:.1f} | "
-            f"{r['floor_us']:.1f} | {r['loop_us'] / r['fused_us']:.1f}x | "
-            f"{r['fused_us'] / r['floor_us']:.2f} | {r['best']} |"
+            f"{r['graph_us']:.1f} | {r['floor_us']:.1f} | {r['loop_us'] / r['fused_us']:.1f}x | "
+            f"{r['graph_us'] / r['floor_us']:.2f} | {r['best']} |"
         )
     return "\n".join(lines)
 
@@ -144,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         f"top-8), median of {args.iters} after {args.warmup} warmup, CUDA events"
     )
     print(table(rows))
+    if args.sweep:
+        print("\nfused graph µs by tile set (SWEEP: gate_up / down bm-bn-bk-warps-stages)")
+        for name, (first, second) in SWEEP.items():
+            tiles = "/".join(f"{t.bm}-{t.bn}-{t.bk}-{t.warps}-{t.stages}" for t in (first, second))
+            times = " ".join(f"{r['swept'][name]:8.1f}" for r in rows)  # type: ignore[index]
+            print(f"{name} {tiles:<32} {times}")
     return 0
 
 

@@ -60,11 +60,31 @@ def plain_and_fused(
     return plain, experts(x, ids, weights)
 
 
+@functools.cache
+def fp32_oracle(name: str) -> Experts:
+    """The bf16 experts' own values in fp32: the reference both bf16 paths are held to."""
+    bf16 = random_experts(name, torch.bfloat16)
+    hidden, inter, count, _ = SHAPES[name]
+    oracle = Experts(count, hidden, inter).to("cuda")
+    with torch.no_grad():
+        for mine, theirs in zip(oracle.parameters(), bf16.parameters(), strict=True):
+            mine.copy_(theirs.float())
+    oracle.fused = None
+    return oracle
+
+
+def max_error(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """Largest absolute difference, as a fraction of the reference's largest magnitude."""
+    assert other.shape == reference.shape
+    scale = reference.float().abs().max().item()
+    assert scale > 0
+    return (other.float() - reference.float()).abs().max().item() / scale
+
+
 def assert_close(plain: torch.Tensor, fused: torch.Tensor, dtype: torch.dtype) -> None:
-    assert fused.dtype == plain.dtype and fused.shape == plain.shape
-    scale = plain.float().abs().max().item()
-    error = (fused.float() - plain.float()).abs().max().item()
-    assert scale > 0 and error <= TOLERANCE[dtype] * scale, f"max error {error} of {scale}"
+    assert fused.dtype == plain.dtype
+    error = max_error(plain, fused)
+    assert error <= TOLERANCE[dtype], f"fused vs plain: max error {error:.2e} of the max"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -80,7 +100,16 @@ def test_fused_experts_equal_the_plain_loop(tokens: int, name: str, dtype: torch
     if tokens <= 7:
         assert ids.unique().numel() < count  # experts with no slot at all
     plain, fused = plain_and_fused(experts, x, ids, weights.to(dtype))
-    assert_close(plain, fused, dtype)
+    if dtype == torch.float32:
+        assert_close(plain, fused, dtype)
+        return
+    # bf16: the plain path rounds gate, up, their product, each expert's output and the running
+    # sum to bf16, so it sits ~1e-2 of the max from the truth itself; the kernel (fp32 within a
+    # launch) is held to 1e-2 of the fp32 oracle on the same bf16 values, and to 2e-2 of plain
+    with torch.no_grad():
+        oracle = fp32_oracle(name)(x.float(), ids, weights.to(dtype).float())
+    assert max_error(oracle, fused) <= 1e-2, max_error(oracle, fused)
+    assert max_error(plain, fused) <= 2e-2, max_error(plain, fused)
 
 
 @pytest.mark.gpu
@@ -97,7 +126,34 @@ def test_skewed_routing_with_idle_experts_equals_the_plain_loop() -> None:
     plain, fused = plain_and_fused(
         experts, x.to("cuda", torch.bfloat16), ids.cuda(), weights.to("cuda", torch.bfloat16)
     )
-    assert_close(plain, fused, torch.bfloat16)
+    assert max_error(plain, fused) <= 2e-2
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_fused_experts_replay_in_a_cuda_graph() -> None:
+    """No host sync inside fused_moe: captured once, a replay on new tokens and new routing
+    gives what an eager call gives (the engine runs its decode steps as graphs)."""
+    experts = random_experts("thinker", torch.bfloat16)
+    ids, weights = routing(16, 128, 8, seed=5)
+    x = torch.randn(16, 2048, device="cuda", dtype=torch.bfloat16)
+    weights = weights.to(torch.bfloat16)
+    with torch.no_grad():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            experts(x, ids, weights)  # compile outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = experts(x, ids, weights)
+        new_ids, new_weights = routing(16, 128, 8, seed=6)
+        x.copy_(torch.randn_like(x))
+        ids.copy_(new_ids)
+        weights.copy_(new_weights)
+        graph.replay()
+        eager = experts(x, ids, weights)
+    assert max_error(eager, out) <= 1e-2  # a bf16 ulp: the atomic adds' order may differ
 
 
 @pytest.mark.gpu

@@ -9,8 +9,9 @@ whole row block (`sort_by_expert`), so one row block of a grouped GEMM belongs t
 2. `down_kernel`: act [BM, I] @ down[e].T, times each slot's routing weight, added atomically
    (fp32) into its token's output row: the top-k sum is the epilogue's, no [N, k, H] buffer.
 
-The sort is a dozen small torch ops on the GPU (bincount, cumsum, argsort, one scatter), none
-waits for the host (the plain path's `.tolist()` does). Experts that get no slot get no block.
+The sort is a dozen small torch ops on the GPU (scatter_add counts, cumsum, argsort, one
+scatter), none waits for the host (the plain path's `.tolist()` does), so a whole call can be
+captured in a CUDA graph. Experts that get no slot get no block.
 The order of the k atomic adds into a token's row is not fixed: results can differ run to run in
 the last fp32 bit (the plain path's sum is sequential). fp32 inputs multiply in true fp32
 (`input_precision="ieee"`, not TF32), so fp32 agrees with the plain path to ~1e-6.
@@ -149,11 +150,15 @@ def sort_by_expert(
 
     Slot s = token * k + j. Expert e's slots (ascending) fill its padded run of blocks; padding
     rows hold N * k. `blocks` is the bound cdiv(N * k, block_m) + min(E, N * k), so no host sync
-    is needed; a block past the used ones has expert -1 (the kernels return at once)."""
+    is needed (the shapes depend on N, k, E only: CUDA-graph safe); a block past the used ones
+    has expert -1 (the kernels return at once)."""
     flat = topk_ids.flatten().to(torch.int64)
     slots = flat.numel()
     device = flat.device
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: CUDA's bincount reads the max back to the host (a sync that
+    # also breaks CUDA graph capture); nothing here leaves the GPU
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     blocks_each = (counts + block_m - 1) // block_m
     block_ends = torch.cumsum(blocks_each, 0)
     max_blocks = -(-slots // block_m) + min(num_experts, slots)
@@ -163,7 +168,7 @@ def sort_by_expert(
     rank = torch.arange(slots, device=device) - first[expert_sorted]
     position = (block_ends - blocks_each)[expert_sorted] * block_m + rank
     sorted_slots = torch.full((max_blocks * block_m,), slots, dtype=torch.int32, device=device)
-    sorted_slots[position] = order.to(torch.int32)
+    sorted_slots.scatter_(0, position, order.to(torch.int32))
     block_index = torch.arange(max_blocks, device=device)
     block_expert = torch.searchsorted(block_ends, block_index, right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
