@@ -2,7 +2,8 @@
 on a CUDA GPU, at the full thinker's and talker's expert shapes, fp32 and bf16, for 1, 7, 64 and
 512 tokens (with 1 and 7 tokens most experts get no slot; `test_skewed_routing...` routes
 everything to a few experts). SparseMoE picks the kernel when moved to CUDA; on the CPU the
-plain path runs and neither moe_triton nor triton is imported."""
+plain path runs and neither moe_triton nor triton is imported. The sort by expert that both
+launches read is plain torch and is checked on the CPU too."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 
 from omni_server.models.qwen3_omni.config import DecoderShape
 from omni_server.models.qwen3_omni.layers import Experts, SparseMoE
+from omni_server.models.qwen3_omni.moe_triton import sort_by_expert
 
 ON_GPU = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU and triton")
@@ -180,6 +182,42 @@ def test_sparse_moe_with_shared_expert_uses_the_kernel_on_cuda() -> None:
         block.experts.fused = None
         plain = block(x)
     assert_close(plain, fused, torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "count", "block"),
+    [(1, 8, 128, 16), (7, 8, 128, 16), (64, 8, 128, 32), (300, 3, 128, 64), (5, 2, 4, 16)],
+)
+def test_sort_by_expert_gives_each_slot_one_row_of_its_experts_blocks(
+    tokens: int, top_k: int, count: int, block: int
+) -> None:
+    """Every (token, k) slot lands exactly once, in a block of its own expert, each expert's
+    slots ascending; padding rows hold N * k; blocks past the used ones have expert -1 and
+    only padding; the grid bound holds whatever the routing (here expert 5 takes every token
+    when tokens = 300)."""
+    generator = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(count, generator=generator)[:top_k] for _ in range(tokens)])
+    if tokens == 300:
+        ids[:, 0] = 5
+        ids[:, 1:] = torch.where(ids[:, 1:] == 5, 6, ids[:, 1:])
+    slots = tokens * top_k
+    sorted_slots, block_expert = sort_by_expert(ids, count, block)
+    assert sorted_slots.numel() == block_expert.numel() * block
+    seen: list[int] = []
+    for index, expert in enumerate(block_expert.tolist()):
+        rows = sorted_slots[index * block : (index + 1) * block]
+        real = rows[rows < slots]
+        if expert < 0:
+            assert real.numel() == 0
+            continue
+        assert real.numel() > 0  # no block of an expert that got nothing
+        assert (ids.flatten()[real.long()] == expert).all()
+        assert (rows[real.numel() :] == slots).all()  # padding only at a run's end
+        seen += real.tolist()
+    assert sorted(seen) == list(range(slots))
+    hit = ids.unique()
+    assert (block_expert[block_expert >= 0].unique() == hit).all()
+    assert block_expert[block_expert >= 0].diff().ge(0).all()  # experts in ascending order
 
 
 def test_cpu_path_never_imports_triton() -> None:
