@@ -30,6 +30,13 @@
 #   stepbefore  omni-bench gpu-step (paged only) against BEFORE's engine (a checkout's root,
 #            default the tree this one sits in, ../..): the before side of a comparison
 #   step     omni-bench gpu-step --profile --host-profile against this tree's engine
+#   codec    tools/device/higgs_tokenizer_check.py: our Higgs audio tokenizer against the real
+#            torchaudio's reference (encode codes identical, decode SNR, graphs vs eager)
+#   qwen     the Qwen3-Omni GPU tests (the fused MoE kernel, the parts on CUDA), then
+#            omni-bench gpu-moe --sweep (the kernel against the per-expert loop and the floor)
+#   first    the README's "With a GPU" commands as written (a tiny random checkpoint, config
+#            resolve --show topology, the example served with no override, one speech
+#            request), then the GPU placement test
 # STEPS="tests handoff" picks steps (default: all five); TESTS the test files. Only what reads $OUT's limits (8 files)
 # lands there: the tables and the logs.
 set -uo pipefail
@@ -114,4 +121,10 @@ TAIL=200 PYTHONPATH=$BEFORE/server:$PWD/tools:${PYTHONPATH#*transport_ext:} step
   --host-profile --json "$OUT/stepbefore.json"
 TAIL=200 step step "${STEP_S:-240}" python3 -m omni_bench.gpu_step $STEP_ARGS --host-profile \
   --json "$OUT/step.json"
+TAIL=40 step codec "${CODEC_S:-240}" python3 tools/device/higgs_tokenizer_check.py \
+  --out /tmp/higgs-tokenizer-check
+TAIL=60 step qwen "${QWEN_S:-240}" bash -c "python3 -m pytest -q -p no:cacheprovider -rs \
+  tests/models/qwen3_omni/test_moe_triton.py tests/models/qwen3_omni/test_gpu.py \
+  && python3 -m omni_bench.gpu_moe --sweep"
+TAIL=40 step first "${FIRST_S:-240}" bash tools/device/first_gpu_run.sh
 echo "left: $(ls /dev/shm | grep -c '^omni-') /dev/shm segments, $(pgrep -fc omni_server) servers"
