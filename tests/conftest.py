@@ -3,7 +3,7 @@
 Tiers: `pytest -m "not slow"` is the fast tier for development; CI runs everything. Tests marked
 `gpu` (one CUDA GPU) and `gpu2` (two) skip where the GPUs are missing; docs/gpu.md runs them.
 Slow tests carry `@pytest.mark.slow` where they are written (ring stress, Whisper, the
-browser, the bench end to end, the voice through runtime processes, one interpreter per module),
+browser, the bench end to end, the voice through runtime processes, every module imported alone),
 and every test that needs one of the expensive things in SLOW_FIXTURES is slow by the rule below.
 
 One real server on the embedded repository (`embedded_server`) serves every test that needs

@@ -1,7 +1,8 @@
 """Acoustic stage: phoneme ids -> speech, one chunk per sentence (Piper VITS on onnxruntime).
 
-Its input is the frontend's stream, one chunk per sentence (phoneme ids, voice, speed, seed,
-encoding); each is synthesized as it arrives and streamed on to the encoder, so speech starts
+Its input is the frontend's stream, one chunk per sentence (phoneme ids and the request's
+`speech`, the typed `contracts.SpeechOptions`: voice, speed, seed, encoding); each is
+synthesized as it arrives and streamed on to the encoder, so speech starts
 while the frontend (or, in the omni model, the thinker) is still producing later sentences.
 
 Seeded noise. A Piper VITS graph draws Gaussian noise twice, in `RandomNormalLike` ops that
@@ -51,11 +52,11 @@ import onnxruntime as ort
 
 from omni_server.audio.resources import package_file
 from omni_server.backend import Payload, Request, StageBackend, StageConfigError, StageContext
+from omni_server.contracts import SpeechOptions
 
 log = logging.getLogger(__name__)
 
 RANDOM_OP = "RandomNormalLike"
-SPEED_RANGE = (0.25, 4.0)
 SEED_MASK = (1 << 64) - 1  # SeedSequence takes non-negative entropy: seeds are read mod 2**64
 
 
@@ -529,46 +530,43 @@ class Acoustic(StageBackend):
         unseeded: np.random.Generator | None = None
         for sentence in request.stream():
             request.check_aborted()
-            voice = self.voices.get(sentence["voice"])
+            options = SpeechOptions.of(sentence)
+            voice = self.voices.get(options.voice)
             if voice is None:
                 valid = ", ".join(self.voices)
-                raise ValueError(f"unknown voice {sentence['voice']!r}; valid: {valid}")
-            speed = float(sentence["speed"])
-            if not SPEED_RANGE[0] <= speed <= SPEED_RANGE[1]:
-                low, high = SPEED_RANGE
-                raise ValueError(f"speed must lie in {low}..{high}; got {speed}")
-            # Chunks describe the encoding themselves, so the encoder needs no other input.
+                raise ValueError(f"unknown voice {options.voice!r}; valid: {valid}")
+            # Chunks carry the speech options on, so the encoder needs no other input.
             chunk: Payload = {
                 "sample_rate": voice.sample_rate,
                 "sentence": sentence["sentence"],
-                "encoding": sentence["encoding"],
+                SpeechOptions.KEY: options,
             }
             if sentence["sentence"] is None:  # nothing speakable: no audio, still the encoding
                 yield {**chunk, "audio": np.zeros(0, np.float32)}
                 continue
-            seed = sentence["seed"]
+            seed = options.seed
             if seed is None:
                 if unseeded is None:  # one fresh generator per request
                     unseeded = np.random.default_rng()
                 rng = unseeded
             else:
                 rng = sentence_rng(int(seed), int(sentence["chunk"]))
-            for audio in self._speak(voice, sentence, speed, rng, request):
+            for audio in self._speak(voice, sentence, options, rng, request):
                 yield {**chunk, "audio": audio}  # audio: [samples] float32
 
     def _speak(
         self,
         voice: PiperVoice,
         sentence: Payload,
-        speed: float,
+        options: SpeechOptions,
         rng: np.random.Generator,
         request: Request,
     ) -> Iterator[np.ndarray]:
         """A sentence's audio: one chunk, or two when the frontend marked a cut (the request's
         first sentence; CutSentence). Each chunk is one step of the stream scheduler, so the
         rest waits in playback order while the first chunk plays."""
-        ids = sentence["phoneme_ids"]
-        first = sentence["chunk"] == 0 and sentence["seed"] is None  # may take idle cores
+        ids, speed = sentence["phoneme_ids"], options.speed
+        first = sentence["chunk"] == 0 and options.seed is None  # may take idle cores
         cut_at = sentence.get("cut")
         if cut_at is not None and not 0 < int(cut_at) < len(ids) - 1:
             raise ValueError(

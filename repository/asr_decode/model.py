@@ -10,7 +10,7 @@ decoded audio of every request this process still holds (here and in the stages 
 most `max_total_audio_seconds`; a request that would cross that total is refused with code
 `rate_limit_exceeded` (the endpoint's 429, `Retry-After`), taking nothing.
 
-Inputs:  {"file": bytes, "options": {...}}     (options pass through to the recognizer)
+Inputs:  {"file": bytes, "options": AsrOptions}   (contracts.AsrOptions: passed on, unread)
 Output:  {"audio": float32[n], "duration": s, "options"}
 """
 

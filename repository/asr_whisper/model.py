@@ -29,6 +29,7 @@ from omni_server.backend import (
     StageContext,
     StepOutput,
 )
+from omni_server.contracts import AsrOptions
 
 TOGETHER_S = 5.0  # a call of several requests this recently: expect more arrivals together
 GATHER_POLL_S = 0.002  # how long step() sleeps while gathering (new requests join between)
@@ -78,12 +79,12 @@ class WhisperStage(StageBackend):
 
     def add(self, request: Request) -> None:
         inputs = request.inputs
-        raw = inputs.get("options") or {}
+        asked = AsrOptions.of(inputs)  # the endpoint's typed options, passed on by the decoder
         options = whisper.DecodeOptions(
-            prompt=raw.get("prompt"),
-            temperature=float(raw.get("temperature", 0.0)),
-            words=bool(raw.get("words", False)),
-            logprobs=bool(raw.get("logprobs", False)),
+            prompt=asked.prompt,
+            temperature=asked.temperature,
+            words=asked.words,
+            logprobs=asked.logprobs,
         )
         clip = self.recognizer.transcription(inputs["audio"], inputs["windows"], options)
         self._held[id(request)] = (request, clip)

@@ -1,8 +1,9 @@
 """Audio encoder stage (terminal): sentence audio -> the response body, as bytes to send.
 
 It reads everything from the chunks the acoustic stage streams to it (audio, native rate, and
-the request's encoding), so it can start on the first sentence while later ones are still being
-synthesized; its `next` payload (the acoustic stage's totals) is not needed.
+the request's `speech` options: format, sample rate, stream), so it can start on the first
+sentence while later ones are still being synthesized; its `next` payload (the acoustic
+stage's totals) is not needed.
 
 Per chunk: resample to the output rate with soxr (a stream resampler, so sentence joins have no
 seams), encode with PyAV, yield {"audio": bytes} when the encoder produced any. A streamed
@@ -19,6 +20,7 @@ from collections.abc import Generator
 from omni_server.audio.encode import AudioEncoder, default_sample_rate
 from omni_server.audio.resample import StreamResampler
 from omni_server.backend import Payload, Request, StageBackend
+from omni_server.contracts import SpeechOptions
 
 
 class AudioEncoderStage(StageBackend):
@@ -29,11 +31,11 @@ class AudioEncoderStage(StageBackend):
             for chunk in request.stream():
                 request.check_aborted()
                 if encoder is None:
-                    encoding = chunk["encoding"]
-                    fmt = encoding["format"]
-                    rate = encoding["sample_rate"] or default_sample_rate(fmt, chunk["sample_rate"])
+                    speech = SpeechOptions.of(chunk)
+                    fmt = speech.response_format
+                    rate = speech.sample_rate or default_sample_rate(fmt, chunk["sample_rate"])
                     resampler = StreamResampler(int(chunk["sample_rate"]), rate)
-                    encoder = AudioEncoder(fmt, rate, streaming=encoding["stream"])
+                    encoder = AudioEncoder(fmt, rate, streaming=speech.stream)
                 if chunk["sentence"] is not None:  # None: a chunk of no sentence (no audio)
                     sentences = max(sentences, int(chunk["sentence"]) + 1)
                 data = encoder.encode(resampler.push(chunk["audio"]))

@@ -1,17 +1,18 @@
 """Text frontend stage: text -> a stream of sentences of Piper phoneme ids, one chunk each.
 
 Two ways in (a stream stage; its chunks go to the acoustic stage along `stream_to`):
-- whole text (the speech model's entry): `request.inputs` holds the pipeline contract
-  (docs/voice.md): `text`, `voice`, `speed`, `seed`, `response_format`, `stream`, `sample_rate`;
+- whole text (the speech model's entry): `request.inputs` holds `text` and `speech`, the typed
+  `contracts.SpeechOptions` (voice, speed, seed, response_format, stream, sample_rate; checked
+  where they are built, docs/backends.md);
 - streamed text (the omni model: a thinker stage streams its answer here): `request.inputs` is
   empty and `request.stream()` yields `{"text": delta}`; the first chunk also carries
-  `"speech": {voice, speed, seed, response_format, stream, sample_rate}` (`"speech": None` or
-  absent: a text-only request, the voice stays silent). Each sentence leaves
+  `"speech"`, the same `SpeechOptions` (`"speech": None` or absent: a text-only request, the
+  voice stays silent). Each sentence leaves
   as soon as the text after it shows it is complete, so speech starts while the answer is
   still being written; the remainder leaves at the end of the stream.
 Either way the chunks are the same for the same text (tested: any split of the text gives the
-sentences of the whole), and each carries everything downstream needs (voice, speed, seed,
-encoding): a stage started by a stream has no other inputs.
+sentences of the whole), and each carries everything downstream needs (its `speech`: voice,
+speed, seed, encoding): a stage started by a stream has no other inputs.
 
 Three steps per text, all cheap next to synthesis (about 1 ms a sentence):
 1. normalize: Unicode NFKC, typographic punctuation to ASCII, currency amounts and the common
@@ -37,19 +38,16 @@ import re
 import threading
 import unicodedata
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from piper import espeakbridge
 from piper.phoneme_ids import phonemes_to_ids
 from piper.phonemize_espeak import ESPEAK_DATA_DIR, _merge_known_vowel_clusters
 
-from omni_server.audio.encode import FORMATS, check_sample_rate
 from omni_server.audio.resources import package_file
 from omni_server.backend import Payload, Request, StageBackend, StageConfigError, StageContext
+from omni_server.contracts import SpeechOptions
 
-SPEED_RANGE = (0.25, 4.0)
 MAX_STREAMED_CHARS = 65536  # a streamed answer longer than this fails (bounded work and memory)
 
 # espeak-ng is one C library with global state: one caller at a time in a process.
@@ -202,24 +200,6 @@ class _VoiceText:
         self.vowel_clusters = {tuple(c) for c in clusters} if clusters else None
 
 
-@dataclass(frozen=True)
-class SpeechOptions:
-    """A request's options, checked; every chunk carries them (see the module docstring)."""
-
-    voice: str
-    speed: float
-    seed: int | None
-    encoding: dict[str, Any]  # {"format": str, "sample_rate": int | None, "stream": bool}
-
-    def fields(self) -> Payload:
-        return {
-            "voice": self.voice,
-            "speed": self.speed,
-            "seed": self.seed,
-            "encoding": dict(self.encoding),
-        }
-
-
 # A candidate sentence (or clause) end: punctuation, closing quotes, then space, and the next
 # non-space character (the lookahead: espeak-ng reads it to decide whether a sentence ended).
 _BOUNDARY = re.compile(r"""[.!?;:,]["')\]]*\s+(?=\S)""")
@@ -325,44 +305,22 @@ class TextFrontend(StageBackend):
             first = next(stream, None)
             if first is None:
                 raise ValueError("the text stream ended before its first chunk")
-            speech = first.get("speech")
-            if speech is None:  # a text-only request of a model with a voice: nothing to say
-                return
-            if not isinstance(speech, Mapping):
-                raise ValueError(
-                    'the first streamed text chunk\'s "speech" must be {voice, speed, seed, '
-                    f"response_format, stream, sample_rate}} or None; found {speech!r}"
-                )
+            if first.get(SpeechOptions.KEY) is None:
+                return  # a text-only request of a model with a voice: nothing to say
             try:
-                options = self.options(speech)
-            except (ValueError, KeyError, TypeError) as err:
+                options = self.options(first)
+            except (ValueError, TypeError) as err:
                 raise ValueError(f"bad speech options: {err}") from err
             sentences = self._streamed(options.voice, first, stream)
         yield from self._chunks(options, sentences)
 
-    def options(self, inputs: Mapping[str, Any]) -> SpeechOptions:
-        """The request's options (the pipeline contract), checked."""
-        voice = inputs["voice"]
-        if voice not in self.voices:
-            raise ValueError(f"unknown voice {voice!r}; valid: {', '.join(self.voices)}")
-        speed = float(inputs.get("speed", 1.0))
-        if not SPEED_RANGE[0] <= speed <= SPEED_RANGE[1]:
-            raise ValueError(f"speed must lie in {SPEED_RANGE[0]}..{SPEED_RANGE[1]}; got {speed}")
-        fmt = inputs.get("response_format", "mp3")
-        if fmt not in FORMATS:
-            raise ValueError(f"response_format must be one of {', '.join(FORMATS)}; got {fmt!r}")
-        rate = inputs.get("sample_rate")
-        if rate is not None:
-            check_sample_rate(fmt, int(rate))
-        seed = inputs.get("seed")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise ValueError(f"seed must be an integer; got {seed!r}")
-        encoding = {
-            "format": fmt,
-            "sample_rate": None if rate is None else int(rate),
-            "stream": bool(inputs.get("stream", False)),
-        }
-        return SpeechOptions(voice, speed, seed, encoding)
+    def options(self, payload: Payload) -> SpeechOptions:
+        """The request's speech options (typed and checked where they were built), in one of
+        this stage's voices."""
+        options = SpeechOptions.of(payload)
+        if options.voice not in self.voices:
+            raise ValueError(f"unknown voice {options.voice!r}; valid: {', '.join(self.voices)}")
+        return options
 
     def sentences(self, voice: str, text: str) -> list[list[str]]:
         """The text's sentences of phonemes, as the acoustic stage will speak them."""
@@ -403,7 +361,7 @@ class TextFrontend(StageBackend):
                 else len(phonemes_to_ids(pieces[0], voice.id_map)) - 1,
                 "phonemes": "".join(phonemes),
                 "phoneme_ids": np.asarray(phonemes_to_ids(phonemes, voice.id_map)),  # int64 [n]
-                **options.fields(),
+                SpeechOptions.KEY: options,
             }
             chunk += 1
         if chunk == 0:
@@ -413,7 +371,7 @@ class TextFrontend(StageBackend):
                 "cut": None,
                 "phonemes": "",
                 "phoneme_ids": np.zeros(0, np.int64),
-                **options.fields(),
+                SpeechOptions.KEY: options,
             }
 
     def phonemize(self, voice: _VoiceText, text: str) -> list[list[str]]:

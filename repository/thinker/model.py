@@ -1,11 +1,8 @@
 """The thinker: a chat LLM on the engine, one continuous batch over every request.
 
-Inputs (the chat pipeline contract, docs/engine.md):
-    messages      [{"role": "system" | "user" | "assistant", "content": str}, ...]
-    max_tokens    int | None (None: up to the context window)
-    temperature   float (0: greedy), top_p float, seed int | None, stop [str]
-    speech        None, or the voice's options (voice, speed, seed, response_format, stream,
-                  sample_rate): handed to the voice with the first chunk (omni models)
+Inputs: `chat`, the typed `contracts.ChatInput` (docs/backends.md): the messages, the sampling
+(max_tokens None: up to the context window; temperature 0: greedy) and `speech`, None or the
+voice's `SpeechOptions`, handed to the voice with the first chunk (omni models).
 Chunks: {"text": delta} as tokens are sampled (never a broken UTF-8 character); the first also
 carries "speech" when the request has one. Result: {"text", "finish_reason", "usage"}.
 """
@@ -13,18 +10,19 @@ carries "speech" when the request has one. Result: {"text", "finish_reason", "us
 from __future__ import annotations
 
 import itertools
-from typing import Any
 
 import torch
 
 from omni_server.backend import (
     InvalidRequest,
+    Payload,
     Request,
     StageBackend,
     StageConfigError,
     StageContext,
     StepOutput,
 )
+from omni_server.contracts import ChatInput, Sampling, SpeechOptions
 from omni_server.engine import (
     ChatTemplateError,
     ContextLengthExceeded,
@@ -35,8 +33,6 @@ from omni_server.engine import (
 )
 from omni_server.engine.memory import MemoryBudgetError
 from omni_server.engine.parallel import ShardingError, TensorParallel
-
-ROLES = ("system", "user", "assistant")
 
 
 class Thinker(StageBackend):
@@ -70,15 +66,16 @@ class Thinker(StageBackend):
             raise StageConfigError(str(err)) from err
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}  # engine id -> request
-        self._speech: dict[str, Any] = {}  # engine id -> speech options, until the first chunk
+        # engine id -> the voice's options, until the first chunk
+        self._speech: dict[str, SpeechOptions] = {}
         self._text: dict[str, list[str]] = {}  # engine id -> the deltas so far
 
     def add(self, request: Request) -> None:
-        inputs = request.inputs
+        chat = ChatInput.of(request.inputs)
         tokenizer = self.engine.tokenizer
         assert tokenizer is not None  # from_gguf always has one
         try:
-            text = tokenizer.apply_chat_template(_messages(inputs.get("messages")))
+            text = tokenizer.apply_chat_template([m.to_dict() for m in chat.messages])
         except ChatTemplateError as err:  # e.g. roles the model's template refuses
             raise InvalidRequest(str(err), param="messages") from err
         # A prompt too long for the context whatever its tokens is refused before tokenizing
@@ -94,7 +91,7 @@ class Thinker(StageBackend):
                 param="messages",
             )
         prompt = tokenizer.encode(text)
-        params = _sampling(inputs)
+        params = _sampling(chat.sampling)
         engine_id = f"r{next(self._ids)}"
         try:
             self.engine.add(GenerationRequest(engine_id, prompt, params))
@@ -104,8 +101,8 @@ class Thinker(StageBackend):
             ) from err
         self._requests[engine_id] = request
         self._text[engine_id] = []
-        if inputs.get("speech") is not None:
-            self._speech[engine_id] = inputs["speech"]
+        if chat.speech is not None:
+            self._speech[engine_id] = chat.speech
 
     def step(self) -> list[StepOutput]:
         outputs = []
@@ -114,7 +111,7 @@ class Thinker(StageBackend):
             if request is None:
                 continue  # an abort's final event
             self._text[event.request_id].append(event.text)
-            chunk: dict[str, Any] | None = None
+            chunk: Payload | None = None
             speech = self._speech.pop(event.request_id, None)
             if event.text or speech is not None:
                 chunk = {"text": event.text}
@@ -152,35 +149,18 @@ class Thinker(StageBackend):
                 self.engine.abort(engine_id)
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
-    if not isinstance(value, list) or not value:
-        raise InvalidRequest("messages must be a non-empty list", param="messages")
-    out = []
-    for i, message in enumerate(value):
-        if (
-            not isinstance(message, dict)
-            or message.get("role") not in ROLES
-            or not isinstance(message.get("content"), str)
-        ):
-            raise InvalidRequest(
-                f"messages[{i}] must be {{role: {' | '.join(ROLES)}, content: str}}",
-                param=f"messages[{i}]",
-            )
-        out.append({"role": message["role"], "content": message["content"]})
-    return out
-
-
-def _sampling(inputs: dict[str, Any]) -> SamplingParams:
-    stop = inputs.get("stop") or ()
+def _sampling(sampling: Sampling) -> SamplingParams:
+    """The engine's sampler for the contract's fields; what the engine cannot run (top_p 0)
+    is the caller's to fix."""
     try:
         return SamplingParams(
-            temperature=float(inputs.get("temperature", 1.0)),
-            top_p=float(inputs.get("top_p", 1.0)),
-            top_k=int(inputs.get("top_k", 0)),
-            min_p=float(inputs.get("min_p", 0.0)),
-            seed=inputs.get("seed"),
-            max_tokens=inputs.get("max_tokens"),
-            stop=tuple(stop),
+            temperature=float(sampling.temperature),
+            top_p=float(sampling.top_p),
+            top_k=sampling.top_k,
+            min_p=float(sampling.min_p),
+            seed=sampling.seed,
+            max_tokens=sampling.max_tokens,
+            stop=sampling.stop,
         )
     except (TypeError, ValueError) as err:
         raise InvalidRequest(f"sampling: {err}") from err

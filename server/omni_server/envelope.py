@@ -14,7 +14,7 @@ Payload = dict[str, Any]
 
 # (stage, queue_seconds, compute_seconds, min_lead_seconds) of every stage a request passed,
 # carried downstream; min_lead_seconds is NaN except at a stream stage whose chunks are media
-# (stage/scheduling/playback.py: how close its listener came to running out of audio)
+# (stage/scheduling/stream_order.py: how close its listener came to running out of audio)
 Timings = list[tuple[str, float, float, float]]
 
 

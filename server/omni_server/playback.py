@@ -6,7 +6,7 @@ therefore needs its next piece by `first_at + seconds` (its deadline); `deadline
 lead: how much audio its listener still has beyond real time.
 
 A leaf module shared by the two places that order work by it: the stream scheduler
-(stage/scheduling/playback.py: which request's generator steps next) and the engine's
+(stage/scheduling/stream_order.py: which request's generator steps next) and the engine's
 continuous batcher (engine/deadline_order.py: which sequences the next forward holds).
 """
 

@@ -10,6 +10,7 @@ from omni_bench.inprocess import load_stage
 from omni_bench.wer import word_error_rate
 from omni_server.audio import vad, whisper
 from omni_server.backend import Request, StageConfigError, StepOutput
+from omni_server.contracts import AsrOptions
 
 from .conftest import TEXTS
 
@@ -35,7 +36,7 @@ def test_the_stage_decodes_with_the_beam_its_descriptor_names(plan):
 def _request(name: str, audio, **options) -> Request:
     windows = vad.pack_windows(vad.segment_speech(audio))
     inputs = {"audio": audio, "duration": audio.size / 16000, "windows": windows}
-    return Request(id=name, inputs={**inputs, "options": options})
+    return Request(id=name, inputs={**inputs, "options": AsrOptions(**options)})
 
 
 def _run(stage, requests: list[Request]) -> dict[str, list[StepOutput]]:

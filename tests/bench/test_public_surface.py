@@ -18,6 +18,7 @@ BENCH = Path(__file__).resolve().parents[2] / "tools" / "omni_bench"
 PUBLIC = {
     "omni_server.backend",  # the stage-author API
     "omni_server.compiler",  # compile_repository, Plan, ModelSpec
+    "omni_server.contracts",  # what stages hand each other: SpeechOptions, ChatInput, ...
     "omni_server.engine",  # the AR engine's API
     "omni_server.gpu",  # discover
     "omni_server.pipeline",  # Runtime, RequestHandle, PipelineError

@@ -1,8 +1,9 @@
 """Every compiler rule, table-driven: each rule has accepted and rejected repositories.
 
 A case starts from a small valid 3-stage TTS repository (frontend -> synth ~> encoder) and
-changes stage descriptors, repository.toml or overrides. A rejected case names the file, stage
-and field the error must name, and a fragment of the explanation.
+changes stage descriptors, repository.toml or overrides, one line of TOML each (" | " ends a
+line; "+" stands for the base's own text). A rejected case names the file, stage and field the
+error must name, and a fragment of the explanation: "FILE STAGE FIELD: fragment".
 """
 
 from __future__ import annotations
@@ -16,1380 +17,757 @@ from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.errors import RepositoryError
 from omni_server.compiler.plan import NO_SAMPLING, SamplingSpec
 from omni_server.compiler.render import config_dict
-from tests.helpers.repo import make_repo, toml
+from tests.helpers.repo import make_repo
 
-FRONTEND = """\
-backend = "Frontend"
-next = "synth"
-"""
-SYNTH = """\
-backend = "Synth"
-next = "encoder"
-stream_to = "encoder"
-[scheduler]
-kind = "stream"
-"""
-ENCODER = """\
-backend = "Encoder"
-terminal = true
-"""
+# A case writes TOML on one line: " | " ends a line (`t`). The base repository:
+FRONTEND = 'backend = "Frontend" | next = "synth"'
+SYNTH = (
+    'backend = "Synth" | next = "encoder" | stream_to = "encoder" | [scheduler] | kind = "stream"'
+)
+ENCODER = 'backend = "Encoder" | terminal = true'
+MODELS = '[models.tts] | entry = "frontend" | tasks = ["speech"] | voices = ["joe"]'
+BASE = {"frontend": FRONTEND, "synth": SYNTH, "encoder": ENCODER}
 # for cases where the encoder is tensor-parallel: a TP stage cannot be a stream target
-PLAIN_SYNTH = """\
-backend = "Synth"
-next = "encoder"
-"""
-MODELS = """\
-[models.tts]
-entry = "frontend"
-tasks = ["speech"]
-voices = ["joe"]
-"""
+PLAIN_SYNTH = 'backend = "Synth" | next = "encoder"'
+SYNTH_TERMINAL = (
+    'backend = "Synth" | terminal = true | stream_to = "encoder" | [scheduler] | kind = "stream"'
+)
+ENDS_AT_SYNTH = MODELS + ' | stages = ["frontend", "synth"]'
+
+Stages = dict[str, str | None]
+Args = tuple[str, ...] | list[str]
 
 
 @dataclass
 class Case:
     id: str
-    stages: dict[str, str | None] = field(default_factory=dict)  # replaces / adds; None deletes
-    repository: str = MODELS
+    stages: Stages = field(default_factory=dict)  # replaces / adds; None deletes
+    repository: str = "+"  # "+": MODELS
     overrides: list[str] = field(default_factory=list)
     # rejected cases: (file name, stage, field, fragment of the message)
     error: tuple[str, str | None, str | None, str] | None = None
 
 
+def _expand(text: str, base: str) -> str:
+    """A case's one-line TOML as file text; a leading "+" stands for `base`."""
+    if text.startswith("+"):
+        text = base + text[1:]
+    return t(text) if text else ""
+
+
 def build(tmp_path: Path, case: Case) -> Path:
-    stages: dict[str, str | None] = {"frontend": FRONTEND, "synth": SYNTH, "encoder": ENCODER}
-    stages.update(case.stages)
+    stages: Stages = {**BASE, **case.stages}
     return make_repo(
         tmp_path / "repo",
-        stages={k: v for k, v in stages.items() if v is not None},
-        repository=case.repository,
+        stages={k: _expand(v, BASE.get(k, "")) for k, v in stages.items() if v is not None},
+        repository=_expand(case.repository, MODELS),
     )
 
 
-def gpu_stage(cls: str, extra: str = "", terminal: bool = True) -> str:
-    return f'backend = "{cls}"\n' + ("terminal = true\n" if terminal else "") + extra
+def t(text: str) -> str:
+    """TOML from a case's one-line form: " | " ends a line."""
+    return "".join(line + "\n" for line in text.split(" | "))
 
 
-SYNTH_TERMINAL = """\
-backend = "Synth"
-terminal = true
-stream_to = "encoder"
-[scheduler]
-kind = "stream"
-"""
-ENDS_AT_SYNTH = MODELS + 'stages = ["frontend", "synth"]\n'
+def ok(
+    id: str,
+    *,
+    stages: Stages | None = None,
+    repo: str = "+",
+    args: Args = (),
+    **named: str | None,
+) -> Case:
+    """A repository the compiler accepts. A stage's text replaces the base repository's (None
+    deletes it; "+ | ..." is the base's own text and more lines); `repo` is repository.toml
+    ("+ | ..." is MODELS and more lines); `args` are command-line overrides."""
+    return Case(id, {**(stages or {}), **named}, repo, list(args))
+
+
+def bad(
+    id: str,
+    error: str,
+    *,
+    stages: Stages | None = None,
+    repo: str = "+",
+    args: Args = (),
+    **named: str | None,
+) -> Case:
+    """A repository the compiler rejects; `error` is "FILE STAGE FIELD: fragment of the
+    message" ("-": no stage, no field), the rest as in `ok`."""
+    where, fragment = error.split(": ", 1)
+    file_name, stage, field_name = where.rsplit(" ", 2)  # a file name may hold a space
+    return Case(
+        id,
+        {**(stages or {}), **named},
+        repo,
+        list(args),
+        (file_name, _named(stage), _named(field_name), fragment),
+    )
+
+
+def _named(part: str) -> str | None:
+    return None if part == "-" else part
+
 
 ACCEPTED = [
-    Case("base"),
-    Case("stream-to-only-successor", stages={"synth": SYNTH.replace('next = "encoder"\n', "")}),
-    Case(
+    ok("base"),
+    ok(
+        "stream-to-only-successor",
+        synth='backend = "Synth" | stream_to = "encoder" | [scheduler] | kind = "stream"',
+    ),
+    ok(
         "model-stages-end-at-a-shared-terminal",
-        stages={"synth": SYNTH_TERMINAL},
-        repository=ENDS_AT_SYNTH
-        + toml("""
-            [models.spoken]
-            entry = "frontend"
-            tasks = ["speech"]
-        """),
+        synth=SYNTH_TERMINAL,
+        repo=ENDS_AT_SYNTH + ' | [models.spoken] | entry = "frontend" | tasks = ["speech"]',
     ),
-    Case("backend-class-only-defaults-to-model-py"),
-    Case(
+    ok("backend-class-only-defaults-to-model-py"),
+    ok(
         "backend-file-and-class",
-        stages={
-            "encoder": toml("""
-                backend = "model.py:Encoder"
-                terminal = true
-            """)
-        },
+        encoder='backend = "model.py:Encoder" | terminal = true',
     ),
-    Case(
+    ok(
         "route-among-next",
-        stages={
-            "frontend": toml("""
-                backend = "F"
-                next = ["synth", "encoder"]
-                route = "choose"
-            """),
-        },
+        frontend='backend = "F" | next = ["synth", "encoder"] | route = "choose"',
     ),
-    Case(
+    ok(
         "fan-in-with-merge",
-        stages={
-            "frontend": toml("""
-                backend = "F"
-                next = ["synth", "side"]
-            """),
-            "side": toml("""
-                backend = "S"
-                next = "join"
-            """),
-            "synth": toml("""
-                backend = "Y"
-                next = "join"
-            """),
-            "join": toml("""
-                backend = "J"
-                wait_for = ["synth", "side"]
-                merge = "merge"
-                next = "encoder"
-            """),
-        },
+        frontend='backend = "F" | next = ["synth", "side"]',
+        side='backend = "S" | next = "join"',
+        synth='backend = "Y" | next = "join"',
+        join='backend = "J" | wait_for = ["synth", "side"] | merge = "merge" | next = "encoder"',
     ),
-    Case(
+    ok(
         "batch-scheduler",
-        stages={
-            "encoder": toml("""
-                backend = "E"
-                terminal = true
-                [scheduler]
-                kind = "batch"
-                max_batch_size = 8
-                max_queue_delay_ms = 5
-            """),
-        },
+        encoder=(
+            'backend = "E" | terminal = true | [scheduler] | kind = "batch" | max_batch_size = 8 | '
+            "max_queue_delay_ms = 5"
+        ),
     ),
-    Case(
-        "engine-on-cpu",
-        stages={
-            "encoder": ENCODER
-            + toml("""
-                [engine]
-                max_total_tokens = 4096
-            """)
-        },
-    ),
-    Case(
+    ok("engine-on-cpu", encoder="+ | [engine] | max_total_tokens = 4096"),
+    ok(
         "sampling-defaults",
-        stages={
-            "frontend": FRONTEND
-            + toml("""
-                [sampling]
-                temperature = 0
-                top_p = 1
-                top_k = 40
-                min_p = 0.05
-                max_tokens = 64
-            """)
-        },
+        frontend=(
+            "+ | [sampling] | temperature = 0 | top_p = 1 | top_k = 40 | min_p = 0.05 | "
+            "max_tokens = 64"
+        ),
     ),
-    Case(
+    ok(
         "parameters-free-form",
-        stages={
-            "encoder": ENCODER
-            + toml("""
-                [parameters]
-                voice = "joe"
-                rate = 22050
-                [parameters.nested]
-                x = [1, 2]
-            """)
-        },
+        encoder=(
+            '+ | [parameters] | voice = "joe" | rate = 22050 | [parameters.nested] | x = [1, 2]'
+        ),
     ),
-    Case(
+    ok(
         "grouped-process",
-        stages={
-            "frontend": FRONTEND
-            + toml("""
-                process = "pipeline"
-                process_local = "synth"
-            """),
-            "synth": SYNTH.replace("[scheduler]", 'process = "pipeline"\n[scheduler]'),
-        },
+        frontend='+ | process = "pipeline" | process_local = "synth"',
+        synth=PLAIN_SYNTH
+        + ' | stream_to = "encoder" | process = "pipeline" | [scheduler] | kind = "stream"',
     ),
-    Case(
-        "tp-on-cpu-ranks",
-        stages={"synth": PLAIN_SYNTH, "encoder": ENCODER + "tp_size = 2\n"},
-    ),
-    Case(
+    ok("tp-on-cpu-ranks", synth=PLAIN_SYNTH, encoder="+ | tp_size = 2"),
+    ok(
         "tp-stage-owns-process",
-        stages={
-            "synth": PLAIN_SYNTH,
-            "encoder": gpu_stage(
-                "E",
-                toml("""
-                    gpu = [0, 1]
-                    tp_size = 2
-                """),
-            ),
-        },
+        synth=PLAIN_SYNTH,
+        encoder='backend = "E" | terminal = true | gpu = [0, 1] | tp_size = 2',
     ),
-    Case(
-        "cpu-replicas-need-no-devices",
-        repository=MODELS
-        + toml("""
-            [processes.synth]
-            num_replicas = 3
-        """),
-    ),
-    Case(
+    ok("cpu-replicas-need-no-devices", repo="+ | [processes.synth] | num_replicas = 3"),
+    ok(
         "least-loaded-binding",
-        repository=MODELS
-        + toml("""
-            [processes.synth]
-            num_replicas = 2
-            binding = "least_loaded"
-        """),
+        repo='+ | [processes.synth] | num_replicas = 2 | binding = "least_loaded"',
     ),
-    Case(
+    ok(
         "round-robin-binding",
-        repository=MODELS
-        + toml("""
-            [processes.synth]
-            num_replicas = 2
-            binding = "round_robin"
-        """),
+        repo='+ | [processes.synth] | num_replicas = 2 | binding = "round_robin"',
     ),
-    Case(
+    ok(
         "binding-of-one-replica-is-harmless",
-        repository=MODELS
-        + toml("""
-            [processes.synth]
-            binding = "least_loaded"
-        """),
+        repo='+ | [processes.synth] | binding = "least_loaded"',
     ),
-    Case(
+    ok(
         "binding-by-override",
-        repository=MODELS
-        + toml("""
-            [processes.synth]
-            num_replicas = 2
-        """),
-        overrides=["--processes.synth.binding", "least_loaded"],
+        repo="+ | [processes.synth] | num_replicas = 2",
+        args=["--processes.synth.binding", "least_loaded"],
     ),
-    Case(
+    ok(
         "gpu-replicas-on-two-gpus",
-        stages={
-            "encoder": gpu_stage(
-                "E",
-                toml("""
-                    gpu = 0
-                    gpu_memory_fraction = 0.5
-                """),
-            ),
-        },
-        repository=MODELS
-        + toml("""
-            [processes.encoder]
-            num_replicas = 2
-            replica_devices = [1, 2]
-        """),
+        encoder='backend = "E" | terminal = true | gpu = 0 | gpu_memory_fraction = 0.5',
+        repo="+ | [processes.encoder] | num_replicas = 2 | replica_devices = [1, 2]",
     ),
-    Case(
+    ok(
         "two-replicas-one-gpu-with-fractions",
-        stages={
-            "encoder": gpu_stage(
-                "E",
-                toml("""
-                    gpu = 0
-                    gpu_memory_fraction = 0.5
-                """),
-            ),
-        },
-        repository=MODELS
-        + toml("""
-            [processes.encoder]
-            num_replicas = 2
-            replica_devices = [0, 0]
-        """),
+        encoder='backend = "E" | terminal = true | gpu = 0 | gpu_memory_fraction = 0.5',
+        repo="+ | [processes.encoder] | num_replicas = 2 | replica_devices = [0, 0]",
     ),
-    Case(
+    ok(
         "tp-replicas-n-times-t",
-        stages={
-            "synth": PLAIN_SYNTH,
-            "encoder": gpu_stage(
-                "E",
-                toml("""
-                    gpu = [0, 1]
-                    tp_size = 2
-                    gpu_memory_fraction = 0.4
-                """),
-            ),
-        },
-        repository=MODELS
-        + toml("""
-            [processes.encoder]
-            num_replicas = 2
-            replica_devices = [0, 1, 2, 3]
-        """),
+        synth=PLAIN_SYNTH,
+        encoder=(
+            'backend = "E" | terminal = true | gpu = [0, 1] | tp_size = 2 | '
+            "gpu_memory_fraction = 0.4"
+        ),
+        repo="+ | [processes.encoder] | num_replicas = 2 | replica_devices = [0, 1, 2, 3]",
     ),
-    Case(
+    ok(
         "processes-sharing-a-gpu-with-fractions",
-        stages={
-            "synth": toml("""
-                backend = "Y"
-                next = "encoder"
-                gpu = 0
-                gpu_memory_fraction = 0.6
-            """),
-            "encoder": gpu_stage(
-                "E",
-                toml("""
-                    gpu = 0
-                    gpu_memory_fraction = 0.4
-                """),
-            ),
-        },
+        synth='backend = "Y" | next = "encoder" | gpu = 0 | gpu_memory_fraction = 0.6',
+        encoder='backend = "E" | terminal = true | gpu = 0 | gpu_memory_fraction = 0.4',
     ),
-    Case(
+    ok(
         "one-gpu-one-process-needs-no-fraction",
-        stages={
-            "synth": toml("""
-                backend = "Y"
-                next = "encoder"
-                gpu = 0
-                process = "p"
-            """),
-            "encoder": gpu_stage(
-                "E",
-                toml("""
-                    gpu = 0
-                    process = "p"
-                """),
-            ),
-        },
+        synth='backend = "Y" | next = "encoder" | gpu = 0 | process = "p"',
+        encoder='backend = "E" | terminal = true | gpu = 0 | process = "p"',
     ),
-    Case(
+    ok(
         "fractions-fit-a-lowered-limit",
-        stages={
-            "encoder": gpu_stage(
-                "E",
-                toml("""
-                    gpu = 0
-                    gpu_memory_fraction = 0.4
-                """),
-            ),
-        },
-        repository=MODELS
-        + toml("""
-            [server]
-            gpu_memory_limit = 0.9
-            [processes.encoder]
-            num_replicas = 2
-            replica_devices = [0, 0]
-        """),
+        encoder='backend = "E" | terminal = true | gpu = 0 | gpu_memory_fraction = 0.4',
+        repo=(
+            "+ | [server] | gpu_memory_limit = 0.9 | [processes.encoder] | num_replicas = 2 | "
+            "replica_devices = [0, 0]"
+        ),
     ),
-    Case(
+    ok(
         "weight-share-one-pinned-engine",
-        stages={
-            "encoder": gpu_stage(
-                "E",
-                toml("""
-                    gpu = 0
-                    gpu_memory_fraction = 0.4
-                    [engine]
-                    max_total_tokens = 30000
-                """),
-            ),
-        },
-        repository=MODELS
-        + toml("""
-            [server]
-            weight_share = "on"
-            mps = "on"
-            [processes.encoder]
-            num_replicas = 2
-            replica_devices = [0, 0]
-        """),
+        encoder=(
+            'backend = "E" | terminal = true | gpu = 0 | gpu_memory_fraction = 0.4 | [engine] | '
+            "max_total_tokens = 30000"
+        ),
+        repo=(
+            '+ | [server] | weight_share = "on" | mps = "on" | [processes.encoder] | '
+            "num_replicas = 2 | replica_devices = [0, 0]"
+        ),
     ),
-    Case(
-        "weight-share-without-sharing-group",
-        repository=MODELS
-        + toml("""
-            [server]
-            weight_share = "on"
-        """),
-    ),
-    Case(
-        "mps-auto",
-        repository=MODELS
-        + toml("""
-            [server]
-            mps = "auto"
-        """),
-    ),
-    Case(
+    ok("weight-share-without-sharing-group", repo='+ | [server] | weight_share = "on"'),
+    ok("mps-auto", repo='+ | [server] | mps = "auto"'),
+    ok(
         "model-voices-and-aliases",
-        repository=toml("""
-            [models.tts]
-            entry = "frontend"
-            tasks = ["speech", "realtime"]
-            aliases = ["tts-1"]
-            voices = ["joe", "amy"]
-            default_voice = "joe"
-            description = "x"
-            [models.tts.voice_aliases]
-            alloy = "joe"
-        """),
+        repo=(
+            '[models.tts] | entry = "frontend" | tasks = ["speech", "realtime"] | '
+            'aliases = ["tts-1"] | voices = ["joe", "amy"] | default_voice = "joe" | '
+            'description = "x" | [models.tts.voice_aliases] | alloy = "joe"'
+        ),
     ),
-    Case(
+    ok(
         "two-models-two-entries",
-        stages={
-            "asr": toml("""
-                backend = "A"
-                terminal = true
-            """)
-        },
-        repository=MODELS
-        + toml("""
-            [models.asr]
-            entry = "asr"
-            tasks = ["transcription"]
-        """),
+        asr='backend = "A" | terminal = true',
+        repo='+ | [models.asr] | entry = "asr" | tasks = ["transcription"]',
     ),
-    Case(
+    ok(
         "route-stage-streams",
-        stages={
-            "synth": toml("""
-                backend = "Y"
-                next = ["encoder"]
-                route = "pick"
-                stream_to = ["encoder"]
-                [scheduler]
-                kind = "stream"
-            """),
-        },
+        synth=(
+            'backend = "Y" | next = ["encoder"] | route = "pick" | stream_to = ["encoder"] | '
+            '[scheduler] | kind = "stream"'
+        ),
     ),
-    Case(
-        "stream-only-target",  # the encoder gets chunks only; frontend's result goes to synth
-        stages={
-            "frontend": toml("""
-                backend = "F"
-                next = "synth"
-                stream_to = "encoder"
-                [scheduler]
-                kind = "stream"
-            """),
-            "synth": toml("""
-                backend = "Y"
-                terminal = true
-            """),
-        },
+    # stream-only-target: the encoder gets chunks only; frontend's result goes to synth
+    ok(
+        "stream-only-target",
+        frontend=(
+            'backend = "F" | next = "synth" | stream_to = "encoder" | [scheduler] | kind = "stream"'
+        ),
+        synth='backend = "Y" | terminal = true',
     ),
-    Case(
-        "stream-into-an-ar-stage",  # its steps take the chunks (take_stream): the Higgs vocoder
-        stages={
-            "encoder": toml("""
-                backend = "Encoder"
-                terminal = true
-                [scheduler]
-                kind = "ar"
-            """),
-        },
-    ),
-    Case(
+    # stream-into-an-ar-stage: its steps take the chunks (take_stream): the Higgs vocoder
+    ok("stream-into-an-ar-stage", encoder='+ | [scheduler] | kind = "ar"'),
+    ok(
         "terminal-stage-streams",
-        stages={
-            "synth": toml("""
-                backend = "Y"
-                terminal = true
-                stream_to = "encoder"
-                [scheduler]
-                kind = "stream"
-            """),
-        },
+        synth=(
+            'backend = "Y" | terminal = true | stream_to = "encoder" | [scheduler] | '
+            'kind = "stream"'
+        ),
     ),
-    Case(
+    ok(
         "hidden-folder-is-no-stage",
-        stages={
-            ".backup": toml("""
-                backend = "B"
-                terminal = true
-            """)
-        },
+        stages={".backup": 'backend = "B" | terminal = true'},
     ),
-    Case(
+    ok(
         "override-regroups",
-        overrides=["--stages.frontend.process", "pipeline", "--stages.synth.process", "pipeline"],
+        args=[
+            "--stages.frontend.process",
+            "pipeline",
+            "--stages.synth.process",
+            "pipeline",
+        ],
     ),
 ]
 
 REJECTED = [
-    Case(
+    bad(
         "model-stages-unknown",
-        repository=MODELS + 'stages = ["frontend", "ghost"]\n',
-        error=("repository.toml", None, "models.tts.stages", "no stage 'ghost'"),
+        "repository.toml - models.tts.stages: no stage 'ghost'",
+        repo='+ | stages = ["frontend", "ghost"]',
     ),
-    Case(
+    bad(
         "model-stages-without-entry",
-        repository=MODELS + 'stages = ["synth", "encoder"]\n',
-        error=("repository.toml", None, "models.tts.stages", "entry 'frontend' must be among"),
+        "repository.toml - models.tts.stages: entry 'frontend' must be among",
+        repo='+ | stages = ["synth", "encoder"]',
     ),
-    Case(
+    bad(
         "model-stages-dead-end",
-        repository=ENDS_AT_SYNTH,
-        error=("repository.toml", None, "models.tts.stages", "'synth' is not terminal"),
+        "repository.toml - models.tts.stages: 'synth' is not terminal",
+        repo=ENDS_AT_SYNTH,
     ),
-    Case(
+    bad(
         "model-stages-unreachable",
-        repository=MODELS + 'stages = ["frontend", "encoder"]\n',
-        error=("repository.toml", None, "models.tts.stages", "does not reach encoder"),
+        "repository.toml - models.tts.stages: does not reach encoder",
+        repo='+ | stages = ["frontend", "encoder"]',
     ),
     # -- files and fields --
-    Case(
+    bad(
         "unknown-stage-field",
-        stages={"encoder": ENCODER + "colour = 1\n"},
-        error=("stage.toml", "encoder", "colour", "valid fields: backend, process"),
+        "stage.toml encoder colour: valid fields: backend, process",
+        encoder="+ | colour = 1",
     ),
-    Case(
+    bad(
         "wrong-type",
-        stages={"encoder": ENCODER + 'tp_size = "2"\n'},
-        error=("stage.toml", "encoder", "tp_size", "expected an integer"),
+        "stage.toml encoder tp_size: expected an integer",
+        encoder='+ | tp_size = "2"',
     ),
-    Case(
+    bad(
         "bool-is-not-int",
-        stages={"encoder": ENCODER + "tp_size = true\n"},
-        error=("stage.toml", "encoder", "tp_size", "expected an integer"),
+        "stage.toml encoder tp_size: expected an integer",
+        encoder="+ | tp_size = true",
     ),
-    Case(
+    bad(
         "unknown-scheduler-field",
-        stages={
-            "encoder": ENCODER
-            + toml("""
-                [scheduler]
-                size = 2
-            """)
-        },
-        error=("stage.toml", "encoder", "scheduler.size", "valid fields: kind"),
+        "stage.toml encoder scheduler.size: valid fields: kind",
+        encoder="+ | [scheduler] | size = 2",
     ),
-    Case(
+    bad(
         "bad-scheduler-kind",
-        stages={
-            "encoder": ENCODER
-            + toml("""
-                [scheduler]
-                kind = "fast"
-            """)
-        },
-        error=("stage.toml", "encoder", "scheduler.kind", '"single", "batch", "stream"'),
+        'stage.toml encoder scheduler.kind: "single", "batch", "stream"',
+        encoder='+ | [scheduler] | kind = "fast"',
     ),
-    Case(
+    bad(
         "batch-size-without-batch",
-        stages={
-            "encoder": ENCODER
-            + toml("""
-                [scheduler]
-                max_batch_size = 4
-            """)
-        },
-        error=("stage.toml", "encoder", "scheduler.max_batch_size", 'kind = "batch"'),
+        'stage.toml encoder scheduler.max_batch_size: kind = "batch"',
+        encoder="+ | [scheduler] | max_batch_size = 4",
     ),
-    Case(
-        "bad-toml",
-        stages={"encoder": "backend = \n"},
-        error=("stage.toml", None, None, "not valid TOML"),
-    ),
-    Case(
+    bad("bad-toml", "stage.toml - -: not valid TOML", encoder="backend = "),
+    bad(
         "missing-backend",
-        stages={"encoder": "terminal = true\n"},
-        error=("stage.toml", "encoder", "backend", "required"),
+        "stage.toml encoder backend: required",
+        encoder="terminal = true",
     ),
-    Case(
+    bad(
         "backend-file-missing",
-        stages={
-            "encoder": toml("""
-                backend = "other.py:E"
-                terminal = true
-            """)
-        },
-        error=("stage.toml", "encoder", "backend", "no file 'other.py'"),
+        "stage.toml encoder backend: no file 'other.py'",
+        encoder='backend = "other.py:E" | terminal = true',
     ),
-    Case(
+    bad(
         "backend-outside-folder",
-        stages={
-            "encoder": toml("""
-                backend = "../synth/model.py:E"
-                terminal = true
-            """)
-        },
-        error=("stage.toml", "encoder", "backend", "outside the stage folder"),
+        "stage.toml encoder backend: outside the stage folder",
+        encoder='backend = "../synth/model.py:E" | terminal = true',
     ),
-    Case(
+    bad(
         "backend-bad-form",
-        stages={
-            "encoder": toml("""
-                backend = "model.py:"
-                terminal = true
-            """)
-        },
-        error=("stage.toml", "encoder", "backend", '"file.py:ClassName"'),
+        'stage.toml encoder backend: "file.py:ClassName"',
+        encoder='backend = "model.py:" | terminal = true',
     ),
-    Case(
+    bad(
         "unknown-repository-table",
-        repository=MODELS
-        + toml("""
-            [extra]
-            x = 1
-        """),
-        error=("repository.toml", None, "extra", "valid tables: server, models, processes"),
+        "repository.toml - extra: valid tables: server, models, processes",
+        repo="+ | [extra] | x = 1",
     ),
-    Case(
+    bad(
         "unknown-server-field",
-        repository=MODELS
-        + toml("""
-            [server]
-            threads = 2
-        """),
-        error=("repository.toml", None, "server.threads", "valid fields: mps"),
+        "repository.toml - server.threads: valid fields: mps",
+        repo="+ | [server] | threads = 2",
     ),
-    Case(
+    bad(
         "bad-mps",
-        repository=MODELS
-        + toml("""
-            [server]
-            mps = "yes"
-        """),
-        error=("repository.toml", None, "server.mps", '"off", "auto", "on"'),
+        'repository.toml - server.mps: "off", "auto", "on"',
+        repo='+ | [server] | mps = "yes"',
     ),
-    Case(
+    bad(
         "limit-out-of-range",
-        repository=MODELS
-        + toml("""
-            [server]
-            gpu_memory_limit = 1.5
-        """),
-        error=("repository.toml", None, "server.gpu_memory_limit", "(0, 1]"),
+        "repository.toml - server.gpu_memory_limit: (0, 1]",
+        repo="+ | [server] | gpu_memory_limit = 1.5",
     ),
-    Case(
+    bad(
         "fraction-out-of-range",
-        stages={
-            "encoder": gpu_stage(
-                "E",
-                toml("""
-                    gpu = 0
-                    gpu_memory_fraction = 0
-                """),
-            )
-        },
-        error=("stage.toml", "encoder", "gpu_memory_fraction", "(0, 1]"),
+        "stage.toml encoder gpu_memory_fraction: (0, 1]",
+        encoder='backend = "E" | terminal = true | gpu = 0 | gpu_memory_fraction = 0',
     ),
-    Case(
+    bad(
         "negative-gpu",
-        stages={"encoder": gpu_stage("E", "gpu = -1\n")},
-        error=("stage.toml", "encoder", "gpu", "integer"),
+        "stage.toml encoder gpu: integer",
+        encoder='backend = "E" | terminal = true | gpu = -1',
     ),
-    Case(
+    bad(
         "empty-gpu-list",
-        stages={"encoder": gpu_stage("E", "gpu = []\n")},
-        error=("stage.toml", "encoder", "gpu", "names no GPU"),
+        "stage.toml encoder gpu: names no GPU",
+        encoder='backend = "E" | terminal = true | gpu = []',
     ),
-    Case(
+    bad(
         "fraction-on-cpu-stage",
-        stages={"encoder": gpu_stage("E", "gpu_memory_fraction = 0.5\n")},
-        error=("stage.toml", "encoder", "gpu_memory_fraction", "CPU stage"),
+        "stage.toml encoder gpu_memory_fraction: CPU stage",
+        encoder='backend = "E" | terminal = true | gpu_memory_fraction = 0.5',
     ),
-    Case(
+    bad(
         "bad-process-name",
-        stages={"encoder": ENCODER + 'process = "a.b"\n'},
-        error=("stage.toml", "encoder", "process", "letters, digits"),
+        "stage.toml encoder process: letters, digits",
+        encoder='+ | process = "a.b"',
     ),
     # -- routing --
-    Case(
+    bad(
         "next-and-terminal",
-        stages={"encoder": ENCODER + 'next = "synth"\n'},
-        error=("stage.toml", "encoder", "terminal", "terminal = true or next"),
+        "stage.toml encoder terminal: terminal = true or next",
+        encoder='+ | next = "synth"',
     ),
-    Case(
-        "no-routing",
-        stages={"encoder": 'backend = "E"\n'},
-        error=("stage.toml", "encoder", "next", "no routing"),
-    ),
-    Case(
+    bad("no-routing", "stage.toml encoder next: no routing", encoder='backend = "E"'),
+    bad(
         "route-without-next",
-        stages={"encoder": ENCODER + 'route = "pick"\n'},
-        error=("stage.toml", "encoder", "route", "declare next"),
+        "stage.toml encoder route: declare next",
+        encoder='+ | route = "pick"',
     ),
-    Case(
+    bad(
         "route-not-a-method-name",
-        stages={"frontend": FRONTEND + 'route = "a-b"\n'},
-        error=("stage.toml", "frontend", "route", "not a method name"),
+        "stage.toml frontend route: not a method name",
+        frontend='+ | route = "a-b"',
     ),
-    Case(
+    bad(
         "next-target-missing",
-        stages={
-            "frontend": toml("""
-                backend = "F"
-                next = ["synth", "ghost"]
-            """)
-        },
-        error=("stage.toml", "frontend", "next", "no stage 'ghost'"),
+        "stage.toml frontend next: no stage 'ghost'",
+        frontend='backend = "F" | next = ["synth", "ghost"]',
     ),
-    Case(
+    bad(
         "next-listed-twice",
-        stages={
-            "frontend": toml("""
-                backend = "F"
-                next = ["synth", "synth"]
-            """)
-        },
-        error=("stage.toml", "frontend", "next", "listed twice"),
+        "stage.toml frontend next: listed twice",
+        frontend='backend = "F" | next = ["synth", "synth"]',
     ),
-    Case(
+    bad(
         "stream-target-missing",
-        stages={
-            "synth": SYNTH.replace('stream_to = "encoder"', 'stream_to = ["encoder", "ghost"]'),
-        },
-        error=("stage.toml", "synth", "stream_to", "no stage 'ghost'"),
+        "stage.toml synth stream_to: no stage 'ghost'",
+        synth=PLAIN_SYNTH + ' | stream_to = ["encoder", "ghost"] | [scheduler] | kind = "stream"',
     ),
-    Case(
+    bad(
         "stream-from-non-stream-stage",
-        stages={
-            "synth": toml("""
-                backend = "Y"
-                next = "encoder"
-                stream_to = "encoder"
-            """)
-        },
-        error=("stage.toml", "synth", "stream_to", 'kind = "stream"'),
+        'stage.toml synth stream_to: kind = "stream"',
+        synth='backend = "Y" | next = "encoder" | stream_to = "encoder"',
     ),
-    Case(
+    bad(
         "self-loop",
-        stages={
-            "frontend": toml("""
-                backend = "F"
-                next = ["synth", "frontend"]
-            """)
-        },
-        error=("stage.toml", "frontend", "next", "cannot name itself"),
+        "stage.toml frontend next: cannot name itself",
+        frontend='backend = "F" | next = ["synth", "frontend"]',
     ),
-    Case(
+    bad(
         "cycle",
-        stages={
-            "synth": toml("""
-                backend = "Y"
-                next = ["encoder", "frontend"]
-            """),
-            "start": toml("""
-                backend = "S"
-                next = "frontend"
-            """),
-        },
-        repository=MODELS.replace('"frontend"', '"start"'),
-        error=("stage.toml", "frontend", "next", "cycle: frontend -> synth -> frontend"),
+        "stage.toml frontend next: cycle: frontend -> synth -> frontend",
+        synth='backend = "Y" | next = ["encoder", "frontend"]',
+        start='backend = "S" | next = "frontend"',
+        repo='[models.tts] | entry = "start" | tasks = ["speech"] | voices = ["joe"]',
     ),
-    Case(
+    bad(
         "stream-cycle",
-        stages={
-            "encoder": toml("""
-                backend = "E"
-                terminal = true
-                stream_to = "synth"
-                [scheduler]
-                kind = "stream"
-            """),
-        },
-        error=("stage.toml", "encoder", "stream_to", "cycle: encoder -> synth -> encoder"),
+        "stage.toml encoder stream_to: cycle: encoder -> synth -> encoder",
+        encoder=(
+            'backend = "E" | terminal = true | stream_to = "synth" | [scheduler] | kind = "stream"'
+        ),
     ),
     # -- fan-in --
-    Case(
+    bad(
         "wait-for-without-merge",
-        stages={
-            "frontend": toml("""
-                backend = "F"
-                next = ["synth"]
-            """),
-            "synth": toml("""
-                backend = "Y"
-                next = "encoder"
-                wait_for = ["frontend"]
-            """),
-        },
-        error=("stage.toml", "synth", "merge", "wait_for needs merge"),
+        "stage.toml synth merge: wait_for needs merge",
+        frontend='backend = "F" | next = ["synth"]',
+        synth='backend = "Y" | next = "encoder" | wait_for = ["frontend"]',
     ),
-    Case(
+    bad(
         "merge-without-wait-for",
-        stages={"encoder": ENCODER + 'merge = "m"\n'},
-        error=("stage.toml", "encoder", "merge", "declare wait_for"),
+        "stage.toml encoder merge: declare wait_for",
+        encoder='+ | merge = "m"',
     ),
-    Case(
+    bad(
         "wait-for-missing-stage",
-        stages={
-            "synth": toml("""
-                backend = "Y"
-                next = "encoder"
-                wait_for = ["frontend", "ghost"]
-                merge = "m"
-            """),
-        },
-        error=("stage.toml", "synth", "wait_for", "no stage 'ghost'"),
+        "stage.toml synth wait_for: no stage 'ghost'",
+        synth='backend = "Y" | next = "encoder" | wait_for = ["frontend", "ghost"] | merge = "m"',
     ),
-    Case(
+    bad(
         "wait-for-stage-not-feeding",
-        stages={
-            "frontend": toml("""
-                backend = "F"
-                next = ["synth", "side"]
-            """),
-            "side": toml("""
-                backend = "S"
-                terminal = true
-            """),
-            "synth": toml("""
-                backend = "Y"
-                next = "encoder"
-                wait_for = ["frontend", "side"]
-                merge = "m"
-            """),
-        },
-        error=("stage.toml", "synth", "wait_for", "'side' never hands data to 'synth'"),
+        "stage.toml synth wait_for: 'side' never hands data to 'synth'",
+        frontend='backend = "F" | next = ["synth", "side"]',
+        side='backend = "S" | terminal = true',
+        synth='backend = "Y" | next = "encoder" | wait_for = ["frontend", "side"] | merge = "m"',
     ),
-    Case(
+    bad(
         "sender-not-waited-for",
-        stages={
-            "frontend": toml("""
-                backend = "F"
-                next = ["synth", "side", "join"]
-            """),
-            "side": toml("""
-                backend = "S"
-                next = "join"
-            """),
-            "synth": toml("""
-                backend = "Y"
-                next = "join"
-            """),
-            "join": toml("""
-                backend = "J"
-                wait_for = ["synth", "side"]
-                merge = "m"
-                next = "encoder"
-            """),
-        },
-        error=("stage.toml", "frontend", "next", "waits for ['synth', 'side'] only"),
+        "stage.toml frontend next: waits for ['synth', 'side'] only",
+        frontend='backend = "F" | next = ["synth", "side", "join"]',
+        side='backend = "S" | next = "join"',
+        synth='backend = "Y" | next = "join"',
+        join='backend = "J" | wait_for = ["synth", "side"] | merge = "m" | next = "encoder"',
     ),
     # -- models --
-    Case("no-models", repository="", error=("repository.toml", None, "models", "at least one")),
-    Case(
+    bad("no-models", "repository.toml - models: at least one", repo=""),
+    bad(
         "entry-missing",
-        repository=MODELS.replace('"frontend"', '"ghost"'),
-        error=("repository.toml", None, "models.tts.entry", "no stage 'ghost'"),
+        "repository.toml - models.tts.entry: no stage 'ghost'",
+        repo='[models.tts] | entry = "ghost" | tasks = ["speech"] | voices = ["joe"]',
     ),
-    Case(
+    bad(
         "entry-required",
-        repository=toml("""
-            [models.tts]
-            tasks = ["speech"]
-        """),
-        error=("repository.toml", None, "models.tts.entry", "required"),
+        "repository.toml - models.tts.entry: required",
+        repo='[models.tts] | tasks = ["speech"]',
     ),
-    Case(
+    bad(
         "entry-is-fan-in",
-        stages={
-            "frontend": toml("""
-                backend = "F"
-                next = "synth"
-                wait_for = ["encoder"]
-                merge = "m"
-            """),
-        },
-        error=("stage.toml", "frontend", "wait_for", "never hands data"),
+        "stage.toml frontend wait_for: never hands data",
+        frontend='backend = "F" | next = "synth" | wait_for = ["encoder"] | merge = "m"',
     ),
-    Case(
+    bad(
         "bad-task",
-        repository=MODELS.replace('"speech"', '"dance"'),
-        error=(
-            "repository.toml",
-            None,
-            "models.tts.tasks",
-            "speech, transcription, chat, realtime",
+        "repository.toml - models.tts.tasks: speech, transcription, chat, realtime",
+        repo='[models.tts] | entry = "frontend" | tasks = ["dance"] | voices = ["joe"]',
+    ),
+    bad(
+        "default-voice-unknown",
+        "repository.toml - models.tts.default_voice: not among voices",
+        repo='+ | default_voice = "amy"',
+    ),
+    bad(
+        "voice-alias-unknown-target",
+        "repository.toml - models.tts.voice_aliases.alloy: not among voices",
+        repo='+ | [models.tts.voice_aliases] | alloy = "amy"',
+    ),
+    bad(
+        "alias-taken",
+        "repository.toml - models.asr.aliases: already names model 'tts'",
+        asr='backend = "A" | terminal = true',
+        repo=(
+            '+ | aliases = ["x"] | [models.asr] | entry = "asr" | tasks = ["transcription"] | '
+            'aliases = ["x"]'
         ),
     ),
-    Case(
-        "default-voice-unknown",
-        repository=MODELS + 'default_voice = "amy"\n',
-        error=("repository.toml", None, "models.tts.default_voice", "not among voices"),
-    ),
-    Case(
-        "voice-alias-unknown-target",
-        repository=MODELS
-        + toml("""
-            [models.tts.voice_aliases]
-            alloy = "amy"
-        """),
-        error=("repository.toml", None, "models.tts.voice_aliases.alloy", "not among voices"),
-    ),
-    Case(
-        "alias-taken",
-        stages={
-            "asr": toml("""
-                backend = "A"
-                terminal = true
-            """)
-        },
-        repository=MODELS
-        + toml("""
-            aliases = ["x"]
-            [models.asr]
-            entry = "asr"
-            tasks = ["transcription"]
-            aliases = ["x"]
-        """),
-        error=("repository.toml", None, "models.asr.aliases", "already names model 'tts'"),
-    ),
-    Case(
+    bad(
         "unreachable-stage",
-        stages={
-            "orphan": toml("""
-                backend = "O"
-                terminal = true
-            """)
-        },
-        error=("stage.toml", "orphan", None, "no served model reaches"),
+        "stage.toml orphan -: no served model reaches",
+        orphan='backend = "O" | terminal = true',
     ),
     # -- TP --
-    Case(
+    bad(
         "tp-gpu-count",
-        stages={
-            "encoder": gpu_stage(
-                "E",
-                toml("""
-                    gpu = [0, 1, 2]
-                    tp_size = 2
-                """),
-            )
-        },
-        error=("stage.toml", "encoder", "gpu", "3 GPU ids for tp_size = 2"),
+        "stage.toml encoder gpu: 3 GPU ids for tp_size = 2",
+        encoder='backend = "E" | terminal = true | gpu = [0, 1, 2] | tp_size = 2',
     ),
-    Case(
+    bad(
         "tp-stage-as-stream-target",
-        stages={"encoder": ENCODER + "tp_size = 2\n"},  # SYNTH streams to it
-        error=("stage.toml", "synth", "stream_to", "tensor-parallel"),
+        "stage.toml synth stream_to: tensor-parallel",
+        encoder="+ | tp_size = 2",
     ),
-    Case(
+    bad(
         "tp-ranks-share-gpu",
-        stages={
-            "encoder": gpu_stage(
-                "E",
-                toml("""
-                    gpu = [1, 1]
-                    tp_size = 2
-                """),
-            )
-        },
-        error=("stage.toml", "encoder", "gpu", "TP ranks may not share a GPU"),
+        "stage.toml encoder gpu: TP ranks may not share a GPU",
+        encoder='backend = "E" | terminal = true | gpu = [1, 1] | tp_size = 2',
     ),
-    Case(
+    bad(
         "tp-stage-shares-process",
-        stages={
-            "synth": toml("""
-                backend = "Y"
-                next = "encoder"
-                process = "encoder"
-            """),
-            "encoder": gpu_stage(
-                "E",
-                toml("""
-                    gpu = [0, 1]
-                    tp_size = 2
-                """),
-            ),
-        },
-        error=("stage.toml", "synth", "process", "owns its process"),
+        "stage.toml synth process: owns its process",
+        synth='backend = "Y" | next = "encoder" | process = "encoder"',
+        encoder='backend = "E" | terminal = true | gpu = [0, 1] | tp_size = 2',
     ),
-    Case(
+    bad(
         "tp-replica-ranks-share-gpu",
-        stages={
-            "synth": PLAIN_SYNTH,
-            "encoder": gpu_stage(
-                "E",
-                toml("""
-                    gpu = [0, 1]
-                    tp_size = 2
-                    gpu_memory_fraction = 0.4
-                """),
-            ),
-        },
-        repository=MODELS
-        + toml("""
-            [processes.encoder]
-            num_replicas = 2
-            replica_devices = [0, 1, 2, 2]
-        """),
-        error=("repository.toml", None, "processes.encoder.replica_devices", "distinct GPUs"),
+        "repository.toml - processes.encoder.replica_devices: distinct GPUs",
+        synth=PLAIN_SYNTH,
+        encoder=(
+            'backend = "E" | terminal = true | gpu = [0, 1] | tp_size = 2 | '
+            "gpu_memory_fraction = 0.4"
+        ),
+        repo="+ | [processes.encoder] | num_replicas = 2 | replica_devices = [0, 1, 2, 2]",
     ),
     # -- process-local edges --
-    Case(
+    bad(
         "process-local-across-processes",
-        stages={"frontend": FRONTEND + 'process_local = "synth"\n'},
-        error=("stage.toml", "frontend", "process_local", "edge frontend -> synth would cross"),
+        "stage.toml frontend process_local: edge frontend -> synth would cross",
+        frontend='+ | process_local = "synth"',
     ),
-    Case(
+    bad(
         "process-local-across-tp",
-        stages={
-            "synth": toml("""
-                backend = "Y"
-                next = "encoder"
-                process_local = "encoder"
-            """),
-            "encoder": gpu_stage(
-                "E",
-                toml("""
-                    gpu = [0, 1]
-                    tp_size = 2
-                """),
-            ),
-        },
-        error=("stage.toml", "synth", "process_local", "'encoder' is a TP stage"),
+        "stage.toml synth process_local: 'encoder' is a TP stage",
+        synth='backend = "Y" | next = "encoder" | process_local = "encoder"',
+        encoder='backend = "E" | terminal = true | gpu = [0, 1] | tp_size = 2',
     ),
-    Case(
+    bad(
         "process-local-not-a-successor",
-        stages={"frontend": FRONTEND + 'process_local = "encoder"\n'},
-        error=("stage.toml", "frontend", "process_local", "not a successor"),
+        "stage.toml frontend process_local: not a successor",
+        frontend='+ | process_local = "encoder"',
     ),
-    Case(
+    bad(
         "process-local-split-by-override",
-        stages={
-            "frontend": FRONTEND
-            + toml("""
-                process = "p"
-                process_local = "synth"
-            """),
-            "synth": toml("""
-                backend = "Y"
-                next = "encoder"
-                process = "p"
-            """),
-        },
-        overrides=["--stages.synth.process", "q"],
-        error=("stage.toml", "frontend", "process_local", "runs in process 'p'"),
+        "stage.toml frontend process_local: runs in process 'p'",
+        frontend='+ | process = "p" | process_local = "synth"',
+        synth='backend = "Y" | next = "encoder" | process = "p"',
+        args=["--stages.synth.process", "q"],
     ),
     # -- replicas and placement --
-    Case(
+    bad(
         "unknown-process",
-        repository=MODELS
-        + toml("""
-            [processes.ghost]
-            num_replicas = 2
-        """),
-        error=("repository.toml", None, "processes.ghost", "no stage runs in process 'ghost'"),
+        "repository.toml - processes.ghost: no stage runs in process 'ghost'",
+        repo="+ | [processes.ghost] | num_replicas = 2",
     ),
-    Case(
+    bad(
         "unknown-process-field",
-        repository=MODELS
-        + toml("""
-            [processes.synth]
-            copies = 2
-        """),
-        error=("repository.toml", None, "processes.synth.copies", "num_replicas, replica_devices"),
+        "repository.toml - processes.synth.copies: num_replicas, replica_devices",
+        repo="+ | [processes.synth] | copies = 2",
     ),
-    Case(
+    bad(
         "zero-replicas",
-        repository=MODELS
-        + toml("""
-            [processes.synth]
-            num_replicas = 0
-        """),
-        error=("repository.toml", None, "processes.synth.num_replicas", ">= 1"),
+        "repository.toml - processes.synth.num_replicas: >= 1",
+        repo="+ | [processes.synth] | num_replicas = 0",
     ),
-    Case(
+    bad(
         "unknown-binding",
-        repository=MODELS
-        + toml("""
-            [processes.synth]
-            num_replicas = 2
-            binding = "random"
-        """),
-        error=(
-            "repository.toml",
-            None,
-            "processes.synth.binding",
-            'expected one of "round_robin", "least_loaded", got "random"',
+        (
+            "repository.toml - processes.synth.binding: "
+            'expected one of "round_robin", "least_loaded", got "random"'
         ),
+        repo='+ | [processes.synth] | num_replicas = 2 | binding = "random"',
     ),
-    Case(
+    bad(
         "binding-not-a-string",
-        repository=MODELS
-        + toml("""
-            [processes.synth]
-            num_replicas = 2
-            binding = 1
-        """),
-        error=("repository.toml", None, "processes.synth.binding", '"least_loaded", got 1'),
+        'repository.toml - processes.synth.binding: "least_loaded", got 1',
+        repo="+ | [processes.synth] | num_replicas = 2 | binding = 1",
     ),
-    Case(
+    bad(
         "binding-override-unknown",
-        repository=MODELS
-        + toml("""
-            [processes.synth]
-            num_replicas = 2
-        """),
-        overrides=["--processes.synth.binding", "fastest"],
-        error=("command line", None, "processes.synth.binding", 'got "fastest"'),
+        'command line - processes.synth.binding: got "fastest"',
+        repo="+ | [processes.synth] | num_replicas = 2",
+        args=["--processes.synth.binding", "fastest"],
     ),
-    Case(
+    bad(
         "gpu-replicas-without-devices",
-        stages={"encoder": gpu_stage("E", "gpu = 0\n")},
-        repository=MODELS
-        + toml("""
-            [processes.encoder]
-            num_replicas = 2
-        """),
-        error=("repository.toml", None, "processes.encoder.replica_devices", "must say where"),
+        "repository.toml - processes.encoder.replica_devices: must say where",
+        encoder='backend = "E" | terminal = true | gpu = 0',
+        repo="+ | [processes.encoder] | num_replicas = 2",
     ),
-    Case(
+    bad(
         "replica-devices-length",
-        stages={
-            "encoder": gpu_stage(
-                "E",
-                toml("""
-                    gpu = 0
-                    gpu_memory_fraction = 0.2
-                """),
-            )
-        },
-        repository=MODELS
-        + toml("""
-            [processes.encoder]
-            num_replicas = 2
-            replica_devices = [1, 2, 3]
-        """),
-        error=("repository.toml", None, "processes.encoder.replica_devices", "give exactly 2"),
+        "repository.toml - processes.encoder.replica_devices: give exactly 2",
+        encoder='backend = "E" | terminal = true | gpu = 0 | gpu_memory_fraction = 0.2',
+        repo="+ | [processes.encoder] | num_replicas = 2 | replica_devices = [1, 2, 3]",
     ),
-    Case(
+    bad(
         "replica-devices-n-times-t",
-        stages={
-            "synth": PLAIN_SYNTH,
-            "encoder": gpu_stage(
-                "E",
-                toml("""
-                    gpu = [0, 1]
-                    tp_size = 2
-                    gpu_memory_fraction = 0.2
-                """),
-            ),
-        },
-        repository=MODELS
-        + toml("""
-            [processes.encoder]
-            num_replicas = 2
-            replica_devices = [1, 2]
-        """),
-        error=(
-            "repository.toml",
-            None,
-            "processes.encoder.replica_devices",
-            "x tp_size 2; give exactly 4",
+        "repository.toml - processes.encoder.replica_devices: x tp_size 2; give exactly 4",
+        synth=PLAIN_SYNTH,
+        encoder=(
+            'backend = "E" | terminal = true | gpu = [0, 1] | tp_size = 2 | '
+            "gpu_memory_fraction = 0.2"
         ),
+        repo="+ | [processes.encoder] | num_replicas = 2 | replica_devices = [1, 2]",
     ),
-    Case(
+    bad(
         "replica-devices-on-cpu-process",
-        repository=MODELS
-        + toml("""
-            [processes.synth]
-            replica_devices = [0]
-        """),
-        error=("repository.toml", None, "processes.synth.replica_devices", "only CPU stages"),
+        "repository.toml - processes.synth.replica_devices: only CPU stages",
+        repo="+ | [processes.synth] | replica_devices = [0]",
     ),
     # -- memory fractions --
-    Case(
+    bad(
         "replicas-one-gpu-without-fraction",
-        stages={"encoder": gpu_stage("E", "gpu = 0\n")},
-        repository=MODELS
-        + toml("""
-            [processes.encoder]
-            num_replicas = 2
-            replica_devices = [0, 0]
-        """),
-        error=("stage.toml", "encoder", "gpu_memory_fraction", "replica_devices"),
+        "stage.toml encoder gpu_memory_fraction: replica_devices",
+        encoder='backend = "E" | terminal = true | gpu = 0',
+        repo="+ | [processes.encoder] | num_replicas = 2 | replica_devices = [0, 0]",
     ),
-    Case(
+    bad(
         "replica-devices-one-replica-needs-fraction",
-        stages={"encoder": gpu_stage("E", "gpu = 0\n")},
-        repository=MODELS
-        + toml("""
-            [processes.encoder]
-            replica_devices = [3]
-        """),
-        error=("stage.toml", "encoder", "gpu_memory_fraction", "never inferred"),
+        "stage.toml encoder gpu_memory_fraction: never inferred",
+        encoder='backend = "E" | terminal = true | gpu = 0',
+        repo="+ | [processes.encoder] | replica_devices = [3]",
     ),
-    Case(
+    bad(
         "processes-share-gpu-without-fraction",
-        stages={
-            "synth": toml("""
-                backend = "Y"
-                next = "encoder"
-                gpu = 0
-                gpu_memory_fraction = 0.5
-            """),
-            "encoder": gpu_stage("E", "gpu = 0\n"),
-        },
-        error=(
-            "stage.toml",
-            "encoder",
-            "gpu_memory_fraction",
-            "GPU 0 is shared by encoder@r0, synth@r0",
-        ),
+        "stage.toml encoder gpu_memory_fraction: GPU 0 is shared by encoder@r0, synth@r0",
+        synth='backend = "Y" | next = "encoder" | gpu = 0 | gpu_memory_fraction = 0.5',
+        encoder='backend = "E" | terminal = true | gpu = 0',
     ),
-    Case(
+    bad(
         "fractions-over-budget",
-        stages={
-            "encoder": gpu_stage(
-                "E",
-                toml("""
-                    gpu = 0
-                    gpu_memory_fraction = 0.6
-                """),
-            )
-        },
-        repository=MODELS
-        + toml("""
-            [processes.encoder]
-            num_replicas = 2
-            replica_devices = [0, 0]
-        """),
-        error=(
-            "stage.toml",
-            "encoder",
-            "gpu_memory_fraction",
-            "GPU 0 is over budget: declared fractions sum to 1.2",
+        (
+            "stage.toml encoder gpu_memory_fraction: "
+            "GPU 0 is over budget: declared fractions sum to 1.2"
         ),
+        encoder='backend = "E" | terminal = true | gpu = 0 | gpu_memory_fraction = 0.6',
+        repo="+ | [processes.encoder] | num_replicas = 2 | replica_devices = [0, 0]",
     ),
-    Case(
+    bad(
         "fractions-over-lowered-limit",
-        stages={
-            "encoder": gpu_stage(
-                "E",
-                toml("""
-                    gpu = 0
-                    gpu_memory_fraction = 0.5
-                """),
-            )
-        },
-        repository=MODELS
-        + toml("""
-            [server]
-            gpu_memory_limit = 0.9
-            [processes.encoder]
-            num_replicas = 2
-            replica_devices = [0, 0]
-        """),
-        error=("stage.toml", "encoder", "gpu_memory_fraction", "gpu_memory_limit 0.9"),
+        "stage.toml encoder gpu_memory_fraction: gpu_memory_limit 0.9",
+        encoder='backend = "E" | terminal = true | gpu = 0 | gpu_memory_fraction = 0.5',
+        repo=(
+            "+ | [server] | gpu_memory_limit = 0.9 | [processes.encoder] | num_replicas = 2 | "
+            "replica_devices = [0, 0]"
+        ),
     ),
     # -- weight sharing --
-    Case(
+    bad(
         "weight-share-without-engine",
-        stages={
-            "encoder": gpu_stage(
-                "E",
-                toml("""
-                    gpu = 0
-                    gpu_memory_fraction = 0.4
-                """),
-            )
-        },
-        repository=MODELS
-        + toml("""
-            [server]
-            weight_share = "on"
-            [processes.encoder]
-            num_replicas = 2
-            replica_devices = [0, 0]
-        """),
-        error=("repository.toml", None, "server.weight_share", "exactly one engine stage"),
+        "repository.toml - server.weight_share: exactly one engine stage",
+        encoder='backend = "E" | terminal = true | gpu = 0 | gpu_memory_fraction = 0.4',
+        repo=(
+            '+ | [server] | weight_share = "on" | [processes.encoder] | num_replicas = 2 | '
+            "replica_devices = [0, 0]"
+        ),
     ),
-    Case(
+    bad(
         "weight-share-two-engines",
-        stages={
-            "synth": toml("""
-                backend = "Y"
-                next = "encoder"
-                process = "p"
-                gpu = 0
-                gpu_memory_fraction = 0.1
-                [engine]
-                max_total_tokens = 1
-            """),
-            "encoder": gpu_stage(
-                "E",
-                toml("""
-                    process = "p"
-                    gpu = 0
-                    gpu_memory_fraction = 0.3
-                    [engine]
-                    max_total_tokens = 1
-                """),
-            ),
-        },
-        repository=MODELS
-        + toml("""
-            [server]
-            weight_share = "on"
-            [processes.p]
-            num_replicas = 2
-            replica_devices = [0, 0]
-        """),
-        error=("repository.toml", None, "server.weight_share", "it has 2: synth, encoder"),
+        "repository.toml - server.weight_share: it has 2: synth, encoder",
+        synth=(
+            'backend = "Y" | next = "encoder" | process = "p" | gpu = 0 | '
+            "gpu_memory_fraction = 0.1 | [engine] | max_total_tokens = 1"
+        ),
+        encoder=(
+            'backend = "E" | terminal = true | process = "p" | gpu = 0 | '
+            "gpu_memory_fraction = 0.3 | [engine] | max_total_tokens = 1"
+        ),
+        repo=(
+            '+ | [server] | weight_share = "on" | [processes.p] | num_replicas = 2 | '
+            "replica_devices = [0, 0]"
+        ),
     ),
-    Case(
+    bad(
         "weight-share-unpinned-budget",
-        stages={
-            "encoder": gpu_stage(
-                "E",
-                toml("""
-                    gpu = 0
-                    gpu_memory_fraction = 0.4
-                    [engine]
-                """),
-            ),
-        },
-        repository=MODELS
-        + toml("""
-            [server]
-            weight_share = "on"
-            [processes.encoder]
-            num_replicas = 2
-            replica_devices = [0, 0]
-        """),
-        error=("stage.toml", "encoder", "engine.max_total_tokens", "pinned KV budget"),
+        "stage.toml encoder engine.max_total_tokens: pinned KV budget",
+        encoder='backend = "E" | terminal = true | gpu = 0 | gpu_memory_fraction = 0.4 | [engine]',
+        repo=(
+            '+ | [server] | weight_share = "on" | [processes.encoder] | num_replicas = 2 | '
+            "replica_devices = [0, 0]"
+        ),
     ),
-    Case(
+    bad(
         "weight-share-tp-engine",
-        stages={
-            "synth": PLAIN_SYNTH,
-            "encoder": gpu_stage(
-                "E",
-                toml("""
-                    gpu = [0, 1]
-                    tp_size = 2
-                    gpu_memory_fraction = 0.4
-                    [engine]
-                    max_total_tokens = 9
-                """),
-            ),
-        },
-        repository=MODELS
-        + toml("""
-            [server]
-            weight_share = "on"
-            [processes.encoder]
-            num_replicas = 2
-            replica_devices = [0, 1, 0, 1]
-        """),
-        error=("stage.toml", "encoder", "tp_size", "tp_size = 1"),
+        "stage.toml encoder tp_size: tp_size = 1",
+        synth=PLAIN_SYNTH,
+        encoder=(
+            'backend = "E" | terminal = true | gpu = [0, 1] | tp_size = 2 | '
+            "gpu_memory_fraction = 0.4 | [engine] | max_total_tokens = 9"
+        ),
+        repo=(
+            '+ | [server] | weight_share = "on" | [processes.encoder] | num_replicas = 2 | '
+            "replica_devices = [0, 1, 0, 1]"
+        ),
     ),
-    Case(
+    bad(
         "sampling-temperature-above-2",
-        stages={"frontend": FRONTEND + "[sampling]\ntemperature = 2.5\n"},
-        error=("stage.toml", "frontend", "sampling.temperature", "a number in [0, 2], got 2.5"),
+        "stage.toml frontend sampling.temperature: a number in [0, 2], got 2.5",
+        frontend="+ | [sampling] | temperature = 2.5",
     ),
-    Case(
+    bad(
         "sampling-top-p-zero",
-        stages={"frontend": FRONTEND + "[sampling]\ntop_p = 0\n"},
-        error=("stage.toml", "frontend", "sampling.top_p", "a number in (0, 1]"),
+        "stage.toml frontend sampling.top_p: a number in (0, 1]",
+        frontend="+ | [sampling] | top_p = 0",
     ),
-    Case(
+    bad(
         "sampling-max-tokens-zero",
-        stages={"frontend": FRONTEND + "[sampling]\nmax_tokens = 0\n"},
-        error=("stage.toml", "frontend", "sampling.max_tokens", "an integer >= 1, got 0"),
+        "stage.toml frontend sampling.max_tokens: an integer >= 1, got 0",
+        frontend="+ | [sampling] | max_tokens = 0",
     ),
-    Case(
+    bad(
         "sampling-min-p-text",
-        stages={"frontend": FRONTEND + '[sampling]\nmin_p = "low"\n'},
-        error=("stage.toml", "frontend", "sampling.min_p", "a number in [0, 1]"),
+        "stage.toml frontend sampling.min_p: a number in [0, 1]",
+        frontend='+ | [sampling] | min_p = "low"',
     ),
-    Case(
+    bad(
         "sampling-repetition-penalty-unknown",
-        stages={"frontend": FRONTEND + "[sampling]\nrepetition_penalty = 1.1\n"},
-        error=("stage.toml", "frontend", "sampling.repetition_penalty", "valid fields: temp"),
+        "stage.toml frontend sampling.repetition_penalty: valid fields: temp",
+        frontend="+ | [sampling] | repetition_penalty = 1.1",
     ),
 ]
 
@@ -1431,39 +809,24 @@ def test_rejected(tmp_path: Path, case: Case) -> None:
 @pytest.mark.parametrize(
     ("repository", "overrides", "expected"),
     [
+        ("+ | [processes.synth] | num_replicas = 2", [], "round_robin"),  # the default
         (
-            toml("""
-                [processes.synth]
-                num_replicas = 2
-            """),
-            [],
-            "round_robin",
-        ),  # the default
-        (
-            toml("""
-                [processes.synth]
-                num_replicas = 2
-                binding = "least_loaded"
-            """),
+            '+ | [processes.synth] | num_replicas = 2 | binding = "least_loaded"',
             [],
             "least_loaded",
         ),
         (
-            toml("""
-                [processes.synth]
-                num_replicas = 2
-                binding = "least_loaded"
-            """),
+            '+ | [processes.synth] | num_replicas = 2 | binding = "least_loaded"',
             ["--processes.synth.binding", "round_robin"],
             "round_robin",
         ),
-        ("", ["--processes.synth.binding", "least_loaded"], "least_loaded"),
+        ("+", ["--processes.synth.binding", "least_loaded"], "least_loaded"),
     ],
 )
 def test_binding_reaches_the_plan(
     tmp_path: Path, repository: str, overrides: list[str], expected: str
 ) -> None:
-    plan = compile_repository(build(tmp_path, Case("x", repository=MODELS + repository)), overrides)
+    plan = compile_repository(build(tmp_path, Case("x", repository=repository)), overrides)
     assert plan.processes["synth"].binding == expected
     assert {p.binding for n, p in plan.processes.items() if n != "synth"} == {"round_robin"}
 
@@ -1496,7 +859,7 @@ def test_missing_folder(tmp_path: Path) -> None:
 
 
 def test_no_stages(tmp_path: Path) -> None:
-    root = make_repo(tmp_path / "empty", stages={}, repository=MODELS)
+    root = make_repo(tmp_path / "empty", stages={}, repository=t(MODELS))
     (root / "notes").mkdir()  # a folder without stage.toml is no stage
     with pytest.raises(RepositoryError, match="no stages: a stage is a sub-folder holding a"):
         compile_repository(root)

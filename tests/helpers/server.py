@@ -35,6 +35,10 @@ from tests.helpers.proc import (
 
 ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED_REPO = ROOT / "repository"
+# The embedded repository with only its voice loaded (Triton's explicit model control): a server
+# of its own for a test about speech starts in seconds, without the Whisper and SmolLM2 loads
+# that make the shared `embedded_server` the suite's costliest fixture.
+VOICE_ONLY = ("--model-control-mode", "explicit", "--load-model", "piper-joe")
 START_TIMEOUT_S = 180.0  # stage processes import onnxruntime and load the voice, on 2 slow cores
 STOP_TIMEOUT_S = 30.0
 EXIT_GRACE_S = 10.0  # stage processes may outlive the server by a moment

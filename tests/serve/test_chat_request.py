@@ -43,7 +43,7 @@ def refused(model: ModelSpec = TEXT, **body: Any) -> ApiError:
 
 
 def test_defaults_are_openais():
-    inputs = parse().pipeline_inputs()
+    inputs = parse().thinker_input().to_dict()
     assert inputs == {
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": None,
@@ -58,7 +58,7 @@ def test_defaults_are_openais():
 
 
 def test_a_field_left_out_is_the_models_default():
-    inputs = parse(TUNED).pipeline_inputs()
+    inputs = parse(TUNED).thinker_input().to_dict()
     sampling = {k: inputs[k] for k in ("temperature", "top_p", "top_k", "min_p", "max_tokens")}
     assert sampling == {
         "temperature": 0.2,
@@ -68,15 +68,15 @@ def test_a_field_left_out_is_the_models_default():
         "max_tokens": 512,
     }
     # a null is the field left out
-    assert parse(TUNED, temperature=None, max_tokens=None).pipeline_inputs() == inputs
+    assert parse(TUNED, temperature=None, max_tokens=None).thinker_input().to_dict() == inputs
 
 
 def test_a_field_the_request_sets_wins_over_the_models_default():
     chat = parse(TUNED, temperature=0, top_p=1, top_k=5, min_p=0, max_completion_tokens=3)
-    inputs = chat.pipeline_inputs()
+    inputs = chat.thinker_input().to_dict()
     sampling = {k: inputs[k] for k in ("temperature", "top_p", "top_k", "min_p", "max_tokens")}
     assert sampling == {"temperature": 0.0, "top_p": 1.0, "top_k": 5, "min_p": 0.0, "max_tokens": 3}
-    assert parse(TUNED, max_tokens=2000).max_tokens == 2000  # above the default, too
+    assert parse(TUNED, max_tokens=2000).sampling.max_tokens == 2000  # above the default, too
 
 
 def test_roles_and_parts():
@@ -86,7 +86,7 @@ def test_roles_and_parts():
         {"role": "assistant", "content": "d", "name": "bot"},
         {"role": "user", "content": ""},
     ]
-    got = parse(messages=messages).pipeline_inputs()["messages"]
+    got = parse(messages=messages).thinker_input().to_dict()["messages"]
     assert got == [
         {"role": "system", "content": "a"},
         {"role": "system", "content": "bc"},
@@ -151,13 +151,13 @@ def test_bad_messages(messages, param, code):
 
 def test_sampling_fields():
     chat = parse(temperature=0, top_p=0.9, seed=3, stop=["a", "b"], max_completion_tokens=5)
-    inputs = chat.pipeline_inputs()
+    inputs = chat.thinker_input().to_dict()
     assert (inputs["temperature"], inputs["top_p"], inputs["seed"]) == (0.0, 0.9, 3)
     assert inputs["stop"] == ["a", "b"] and inputs["max_tokens"] == 5
-    assert parse(stop="x").stop == ("x",)
-    assert parse(max_tokens=7).max_tokens == 7
-    assert parse(max_tokens=7, max_completion_tokens=7).max_tokens == 7
-    assert parse(n=1).max_tokens is None
+    assert parse(stop="x").sampling.stop == ("x",)
+    assert parse(max_tokens=7).sampling.max_tokens == 7
+    assert parse(max_tokens=7, max_completion_tokens=7).sampling.max_tokens == 7
+    assert parse(n=1).sampling.max_tokens is None
 
 
 @pytest.mark.parametrize(
@@ -221,7 +221,7 @@ def test_include_usage_needs_stream():
 
 def test_audio_out_resolves_the_voice_and_the_encoder_format():
     chat = parse(OMNI, seed=9, **AUDIO)
-    speech = chat.pipeline_inputs()["speech"]
+    speech = chat.thinker_input().to_dict()["speech"]
     assert speech == {
         "voice": "joe",
         "speed": 1.0,
@@ -229,6 +229,9 @@ def test_audio_out_resolves_the_voice_and_the_encoder_format():
         "response_format": "wav",
         "stream": False,
         "sample_rate": 24000,  # OpenAI's rate in every format, whatever the voice's
+        "reference": None,
+        "instructions": None,
+        "temperature": None,
     }
     streamed = parse(
         OMNI,
@@ -236,9 +239,9 @@ def test_audio_out_resolves_the_voice_and_the_encoder_format():
         modalities=["text", "audio"],
         audio={"voice": "joe", "format": "pcm16"},
     )
-    assert streamed.pipeline_inputs()["speech"]["response_format"] == "pcm"
-    assert streamed.pipeline_inputs()["speech"]["stream"] is True
-    assert streamed.pipeline_inputs()["speech"]["sample_rate"] == 24000
+    assert streamed.thinker_input().to_dict()["speech"]["response_format"] == "pcm"
+    assert streamed.thinker_input().to_dict()["speech"]["stream"] is True
+    assert streamed.thinker_input().to_dict()["speech"]["sample_rate"] == 24000
 
 
 @pytest.mark.parametrize(
@@ -282,7 +285,8 @@ def test_unknown_fields_are_refused_with_openais_words():
 
 def test_a_null_is_the_field_left_out():
     chat = parse(temperature=None, stop=None, seed=None, modalities=None, n=None)
-    assert (chat.temperature, chat.stop, chat.seed, chat.audio) == (1.0, (), None, None)
+    sampling = chat.sampling
+    assert (sampling.temperature, sampling.stop, sampling.seed, chat.audio) == (1.0, (), None, None)
 
 
 def test_messages_and_their_parts_are_read_by_role():

@@ -111,7 +111,7 @@ async def test_a_speech_body_keeps_the_server_limit(app_client):
 async def test_every_503_carries_retry_after(app_client, stand_in_runtime, monkeypatch):
     client = await app_client()
     # Stand-in for a dead stage process (the inline runtime has none to kill): the runtime's
-    # own answer for a model whose process has no live replica. tests/runtime kill real ones.
+    # own answer for a model whose process has no live replica. tests/pipeline kills real ones.
     monkeypatch.setattr(
         stand_in_runtime, "unavailable_for", lambda model: "no live replica of speaker"
     )

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from tests.helpers.server import EMBEDDED_REPO, ROOT, ServerProcess
+from tests.helpers.server import EMBEDDED_REPO, ROOT, VOICE_ONLY, ServerProcess
 from tests.serve.speech_texts import MANY_SENTENCES
 
 pytestmark = pytest.mark.timeout(180)
@@ -29,9 +29,9 @@ def test_taken_port_exits_1_with_one_line(server):
     assert "Traceback" not in done.stderr
 
 
-@pytest.mark.slow  # a server of its own
+@pytest.mark.slow  # a server of its own (the real voice only: the stream is speech)
 def test_sigterm_during_a_stream_stops_cleanly(tmp_path):
-    server = ServerProcess.start(EMBEDDED_REPO, tmp_path / "server.log")
+    server = ServerProcess.start(EMBEDDED_REPO, tmp_path / "server.log", *VOICE_ONLY)
     first_chunk = threading.Event()
     outcome: list[str] = []
 

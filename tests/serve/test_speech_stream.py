@@ -3,8 +3,11 @@
 Against the real server on the embedded repository (the Piper voice, and Whisper to hear what
 it said) for the protocol's round trips: each sentence spoken as soon as it is complete (its
 audio arrives before the text has ended), base64 JSON and binary frames, flush, cancel, bad
-messages answered with an error while the socket stays open, and the bounds. The idle timeout
-runs in-process on the stand-in voice (tests/serve/inline.py) with a short limit.
+messages answered with an error while the socket stays open, and the bounds. Every session is
+seeded (the voice's noise is no dice roll: the same text is the same audio every run) and each
+judged text has enough words that one misheard word stays under its bound. ElevenLabs' path
+(its error shape, the inactivity close) runs in-process on the stand-in voice
+(tests/serve/inline.py); their SDK is tests/clients/test_elevenlabs_sdk.py.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ PATH = speech_stream.PATH
 # What Whisper tiny may mishear of the voice's words ("binary stream" came back once as "binary
 # screen"): the tests judge a sentence by its WER, not by an exact match.
 MAX_WER = 0.25
+SEEDED = "model=tts-1&voice=alloy&seed=7"
 
 
-async def _open(server, query: str = "model=tts-1&voice=alloy") -> tuple[Any, Any]:
+async def _open(server, query: str = SEEDED) -> tuple[Any, Any]:
     http = aiohttp.ClientSession()
     ws = await http.ws_connect(f"{server.url}{PATH}?{query}")
     return http, ws
@@ -95,17 +99,17 @@ async def test_each_sentence_is_spoken_before_the_text_ends(server, client):
 
 
 async def test_binary_frames_at_the_asked_rate_and_flush(server, client):
-    http, ws = await _open(server, "voice=joe")
+    http, ws = await _open(server, "voice=joe&seed=7")
     async with http:
         settings = {"text": "", "flush": True, "binary": True, "output_format": "pcm_16000"}
         await ws.send_str(json.dumps(settings))  # settings in the first message, no text yet
-        await ws.send_str(json.dumps({"text": "Hello from a binary stream", "flush": True}))
+        await ws.send_str(json.dumps({"text": "Hello from a binary stream at last", "flush": True}))
         await ws.send_str(json.dumps({"text": ""}))
         messages, audio = await _messages_until(ws, lambda e: e.get("isFinal") is True)
     assert [m for m in messages if "audio" in m] == []  # audio came as binary frames only
     assert audio
     heard = _heard(client, audio, 16000)
-    assert word_error_rate(["Hello from a binary stream"], [heard]) <= MAX_WER, heard
+    assert word_error_rate(["Hello from a binary stream at last"], [heard]) <= MAX_WER, heard
 
 
 async def test_bad_messages_get_an_error_and_the_stream_goes_on(server, client):
@@ -127,11 +131,15 @@ async def test_bad_messages_get_an_error_and_the_stream_goes_on(server, client):
             assert (answer["error"]["code"], answer["error"]["param"]) == (code, param), raw
         await ws.send_bytes(b"\x00\x01")
         assert (await ws.receive_json(timeout=30))["error"]["code"] == "invalid_message"
-        await ws.send_str(json.dumps({"text": "Still speaking.", "flush": True}))
+        await ws.send_str(json.dumps({"text": STILL_SPEAKING, "flush": True}))
         await ws.send_str(json.dumps({"text": ""}))
         _, audio = await _messages_until(ws, lambda e: e.get("isFinal") is True)
     heard = _heard(client, audio, 24000)
-    assert word_error_rate(["Still speaking."], [heard]) <= 0.5, heard
+    assert word_error_rate([STILL_SPEAKING], [heard]) <= MAX_WER, heard
+
+
+STILL_SPEAKING = "The stream is still speaking after all of those bad messages."
+GOODBYE = "Goodbye now, and thank you for listening to the rest of this story."
 
 
 async def test_cancel_drops_the_rest_and_the_stream_goes_on(server, client):
@@ -144,11 +152,11 @@ async def test_cancel_drops_the_rest_and_the_stream_goes_on(server, client):
         await ws.send_str(json.dumps({"cancel": True}))
         messages, _ = await _messages_until(ws, lambda e: e.get("cancelled") is True)
         assert all("error" not in m for m in messages)
-        await ws.send_str(json.dumps({"text": "Goodbye now.", "flush": True}))
+        await ws.send_str(json.dumps({"text": GOODBYE, "flush": True}))
         await ws.send_str(json.dumps({"text": ""}))
         _, audio = await _messages_until(ws, lambda e: e.get("isFinal") is True)
     heard = _heard(client, audio, 24000)
-    assert word_error_rate(["Goodbye now."], [heard]) <= 0.5, heard
+    assert word_error_rate([GOODBYE], [heard]) <= MAX_WER, heard
     assert "29" not in heard and "twenty nine" not in heard, heard  # the story's last sentence
 
 
@@ -178,7 +186,9 @@ async def test_bounds_and_refused_settings(server):
         for query, status in [
             ("model=nope&voice=alloy", 404),
             ("voice=nobody", 400),
-            ("voice=alloy&output_format=mp3_44100", 400),
+            ("voice=alloy&output_format=mp3_44100_100", 400),  # not an ElevenLabs bit rate
+            ("voice=alloy&output_format=flac_44100", 400),
+            ("voice=alloy&inactivity_timeout=500", 400),  # ElevenLabs' maximum is 180
             ("volume=3", 400),
         ]:
             with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
@@ -190,16 +200,58 @@ async def test_bounds_and_refused_settings(server):
 
 
 @pytest.mark.timeout(60)
-async def test_an_idle_stream_is_closed_with_an_error(app_client, monkeypatch):
-    """In-process on the stand-in voice: the idle limit shortened so the test is quick."""
-    monkeypatch.setattr(speech_stream, "IDLE_TIMEOUT_S", 0.5)
+async def test_an_idle_stream_is_closed_with_an_error(app_client):
+    """In-process on the stand-in voice: ElevenLabs' `inactivity_timeout` shortens the limit."""
     client = await app_client()
-    ws = await client.ws_connect(f"{PATH}?model={MODEL}&voice=hush")
+    ws = await client.ws_connect(f"{PATH}?model={MODEL}&voice=hush&inactivity_timeout=0.5")
     await ws.send_str(json.dumps({"text": "hello "}))
     error = (await ws.receive_json(timeout=30))["error"]
-    assert error["code"] == "idle_timeout"
+    assert error["code"] == "input_timeout_exceeded"
     assert (await ws.receive(timeout=30)).type in (
         aiohttp.WSMsgType.CLOSE,
         aiohttp.WSMsgType.CLOSED,
     )
-    assert ws.close_code == 1011
+    assert ws.close_code == 1008  # as ElevenLabs closes an idle socket
+
+
+ELEVENLABS_PATH = speech_stream.ELEVENLABS_PATH.format(voice_id="hush")
+
+
+@pytest.mark.timeout(60)
+async def test_elevenlabs_path_speaks_their_shapes(app_client):
+    """Their path: the voice in the path, their default format (the stand-in's silence as MP3),
+    their error shape `{"message", "error", "code"}` and their inactivity close."""
+    client = await app_client()
+    ws = await client.ws_connect(f"{ELEVENLABS_PATH}?model_id={MODEL}&enable_logging=false")
+    await ws.send_str(json.dumps({"text": " ", "voice_settings": None, "xi_api_key": "x"}))
+    await ws.send_str(json.dumps({"text": "hello there.", "try_trigger_generation": True}))
+    await ws.send_str(json.dumps({"text": 5}))  # refused; the session goes on
+    refused = await ws.receive_json(timeout=30)
+    assert refused == {"message": "'text' must be a string", "error": "invalid_type", "code": 1008}
+    await ws.send_str(json.dumps({"text": ""}))
+    messages, audio = await _messages_until(ws, lambda e: e.get("isFinal") is True)
+    assert all("error" not in m for m in messages), messages
+    assert audio[:3] == b"ID3" or audio[0] == 0xFF  # an MP3 stream: mp3_44100_128 by default
+    assert (await ws.receive(timeout=30)).type in (
+        aiohttp.WSMsgType.CLOSE,
+        aiohttp.WSMsgType.CLOSED,
+    )
+    assert ws.close_code == 1000
+
+    ws = await client.ws_connect(f"{ELEVENLABS_PATH}?model_id={MODEL}&inactivity_timeout=0.5")
+    await ws.send_str(json.dumps({"text": " "}))
+    error = await ws.receive_json(timeout=30)
+    assert set(error) == {"message", "error", "code"}, error
+    assert (error["error"], error["code"]) == ("input_timeout_exceeded", 1008)
+    assert (await ws.receive(timeout=30)).type in (
+        aiohttp.WSMsgType.CLOSE,
+        aiohttp.WSMsgType.CLOSED,
+    )
+    assert ws.close_code == 1008
+
+    # a failure ends the session: their shape, then 1011 and no isFinal
+    ws = await client.ws_connect(f"{ELEVENLABS_PATH}?model_id={MODEL}&output_format=pcm_16000")
+    await ws.send_str(json.dumps({"text": "fail now.", "flush": True}))
+    messages, _ = await _messages_until(ws, lambda e: False)
+    assert messages[0]["error"] == "pipeline_error" and messages[0]["code"] == 1011, messages
+    assert messages[-1] == {"closed": "CLOSE", "code": 1011}

@@ -16,6 +16,7 @@ import pytest
 from openai import OpenAI
 
 from omni_server.compiler.compiler import compile_repository
+from omni_server.contracts import ChatInput, Message, Sampling
 from omni_server.pipeline import PipelineError
 from omni_server.pipeline.supervision import SupervisionPolicy
 from tests.helpers.repo import make_repo, toml
@@ -43,7 +44,8 @@ def _repo(root: Path, timeout_s: float | None = None) -> Path:
 
 
 def _inputs(text: str, **sampling) -> dict:
-    return {"messages": [{"role": "user", "content": text}], "max_tokens": 16, **sampling}
+    """The thinker's typed inputs, as the chat endpoint builds them."""
+    return ChatInput((Message("user", text),), Sampling(max_tokens=16, **sampling)).payload()
 
 
 async def test_a_prompt_that_takes_seconds_to_tokenize_leaves_the_heartbeat_beating(tmp_path):

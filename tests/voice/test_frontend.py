@@ -7,6 +7,7 @@ import pytest
 
 from omni_bench.inprocess import load_stage
 from omni_server.backend import Request, StageConfigError
+from omni_server.contracts import SpeechOptions, speech_payload
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -17,12 +18,17 @@ def frontend(plan):
     return load_stage(plan, "text_frontend", parameters={"first_chunk_words": 0})
 
 
+def speech(text: str, voice: str = "joe", **options) -> dict:
+    """The speech entry's inputs: `text` and the typed options (checked as they are built)."""
+    return speech_payload(text, SpeechOptions(voice, **options))
+
+
 def chunks(frontend, inputs: dict) -> list[dict]:
     return list(frontend.generate(Request("r", inputs)))
 
 
 def phonemes(frontend, text: str) -> list[str]:
-    return [c["phonemes"] for c in chunks(frontend, {"text": text, "voice": "joe"})]
+    return [c["phonemes"] for c in chunks(frontend, speech(text))]
 
 
 def test_numbers_are_read_as_words(frontend):
@@ -54,7 +60,7 @@ def test_sentences_are_split_and_typographic_punctuation_normalized(frontend):
 
 
 def test_phoneme_ids_follow_the_voice_id_map(frontend):
-    [sentence] = chunks(frontend, {"text": "Hi.", "voice": "joe"})
+    [sentence] = chunks(frontend, speech("Hi."))
     ids = sentence["phoneme_ids"]
     assert ids.dtype == np.int64
     # BOS, then every phoneme followed by PAD (0), then EOS
@@ -78,21 +84,11 @@ def test_long_sentence_is_cut_at_clause_and_word_boundaries(frontend, plan):
 
 
 def test_request_options_pass_through(frontend):
-    options = {
-        "voice": "joe",
-        "speed": 1.5,
-        "seed": 7,
-        "response_format": "pcm",
-        "stream": True,
-        "sample_rate": 16000,
-    }
-    [chunk] = chunks(frontend, {"text": "Hi.", **options})
-    assert {k: chunk[k] for k in ("voice", "speed", "seed")} == {
-        "voice": "joe",
-        "speed": 1.5,
-        "seed": 7,
-    }
-    assert chunk["encoding"] == {"format": "pcm", "sample_rate": 16000, "stream": True}
+    options = SpeechOptions(
+        "joe", speed=1.5, seed=7, response_format="pcm", stream=True, sample_rate=16000
+    )
+    [chunk] = chunks(frontend, speech_payload("Hi.", options))
+    assert chunk["speech"] is options  # every chunk carries the request's options on, as sent
     assert (chunk["sentence"], chunk["chunk"]) == (0, 0)
 
 
@@ -101,6 +97,7 @@ def test_request_options_pass_through(frontend):
     [
         ({"text": "  "}, "text must be a non-empty string"),
         ({"voice": "alloy"}, "unknown voice 'alloy'; valid: joe"),
+        # the contract's own checks: refused where the options are built, before any stage
         ({"speed": 5.0}, "speed must lie in 0.25..4.0"),
         ({"response_format": "ogg"}, "response_format must be one of"),
         ({"response_format": "opus", "sample_rate": 22050}, "opus supports sample rates"),
@@ -109,10 +106,12 @@ def test_request_options_pass_through(frontend):
 )
 def test_bad_request_fails_with_a_clear_message(frontend, change, message):
     good = {"text": "Hello.", "voice": "joe"}
-    with pytest.raises(ValueError, match="bad speech request") as failed:
-        chunks(frontend, {**good, **change})
+    with pytest.raises(ValueError) as failed:
+        chunks(frontend, speech(**{**good, **change}))
     assert message in str(failed.value)
-    assert len(chunks(frontend, good)) == 1
+    if "text" in change or "voice" in change:  # the stage's checks name the request
+        assert "bad speech request" in str(failed.value)
+    assert len(chunks(frontend, speech(**good))) == 1
 
 
 def test_config_error_says_what_was_required_and_found(plan):

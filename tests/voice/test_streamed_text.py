@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,20 +15,14 @@ from omni_bench.inprocess import InProcessVoice
 from omni_bench.speech import DEFAULT_DATASET, load_dataset
 from omni_server.backend import Request
 from omni_server.compiler.compiler import compile_repository
+from omni_server.contracts import SpeechOptions, speech_payload
 from tests.fixtures import FIXTURES
 from tests.helpers.repo import make_repo, toml
 from tests.helpers.runtime import running
 
 pytestmark = pytest.mark.timeout(300)
 
-SPEECH = {
-    "voice": "joe",
-    "speed": 1.0,
-    "seed": 11,
-    "response_format": "pcm",
-    "stream": True,
-    "sample_rate": None,
-}
+SPEECH = SpeechOptions("joe", speed=1.0, seed=11, response_format="pcm", stream=True)
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. Then it ran away into the woods.",
     "Dr. Smith paid $42.50 on Jan. 3rd, etc. Is that right? Yes! It is 3.5 times more.",
@@ -50,17 +45,17 @@ def streamed(voice: InProcessVoice, chunks: list[dict]) -> list[dict]:
 
 
 def whole(voice: InProcessVoice, text: str) -> list[dict]:
-    return list(voice.frontend_chunks({"text": text, **SPEECH}))
+    return list(voice.frontend_chunks(speech_payload(text, SPEECH)))
 
 
 def same_sentences(got: list[dict], expected: list[dict]) -> None:
     assert [c["phonemes"] for c in got] == [c["phonemes"] for c in expected]
     for a, b in zip(got, expected, strict=True):
         assert np.array_equal(a["phoneme_ids"], b["phoneme_ids"])
-        assert (a["sentence"], a["chunk"], a["encoding"]) == (
+        assert (a["sentence"], a["chunk"], a["speech"]) == (
             b["sentence"],
             b["chunk"],
-            b["encoding"],
+            b["speech"],
         )
 
 
@@ -96,7 +91,7 @@ def test_streamed_sentences_give_the_same_audio(voice):
     audio = voice.acoustic.generate(
         Request("a", {}, _stream=iter(streamed(voice, pieces(text, cuts))))
     )
-    reference = voice.sentences(voice.request(text, seed=SPEECH["seed"]))
+    reference = voice.sentences(voice.request(text, seed=SPEECH.seed))
     got, expected = [c["audio"] for c in audio], [c["audio"] for c in reference]
     assert len(got) == len(expected) == 3  # two sentences, the first cut in two
     assert all(a.tobytes() == b.tobytes() for a, b in zip(got, expected, strict=True))
@@ -123,7 +118,7 @@ def test_a_sentence_leaves_as_soon_as_the_next_one_starts(voice):
 def test_streamed_text_with_nothing_speakable_gives_one_empty_chunk(voice):
     [chunk] = streamed(voice, pieces("... ...", [2, 4]))
     assert chunk["sentence"] is None and len(chunk["phoneme_ids"]) == 0
-    assert chunk["encoding"] == {"format": "pcm", "sample_rate": None, "stream": True}
+    assert chunk["speech"] is SPEECH  # the encoding rides on: pcm, the default rate, streamed
     [audio] = voice.acoustic.generate(Request("a", {}, _stream=iter([chunk])))
     assert len(audio["audio"]) == 0
 
@@ -148,16 +143,20 @@ def test_a_text_only_request_is_not_spoken(voice):
 @pytest.mark.parametrize(
     ("chunks", "message"),
     [
-        ([], "the text stream ended before its first chunk"),
-        ([{"text": "Hi.", "speech": "joe"}], r'"speech" must be \{voice, .*\} or None'),
-        ([{"text": "Hi.", "speech": {**SPEECH, "speed": 9.0}}], "speed must lie in 0.25..4.0"),
-        ([{"text": "Hi.", "speech": {**SPEECH, "voice": "alloy"}}], "unknown voice 'alloy'"),
-        ([{"text": 5, "speech": SPEECH}], "text must be a string"),
+        (lambda: [], "the text stream ended before its first chunk"),
+        (
+            lambda: [{"text": "Hi.", "speech": "joe"}],
+            r"payload\['speech'\] must be an omni_server.contracts.SpeechOptions; found str",
+        ),
+        # the contract's own check: refused where the options are built
+        (lambda: [{"text": "Hi.", "speech": replace(SPEECH, speed=9.0)}], "speed must lie in"),
+        (lambda: [{"text": "Hi.", "speech": replace(SPEECH, voice="alloy")}], "unknown voice"),
+        (lambda: [{"text": 5, "speech": SPEECH}], "text must be a string"),
     ],
 )
 def test_bad_streamed_text_fails_with_a_clear_message(voice, chunks, message):
     with pytest.raises(ValueError, match=message):
-        streamed(voice, chunks)
+        streamed(voice, chunks())
 
 
 def stage_toml(repository, name: str, process: str | None = None) -> str:
@@ -211,7 +210,7 @@ async def test_a_thinker_streaming_into_the_voice_gives_the_speech_models_audio(
         models,
     )
     plan = compile_repository(root)
-    expected = voice.speak(text, response_format="pcm", stream=True, seed=SPEECH["seed"]).body
+    expected = voice.speak(text, response_format="pcm", stream=True, seed=SPEECH.seed).body
     cuts = sorted(random.Random(7).sample(range(1, len(text)), 20))
     async with running(plan) as runtime:
         for _ in range(voice_replicas):  # with two replicas, both serve in turn
@@ -222,7 +221,7 @@ async def test_a_thinker_streaming_into_the_voice_gives_the_speech_models_audio(
             result = await handle.result()
             assert len(chunks) >= 2 and b"".join(chunks) == expected
             assert result["sentences"] == 4 and result["sample_rate"] == 24000
-            handle = runtime.submit(plan.models["speech"], {"text": text, **SPEECH})
+            handle = runtime.submit(plan.models["speech"], speech_payload(text, SPEECH))
             assert b"".join([c["audio"] async for c in handle]) == expected
             await handle.result()
         # a text-only request of the omni model: the voice stays silent, the request completes

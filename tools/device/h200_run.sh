@@ -30,6 +30,13 @@
 #   stepbefore  omni-bench gpu-step (paged only) against BEFORE's engine (a checkout's root,
 #            default the tree this one sits in, ../..): the before side of a comparison
 #   step     omni-bench gpu-step --profile --host-profile against this tree's engine
+#   codec    tools/device/higgs_tokenizer_check.py: our Higgs audio tokenizer against the real
+#            torchaudio's reference (encode codes identical, decode SNR, graphs vs eager)
+#   qwen     the Qwen3-Omni GPU tests (the fused MoE kernel, the parts on CUDA), then
+#            omni-bench gpu-moe --sweep (the kernel against the per-expert loop and the floor)
+#   first    the README's "With a GPU" commands as written (a tiny random checkpoint, config
+#            resolve --show topology, the example served with no override, one speech
+#            request), then the GPU placement test
 # STEPS="tests handoff" picks steps (default: all five); TESTS the test files. Only what reads $OUT's limits (8 files)
 # lands there: the tables and the logs.
 set -uo pipefail
@@ -63,7 +70,7 @@ step() {  # step NAME SECONDS COMMAND...: run it (bounded), log it, say its exit
 }
 
 TESTS=${TESTS:-tests/transport/test_tensor_records.py tests/transport/test_cuda_ipc.py \
-  tests/runtime/test_cuda_packed.py tests/runtime/test_cuda_ipc.py tests/transport/test_ring.py}
+  tests/wire/test_cuda_packed.py tests/wire/test_cuda_ipc.py tests/transport/test_ring.py}
 step tests 120 python3 -m pytest -q -p no:cacheprovider -rs $TESTS
 TAIL=12 step handoff 150 python3 -m omni_bench.gpu_handoff --compare --requests 200 --warmup 20 \
   --rounds 2 --sizes-mib 1,64
@@ -87,9 +94,9 @@ TAIL=16 PYTHONPATH=$BEFORE/server:${PYTHONPATH#*/server:} step higgsbefore "${HI
   --repo "$BEFORE/examples/higgs-audio-v2" --out /tmp/higgs-before ${HIGGS_BEFORE_ARGS:-}
 cp /tmp/higgs-before/higgs_serve.md "$OUT/higgs_before.md" 2>/dev/null
 step tier "${TIER_S:-300}" python3 -m pytest -q -p no:cacheprovider -m "gpu or gpu2" -rs \
-  tests/transport/test_cuda_ipc.py tests/runtime/test_cuda_ipc.py tests/engine/test_cuda_graphs.py \
-  tests/engine/test_paged_decode.py tests/engine/test_memory_gpu.py tests/runtime/test_oom.py \
-  tests/runtime/test_gpu_start.py tests/runtime/test_mps.py tests/runtime/test_weight_share_gpu.py
+  tests/transport/test_cuda_ipc.py tests/wire/test_cuda_ipc.py tests/engine/test_cuda_graphs.py \
+  tests/engine/test_paged_decode.py tests/engine/test_memory_gpu.py tests/gpu/test_oom.py \
+  tests/gpu/test_gpu_start.py tests/gpu/test_mps.py tests/gpu/test_weight_share_gpu.py
 BEFORE_PY="PYTHONPATH=$BEFORE_TREE/server:$BEFORE_TREE/tools:$BEFORE_TREE/clients:$BEFORE_TREE/transport_ext:/tmp/site"
 PARTS="env $BEFORE_PY python3 tools/device/crossing_parts.py --label before"
 PARTS="$PARTS && python3 tools/device/crossing_parts.py --label after"
@@ -114,4 +121,10 @@ TAIL=200 PYTHONPATH=$BEFORE/server:$PWD/tools:${PYTHONPATH#*transport_ext:} step
   --host-profile --json "$OUT/stepbefore.json"
 TAIL=200 step step "${STEP_S:-240}" python3 -m omni_bench.gpu_step $STEP_ARGS --host-profile \
   --json "$OUT/step.json"
+TAIL=40 step codec "${CODEC_S:-240}" python3 tools/device/higgs_tokenizer_check.py \
+  --out /tmp/higgs-tokenizer-check
+TAIL=60 step qwen "${QWEN_S:-240}" bash -c "python3 -m pytest -q -p no:cacheprovider -rs \
+  tests/models/qwen3_omni/test_moe_triton.py tests/models/qwen3_omni/test_gpu.py \
+  && python3 -m omni_bench.gpu_moe --sweep"
+TAIL=40 step first "${FIRST_S:-240}" bash tools/device/first_gpu_run.sh
 echo "left: $(ls /dev/shm | grep -c '^omni-') /dev/shm segments, $(pgrep -fc omni_server) servers"

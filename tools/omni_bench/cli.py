@@ -15,6 +15,7 @@
     omni-bench gpu-handoff  a CUDA tensor between two stage processes (omni_bench.gpu_handoff)
     omni-bench gpu-memory   the engine's KV cache sized from a GPU fraction (omni_bench.gpu_memory)
     omni-bench gpu-step     the engine's decode step vs a static-cache graph and the HBM floor
+    omni-bench gpu-moe      Qwen3-Omni's MoE experts: plain loop vs fused Triton vs the HBM floor
     omni-bench reload       a model reload's time to serving and extra memory (omni_bench.reload)
 
 Each subcommand module exposes `main(argv) -> int`; modules load only when their subcommand
@@ -43,6 +44,7 @@ SUBCOMMANDS = {
     "gpu-handoff": ("omni_bench.gpu_handoff", "a CUDA tensor from stage to stage, one GPU"),
     "gpu-memory": ("omni_bench.gpu_memory", "KV cache sized from a GPU fraction: the terms, peaks"),
     "gpu-step": ("omni_bench.gpu_step", "engine decode step vs naive static-cache graph, floor"),
+    "gpu-moe": ("omni_bench.gpu_moe", "Qwen3-Omni MoE experts: loop vs fused Triton, floor"),
     "reload": ("omni_bench.reload", "model reload: time to serving, memory of both versions"),
     "random-checkpoint": ("omni_bench.random_checkpoint", "random-weight HF checkpoint folders"),
     "higgs-serve": ("omni_bench.higgs_serve", "Higgs Audio v2 served: TTFA, underrun, replicas"),

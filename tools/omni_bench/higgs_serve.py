@@ -39,8 +39,7 @@ from typing import Any, NamedTuple
 from omni_bench import speech
 from omni_bench.harness import tables
 from omni_bench.harness.server import OmniServer
-from omni_server.compiler.compiler import compile_repository
-from omni_server.compiler.plan import DeviceRequest, MachineFacts
+from omni_server.compiler import DeviceRequest, MachineFacts, compile_repository
 
 # the example repository, relative to where the bench runs (a source checkout), as --repo
 # defaults elsewhere: an installed omni_bench has no examples/ beside it

@@ -4,10 +4,10 @@ in-process floor, and how the voice tests drive the stages.
 Everything a served request would go through up to the stages is the server's own code: the
 repository is compiled (`compile_repository`), each backend is loaded by the runtime's loader
 (`load_backend`) and initialized with the context a stage host gives it, and a request's entry
-inputs follow the speech pipeline contract (the seven fields the speech endpoint hands its
-model's entry stage). Only the runtime is left out: `InProcessVoice` chains the speech model's
-three stream stages as the pipeline does: each stage's generate() feeds the request stream of
-its `stream_to` stage.
+inputs follow the speech pipeline contract (the text and the typed `SpeechOptions` the speech
+endpoint hands its model's entry stage). Only the runtime is left out: `InProcessVoice` chains
+the speech model's three stream stages as the pipeline does: each stage's generate() feeds the
+request stream of its `stream_to` stage.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 from omni_server.backend import Payload, Request, StageContext
 from omni_server.compiler import ModelSpec, Plan, compile_repository
+from omni_server.contracts import SpeechOptions, speech_payload
 from omni_server.stage import load_backend
 
 
@@ -114,19 +115,19 @@ class InProcessVoice:
     ) -> Payload:
         """The entry stage's inputs, as the speech endpoint builds them from a request with these
         fields (the voice by its canonical name; `stream`: the body may be encoded as it goes).
-        Not validated as the endpoint would: the voice tests feed the stages inputs the
-        endpoint refuses ("..."), which other pipelines may still send them. The served
+        The text is not checked as the endpoint would: the voice tests feed the stages texts
+        the endpoint refuses ("..."), which other pipelines may still send them. The served
         clips transcribing exactly like these when seeded (tests/bench) keeps the two alike."""
         voice = voice or self.model.default_voice or self.model.voices[0]
-        return {
-            "text": text,
-            "voice": self.model.voice_aliases.get(voice, voice),
-            "speed": speed,
-            "seed": seed,
-            "response_format": response_format,
-            "stream": stream,
-            "sample_rate": sample_rate,
-        }
+        options = SpeechOptions(
+            self.model.voice_aliases.get(voice, voice),
+            response_format=response_format,
+            stream=stream,
+            speed=speed,
+            seed=seed,
+            sample_rate=sample_rate,
+        )
+        return speech_payload(text, options)
 
     def frontend_chunks(self, inputs: Payload) -> Iterator[Payload]:
         """The frontend's chunks (one per sentence) for entry inputs."""

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from omni_bench.harness import tables
 from omni_server.compiler import compile_repository
+from omni_server.contracts import SpeechOptions, speech_payload
 from omni_server.pipeline import Runtime
 
 # the embedded repository, from the working directory (a source checkout) unless the
@@ -49,11 +50,8 @@ async def speak(runtime: Runtime, model, seed: int) -> tuple[float, float]:
     """(TTFA, total) seconds of one streamed request."""
     start = time.perf_counter()
     first = None
-    handle = runtime.submit(
-        model,
-        {"text": PARAGRAPH, "voice": "joe", "speed": 1.0, "seed": seed,
-         "response_format": "pcm", "stream": True, "sample_rate": None},
-    )  # fmt: skip
+    speech = SpeechOptions("joe", response_format="pcm", stream=True, seed=seed)
+    handle = runtime.submit(model, speech_payload(PARAGRAPH, speech))
     async for _chunk in handle:
         if first is None:
             first = time.perf_counter() - start

@@ -1,7 +1,8 @@
 """Preprocessing: an OpenAI speech request -> the conversation the reference processor renders.
 
-Inputs: the speech contract (docs/voice.md: text, voice, speed, seed, response_format, stream,
-sample_rate) and `instructions`, `temperature` (docs/serving.md). The conversation is the one
+Inputs: `text` and `speech`, the typed `contracts.SpeechOptions` (docs/backends.md: voice,
+speed, seed, response_format, stream, sample_rate, reference, instructions, temperature). The
+conversation is the one
 bosonai documents for TTS: the system message (the request's `instructions`, else the stage's
 `system`) with the scene description inside the system turn, then the text. A voice with a clip
 is cloned as the reference does it: its transcript as a user turn and its clip as the
@@ -13,14 +14,15 @@ compiled plan's, so `--models.<id>.voices` overrides count) and the custom voice
 model's `default_voice` is a clip in voices/ (`<name>.wav`, 24 kHz mono or any rate and
 channels the decoder reads) with its transcript (`<name>.txt`); the default voice has no clip
 (the model's own speaker). A custom voice arrives with its request as the speech contract's
-`reference` (docs/voices.md: its stored clip's path and its transcript). `VoiceLibrary.lookup`
-is the one place a voice becomes (clip path, transcript). Out: {"conversation", "prompt_text",
-"voice": {"name", "clip", "transcript", "custom"}, "sampling", "encoding"} to the audio encoder.
+`reference` (a `VoiceReference`, docs/voices.md: its stored clip's path and its transcript).
+`VoiceLibrary.lookup` is the one place a voice becomes (clip path, transcript). Out:
+{"conversation", "prompt_text", "voice": {"name", "clip", "transcript", "custom"}, "sampling",
+"encoding"} to the audio encoder.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from typing import Any
 from omni_server.audio.higgs_codec import HiggsCheckpointError, open_checkpoint
 from omni_server.backend import InvalidRequest, StageBackend, StageConfigError, StageContext
 from omni_server.compiler import ModelSpec
+from omni_server.contracts import SpeechOptions, VoiceReference
 from omni_server.engine import ChatTemplateError, HFTokenizer
 
 
@@ -64,12 +67,9 @@ class VoiceLibrary:
                 raise StageConfigError(f"voice {name!r}: {text} is empty")
             self.voices[name] = Voice(name, clip, transcript)
 
-    def lookup(self, name: str, reference: Mapping[str, Any] | None = None) -> Voice:
+    def lookup(self, name: str, reference: VoiceReference | None = None) -> Voice:
         if reference is not None:  # a custom voice: the server found it in its store
-            transcript = str(reference.get("transcript") or "").strip()
-            if reference.get("id") != name or not transcript:
-                raise ValueError(f"voice {name!r}: a reference without its id or transcript")
-            return Voice(name, Path(reference["path"]), transcript, custom=True)
+            return Voice(name, Path(reference.path), reference.transcript.strip(), custom=True)
         voice = self.voices.get(name)
         if voice is None:  # the server checked the name against the model's voices
             raise InvalidRequest(
@@ -96,8 +96,9 @@ class Preprocessing(StageBackend):
         text = inputs.get("text")
         if not isinstance(text, str) or not text.strip():
             raise InvalidRequest("'input' is empty", param="input")
-        voice = self.voices.lookup(str(inputs.get("voice")), inputs.get("reference"))
-        conversation = self.conversation(text, voice, inputs.get("instructions"))
+        speech = SpeechOptions.of(inputs)
+        voice = self.voices.lookup(speech.voice, speech.reference)
+        conversation = self.conversation(text, voice, speech.instructions)
         try:
             prompt_text = self.tokenizer.apply_chat_template(conversation)
         except ChatTemplateError as err:
@@ -111,17 +112,19 @@ class Preprocessing(StageBackend):
                 "transcript": voice.transcript,
                 "custom": voice.custom,
             },
-            "sampling": {"temperature": inputs.get("temperature"), "seed": inputs.get("seed")},
+            "sampling": {"temperature": speech.temperature, "seed": speech.seed},
             "encoding": {
-                "format": inputs.get("response_format", "pcm"),
-                "stream": bool(inputs.get("stream", True)),
-                "sample_rate": inputs.get("sample_rate"),
-                "speed": float(inputs.get("speed", 1.0)),
+                "format": speech.response_format,
+                "stream": speech.stream,
+                "sample_rate": speech.sample_rate,
+                "speed": speech.speed,
             },
         }
 
-    def conversation(self, text: str, voice: Voice, instructions: Any) -> list[dict[str, Any]]:
-        system = instructions if isinstance(instructions, str) and instructions else self.system
+    def conversation(
+        self, text: str, voice: Voice, instructions: str | None
+    ) -> list[dict[str, Any]]:
+        system = instructions or self.system
         messages: list[dict[str, Any]] = [_turn("system", system)]
         if self.scene:
             messages.append(_turn("scene", self.scene))

@@ -114,9 +114,18 @@ class _Sink(io.RawIOBase):
 class AudioEncoder:
     """One clip's encoder: `encode(block)`* then `finish()` once. Not thread-safe."""
 
-    def __init__(self, response_format: str, sample_rate: int, *, streaming: bool) -> None:
+    def __init__(
+        self,
+        response_format: str,
+        sample_rate: int,
+        *,
+        streaming: bool,
+        bit_rate: int | None = None,
+    ) -> None:
+        """`bit_rate` (bits/s) overrides the format's speech default (mp3, opus, aac only)."""
         check_sample_rate(response_format, sample_rate)
         self.format, self.sample_rate, self.streaming = response_format, sample_rate, streaming
+        self._bit_rate = bit_rate or _BITRATES.get(response_format)
         self.samples = 0  # samples encoded so far
         self._finished = False
         self._pcm: list[bytes] = []  # non-streamed wav / pcm: the samples, joined at finish()
@@ -137,8 +146,8 @@ class AudioEncoder:
             self._out, mode="w", format=container_format, container_options=options
         )
         stream = self._container.add_stream(codec, rate=self.sample_rate, layout="mono")
-        if self.format in _BITRATES:
-            stream.bit_rate = _BITRATES[self.format]
+        if self._bit_rate is not None:
+            stream.bit_rate = self._bit_rate
         self._stream = stream
 
     def encode(self, samples: np.ndarray) -> bytes:

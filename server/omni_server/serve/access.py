@@ -9,7 +9,8 @@ Three middlewares, outermost first (app.py installs them in this order):
                `Origin` which is neither the server's own nor allowed is refused: browsers send
                cross-origin "simple" POSTs without a preflight, so ignoring CORS is not enough
   api_key      with `--api-key`, every route except the open ones needs `Authorization: Bearer`
-               with that key, compared in constant time
+               with that key (or ElevenLabs' `xi-api-key` header, which their SDK sends),
+               compared in constant time
 
 Every refusal is OpenAI's error JSON; none echoes what the client sent.
 """
@@ -36,6 +37,7 @@ PREFLIGHT_MAX_AGE_S = 600
 # Browsers cannot set Authorization on a WebSocket; OpenAI's realtime API takes the key as a
 # subprotocol instead, and so do we.
 WS_KEY_PROTOCOL = "openai-insecure-api-key."
+ELEVENLABS_KEY_HEADER = "xi-api-key"  # ElevenLabs' SDK sends the key in this header
 CORS_ORIGIN = web.RequestKey("omni_cors_origin", str)  # set on requests from allowed origins
 
 
@@ -176,6 +178,8 @@ def _presented_key(request: web.Request) -> str | None:
     scheme, _, key = request.headers.get(hdrs.AUTHORIZATION, "").partition(" ")
     if scheme.lower() == "bearer" and key.strip():
         return key.strip()
+    if request.headers.get(ELEVENLABS_KEY_HEADER, "").strip():
+        return request.headers[ELEVENLABS_KEY_HEADER].strip()
     for protocol in request.headers.get(hdrs.SEC_WEBSOCKET_PROTOCOL, "").split(","):
         protocol = protocol.strip()
         if protocol.startswith(WS_KEY_PROTOCOL):

@@ -20,12 +20,12 @@ from omni_server.serve import (
     chat_request,
     health,
     models,
+    multipart,
     openapi,
     repository_api,
     speech,
     speech_stream,
     transcription,
-    transcription_request,
     voices,
 )
 from omni_server.serve.access import add_cors_headers, api_key, cors, host_guard
@@ -94,13 +94,14 @@ def create_app(
     app.router.add_post("/v1/chat/completions", chat.create_chat_completion)
     app.router.add_get("/v1/realtime", realtime)
     app.router.add_get(speech_stream.PATH, speech_stream.stream_input)
+    app.router.add_get(speech_stream.ELEVENLABS_PATH, speech_stream.stream_input)
     app.router.add_get("/v1/audio/voices", voices.list_voices)
     app.router.add_post("/v1/audio/voices", voices.create_voice)
     app.router.add_delete("/v1/audio/voices/{voice}", voices.delete_voice)
     state.body_limits["/v1/audio/voices"] = voices.BODY_LIMIT
     state.body_limits["/v1/chat/completions"] = chat_request.MAX_BODY_BYTES  # input_audio
     state.body_limits["/v1/audio/transcriptions"] = (
-        transcription_request.MAX_FILE_BYTES + transcription_request.FORM_OVERHEAD_BYTES
+        multipart.MAX_FILE_BYTES + multipart.FORM_OVERHEAD_BYTES
     )
     app.router.add_get("/v1/models", models.list_models)
     app.router.add_get("/v1/models/{model}", models.retrieve_model)

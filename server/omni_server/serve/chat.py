@@ -35,6 +35,7 @@ from typing import Any
 
 from aiohttp import web
 
+from omni_server.contracts import AsrOptions
 from omni_server.pipeline import PipelineError, RequestHandle
 from omni_server.serve.admission import RATE_LIMITED
 from omni_server.serve.body import read_json
@@ -57,7 +58,6 @@ from omni_server.serve.pipeline_call import (
     submitted,
 )
 from omni_server.serve.state import ServerState
-from omni_server.serve.transcription_request import asr_inputs
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ async def hear_audio_parts(state: ServerState, chat: ChatRequest) -> ChatRequest
 
     async def hear(part: AudioPart) -> tuple[str, str]:
         try:
-            async with submitted(state, asr, asr_inputs(part.data)) as handle:
+            async with submitted(state, asr, AsrOptions().payload(part.data)) as handle:
                 result = await handle.result()
         except PipelineError as exc:
             if exc.code == "invalid_request" and exc.error_code == RATE_LIMITED:

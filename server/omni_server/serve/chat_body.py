@@ -19,7 +19,7 @@ from pydantic import (
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError, core_schema
 
-from omni_server.serve.speech_request import MAX_SEED, Voice
+from omni_server.contracts import MAX_SEED
 from omni_server.serve.validation import (
     Between,
     Integer,
@@ -31,6 +31,7 @@ from omni_server.serve.validation import (
     refuse,
     tag,
 )
+from omni_server.serve.voice_catalog import Voice
 
 ROLES = ("system", "developer", "user", "assistant")
 # Bounds on the shape of a body (its bytes are bounded by the body limit): a message list this

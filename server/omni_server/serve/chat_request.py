@@ -1,6 +1,5 @@
 """`POST /v1/chat/completions`: the body parsed as declared (`ChatBody`, serve/chat_body.py),
-then what depends on the model; and the thinker's inputs, for every endpoint that asks the
-thinker (chat, realtime).
+then what depends on the model; the thinker's inputs are the typed `contracts.ChatInput`.
 
 Every rejection is a 400 naming the field (`param`, with OpenAI's paths such as
 `messages[2].content[0].type`) and what would be valid; an unknown model is a 404 listing the
@@ -20,7 +19,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from omni_server.audio.encode import OPENAI_SAMPLE_RATE
-from omni_server.compiler.plan import NO_SAMPLING, ModelSpec, Plan, SamplingSpec
+from omni_server.compiler.plan import ModelSpec, Plan
+from omni_server.contracts import ChatInput, Message, Sampling, SpeechOptions, VoiceReference
 from omni_server.serve.chat_body import (
     AUDIO_FORMATS,
     MAX_INPUT_AUDIO_BYTES,
@@ -36,9 +36,8 @@ from omni_server.serve.chat_body import (
 )
 from omni_server.serve.errors import invalid_field
 from omni_server.serve.models import resolve_model
-from omni_server.serve.speech_request import choose_voice, speech_options
 from omni_server.serve.validation import model_name, names, parse
-from omni_server.serve.voice_catalog import VoiceCatalog
+from omni_server.serve.voice_catalog import VoiceCatalog, choose_voice
 
 TASK = "chat"
 MAX_BODY_BYTES = 32 << 20  # a chat body may carry base64 audio (4/3 of its bytes)
@@ -50,7 +49,7 @@ class AudioOut:
 
     voice: str
     format: str  # OpenAI's name (wav, aac, mp3, flac, opus, pcm16)
-    reference: dict[str, Any] | None = None  # a custom voice's clip (docs/voices.md)
+    reference: VoiceReference | None = None  # a custom voice's clip (docs/voices.md)
 
     @property
     def response_format(self) -> str:  # the audio encoder's name (pcm16 -> pcm)
@@ -73,15 +72,9 @@ class ChatRequest:
     # {"role": system|user|assistant, "content": str}; a user message with input_audio parts
     # holds a tuple of str and AudioPart until `transcribed` replaces the audio by its text
     messages: tuple[dict[str, Any], ...]
-    # the sampling fields as the thinker gets them: the request's, else the model's defaults
-    # (its [sampling]), else OpenAI's (resolve_sampling)
-    max_tokens: int | None  # None: up to the context
-    temperature: float
-    top_p: float
-    top_k: int  # extension (vLLM's and SGLang's name): 0 is off
-    min_p: float  # extension: 0.0 is off
-    seed: int | None
-    stop: tuple[str, ...]
+    # as the thinker gets it: the request's fields, else the model's defaults (its
+    # [sampling]), else OpenAI's (Sampling.resolve)
+    sampling: Sampling
     stream: bool
     include_usage: bool  # stream_options.include_usage: a usage chunk before [DONE]
     audio: AudioOut | None  # None: text only
@@ -107,101 +100,28 @@ class ChatRequest:
             messages.append({**message, "content": content})
         return replace(self, messages=tuple(messages))
 
-    def pipeline_inputs(self) -> dict[str, Any]:
-        """The entry stage's inputs: the chat contract with the thinker (docs/serving.md)."""
+    def thinker_input(self) -> ChatInput:
+        """The thinker's contract (docs/serving.md): the transcribed messages, the sampling,
+        and the voice's options when the answer is spoken."""
         assert not self.audio_parts, "audio parts are transcribed before the thinker runs"
         speech = None
         if self.audio is not None:
             # every format at OpenAI's 24 kHz, as its audio models answer (the voice's native
             # rate is 22.05 kHz for the embedded voice): the audio encoder resamples once
-            speech = speech_options(
+            speech = SpeechOptions(
                 self.audio.voice,
                 response_format=self.audio.response_format,
                 stream=self.stream,
-                seed=self.seed,
+                seed=self.sampling.seed,
                 sample_rate=OPENAI_SAMPLE_RATE,
                 reference=self.audio.reference,
             )
-        return thinker_inputs(
-            [dict(m) for m in self.messages],
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            seed=self.seed,
-            stop=self.stop,
-            speech=speech,
-        )
+        messages = tuple(Message(m["role"], m["content"]) for m in self.messages)
+        return ChatInput(messages, self.sampling, speech)
 
-
-# What a request gets for a field that neither it nor its model's [sampling] sets: OpenAI's
-# defaults, top_k and min_p off; max_tokens None is up to the context.
-OPENAI_SAMPLING = SamplingSpec(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0)
-
-
-def resolve_sampling(
-    defaults: SamplingSpec,
-    *,
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    min_p: float | None = None,
-) -> dict[str, Any]:
-    """Each sampling field as the thinker gets it: the request's value (None: left out), else
-    the model's default (`defaults`, its entry stage's [sampling]), else OpenAI's."""
-    asked = {
-        "max_tokens": max_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "min_p": min_p,
-    }
-    return {
-        name: next(
-            (
-                v
-                for v in (value, getattr(defaults, name), getattr(OPENAI_SAMPLING, name))
-                if v is not None
-            ),
-            None,
-        )
-        for name, value in asked.items()
-    }
-
-
-def thinker_inputs(
-    messages: list[dict[str, Any]],
-    *,
-    defaults: SamplingSpec = NO_SAMPLING,
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    min_p: float | None = None,
-    seed: int | None = None,
-    stop: tuple[str, ...] = (),
-    speech: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The thinker's inputs in the chat contract (docs/serving.md), for every endpoint that asks
-    it: chat and realtime. A sampling field left None is the model's default (`defaults`), else
-    OpenAI's (`resolve_sampling`); `speech`, from `speech_options`, is None for a text answer."""
-    sampling = resolve_sampling(
-        defaults,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-    )
-    return {
-        "messages": messages,
-        **sampling,
-        "seed": seed,
-        "stop": list(stop),
-        "speech": speech,
-    }
+    def pipeline_inputs(self) -> dict[str, Any]:
+        """The entry stage's inputs: the thinker's contract."""
+        return self.thinker_input().payload()
 
 
 def chat_model(body: Any, plan: Plan) -> ModelSpec:
@@ -233,20 +153,20 @@ def parse_chat_request(
             "stream_options", "'stream_options' is only allowed when 'stream' is true"
         )
     stop = fields.stop
-    sampling = resolve_sampling(
+    sampling = Sampling.resolve(
         model.sampling,
         max_tokens=current if current is not None else legacy,
         temperature=fields.temperature,
         top_p=fields.top_p,
         top_k=fields.top_k,
         min_p=fields.min_p,
+        seed=fields.seed,
+        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
     )
     return ChatRequest(
         model=model,
         messages=tuple(_message(i, m) for i, m in enumerate(fields.messages)),
-        **sampling,
-        seed=fields.seed,
-        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+        sampling=sampling,
         stream=fields.stream,
         include_usage=bool(fields.stream_options and fields.stream_options.include_usage),
         audio=_audio_out(fields, model, voices),

@@ -23,8 +23,15 @@ from omni_server.serve import repository_api
 from omni_server.serve.access import OPEN_PATHS
 from omni_server.serve.chat_body import ChatBody
 from omni_server.serve.speech_request import SpeechBody
+from omni_server.serve.speech_stream import ELEVENLABS_PATH
 from omni_server.serve.speech_stream import PATH as STREAM_INPUT_PATH
 from omni_server.serve.state import STATE, ServerState
+from omni_server.serve.stream_settings import (
+    DEFAULT_FORMAT,
+    DEFAULT_INACTIVITY_S,
+    ELEVENLABS_DEFAULT_FORMAT,
+    MAX_INACTIVITY_S,
+)
 from omni_server.serve.transcription_request import TranscriptionForm
 from omni_server.serve.voice_catalog import VoiceCatalog
 from omni_server.serve.voices import VoiceForm
@@ -62,6 +69,7 @@ def document(state: ServerState) -> Schema:
         "/v1/chat/completions": {"post": _chat(plan)},
         "/v1/realtime": {"get": _realtime(plan)},
         STREAM_INPUT_PATH: {"get": _stream_input(plan)},
+        ELEVENLABS_PATH: {"get": _stream_input(plan, elevenlabs=True)},
         "/v1/audio/voices": {"get": _list_voices(plan), "post": _create_voice(state.voices)},
         "/v1/audio/voices/{voice}": {"delete": _delete_voice()},
         "/v1/models": {"get": _get("list the served models", _media(_MODEL_LIST))},
@@ -221,22 +229,43 @@ def _realtime(plan: Plan) -> Schema:
     }
 
 
-def _stream_input(plan: Plan) -> Schema:
-    """A WebSocket upgrade; the messages are docs/stream_input.md's (ElevenLabs' conventions)."""
+def _stream_input(plan: Plan, *, elevenlabs: bool = False) -> Schema:
+    """A WebSocket upgrade; the messages are docs/stream_input.md's (ElevenLabs' conventions).
+    ElevenLabs' path names the voice in the path and defaults to their SDK's mp3_44100_128."""
+    default_format = ELEVENLABS_DEFAULT_FORMAT if elevenlabs else DEFAULT_FORMAT
     query = {
         "model": _names_or_string(_model_names(plan, "speech")),
+        "model_id": _names_or_string(_model_names(plan, "speech")),
         "voice": _TEXT,
-        "output_format": {"type": "string", "pattern": "^pcm_[0-9]+$", "default": "pcm_24000"},
+        "output_format": {
+            "type": "string",
+            "pattern": "^(pcm_[0-9]+|mp3_[0-9]+(_[0-9]+)?|ulaw_8000|alaw_8000)$",
+            "default": default_format,
+        },
         "binary": {"type": "boolean", "default": False},
         "speed": {"type": "number", "minimum": 0.25, "maximum": 4.0},
         "seed": {"type": "integer", "minimum": 0},
+        "inactivity_timeout": {
+            "type": "number",
+            "exclusiveMinimum": 0,
+            "maximum": MAX_INACTIVITY_S,
+            "default": DEFAULT_INACTIVITY_S,
+        },
     }
+    parameters = [
+        {"name": name, "in": "query", "required": False, "schema": schema}
+        for name, schema in query.items()
+        if not (elevenlabs and name == "voice")
+    ]
+    if elevenlabs:
+        parameters.insert(0, {"name": "voice_id", "in": "path", "required": True, "schema": _TEXT})
     return {
-        "summary": "text in as it is written, audio out (pcm16), over a WebSocket",
-        "parameters": [
-            {"name": name, "in": "query", "required": False, "schema": schema}
-            for name, schema in query.items()
-        ],
+        "summary": (
+            "ElevenLabs' path of the text-in WebSocket (their SDK's convert_realtime)"
+            if elevenlabs
+            else "text in as it is written, audio out (pcm, mp3, G.711), over a WebSocket"
+        ),
+        "parameters": parameters,
         "responses": {
             "101": {"description": "switching to the WebSocket protocol"},
             "400": _error_response("a bad setting, or not a WebSocket upgrade request"),

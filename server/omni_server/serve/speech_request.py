@@ -1,6 +1,6 @@
 """`POST /v1/audio/speech`: the body declared (`SpeechBody`: OpenAI's fields plus our extensions),
-then what depends on the model and the options; and the voice's options, for every endpoint
-that speaks.
+then what depends on the model and the options; the voice's options travel as the typed
+`contracts.SpeechOptions`.
 
 Every rejection is a 400 naming the field (`param`) and what would be valid; an unknown model is
 a 404 listing the served ones; a field no one declares is refused as OpenAI refuses it
@@ -13,10 +13,18 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import Discriminator, Field
+from pydantic import Field
 
 from omni_server.audio import CONTENT_TYPES, DEFAULT_SAMPLE_RATES, FORMATS, check_sample_rate
 from omni_server.compiler.plan import ModelSpec, Plan
+from omni_server.contracts import (
+    MAX_SEED,
+    MAX_SPEECH_TEMPERATURE,
+    MAX_SPEED,
+    MIN_SPEED,
+    SpeechOptions,
+    speech_payload,
+)
 from omni_server.serve.errors import ApiError, invalid_field
 from omni_server.serve.models import resolve_model
 from omni_server.serve.options import ESTIMATE_CHARS_PER_SECOND, ServeOptions
@@ -27,17 +35,13 @@ from omni_server.serve.validation import (
     Text,
     extension,
     model_name,
-    names,
     parse,
-    tag,
 )
-from omni_server.serve.voice_catalog import VoiceCatalog, VoiceChoice
+from omni_server.serve.voice_catalog import Voice, VoiceCatalog, choose_voice
 
 # Letters, numbers and symbols ("$", "%", emoji) are what a voice can say; an input of only
 # punctuation, spaces, marks or invisible characters ("....", U+200B) has nothing to speak.
 SPEAKABLE_CATEGORIES = frozenset("LNS")
-MIN_SPEED, MAX_SPEED = 0.25, 4.0
-MAX_SEED = 2**63 - 1
 PCM_SAMPLE_RATE = DEFAULT_SAMPLE_RATES["pcm"]  # OpenAI's pcm: 24 kHz, s16le, mono
 ResponseFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 assert get_args(ResponseFormat) == FORMATS, "the encoder's formats are the ones declared"
@@ -45,29 +49,6 @@ StreamFormat = Literal["audio", "sse"]
 STREAM_FORMATS: tuple[str, ...] = get_args(StreamFormat)
 # OpenAI streams speech unless told otherwise: a request without `stream_format` gets "audio".
 DEFAULT_STREAM_FORMAT: StreamFormat = "audio"
-
-
-class VoiceId(RequestModel):
-    """OpenAI's object form of `voice` (its custom voices)."""
-
-    id: str
-
-
-def _voice_kind(value: Any) -> str | None:
-    # an object without "id" is no voice object: refused as a whole, not as a missing "id"
-    if isinstance(value, str):
-        return "<string>"
-    return "<object>" if isinstance(value, dict) and "id" in value else None
-
-
-Voice = Annotated[
-    Annotated[str, tag("string")] | Annotated[VoiceId, tag("object")],
-    Discriminator(
-        _voice_kind,
-        custom_error_type="invalid_type",
-        custom_error_message='must be a voice name or an object {"id": name}',
-    ),
-]
 
 
 class SpeechBody(RequestModel):
@@ -96,7 +77,7 @@ class SpeechBody(RequestModel):
     seed: Annotated[Integer, Between(0, MAX_SEED)] | None = extension(
         "the same seed gives bit-identical audio"
     )
-    temperature: Annotated[float, Between(0.0, 2.0)] | None = extension(
+    temperature: Annotated[float, Between(0.0, MAX_SPEECH_TEMPERATURE)] | None = extension(
         "sampling temperature of a model that samples its audio (0: greedy); absent: the "
         "model's default; the embedded Piper voice ignores it"
     )
@@ -109,64 +90,24 @@ class SpeechBody(RequestModel):
 class SpeechRequest:
     model: ModelSpec
     text: str
-    voice: str  # canonical: one of model.voices
-    response_format: str
-    speed: float
     stream_format: str | None  # None: one whole response with a Content-Length ("stream": false)
-    seed: int | None
-    sample_rate: int | None
-    reference: dict[str, Any] | None = None  # a custom voice's clip (docs/voices.md)
-    instructions: str | None = None
-    temperature: float | None = None
+    options: SpeechOptions  # what the voice reads (the speech contract)
+
+    @property
+    def response_format(self) -> str:
+        return self.options.response_format
+
+    @property
+    def sample_rate(self) -> int | None:
+        return self.options.sample_rate
 
     @property
     def content_type(self) -> str:
         return CONTENT_TYPES[self.response_format]
 
     def pipeline_inputs(self) -> dict[str, Any]:
-        """The entry stage's inputs (the speech contract with the pipeline)."""
-        return {
-            "text": self.text,
-            **speech_options(
-                self.voice,
-                response_format=self.response_format,
-                stream=self.stream_format is not None,
-                speed=self.speed,
-                seed=self.seed,
-                sample_rate=self.sample_rate,
-                reference=self.reference,
-            ),
-            "instructions": self.instructions,
-            "temperature": self.temperature,
-        }
-
-
-def speech_options(
-    voice: str,
-    *,
-    response_format: str,
-    stream: bool,
-    speed: float = 1.0,
-    seed: int | None = None,
-    sample_rate: int | None = None,
-    reference: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The voice's options in the speech contract (docs/serving.md), for every endpoint that
-    speaks: speech (beside its text), chat with audio out and realtime (as `speech`). `stream`
-    says whether the audio may be encoded progressively or must be one whole file. A custom
-    voice adds `reference` (its clip and transcript, for the cloning stage: docs/voices.md);
-    a declared voice sends none, so the contract of voices that do not clone is unchanged."""
-    options = {
-        "voice": voice,
-        "speed": speed,
-        "seed": seed,
-        "response_format": response_format,
-        "stream": stream,
-        "sample_rate": sample_rate,
-    }
-    if reference is not None:
-        options["reference"] = reference
-    return options
+        """The entry stage's inputs: the text and the typed speech contract."""
+        return speech_payload(self.text, self.options)
 
 
 def speech_model(body: Any, plan: Plan) -> ModelSpec:
@@ -189,18 +130,22 @@ def parse_speech_request(
     text = _input_text(fields.input, options.max_input_chars)
     _check_audio_estimate(text, fields.speed, options.max_audio_seconds)
     voice = choose_voice(fields.voice, model, voices, "voice")
+    stream_format = _stream_format(fields)
     return SpeechRequest(
         model=model,
         text=text,
-        voice=voice.name,
-        reference=voice.reference,
-        response_format=fields.response_format,
-        speed=fields.speed,
-        stream_format=_stream_format(fields),
-        seed=fields.seed,
-        sample_rate=_sample_rate(fields.sample_rate, fields.response_format),
-        instructions=fields.instructions,
-        temperature=fields.temperature,
+        stream_format=stream_format,
+        options=SpeechOptions(
+            voice=voice.name,
+            reference=voice.reference,
+            response_format=fields.response_format,
+            stream=stream_format is not None,
+            speed=fields.speed,
+            seed=fields.seed,
+            sample_rate=_sample_rate(fields.sample_rate, fields.response_format),
+            instructions=fields.instructions,
+            temperature=fields.temperature,
+        ),
     )
 
 
@@ -263,23 +208,6 @@ def _stream_format(fields: SpeechBody) -> str | None:
             )
         return None
     return fields.stream_format
-
-
-def choose_voice(
-    sent: str | VoiceId, model: ModelSpec, voices: VoiceCatalog | None, param: str
-) -> VoiceChoice:
-    """The voice a request names (a name or `{"id": ...}`), for every endpoint that speaks;
-    400 naming `param` and the valid voices when the model has no such voice."""
-    raw = sent.id if isinstance(sent, VoiceId) else sent
-    catalog = voices if voices is not None else VoiceCatalog.declared_only()
-    choice = catalog.resolve(model, raw)
-    if choice is None:
-        raise invalid_field(
-            param,
-            f"unknown voice '{raw[:80]}' for model '{model.id}'; valid voices: "
-            f"{names(catalog.names(model))}",
-        )
-    return choice
 
 
 def _sample_rate(rate: int | None, response_format: str) -> int | None:

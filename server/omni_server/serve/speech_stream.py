@@ -1,4 +1,5 @@
-"""`GET /v1/audio/speech/stream-input`: text in as it is written, audio out, over a WebSocket.
+"""`GET /v1/audio/speech/stream-input` and ElevenLabs' `GET /v1/text-to-speech/{voice_id}/
+stream-input`: text in as it is written, audio out, over a WebSocket.
 
 The protocol follows ElevenLabs' input streaming (docs/stream_input.md). Client messages are
 JSON text frames:
@@ -7,14 +8,17 @@ JSON text frames:
   {"cancel": true}                     drop the buffered text, stop the sentence being spoken
   {"text": ""}                         the end: speak what is left, send {"isFinal": true}, close
 The first message may also carry the settings (else the query's): `model`, `voice`,
-`output_format` (`pcm_<rate>`), `binary` (audio as binary frames instead of JSON), `speed`,
-`seed`; ElevenLabs' `voice_settings` (its `speed`), `generation_config` and
-`try_trigger_generation` are accepted.
+`output_format` (ElevenLabs' names: `pcm_24000`, `mp3_44100_128`, `ulaw_8000`, ...), `binary`
+(audio as binary frames instead of JSON), `speed`, `seed`; ElevenLabs' `voice_settings` (its
+`speed`), `generation_config` and `try_trigger_generation` are accepted.
 
-The server sends `{"audio": base64 pcm16, "isFinal": false, ...}` (or each chunk as one binary
-frame), `{"isFinal": true}` after the last audio, `{"cancelled": true}` after a cancel, and
-`{"error": {OpenAI's error object}}` for a bad message (the socket stays open) or a failure (the
-socket then closes with 1011, and no `isFinal`: a client never takes a cut stream for whole).
+The server sends `{"audio": base64 bytes, "isFinal": false, ...}` (or each chunk as one binary
+frame), `{"isFinal": true}` after the last audio, `{"cancelled": true}` after a cancel, and an
+error for a bad message (the socket stays open) or a failure (the socket then closes, 1008 for
+the client's fault, 1011 for the server's, and no `isFinal`: a client never takes a cut stream
+for whole). The path picks the error's shape: ours sends OpenAI's `{"error": {...}}`, ElevenLabs'
+path sends theirs, `{"message", "error", "code"}` (their SDK reads `message`), and defaults to
+their SDK's `mp3_44100_128`.
 
 Each complete sentence is one speech request of the model through the one request path
 (serve/pipeline_call.py: admission, submit, abort on leaving), spoken in order; the next
@@ -36,22 +40,28 @@ from typing import Any
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from omni_server.compiler.plan import ModelSpec
+from omni_server.contracts import SpeechOptions, speech_payload
 from omni_server.pipeline import PipelineError
 from omni_server.serve.errors import ApiError
 from omni_server.serve.pipeline_call import admitted, request_error, submitted
 from omni_server.serve.sentences import SentenceBuffer, speakable
-from omni_server.serve.speech_request import speech_options
 from omni_server.serve.state import STATE, ServerState
-from omni_server.serve.stream_settings import Settings, read_settings
+from omni_server.serve.stream_formats import StreamEncoder
+from omni_server.serve.stream_settings import (
+    DEFAULT_FORMAT,
+    ELEVENLABS_DEFAULT_FORMAT,
+    Settings,
+    read_settings,
+)
 
 log = logging.getLogger(__name__)
 
 PATH = "/v1/audio/speech/stream-input"
+ELEVENLABS_PATH = "/v1/text-to-speech/{voice_id}/stream-input"  # ElevenLabs' own, for their SDK
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_BUFFERED_CHARS = 4096  # text received and not yet spoken (pending and queued sentences)
 MAX_SENTENCE_CHARS = 400  # a run-on text is cut at a space past this
 MAX_SESSION_CHARS = 100_000
-IDLE_TIMEOUT_S = 20.0  # no client message for this long (ElevenLabs' default inactivity)
 MAX_SESSION_S = 900.0
 
 _SPEAKING = ("text", "flush", "cancel", "try_trigger_generation")
@@ -69,23 +79,29 @@ class _Closed(Exception):
 
 async def stream_input(request: web.Request) -> web.WebSocketResponse:
     state = request.app[STATE]
-    settings = read_settings(state, dict(request.query), None)  # ApiError: a 4xx, no upgrade
+    query = dict(request.query)
+    voice_id = request.match_info.get("voice_id")
+    elevenlabs = voice_id is not None  # their path: their defaults and error shape
+    if voice_id is not None:
+        query["voice"] = voice_id
+    default_format = ELEVENLABS_DEFAULT_FORMAT if elevenlabs else DEFAULT_FORMAT
+    # ApiError: a 4xx, no upgrade
+    settings = read_settings(state, query, None, default_format=default_format)
     assert settings is not None
     if not state.runtime.ready:
         raise ApiError(503, "the pipeline is not ready", code="unavailable")
     ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES, heartbeat=30.0)
     if not ws.can_prepare(request).ok:
         raise ApiError(
-            400, f"{PATH} is a WebSocket: send an upgrade request", code="invalid_request"
+            400, f"{request.path} is a WebSocket: send an upgrade request", code="invalid_request"
         )
     await ws.prepare(request)
-    session = SpeechStream(state, ws, settings, dict(request.query))
+    session = SpeechStream(state, ws, settings, query, elevenlabs=elevenlabs)
     try:
         await asyncio.wait_for(session.run(), MAX_SESSION_S)
     except TimeoutError:
         await session.fail(
-            ApiError(408, f"the session ran past {MAX_SESSION_S:g} s", code="session_expired"),
-            close=True,
+            ApiError(408, f"the session ran past {MAX_SESSION_S:g} s", code="session_expired")
         )
     finally:
         await session.close()
@@ -99,8 +115,13 @@ class SpeechStream:
         ws: web.WebSocketResponse,
         settings: Settings,
         query: dict[str, str],
+        *,
+        elevenlabs: bool = False,
     ) -> None:
         self.state, self.ws, self.settings, self._query = state, ws, settings, query
+        self.elevenlabs = elevenlabs  # ElevenLabs' path: their error shape and default format
+        self._default_format = ELEVENLABS_DEFAULT_FORMAT if elevenlabs else DEFAULT_FORMAT
+        self._encoder: StreamEncoder | None = None  # made once the settings are final
         self.buffer = SentenceBuffer(MAX_SENTENCE_CHARS)
         self._queue: asyncio.Queue[_Sentence] = asyncio.Queue()
         self._queued_chars = 0
@@ -115,18 +136,19 @@ class SpeechStream:
     async def run(self) -> None:
         self._speaker = asyncio.create_task(self._speak_all())
         while not self.ws.closed:
+            idle_s = self.settings.inactivity_timeout_s
             try:
-                message = await asyncio.wait_for(self.ws.receive(), IDLE_TIMEOUT_S)
+                message = await asyncio.wait_for(self.ws.receive(), idle_s)
             except TimeoutError:
                 if self._busy():
                     continue  # audio still being made: the client may be listening
                 await self.fail(
                     ApiError(
                         408,
-                        f'no message for {IDLE_TIMEOUT_S:g} s; send text, or {{"text": ""}} to end',
-                        code="idle_timeout",
-                    ),
-                    close=True,
+                        f'no message for {idle_s:g} s: send text, {{"text": " "}} to keep '
+                        f'the session, or {{"text": ""}} to end it',
+                        code="input_timeout_exceeded",
+                    )
                 )
                 return
             if message.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
@@ -158,14 +180,16 @@ class SpeechStream:
         first, self._first = self._first, False
         try:
             if first:
-                settings = read_settings(self.state, self._query, message)
+                settings = read_settings(
+                    self.state, self._query, message, default_format=self._default_format
+                )
                 assert settings is not None
                 self.settings = settings
             else:
                 read_settings(self.state, {}, message, only=_SPEAKING)
         except ApiError as err:
             if first:  # a session without valid settings cannot speak: it ends here
-                await self.fail(err, close=True, code=WSCloseCode.POLICY_VIOLATION)
+                await self.fail(err)
                 return
             await self._send_error(err)
             return
@@ -197,8 +221,7 @@ class SpeechStream:
                     f"the session's text passed {MAX_SESSION_CHARS} characters",
                     param="text",
                     code="session_text_too_long",
-                ),
-                close=True,
+                )
             )
             return
         for sentence in self.buffer.push(text):
@@ -234,6 +257,9 @@ class SpeechStream:
             while True:
                 sentence = await self._queue.get()
                 if sentence.final:
+                    tail = self._encoder.finish() if self._encoder is not None else b""
+                    if tail:  # an MP3 encoder's last frame
+                        await self._audio(tail)
                     await self._send({"isFinal": True})
                     await self.ws.close()
                     return
@@ -253,41 +279,47 @@ class SpeechStream:
     async def _speak(self, text: str) -> None:
         settings, state = self.settings, self.state
         model: ModelSpec = settings.model
-        inputs = {
-            "text": text,
-            **speech_options(
-                settings.voice.name,
-                response_format="pcm",
-                stream=True,
-                speed=settings.speed,
-                seed=settings.seed,
-                sample_rate=settings.sample_rate,
-                reference=settings.voice.reference,
-            ),
-        }
+        speech = SpeechOptions(
+            settings.voice.name,
+            response_format="pcm",
+            stream=True,
+            speed=settings.speed,
+            seed=settings.seed,
+            sample_rate=settings.output.rate,
+            reference=settings.voice.reference,
+        )
+        inputs = speech_payload(text, speech)
         try:
             async with admitted(state, model), submitted(state, model, inputs) as handle:
                 try:
                     async for chunk in handle:
                         audio = chunk.get("audio") if isinstance(chunk, dict) else None
                         if isinstance(audio, bytes | bytearray) and audio:
-                            await self._audio(bytes(audio))
+                            encoded = self._encoded(bytes(audio))
+                            if encoded:
+                                await self._audio(encoded)
                     await handle.result()
                 except PipelineError as exc:
                     log.warning("speech stream sentence %s failed: %s", handle.id, exc.message)
-                    await self.fail(request_error(exc, handle.id), close=True)
+                    await self.fail(request_error(exc, handle.id))
                     raise _Closed from exc
         except ApiError as err:  # not ready, no admission place
-            await self.fail(err, close=True)
+            await self.fail(err)
             raise _Closed from err
 
-    async def _audio(self, pcm: bytes) -> None:
+    def _encoded(self, pcm16: bytes) -> bytes:
+        """The voice's PCM16 in the session's format; one encoder for the whole session."""
+        if self._encoder is None:
+            self._encoder = StreamEncoder(self.settings.output)
+        return self._encoder.encode(pcm16)
+
+    async def _audio(self, data: bytes) -> None:
         if self.settings.binary:
-            await self._write(self.ws.send_bytes(pcm))
+            await self._write(self.ws.send_bytes(data))
         else:
             await self._send(
                 {
-                    "audio": base64.b64encode(pcm).decode("ascii"),
+                    "audio": base64.b64encode(data).decode("ascii"),
                     "isFinal": False,
                     "normalizedAlignment": None,
                     "alignment": None,
@@ -315,26 +347,37 @@ class SpeechStream:
 
     async def _send_error(self, err: ApiError) -> None:
         with contextlib.suppress(_Closed):
-            await self._send(_error_body(err))
+            await self._send(_error_body(err, elevenlabs=self.elevenlabs))
 
-    async def fail(
-        self, err: ApiError, *, close: bool, code: int = WSCloseCode.INTERNAL_ERROR
-    ) -> None:
-        """Tell the client why the session ends, then close (1011 by default; no isFinal)."""
+    async def fail(self, err: ApiError) -> None:
+        """Tell the client why the session ends, then close it (no isFinal): `close_code`."""
         await self._send_error(err)
-        if close and not self.ws.closed:
-            await self.ws.close(code=code, message=(err.code or "error").encode()[:120])
+        if not self.ws.closed:
+            await self.ws.close(code=close_code(err), message=(err.code or "error").encode()[:120])
 
     async def close(self) -> None:
         """The session is over: abort what it still has in the pipeline."""
         if self._speaker is not None and not self._speaker.done():
             self._speaker.cancel()
             await asyncio.gather(self._speaker, return_exceptions=True)
+        if self._encoder is not None:
+            self._encoder.close()
         if not self.ws.closed:
             await self.ws.close()
 
 
-def _error_body(err: ApiError) -> dict[str, Any]:
+def close_code(err: ApiError) -> int:
+    """1008 (policy violation) for what the client did: bad settings, inactivity, a session
+    too long; 1011 (internal error) for what the server could not do: a stage failed, the
+    model at capacity, not ready."""
+    if err.status < 500 and err.status != 429:
+        return WSCloseCode.POLICY_VIOLATION
+    return WSCloseCode.INTERNAL_ERROR
+
+
+def _error_body(err: ApiError, *, elevenlabs: bool) -> dict[str, Any]:
+    if elevenlabs:  # ElevenLabs' shape; `code` is the close code the error stands for
+        return {"message": err.message, "error": err.code or err.type, "code": close_code(err)}
     return {
         "error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
     }

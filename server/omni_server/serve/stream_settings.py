@@ -1,14 +1,20 @@
 """The settings of a speech input stream (serve/speech_stream.py): from the query string of the
 upgrade, then from the first message, which may override them; later messages carry text only.
 
-    model          a model id or alias that serves speech (default: the first one)
-    voice          a voice of it: declared, an alias or a custom voice id (required)
-    output_format  pcm_<rate>: 8000, 16000, 22050, 24000 (default), 44100 or 48000 Hz
-    binary         true: each audio chunk is one binary frame; false (default): JSON, base64
-    speed, seed    as the speech endpoint's
+    model              a model id or alias that serves speech (default: the first one)
+    voice              a voice of it: declared, an alias or a custom voice id (required; on
+                       ElevenLabs' path it is the path's `voice_id`)
+    output_format      ElevenLabs' names (serve/stream_formats.py): pcm_24000 (our path's
+                       default), mp3_44100_128 (ElevenLabs' path's default), ulaw_8000, ...
+    binary             true: each audio chunk is one binary frame; false (default): JSON, base64
+    speed, seed        as the speech endpoint's
+    inactivity_timeout seconds without a client message before the session ends (20; ElevenLabs'
+                       query parameter, at most 180)
 ElevenLabs' `model_id` names the model too; its `voice_settings` (only `speed` is read),
-`generation_config`, `try_trigger_generation` and `xi_api_key` are accepted. A key nobody
-declares is refused by name, as the HTTP endpoints refuse unknown fields.
+`generation_config`, `try_trigger_generation`, `xi_api_key`, `authorization` and
+`pronunciation_dictionary_locators` are accepted in a message, and its query parameters that
+change nothing here (`language_code`, `enable_logging`, ...) in the query. A key nobody declares
+is refused by name, as the HTTP endpoints refuse unknown fields.
 """
 
 from __future__ import annotations
@@ -17,17 +23,47 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from omni_server.audio import check_sample_rate
 from omni_server.compiler.plan import ModelSpec
+from omni_server.contracts import MAX_SEED, MAX_SPEED, MIN_SPEED
 from omni_server.serve.errors import ApiError, invalid_field
 from omni_server.serve.models import resolve_model
-from omni_server.serve.speech_request import MAX_SEED, MAX_SPEED, MIN_SPEED, choose_voice
 from omni_server.serve.state import ServerState
-from omni_server.serve.voice_catalog import VoiceChoice
+from omni_server.serve.stream_formats import OutputFormat, parse_output_format
+from omni_server.serve.voice_catalog import VoiceChoice, choose_voice
 
-DEFAULT_RATE = 24_000
-SETTINGS = ("model", "model_id", "voice", "output_format", "binary", "speed", "seed")
-ACCEPTED = ("voice_settings", "generation_config", "try_trigger_generation", "xi_api_key")
+DEFAULT_FORMAT = "pcm_24000"
+ELEVENLABS_DEFAULT_FORMAT = "mp3_44100_128"  # what ElevenLabs' SDK asks for unless told
+DEFAULT_INACTIVITY_S = 20.0  # ElevenLabs' default
+MAX_INACTIVITY_S = 180.0  # ElevenLabs' maximum
+SETTINGS = (
+    "model",
+    "model_id",
+    "voice",
+    "output_format",
+    "binary",
+    "speed",
+    "seed",
+    "inactivity_timeout",
+)
+ACCEPTED = (
+    "voice_settings",
+    "generation_config",
+    "try_trigger_generation",
+    "xi_api_key",
+    "authorization",
+    "pronunciation_dictionary_locators",
+)
+# ElevenLabs' query parameters that change nothing here (logging, SSML, latency modes, timing
+# data, language hints): accepted so their clients' URLs connect, and ignored.
+ACCEPTED_QUERY = (
+    "language_code",
+    "enable_logging",
+    "enable_ssml_parsing",
+    "optimize_streaming_latency",
+    "sync_alignment",
+    "auto_mode",
+    "apply_text_normalization",
+)
 MESSAGE = ("text", "flush", "cancel")
 
 
@@ -35,10 +71,11 @@ MESSAGE = ("text", "flush", "cancel")
 class Settings:
     model: ModelSpec
     voice: VoiceChoice
-    sample_rate: int
+    output: OutputFormat
     binary: bool
     speed: float
     seed: int | None
+    inactivity_timeout_s: float = DEFAULT_INACTIVITY_S
 
 
 def read_settings(
@@ -47,6 +84,7 @@ def read_settings(
     message: Mapping[str, Any] | None,
     *,
     only: Iterable[str] | None = None,
+    default_format: str = DEFAULT_FORMAT,
 ) -> Settings | None:
     """The settings of the query (text) laid under the first `message`'s (JSON); None with
     `only`: a later message, whose keys must be among `only` (text, flush, cancel, ...).
@@ -65,7 +103,7 @@ def read_settings(
         _message_fields(message)
         return None
     for key in query:
-        if key not in SETTINGS:
+        if key not in (*SETTINGS, *ACCEPTED_QUERY):
             raise invalid_field(
                 key,
                 f"unknown query parameter '{key}'; valid: {', '.join(SETTINGS)}",
@@ -79,7 +117,7 @@ def read_settings(
                 code="unknown_parameter",
             )
     _message_fields(message)
-    values: dict[str, Any] = {k: _from_text(k, v) for k, v in query.items()}
+    values: dict[str, Any] = {k: _from_text(k, v) for k, v in query.items() if k in SETTINGS}
     values.update({k: v for k, v in message.items() if k in SETTINGS and v is not None})
     if isinstance(message.get("voice_settings"), Mapping) and "speed" in message["voice_settings"]:
         values.setdefault("speed", message["voice_settings"]["speed"])
@@ -99,10 +137,11 @@ def read_settings(
     return Settings(
         model=model,
         voice=choice,
-        sample_rate=_rate(values.get("output_format", f"pcm_{DEFAULT_RATE}")),
+        output=_output(values.get("output_format", default_format)),
         binary=_boolean("binary", values.get("binary", False)),
         speed=_speed(values.get("speed", 1.0)),
         seed=_seed(values.get("seed")),
+        inactivity_timeout_s=_inactivity(values.get("inactivity_timeout", DEFAULT_INACTIVITY_S)),
     )
 
 
@@ -128,9 +167,9 @@ def _message_fields(message: Mapping[str, Any]) -> None:
 
 def _from_text(key: str, value: str) -> Any:
     """A query parameter's text as its setting's type is checked later: numbers parsed here."""
-    if key in ("speed", "seed"):
+    if key in ("speed", "seed", "inactivity_timeout"):
         try:
-            return float(value) if key == "speed" else int(value)
+            return int(value) if key == "seed" else float(value)
         except ValueError:
             raise invalid_field(key, f"'{key}' must be a number; got {value[:40]!r}") from None
     if key == "binary":
@@ -140,18 +179,24 @@ def _from_text(key: str, value: str) -> Any:
     return value
 
 
-def _rate(value: Any) -> int:
-    text = value if isinstance(value, str) else ""
-    kind, _, rate = text.partition("_")
+def _output(value: Any) -> OutputFormat:
     try:
-        if kind != "pcm" or not rate.isdigit():
-            raise ValueError("the format is pcm_<sample rate>, e.g. pcm_24000")
-        check_sample_rate("pcm", int(rate))
+        return parse_output_format(value)
     except ValueError as err:
         raise invalid_field(
             "output_format", f"'output_format' {str(value)[:40]!r}: {err}", code="unsupported_value"
         ) from None
-    return int(rate)
+
+
+def _inactivity(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise invalid_field("inactivity_timeout", "'inactivity_timeout' must be a number")
+    if not 0 < value <= MAX_INACTIVITY_S:
+        raise invalid_field(
+            "inactivity_timeout",
+            f"'inactivity_timeout' must lie in (0, {MAX_INACTIVITY_S:g}] seconds",
+        )
+    return float(value)
 
 
 def _boolean(key: str, value: Any) -> bool:

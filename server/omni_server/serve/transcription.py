@@ -1,6 +1,6 @@
 """`POST /v1/audio/transcriptions`: audio in, its transcript out, whole or streamed as it is heard.
 
-The multipart upload is read within bounds (`transcription_request`), handed to the model's
+The multipart upload is read within bounds (`multipart`), handed to the model's
 pipeline as bytes, and the pipeline's transcript is rendered in the asked format
 (`transcription_format`). With `stream=true` the answer is OpenAI's SSE: one
 `transcript.text.delta` per text chunk the terminal stage yields (a batch of recognized segments),
@@ -28,13 +28,12 @@ from omni_server.serve import transcription_format as fmt
 from omni_server.serve.body import ClientGone
 from omni_server.serve.errors import STREAM_STARTED, ApiError
 from omni_server.serve.metrics import RequestTrack
+from omni_server.serve.multipart import Form, read_form
 from omni_server.serve.pipeline_call import ApiCall, request_error, respond
 from omni_server.serve.state import STATE
 from omni_server.serve.transcription_request import (
-    Form,
     TranscriptionRequest,
     parse_transcription,
-    read_form,
     transcription_model,
 )
 

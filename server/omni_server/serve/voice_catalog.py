@@ -7,15 +7,23 @@ A model clones when one of the stages its requests visit declares `voice_cloning
 it (a speech model and an omni model sharing one voice stage) speaks in them. A custom voice
 reaches the pipeline as the speech contract's `voice` (its id) plus `reference`, the clip and
 its transcript (docs/voices.md, "The cloning seam").
+
+A request names its voice as `Voice` (a name, or OpenAI's object `{"id": name}`); `choose_voice`
+is every speaking endpoint's one check of it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Discriminator
 
 from omni_server.compiler.plan import ModelSpec, Plan
+from omni_server.contracts import VoiceReference
+from omni_server.serve.errors import invalid_field
+from omni_server.serve.validation import RequestModel, names, tag
 from omni_server.serve.voice_store import StoredVoice, VoiceStore
 
 SPEAKING_TASKS = frozenset({"speech", "chat", "realtime"})
@@ -27,7 +35,7 @@ class VoiceChoice:
     voice's id); `reference` is the clip a cloning stage speaks from (None: a declared voice)."""
 
     name: str
-    reference: dict[str, Any] | None = None
+    reference: VoiceReference | None = None
 
 
 class VoiceCatalog:
@@ -77,16 +85,16 @@ class VoiceCatalog:
             return None
         return VoiceChoice(stored.id, self.reference(stored))
 
-    def reference(self, voice: StoredVoice) -> dict[str, Any]:
+    def reference(self, voice: StoredVoice) -> VoiceReference:
         """The speech contract's `reference` of a custom voice (docs/voices.md)."""
         assert self.store is not None
-        return {
-            "id": voice.id,
-            "path": str(self.store.clip_path(voice.id)),
-            "transcript": voice.transcript,
-            "sample_rate": voice.sample_rate,
-            "language": voice.language,
-        }
+        return VoiceReference(
+            id=voice.id,
+            path=str(self.store.clip_path(voice.id)),
+            transcript=voice.transcript,
+            sample_rate=voice.sample_rate,
+            language=voice.language,
+        )
 
     def names(self, model: ModelSpec) -> list[str]:
         """Every name a request may use for `model`: for error messages and session checks."""
@@ -109,6 +117,47 @@ class VoiceCatalog:
         ]
         entries += [custom_entry(v, model.id) for v in self.custom(model)]
         return entries
+
+
+class VoiceId(RequestModel):
+    """OpenAI's object form of `voice` (its custom voices)."""
+
+    id: str
+
+
+def _voice_kind(value: Any) -> str | None:
+    # an object without "id" is no voice object: refused as a whole, not as a missing "id"
+    if isinstance(value, str):
+        return "<string>"
+    return "<object>" if isinstance(value, dict) and "id" in value else None
+
+
+# a request's voice field (speech's `voice`, chat's `audio.voice`)
+Voice = Annotated[
+    Annotated[str, tag("string")] | Annotated[VoiceId, tag("object")],
+    Discriminator(
+        _voice_kind,
+        custom_error_type="invalid_type",
+        custom_error_message='must be a voice name or an object {"id": name}',
+    ),
+]
+
+
+def choose_voice(
+    sent: str | VoiceId, model: ModelSpec, voices: VoiceCatalog | None, param: str
+) -> VoiceChoice:
+    """The voice a request names (a name or `{"id": ...}`), for every endpoint that speaks;
+    400 naming `param` and the valid voices when the model has no such voice."""
+    raw = sent.id if isinstance(sent, VoiceId) else sent
+    catalog = voices if voices is not None else VoiceCatalog.declared_only()
+    choice = catalog.resolve(model, raw)
+    if choice is None:
+        raise invalid_field(
+            param,
+            f"unknown voice '{raw[:80]}' for model '{model.id}'; valid voices: "
+            f"{names(catalog.names(model))}",
+        )
+    return choice
 
 
 def custom_entry(voice: StoredVoice, model: str) -> dict[str, Any]:

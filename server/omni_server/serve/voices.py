@@ -32,12 +32,13 @@ from pydantic_core import PydanticCustomError
 
 from omni_server.audio.decode import TooLong, decode
 from omni_server.compiler.plan import ModelSpec
+from omni_server.contracts import AsrOptions
 from omni_server.pipeline import PipelineError
 from omni_server.serve.errors import ApiError, invalid_field
 from omni_server.serve.models import model_not_found
+from omni_server.serve.multipart import FORM_OVERHEAD_BYTES, read_form
 from omni_server.serve.pipeline_call import admitted, request_error, submitted
 from omni_server.serve.state import STATE, ServerState
-from omni_server.serve.transcription_request import FORM_OVERHEAD_BYTES, asr_inputs, read_form
 from omni_server.serve.validation import RequestModel, Text, parse
 from omni_server.serve.voice_catalog import VoiceCatalog, custom_entry
 from omni_server.serve.voice_store import StoredVoice, StoreFull
@@ -141,7 +142,7 @@ async def list_voices(request: web.Request) -> web.Response:
 async def create_voice(request: web.Request) -> web.Response:
     state = request.app[STATE]
     form = await read_form(request, MAX_CLIP_BYTES, file_parts=CLIP_PARTS)
-    fields = parse(VoiceForm, form.values(), form=True)
+    fields = parse(VoiceForm, form.values(VoiceForm), form=True)
     model, scope = _cloning_model(state, fields.model)
     if fields.clip is None:
         raise invalid_field(
@@ -255,7 +256,8 @@ async def _heard(state: ServerState, clip: bytes, part: str) -> str:
             code="missing_required_parameter",
         )
     try:
-        async with admitted(state, asr), submitted(state, asr, asr_inputs(clip)) as handle:
+        inputs = AsrOptions().payload(clip)
+        async with admitted(state, asr), submitted(state, asr, inputs) as handle:
             async for _chunk in handle:
                 pass  # the text comes whole in the result
             result = await handle.result()

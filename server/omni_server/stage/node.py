@@ -57,6 +57,7 @@ from omni_server.wire.routes import Routes
 
 from .compute import ComputeExecutor
 from .deadlines import StageDeadlines
+from .request_here import FanIn, RequestHere
 from .scheduling import BackendContractError, StageCalls, WorkItem, make_scheduler
 from .scheduling.oom import OutOfGPUMemory
 from .streams import StreamInbox
@@ -95,13 +96,6 @@ class _TerminalItem(WorkItem):
     @property
     def has_credit(self) -> bool:
         return self.credits != 0
-
-
-class _FanIn:
-    def __init__(self) -> None:
-        self.payloads: dict[str, Payload] = {}
-        self.skipped: set[str] = set()  # upstreams that will send no payload
-        self.timings: Timings = []
 
 
 class Outbox(Protocol):
@@ -150,15 +144,10 @@ class StageNode:
         self._routes = routes
         self._paced = routes.plan.paced_by_credits(spec.name)  # terminal chunks: _TerminalItem
         self._inputs: dict[str, _Inputs] = {}  # per model: this stage's edges
-        self._fan_in: dict[int, _FanIn] = {}
-        self._skips: dict[int, set[str]] = {}  # not yet admitted: upstreams that sent Skipped
-        self._inboxes: dict[int, StreamInbox] = {}
-        self._admitted: dict[int, WorkItem] = {}
-        # admitted here: the upstream whose message started it ("merge" after a fan-in)
-        self._started_by: dict[int, str] = {}
-        self._seq: dict[int, int] = {}
+        self._here: dict[int, RequestHere] = {}  # every request with state here, by key
+        # Two bounded memories outside a request's life here, so neither can grow without end:
         # requests finished (or skipped: "") here -> who started them, so a late stream message
-        # does not start them again and a second payload is refused naming the first sender
+        # does not start them again and a second payload is refused naming the first sender;
         self._done: collections.OrderedDict[int, str] = collections.OrderedDict()
         # credits that came before the request was admitted here (control overtakes data)
         self._early_credits: collections.OrderedDict[int, int] = collections.OrderedDict()
@@ -182,15 +171,27 @@ class StageNode:
             found = self._inputs[model] = _Inputs(senders, streamers, stream_to, visits)
         return found
 
+    def _here_of(self, key: int) -> RequestHere:
+        """The request's record here, made by its first message."""
+        here = self._here.get(key)
+        if here is None:
+            here = self._here[key] = RequestHere()
+        return here
+
+    def _admitted(self, key: int) -> bool:
+        here = self._here.get(key)
+        return here is not None and here.item is not None
+
     def on_deliver(self, msg: Deliver) -> None:
         key = msg.env.key
         if self.spec.wait_for:
-            fan_in = self._fan_in.setdefault(key, _FanIn())
+            fan_in = self._fan_in_of(key)
             fan_in.payloads[msg.source] = msg.payload
             fan_in.timings.extend(msg.timings)
             self._fan_in_step(msg.env, fan_in)
             return
-        first = self._started_by.get(key) or self._done.get(key)
+        here = self._here.get(key)
+        first = (here.started_by if here is not None else None) or self._done.get(key)
         if first is not None:
             self._report_failure(
                 key,
@@ -212,22 +213,28 @@ class StageNode:
             self._inbox(msg.env).end(msg.source, [])
             self.scheduler.wake()
         if self.spec.wait_for:
-            fan_in = self._fan_in.setdefault(key, _FanIn())
+            fan_in = self._fan_in_of(key)
             fan_in.skipped.add(msg.source)
             self._fan_in_step(msg.env, fan_in)
             return
-        if key in self._admitted:
+        if self._admitted(key):
             return  # its start came from a streamer that still runs
-        skipped = self._skips.setdefault(key, set())
+        skipped = self._here_of(key).skips
         skipped.add(msg.source)
         if skipped >= inputs.starters:
             self._skip(msg.env)
 
-    def _fan_in_step(self, env: Envelope, fan_in: _FanIn) -> None:
+    def _fan_in_of(self, key: int) -> FanIn:
+        here = self._here_of(key)
+        if here.fan_in is None:
+            here.fan_in = FanIn()
+        return here.fan_in
+
+    def _fan_in_step(self, env: Envelope, fan_in: FanIn) -> None:
         arrived = fan_in.payloads.keys() | fan_in.skipped
         if not arrived >= set(self.spec.wait_for):
             return
-        del self._fan_in[env.key]
+        self._here_of(env.key).fan_in = None  # complete: merged next (the record stays)
         if fan_in.payloads:
             self.outbox.spawn(self._merge(env, fan_in))
         else:
@@ -235,18 +242,16 @@ class StageNode:
 
     def _skip(self, env: Envelope) -> None:
         """Every payload sender skipped this stage: do not run, pass the skip on."""
-        key, spec = env.key, self.spec
-        self._skips.pop(key, None)
-        self._inboxes.pop(key, None)
-        self._forget(key)  # late stream chunks from live streamers are dropped
+        spec = self.spec
+        self._end(env.key)  # late stream chunks from live streamers are dropped
         visits = self.inputs(env.model).visits
         for dst in dict.fromkeys((*spec.next, *spec.stream_to)):
             if dst in visits:
                 self.outbox.send(env, dst, Skipped(env, dst, self.name))
         if spec.terminal:
-            self.outbox.to_coordinator(TerminalSkipped(key, self.name))
+            self.outbox.to_coordinator(TerminalSkipped(env.key, self.name))
 
-    async def _merge(self, env: Envelope, fan_in: _FanIn) -> None:
+    async def _merge(self, env: Envelope, fan_in: FanIn) -> None:
         request = Request(id=env.id, inputs={})
         loop = asyncio.get_running_loop()
         try:
@@ -254,6 +259,7 @@ class StageNode:
                 self.executor, self.calls.merge, request, fan_in.payloads
             )
         except Exception as exc:  # noqa: BLE001 - the merge method raised: fail this request
+            self.abort(env.key)
             self._report_failure(env.key, exc)
             return
         if self.outbox.is_aborted(env.key):
@@ -276,17 +282,16 @@ class StageNode:
 
     def _start_on_stream(self, msg: StreamChunk | StreamEnd) -> None:
         """A stage fed only by streams starts at the first stream message."""
-        if self.spec.wait_for or msg.env.key in self._admitted:
+        if self.spec.wait_for or self._admitted(msg.env.key):
             return
         if not self.inputs(msg.env.model).senders:
             self._admit(msg.env, {}, [], msg.source)
 
     def _inbox(self, env: Envelope) -> StreamInbox:
-        inbox = self._inboxes.get(env.key)
-        if inbox is None:
-            streamers = self.inputs(env.model).streamers
-            inbox = self._inboxes[env.key] = StreamInbox(env.id, streamers)
-        return inbox
+        here = self._here_of(env.key)
+        if here.inbox is None:
+            here.inbox = StreamInbox(env.id, self.inputs(env.model).streamers)
+        return here.inbox
 
     def _admit(self, env: Envelope, inputs: Payload, timings: Timings, source: str) -> None:
         inbox = self._inbox(env) if self.inputs(env.model).streamers else None
@@ -302,9 +307,10 @@ class StageNode:
             item = _TerminalItem(env, request, timings, stream=inbox, credits=credits)
         else:
             item = WorkItem(env=env, request=request, timings=timings, stream=inbox)
-        self._skips.pop(env.key, None)
-        self._admitted[env.key] = item
-        self._started_by[env.key] = source or "the caller"
+        here = self._here_of(env.key)
+        here.skips.clear()
+        here.item = item
+        here.started_by = source or "the caller"
         if self.deadlines is not None:
             self.deadlines.start(env.key)
         self.scheduler.admit(item)
@@ -315,31 +321,22 @@ class StageNode:
         """Whether request `key` still has state here: admitted, waiting for payloads or stream
         input, counting chunks, or in the scheduler. False once it ended or was aborted here
         (what remains then is the bounded memory of finished keys, `_done`)."""
-        return any(key in t for t in self._request_tables()) or key in self.scheduler.active_keys
+        return key in self._here or key in self.scheduler.active_keys
 
     @property
     def idle(self) -> bool:
         """No request has state here (see holds)."""
-        return not any(self._request_tables()) and not self.scheduler.active_keys
-
-    def _request_tables(self) -> tuple[dict[int, Any], ...]:
-        return (
-            self._admitted,
-            self._inboxes,
-            self._fan_in,
-            self._skips,
-            self._seq,
-            self._started_by,
-        )
+        return not self._here and not self.scheduler.active_keys
 
     def abort_all(self) -> None:
         """Abort every request admitted here (the host is stopping)."""
-        for key in list(self._admitted):
+        for key in [k for k, here in self._here.items() if here.item is not None]:
             self.abort(key)
 
     def on_credit(self, key: int, chunks: int) -> None:
         """The caller took `chunks` chunks of request `key` (UNLIMITED: it will not pace)."""
-        item = self._admitted.get(key)
+        here = self._here.get(key)
+        item = here.item if here is not None else None
         if isinstance(item, _TerminalItem):
             unlimited = chunks == UNLIMITED or item.credits == UNLIMITED
             item.credits = UNLIMITED if unlimited else item.credits + chunks
@@ -352,20 +349,18 @@ class StageNode:
                 self._early_credits.popitem(last=False)
 
     def abort(self, key: int) -> None:
+        """Drop request `key` here: its record, its work in the scheduler, its stream."""
         self._early_credits.pop(key, None)
         if self.deadlines is not None:
             self.deadlines.stop(key)
-        self._fan_in.pop(key, None)
-        self._skips.pop(key, None)
-        self._started_by.pop(key, None)
-        self._seq.pop(key, None)
-        item = self._admitted.pop(key, None)
-        if item is not None:
-            item.request.abort()
+        here = self._here.pop(key, None)
+        if here is None:
+            return
+        if here.item is not None:
+            here.item.request.abort()
             self.scheduler.abort(key)
-        inbox = self._inboxes.pop(key, None)
-        if inbox is not None:
-            inbox.abort()
+        if here.inbox is not None:
+            here.inbox.abort()
 
     # ---- timeouts (deadlines.py, event-loop thread) ------------------------------------------
 
@@ -405,8 +400,10 @@ class StageNode:
         spec = self.spec
         edges: dict[str, list[StreamChunk]] = {}
         for item, chunk in batch:
-            seq = self._seq.get(item.key, 0)
-            self._seq[item.key] = seq + 1
+            here = self._here.get(item.key)
+            seq = 0 if here is None else here.seq
+            if here is not None:
+                here.seq += 1
             env = item.env
             stream_to = self.inputs(env.model).stream_to
             copies = _isolated(chunk, len(stream_to) + spec.terminal)
@@ -422,8 +419,8 @@ class StageNode:
 
     def complete(self, item: WorkItem, payload: Payload | None, targets: tuple[str, ...]) -> None:
         key, env, spec = item.key, item.env, self.spec
-        self._forget(key)
-        inbox = self._inboxes.pop(key, None)
+        here = self._end(key)
+        inbox = here.inbox if here is not None else None
         timings = [*item.timings, *(inbox.timings if inbox else ()), self._timing(item)]
         edges = self.inputs(env.model)
         for dst in edges.stream_to:
@@ -439,14 +436,16 @@ class StageNode:
             if dst not in targets and dst in edges.visits:
                 self.outbox.send(env, dst, Skipped(env, dst, self.name))
 
-    def _forget(self, key: int) -> None:
+    def _end(self, key: int) -> RequestHere | None:
+        """The request ended here (completed or skipped): its record goes, who started it is
+        remembered in `_done`."""
         if self.deadlines is not None:
             self.deadlines.stop(key)
-        self._admitted.pop(key, None)
-        self._seq.pop(key, None)
-        self._done[key] = self._started_by.pop(key, "")
+        here = self._here.pop(key, None)
+        self._done[key] = here.started_by if here is not None else ""
         if len(self._done) > _DONE_MEMORY:
             self._done.popitem(last=False)
+        return here
 
     def fail(self, item: WorkItem, error: BaseException) -> None:
         self.abort(item.key)

@@ -14,8 +14,9 @@ Staying in step (the invariants):
   the "ar" kind, or the flag each stream step / batch op carries), on every rank at once. A
   backend calling `request.check_aborted()` between collectives thus raises on all ranks or on
   none.
-- An "ar" request without a seed gets one from the leader (`inputs["seed"]`, handed to the peers
-  in the add op): every rank samples the same tokens from its own generator.
+- An "ar" request without a seed gets one from the leader (where `contracts.seed_of` reads it:
+  a chat's sampling seed, else `inputs["seed"]`; handed to the peers in the add op): every rank
+  samples the same tokens from its own generator.
 - After every op that runs backend code the ranks agree over the control group on who failed
   (an exception outside a collective, on any rank): if any rank failed, the call fails on every
   rank (a batch's or a step's requests fail with the leader's error or `TPRankFailed`, "ar"
@@ -43,6 +44,7 @@ from typing import Any, TypeVar
 
 from omni_server.backend import Request, RequestAborted
 from omni_server.compiler.plan import StageSpec
+from omni_server.contracts import seed_of, with_seed
 
 from .scheduling import StageCalls
 
@@ -228,9 +230,9 @@ class TPLeaderCalls(StageCalls):
         with self._lock:
             key = next(self._keys)
             inputs = request.inputs
-            if isinstance(inputs, dict) and inputs.get("seed") is None:
+            if isinstance(inputs, dict) and seed_of(inputs) is None:
                 # every rank must draw the same tokens: the leader picks the unseeded one's seed
-                inputs = {**inputs, "seed": secrets.randbits(63)}
+                inputs = with_seed(inputs, secrets.randbits(63))
             mirror = _mirror(request.id, inputs)
             self._announce("add", key, mirror.id, inputs)
             _, error = _attempt(self.backend.add, mirror)

@@ -1,12 +1,16 @@
 """The pieces Qwen3-Omni's decoders share: RMSNorm, rotary embeddings (the thinker's and
 talker's multimodal interleaved form, the code predictor's plain one), attention with QK-norm
-over a KV cache, the dense SwiGLU MLP and the top-k MoE block (a plain CPU path: one matmul pair
-per expert actually hit, its tokens gathered together).
+over a KV cache, the dense SwiGLU MLP and the top-k MoE block (a plain path: one matmul pair per
+expert actually hit, its tokens gathered together; on CUDA with triton, moe_triton's fused kernel,
+chosen once when the experts' weights are placed).
 
 Parameter names are the published checkpoint's below a decoder layer (`self_attn.q_proj.weight`,
 `mlp.gate.weight`, `mlp.experts.{e}.gate_proj.weight` stacked into `mlp.experts.gate_proj`, ...)."""
 
 from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -195,14 +199,25 @@ class Experts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(count, intermediate, hidden))
         self.up_proj = nn.Parameter(torch.empty(count, intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(count, hidden, intermediate))
+        self.fused: FusedExperts | None = None  # set by `_apply` when the weights reach CUDA
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Experts:
+        """Every placement (`.to`, `.cuda`, `.half`, ...) passes here: the path is chosen once,
+        for the device the weights now live on, never by a device test per call."""
+        super()._apply(fn, recurse)
+        self.fused = fused_experts_for(self.gate_proj.device)
+        return self
 
     def forward(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """x [N, H]; experts / weights [N, k] -> sum over each token's k experts [N, H].
 
-        The plain path: tokens sorted by expert, one gathered matmul pair per expert hit, in
+        On CUDA with triton: the fused kernel (moe_triton.fused_moe, two grouped launches).
+        Else the plain path: tokens sorted by expert, one gathered matmul pair per expert hit, in
         ascending expert order (so each token's sum adds in the reference's order)."""
+        if self.fused is not None:
+            return self.fused(x, experts, weights, self.gate_proj, self.up_proj, self.down_proj)
         out = torch.zeros_like(x)
         top_k = experts.shape[1]
         flat = experts.flatten()
@@ -220,6 +235,22 @@ class Experts(nn.Module):
             h = F.linear(h, self.down_proj[expert]) * weights.flatten()[slots, None]
             out.index_add_(0, tokens, h.to(out.dtype))
         return out
+
+
+FusedExperts = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    torch.Tensor,
+]
+
+
+def fused_experts_for(device: torch.device) -> FusedExperts | None:
+    """The fused Triton experts for weights on `device`: on CUDA when triton is installed, else
+    None (the plain path). moe_triton, and with it triton, is imported only here, on CUDA."""
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return None
+    from omni_server.models.qwen3_omni.moe_triton import fused_moe
+
+    return fused_moe
 
 
 class Router(nn.Module):

@@ -14,6 +14,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+from omni_server.contracts import MAX_SPEED, MIN_SPEED
 from omni_server.serve.realtime.audio import PCM16, AudioFormat, parse_format
 from omni_server.serve.realtime.protocol import ProtocolError
 
@@ -96,7 +97,9 @@ class SessionConfig:
         if "temperature" in session:
             new.temperature = _number(session["temperature"], "session.temperature", 0.0, 2.0)
         if "speed" in audio_out:
-            new.speed = _number(audio_out["speed"], "session.audio.output.speed", 0.25, 4.0)
+            new.speed = _number(
+                audio_out["speed"], "session.audio.output.speed", MIN_SPEED, MAX_SPEED
+            )
         self.__dict__.update(new.__dict__)
 
     def ga(self, session_id: str) -> dict[str, Any]:

@@ -19,15 +19,14 @@ from collections.abc import Callable
 from typing import Any
 
 from omni_server.compiler.plan import ModelSpec
+from omni_server.contracts import ChatInput, Message, Sampling, SpeechOptions
 from omni_server.pipeline import PipelineError, RequestHandle
-from omni_server.serve.chat_request import thinker_inputs
 from omni_server.serve.errors import ApiError
 from omni_server.serve.pipeline_call import admitted, submitted
 from omni_server.serve.realtime import audio
 from omni_server.serve.realtime.config import SessionConfig
 from omni_server.serve.realtime.conversation import Conversation, Item
 from omni_server.serve.realtime.events import ServerEvents
-from omni_server.serve.speech_request import speech_options
 from omni_server.serve.state import ServerState
 
 Outcome = tuple[str, dict[str, Any] | None]  # the response's status and its status_details
@@ -193,7 +192,7 @@ class ResponseRun:
             # a custom voice's clip is read now: a voice deleted since session.update fails
             # this response in its stage, not the session
             choice = self.state.voices.resolve(self.model, config.voice)
-            speech = speech_options(
+            speech = SpeechOptions(
                 config.voice,
                 reference=choice.reference if choice is not None else None,
                 response_format="pcm",
@@ -201,13 +200,23 @@ class ResponseRun:
                 speed=config.speed,
                 sample_rate=config.output_format.rate,
             )
-        inputs = thinker_inputs(
-            messages[:-1] if messages and messages[-1]["role"] == "assistant" else messages,
-            defaults=self.model.sampling,  # top_p, top_k, min_p: no session field sets them
+        if messages and messages[-1]["role"] == "assistant":
+            messages = messages[:-1]
+        if not messages:  # as the thinker would refuse it: the client's to fix
+            raise PipelineError(
+                "the conversation has no text for the model to answer",
+                code="invalid_request",
+                param="messages",
+            )
+        sampling = Sampling.resolve(
+            self.model.sampling,  # top_p, top_k, min_p: no session field sets them
             max_tokens=config.max_output_tokens,
             temperature=config.temperature,
-            speech=speech,
         )
+        chat = ChatInput(
+            tuple(Message(m["role"], m["content"]) for m in messages), sampling, speech
+        )
+        inputs = chat.payload()
         encoder = audio.Encoder(config.output_format, in_rate=config.output_format.rate)
         if self._cancelled is not None:
             return

@@ -26,6 +26,7 @@ from aiohttp import WSMsgType, web
 
 from omni_server.audio.vad import SpeechStarted, Utterance
 from omni_server.compiler.plan import ModelSpec, Plan
+from omni_server.contracts import AsrOptions
 from omni_server.pipeline import PipelineError
 from omni_server.serve.errors import ApiError
 from omni_server.serve.pipeline_call import admitted, submitted
@@ -37,7 +38,6 @@ from omni_server.serve.realtime.protocol import MAX_EVENT_BYTES, ProtocolError
 from omni_server.serve.realtime.response_run import ResponseRun
 from omni_server.serve.realtime_sessions import RETRY_AFTER_S
 from omni_server.serve.state import STATE, ServerState
-from omni_server.serve.transcription_request import asr_inputs
 
 # Events (or their audio) longer than this are parsed and decoded on a worker thread: about
 # 1.3 s of PCM16 at 24 kHz in base64, a few milliseconds of the loop's time.
@@ -282,7 +282,7 @@ class Session:
         try:
             async with (
                 admitted(self.state, self._asr),
-                submitted(self.state, self._asr, asr_inputs(wav(clip))) as handle,
+                submitted(self.state, self._asr, AsrOptions().payload(wav(clip))) as handle,
             ):
                 result = await handle.result()
         except (PipelineError, ApiError) as err:  # ApiError: not ready, or no place came

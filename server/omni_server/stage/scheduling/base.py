@@ -64,7 +64,8 @@ class WorkItem:
     admitted_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     compute_s: float = 0.0
-    # a media stream's smallest lead over its listener (playback.py); NaN: not a media stream
+    # a media stream's smallest lead over its listener (omni_server/playback.py); NaN: not a
+    # media stream
     min_lead_s: float = math.nan
 
     @property

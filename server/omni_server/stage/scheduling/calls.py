@@ -70,7 +70,7 @@ class StageCalls:
 
     @property
     def plays_media(self) -> bool:
-        """The backend says how long its chunks play (playback-aware order: playback.py)."""
+        """The backend says how long its chunks play (playback-aware order: stream_order.py)."""
         return callable(getattr(self.backend, "playback_seconds", None))
 
     def playback_seconds(self, chunk: Payload) -> float:

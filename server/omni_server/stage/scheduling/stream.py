@@ -1,7 +1,7 @@
 """Per-request streaming: drive each request's generate() one chunk at a time.
 
 At every step the scheduler advances the runnable request that comes first in playback order
-(playback.py): streams about to run dry, then first chunks, then the stream whose listener has
+(stream_order.py): streams about to run dry, then first chunks, then the stream whose listener has
 the least audio left (for a backend that says how long its chunks play; otherwise the one that
 has produced the FEWEST chunks); ties go to the oldest. A new request's first chunk therefore
 never waits behind the later chunks of streams that are ahead of their listeners, which keeps
@@ -48,7 +48,7 @@ from omni_server.backend import RequestAborted
 
 from .base import Scheduler, StageCallbacks, WorkItem
 from .calls import StageCalls
-from .playback import Playback, StepClock, rank
+from .stream_order import Playback, StepClock, rank
 
 
 @dataclass(eq=False)

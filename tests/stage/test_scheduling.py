@@ -10,9 +10,9 @@ import asyncio
 
 import pytest
 
+from tests.helpers.pipelines import build, stage_toml, stream
 from tests.helpers.repo import toml
 from tests.helpers.runtime import running
-from tests.runtime.pipelines import build, stage_toml, stream
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,8 +12,8 @@ import threading
 import pytest
 
 from omni_server.pipeline import PipelineError
+from tests.helpers.pipelines import stream
 from tests.helpers.runtime import running
-from tests.runtime.pipelines import stream
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from omni_server.pipeline import PipelineError
+from tests.helpers.pipelines import build, chain, stage_toml, stream
 from tests.helpers.repo import toml
 from tests.helpers.runtime import running
-from tests.runtime.pipelines import build, chain, stage_toml, stream
 
 pytestmark = pytest.mark.timeout(120)
 

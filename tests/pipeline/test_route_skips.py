@@ -8,9 +8,9 @@ import asyncio
 import pytest
 
 from omni_server.pipeline import PipelineError
+from tests.helpers.pipelines import build, stage_toml
 from tests.helpers.repo import toml
 from tests.helpers.runtime import running
-from tests.runtime.pipelines import build, stage_toml
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
+from tests.helpers.pipelines import build, stage_toml
 from tests.helpers.repo import toml
 from tests.helpers.runtime import running
-from tests.runtime.pipelines import build, stage_toml
 
 torch = pytest.importorskip("torch")
 

@@ -19,9 +19,9 @@ import pytest
 from omni_server.compiler.compiler import compile_repository
 from omni_server.pipeline import PipelineError, Runtime
 from omni_server.pipeline.supervision import CrashHistory, InstanceState, SupervisionPolicy
+from tests.helpers.pipelines import chain
 from tests.helpers.proc import alive, mapped_segments, run_segments
 from tests.helpers.runtime import running
-from tests.runtime.pipelines import chain
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,4 +1,4 @@
-"""Playback-aware order of a stream stage whose chunks are media (stage/scheduling/playback.py).
+"""Playback-aware order of a stream stage whose chunks are media (stage/scheduling/stream_order.py).
 
 The clock is passed in (`now`), so every assertion is about order, never about elapsed time.
 """
@@ -12,8 +12,8 @@ import pytest
 
 from omni_server.stage.scheduling import WorkItem
 from omni_server.stage.scheduling.calls import BackendContractError, StageCalls
-from omni_server.stage.scheduling.playback import MARGIN_FLOOR_S, Playback, StepClock, rank
 from omni_server.stage.scheduling.stream import ActiveRequest, pick
+from omni_server.stage.scheduling.stream_order import MARGIN_FLOOR_S, Playback, StepClock, rank
 
 
 class _Stream:

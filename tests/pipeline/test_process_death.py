@@ -10,8 +10,8 @@ import time
 import pytest
 
 from omni_server.pipeline import PipelineError
+from tests.helpers.pipelines import chain
 from tests.helpers.runtime import running
-from tests.runtime.pipelines import chain
 
 pytestmark = pytest.mark.timeout(120)
 

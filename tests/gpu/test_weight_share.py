@@ -23,6 +23,7 @@ import torch
 
 from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.plan import Plan
+from omni_server.contracts import ChatInput, Message, Sampling
 from omni_server.gpu.weights import (
     WeightShareError,
     WeightSharing,
@@ -427,11 +428,8 @@ async def test_two_thinker_replicas_on_the_cpu_share_the_smollm2_weights(tmp_pat
         {"thinker": THINKER / "model.py"},
     )
     plan = compile_repository(tmp_path / "repo")
-    inputs = {
-        "messages": [{"role": "user", "content": "What is the capital of France?"}],
-        "max_tokens": 12,
-        "temperature": 0,
-    }
+    question = (Message("user", "What is the capital of France?"),)
+    inputs = ChatInput(question, Sampling(max_tokens=12, temperature=0)).payload()
     async with running(plan) as runtime:
         run_id = runtime.stage_processes.run_id
         model = plan.models["chat"]

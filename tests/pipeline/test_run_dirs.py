@@ -11,8 +11,8 @@ import pytest
 
 from omni_server.identity import process_identity
 from omni_server.pipeline.run_dirs import OWNER_FILE, RUN_DIR_PREFIX
+from tests.helpers.pipelines import chain
 from tests.helpers.runtime import running
-from tests.runtime.pipelines import chain
 
 pytestmark = pytest.mark.timeout(120)
 

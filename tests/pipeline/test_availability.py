@@ -11,9 +11,9 @@ import pytest
 
 from omni_server.pipeline import PipelineError
 from omni_server.pipeline.supervision import SupervisionPolicy
+from tests.helpers.pipelines import build, stage_toml
 from tests.helpers.repo import toml
 from tests.helpers.runtime import running
-from tests.runtime.pipelines import build, stage_toml
 
 pytestmark = pytest.mark.timeout(120)
 

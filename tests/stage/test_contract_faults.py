@@ -10,9 +10,9 @@ import pytest
 from omni_server.compiler.compiler import compile_repository
 from omni_server.pipeline import PipelineError
 from tests.fixtures import FIXTURES
+from tests.helpers.pipelines import build, stage_toml
 from tests.helpers.repo import make_repo, toml
 from tests.helpers.runtime import running
-from tests.runtime.pipelines import build, stage_toml
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.pipelines import chain
 from tests.helpers.proc import alive, run_segments
 from tests.helpers.runtime import running
-from tests.runtime.pipelines import chain
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -32,12 +32,12 @@ from omni_server.pipeline import Runtime
 from omni_server.pipeline.run_dirs import OWNER_FILE, RUN_DIR_PREFIX
 from omni_server.pipeline.supervision import SupervisionPolicy
 from tests.fixtures import FIXTURES
+from tests.gpu.test_gpu_start import fake_machine, gpu_repo
+from tests.helpers.pipelines import chain
 from tests.helpers.proc import alive
 from tests.helpers.repo import toml
 from tests.helpers.runtime import running
 from tests.helpers.server import ROOT
-from tests.runtime.pipelines import chain
-from tests.runtime.test_gpu_start import fake_machine, gpu_repo
 
 pytestmark = pytest.mark.timeout(120)
 

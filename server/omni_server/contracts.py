@@ -1,0 +1,364 @@
+"""What crosses an edge that stage backends read: typed, frozen, checked once, here.
+
+The server builds these from a request (serve/), the runtime carries them between stages as
+they are, and a backend reads them typed from its payload (`SpeechOptions.of(request.inputs)`):
+no stage parses a dict of options again, with defaults of its own. A field is declared, given
+its default and checked in one place, this module.
+
+    payload key   contract          built by                      read by
+    "speech"      SpeechOptions     speech, chat (audio out),     the voice's entry (text frontend,
+                                    realtime, the speech stream   Higgs preprocessing), beside
+                                                                  "text"; the thinker hands it on
+                                                                  with its first chunk
+    "chat"        ChatInput         chat, realtime                the thinker
+    "options"     AsrOptions        transcription, chat (audio    the recognizer (asr_whisper),
+                                    in), realtime                 beside "file"
+
+Across processes a contract is pickled as its constructor call (`__reduce__`): decoding runs
+`__post_init__` again, so what a stage reads from shared memory is checked as the server's
+value was (docs/transport.md, "Nothing read from shared memory is trusted").
+
+A leaf module: it imports the plan's `SamplingSpec` and the audio formats, nothing of serve/,
+pipeline/ or stage/ (tests/test_imports.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar, cast
+
+from omni_server.audio.encode import FORMATS, check_sample_rate
+from omni_server.compiler.plan import NO_SAMPLING, SamplingSpec
+
+MIN_SPEED, MAX_SPEED = 0.25, 4.0
+MAX_SEED = 2**63 - 1
+MAX_SPEECH_TEMPERATURE = 2.0
+ROLES = ("system", "user", "assistant")
+
+C = TypeVar("C", bound="Contract")
+
+
+class Contract:
+    """The base of every contract: a frozen dataclass whose `__post_init__` checks it."""
+
+    KEY: ClassVar[str]  # where a payload holds it
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # pickled as a constructor call, never as a bare __dict__: decoding re-checks
+        values = tuple(getattr(self, name) for name in _names(self))
+        return (type(self), values)
+
+    @classmethod
+    def of(cls: type[C], payload: Mapping[str, Any]) -> C:
+        """The contract a payload holds under `KEY`; TypeError naming the key otherwise (a
+        stage wired to the wrong upstream, or a payload built by hand)."""
+        value = payload.get(cls.KEY)
+        if not isinstance(value, cls):
+            raise TypeError(
+                f"payload[{cls.KEY!r}] must be an omni_server.contracts.{cls.__name__}; "
+                f"found {type(value).__name__}"
+            )
+        return value
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (JSON's types): for logs, tests and the docs."""
+        return _plain(self)
+
+
+def _names(contract: Contract) -> list[str]:
+    """A contract's field names, in declaration order (every contract is a dataclass)."""
+    return [f.name for f in dataclasses.fields(cast(Any, contract))]
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Contract):
+        return {name: _plain(getattr(value, name)) for name in _names(value)}
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_seed(seed: Any) -> None:
+    if seed is not None and not (_integer(seed) and 0 <= seed <= MAX_SEED):
+        raise ValueError(f"seed must be an integer in 0..{MAX_SEED} or None; got {seed!r}")
+
+
+def _check_text(name: str, value: Any, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string; got {type(value).__name__}")
+
+
+# -- speech ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VoiceReference(Contract):
+    """A custom voice's clip, for the stage that clones it (docs/voices.md, "The cloning
+    seam"): `id` is the request's voice, `path` its stored clip (mono PCM16 WAV)."""
+
+    KEY: ClassVar[str] = "reference"
+
+    id: str
+    path: str
+    transcript: str
+    sample_rate: int
+    language: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_text("reference.id", self.id)
+        _check_text("reference.path", self.path)
+        _check_text("reference.language", self.language, optional=True)
+        if not isinstance(self.transcript, str) or not self.transcript.strip():
+            raise ValueError("reference.transcript must be the clip's non-empty transcript")
+        if not (_integer(self.sample_rate) and self.sample_rate > 0):
+            raise ValueError(
+                f"reference.sample_rate must be a positive integer; got {self.sample_rate!r}"
+            )
+
+
+@dataclass(frozen=True)
+class SpeechOptions(Contract):
+    """How a voice speaks one request: every endpoint that speaks builds one (speech, chat with
+    audio out, realtime, the speech input stream) and the voice's entry stage reads it.
+
+    `voice` is canonical (an alias resolved by the server): a declared voice, or a custom
+    voice's id with its `reference`. `stream`: the audio may be encoded progressively (False:
+    one whole file). `sample_rate` None: the format's default. `instructions` and `temperature`
+    (the speech endpoint's) reach a voice that can act on them; the embedded Piper voice
+    ignores both."""
+
+    KEY: ClassVar[str] = "speech"
+
+    voice: str
+    response_format: str = "mp3"
+    stream: bool = True
+    speed: float = 1.0
+    seed: int | None = None
+    sample_rate: int | None = None
+    reference: VoiceReference | None = None
+    instructions: str | None = None
+    temperature: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.voice, str) or not self.voice:
+            raise ValueError(f"voice must be a voice's name; got {self.voice!r}")
+        if self.response_format not in FORMATS:
+            raise ValueError(
+                f"response_format must be one of {', '.join(FORMATS)}; got {self.response_format!r}"
+            )
+        if not isinstance(self.stream, bool):
+            raise ValueError(f"stream must be true or false; got {self.stream!r}")
+        if not (_number(self.speed) and MIN_SPEED <= self.speed <= MAX_SPEED):
+            raise ValueError(f"speed must lie in {MIN_SPEED}..{MAX_SPEED}; got {self.speed!r}")
+        _check_seed(self.seed)
+        if self.sample_rate is not None:
+            if not _integer(self.sample_rate):
+                raise ValueError(f"sample_rate must be an integer; got {self.sample_rate!r}")
+            check_sample_rate(self.response_format, self.sample_rate)
+        if self.reference is not None and not isinstance(self.reference, VoiceReference):
+            raise ValueError(f"reference must be a VoiceReference; got {self.reference!r}")
+        if self.reference is not None and self.reference.id != self.voice:
+            raise ValueError(
+                f"a reference names its voice: {self.reference.id!r} != {self.voice!r}"
+            )
+        _check_text("instructions", self.instructions, optional=True)
+        if self.temperature is not None and not (
+            _number(self.temperature) and 0 <= self.temperature <= MAX_SPEECH_TEMPERATURE
+        ):
+            raise ValueError(
+                f"temperature must lie in 0..{MAX_SPEECH_TEMPERATURE:g}; got {self.temperature!r}"
+            )
+
+
+# -- chat (the thinker) ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Message(Contract):
+    """One conversation turn as the thinker reads it (OpenAI's developer role is `system`)."""
+
+    KEY: ClassVar[str] = "message"
+
+    role: str
+    content: str
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}; got {self.role!r}")
+        _check_text("content", self.content)
+
+
+# What a request gets for a field that neither it nor its model's [sampling] sets: OpenAI's
+# defaults, top_k and min_p off; max_tokens None is up to the context.
+OPENAI_SAMPLING = SamplingSpec(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0)
+
+
+@dataclass(frozen=True)
+class Sampling(Contract):
+    """How the thinker samples one answer; `resolve` fills what a request left out. The ranges
+    are the API's; the engine's sampler checks what it can run (top_p 0 is refused there)."""
+
+    KEY: ClassVar[str] = "sampling"
+
+    max_tokens: int | None = None  # None: up to the context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # extension (vLLM's and SGLang's name): 0 is off
+    min_p: float = 0.0  # extension: 0.0 is off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    @classmethod
+    def resolve(
+        cls,
+        defaults: SamplingSpec = NO_SAMPLING,
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        seed: int | None = None,
+        stop: tuple[str, ...] = (),
+    ) -> Sampling:
+        """Each field as the thinker gets it: the request's value (None: left out), else the
+        model's default (`defaults`, its entry stage's [sampling]), else OpenAI's."""
+        asked = {
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "min_p": min_p,
+        }
+        chosen: dict[str, Any] = {
+            name: next(
+                (
+                    v
+                    for v in (value, getattr(defaults, name), getattr(OPENAI_SAMPLING, name))
+                    if v is not None
+                ),
+                None,
+            )
+            for name, value in asked.items()
+        }
+        return cls(**chosen, seed=seed, stop=tuple(stop))
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and not (_integer(self.max_tokens) and self.max_tokens >= 1):
+            raise ValueError(
+                f"max_tokens must be a positive integer or None; got {self.max_tokens!r}"
+            )
+        for name in ("temperature", "top_p", "min_p"):
+            if not (_number(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be a number >= 0; got {getattr(self, name)!r}")
+        if self.top_p > 1 or self.min_p > 1:
+            raise ValueError(f"top_p and min_p lie in 0..1; got {self.top_p!r}, {self.min_p!r}")
+        if not (_integer(self.top_k) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an integer >= 0; got {self.top_k!r}")
+        _check_seed(self.seed)
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a tuple of non-empty strings; got {self.stop!r}")
+
+
+@dataclass(frozen=True)
+class ChatInput(Contract):
+    """The thinker's inputs (chat and realtime): the conversation, how to sample the answer,
+    and the voice's options when the answer is also spoken (None: text only), which the thinker
+    hands on with its first chunk."""
+
+    KEY: ClassVar[str] = "chat"
+
+    messages: tuple[Message, ...]
+    sampling: Sampling = field(default_factory=Sampling)
+    speech: SpeechOptions | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.messages, tuple) or not self.messages:
+            raise ValueError("messages must be a non-empty tuple of Message")
+        for i, message in enumerate(self.messages):
+            if not isinstance(message, Message):
+                raise ValueError(f"messages[{i}] must be a Message; got {type(message).__name__}")
+        if not isinstance(self.sampling, Sampling):
+            raise ValueError(f"sampling must be a Sampling; got {type(self.sampling).__name__}")
+        if self.speech is not None and not isinstance(self.speech, SpeechOptions):
+            raise ValueError(f"speech must be SpeechOptions or None; got {self.speech!r}")
+
+    def payload(self) -> dict[str, Any]:
+        return {self.KEY: self}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The thinker's contract as plain values: the messages, the sampling fields, speech."""
+        return {
+            "messages": [m.to_dict() for m in self.messages],
+            **self.sampling.to_dict(),
+            "speech": None if self.speech is None else self.speech.to_dict(),
+        }
+
+
+# -- transcription -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AsrOptions(Contract):
+    """How the recognizer hears one clip (docs/asr.md); rides beside the clip's `file` bytes."""
+
+    KEY: ClassVar[str] = "options"
+
+    prompt: str | None = None  # Whisper's initial prompt
+    temperature: float = 0.0
+    words: bool = False  # word timings: an alignment pass, only when asked for
+    logprobs: bool = False  # token log-probabilities: a scoring pass, only when asked for
+
+    def __post_init__(self) -> None:
+        _check_text("prompt", self.prompt, optional=True)
+        if not (_number(self.temperature) and 0 <= self.temperature <= 1):
+            raise ValueError(f"temperature must lie in 0..1; got {self.temperature!r}")
+        for name in ("words", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false; got {getattr(self, name)!r}")
+
+    def payload(self, file: bytes) -> dict[str, Any]:
+        """The ASR entry's inputs: the clip's bytes (any container) and these options."""
+        return {"file": file, self.KEY: self}
+
+
+def speech_payload(text: str, speech: SpeechOptions) -> dict[str, Any]:
+    """The speech entry's inputs: the text to say and how (the same two keys the thinker's
+    first streamed chunk carries to the voice)."""
+    return {"text": text, SpeechOptions.KEY: speech}
+
+
+# -- a request's seed, for the runtime ---------------------------------------------------------
+
+
+def seed_of(payload: Mapping[str, Any]) -> int | None:
+    """The seed a request's inputs carry: a chat's sampling seed, else a plain payload's
+    "seed" (stages that take no contract)."""
+    chat = payload.get(ChatInput.KEY)
+    if isinstance(chat, ChatInput):
+        return chat.sampling.seed
+    seed = payload.get("seed")
+    return seed if _integer(seed) else None
+
+
+def with_seed(payload: Mapping[str, Any], seed: int) -> dict[str, Any]:
+    """`payload` with `seed` where `seed_of` reads it: a TP leader gives an unseeded request
+    one seed for every rank (stage/tp.py)."""
+    chat = payload.get(ChatInput.KEY)
+    if isinstance(chat, ChatInput):
+        sampling = dataclasses.replace(chat.sampling, seed=seed)
+        return {**payload, ChatInput.KEY: dataclasses.replace(chat, sampling=sampling)}
+    return {**payload, "seed": seed}
