@@ -30,6 +30,8 @@ ENDPOINTS_HELP = """endpoints (docs/serving.md), as each model's tasks in reposi
   POST /v1/chat/completions              chat, text or text and audio out, audio in
   GET  /v1/realtime                      WebSocket: OpenAI's realtime voice sessions
   GET  /v1/audio/speech/stream-input     WebSocket: text in as it is written, audio out
+  GET  /v1/text-to-speech/{voice_id}/stream-input
+                                         the same, on ElevenLabs' path and conventions
   GET|POST /v1/audio/voices, DELETE /v1/audio/voices/{id}
                                          the models' voices; custom voices (cloning models)
   GET  /v1/models, /v1/models/{id}       the served models

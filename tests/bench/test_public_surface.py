@@ -26,7 +26,9 @@ PUBLIC = {
     "omni_server.wire",  # Endpoint
     "omni_transport",  # the transport's Python API
 }
-PUBLIC_PREFIXES = ("omni_server.audio",)  # the package and every module in it
+# the package and every module in it: the audio helpers, and the model families' own code
+# (omni_server.models imports nothing of the server's: tests/test_imports.py)
+PUBLIC_PREFIXES = ("omni_server.audio", "omni_server.models")
 SERVER_PACKAGES = ("omni_server", "omni_transport")
 
 
