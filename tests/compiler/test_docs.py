@@ -127,6 +127,7 @@ def test_example_backends_run(example: Path) -> None:
 
     from omni_server.audio import decode
     from omni_server.backend import Request, StageContext
+    from omni_server.contracts import SpeechOptions, speech_payload
 
     def load(stage: str, cls: str, parameters: dict):
         spec = importlib.util.spec_from_file_location(f"doc_{stage}", example / stage / "model.py")
@@ -140,7 +141,7 @@ def test_example_backends_run(example: Path) -> None:
     synth = load("synth", "Synth", {"sample_rate": 22050, "chunk_phonemes": 20})
     encoder = load("encoder", "Encoder", {})
 
-    inputs = {"text": "hello " * 9, "response_format": "wav", "sample_rate": None}
+    inputs = speech_payload("hello " * 9, SpeechOptions("default", response_format="wav"))
     (phonemes,) = frontend.execute([Request("r1", inputs)])
     assert len(phonemes["phonemes"]) == 54
     chunks = []
