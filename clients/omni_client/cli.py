@@ -223,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     stream.add_argument(
         "--sample-rate", type=int, default=24_000, help="PCM16 sample rate (%(default)s)"
     )
+    stream.add_argument("--seed", type=int, help="same seed, same text: bit-identical audio")
     stream.set_defaults(run=run_speak_stream, parser=stream)
 
     models = commands.add_parser(
@@ -485,6 +486,7 @@ def run_speak_stream(args: argparse.Namespace) -> int:
                 model=args.model,
                 voice=args.voice,
                 sample_rate=args.sample_rate,
+                seed=args.seed,
                 timeout=connection["timeout"],
                 on_audio=on_audio,
             )

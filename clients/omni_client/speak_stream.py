@@ -40,13 +40,21 @@ async def speak_stream(
     model: str = protocol.DEFAULT_MODEL,
     voice: str = protocol.DEFAULT_VOICE,
     sample_rate: int = 24_000,
+    seed: int | None = None,
     timeout: float = protocol.DEFAULT_TIMEOUT_S,
     on_audio: Callable[[bytes], None] = lambda data: None,
 ) -> Spoken:
     """Stream `source`'s text (UTF-8) to the server and hand each audio frame to `on_audio`.
     Raises APIError for an error the server sends, OmniError when the session breaks."""
     url = (base_url or protocol.DEFAULT_URL).rstrip("/").replace("http", "ws", 1)
-    query = urlencode({"model": model, "voice": voice, "output_format": f"pcm_{sample_rate}"})
+    settings: dict[str, str | int] = {
+        "model": model,
+        "voice": voice,
+        "output_format": f"pcm_{sample_rate}",
+    }
+    if seed is not None:  # same seed, same text: bit-identical audio
+        settings["seed"] = seed
+    query = urlencode(settings)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     spoken = Spoken()
     client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout)
