@@ -94,8 +94,12 @@ async def test_a_text_turn_streams_text_and_ends_with_usage(server):
 async def test_a_spoken_turn_is_heard_transcribed_and_answered_aloud(server, client, question_pcm):
     async with _client(server).realtime.connect(model=MODEL) as conn:
         await _until(conn, "session.created")
-        await conn.session.update(
-            session={"type": "realtime", "instructions": "Answer in one short sentence."}
+        await conn.session.update(  # seeded (our extension): the answer's words and voice
+            session={
+                "type": "realtime",
+                "instructions": "Answer in one short sentence.",
+                "seed": 7,
+            }
         )
         await _append(conn, question_pcm)
         events = await _until(conn, "response.done")

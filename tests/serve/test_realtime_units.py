@@ -74,6 +74,20 @@ def test_session_update_takes_ga_and_beta_shapes_and_is_all_or_nothing():
     assert config.ga("s") == before  # nothing of the refused update applied
 
 
+def test_session_seed_is_our_extension_validated_and_not_echoed():
+    config = SessionConfig(model="m", voice="joe")
+    config.update({"type": "realtime", "seed": 7}, ("joe",))
+    assert config.seed == 7
+    assert "seed" not in config.ga("s") and "seed" not in config.beta("s")  # OpenAI's shape
+    for bad in (-1, 1.5, True, "7", 2**63):
+        with pytest.raises(ProtocolError) as err:
+            config.update({"seed": bad, "instructions": "x"}, ("joe",))
+        assert err.value.param == "session.seed"
+    assert config.seed == 7 and config.instructions != "x"  # a refused update changes nothing
+    config.update({"seed": None}, ("joe",))
+    assert config.seed is None
+
+
 def test_conversation_inserts_truncates_and_builds_the_context():
     conversation = Conversation(max_item_chars=1000, max_chars=10_000)
     first = item_from_client(

@@ -5,7 +5,8 @@ GA: `{"type": "realtime", "instructions", "output_modalities": ["audio"], "audio
 "max_output_tokens"}`. Beta: `{"instructions", "modalities": ["text", "audio"], "voice",
 "input_audio_format", "output_audio_format", "turn_detection", "input_audio_transcription",
 "max_response_output_tokens", "temperature"}`. Both update the same fields; fields a client
-leaves out keep their values.
+leaves out keep their values. Our extension, in either shape: `"seed"` (an integer, or null for
+none), as the speech endpoint's; it is not echoed, so the session objects keep OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_server.contracts import MAX_SPEED, MIN_SPEED
+from omni_server.contracts import MAX_SEED, MAX_SPEED, MIN_SPEED
 from omni_server.serve.realtime.audio import PCM16, AudioFormat, parse_format
 from omni_server.serve.realtime.protocol import ProtocolError
 
@@ -48,6 +49,7 @@ class SessionConfig:
     max_output_tokens: int | None = 256
     temperature: float = 0.8
     speed: float = 1.0
+    seed: int | None = None  # our extension: every response's thinker and voice, reproducible
 
     def update(self, session: Any, voices: tuple[str, ...]) -> None:
         """Apply a session.update's `session` (GA or beta); on any error nothing changes."""
@@ -96,6 +98,8 @@ class SessionConfig:
                 new.max_output_tokens = _max_tokens(session[key], f"session.{key}")
         if "temperature" in session:
             new.temperature = _number(session["temperature"], "session.temperature", 0.0, 2.0)
+        if "seed" in session:
+            new.seed = _seed(session["seed"])
         if "speed" in audio_out:
             new.speed = _number(
                 audio_out["speed"], "session.audio.output.speed", MIN_SPEED, MAX_SPEED
@@ -184,6 +188,16 @@ def _number(value: Any, param: str, low: float, high: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
         raise ProtocolError(f"{param} must be a number in [{low}, {high}]", param=param)
     return float(value)
+
+
+def _seed(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
+        raise ProtocolError(
+            f"session.seed must be an integer in [0, {MAX_SEED}] or null", param="session.seed"
+        )
+    return value
 
 
 def _max_tokens(value: Any, param: str) -> int | None:

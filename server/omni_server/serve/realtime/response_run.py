@@ -198,6 +198,7 @@ class ResponseRun:
                 response_format="pcm",
                 stream=True,
                 speed=config.speed,
+                seed=config.seed,
                 sample_rate=config.output_format.rate,
             )
         if messages and messages[-1]["role"] == "assistant":
@@ -212,6 +213,7 @@ class ResponseRun:
             self.model.sampling,  # top_p, top_k, min_p: no session field sets them
             max_tokens=config.max_output_tokens,
             temperature=config.temperature,
+            seed=config.seed,
         )
         chat = ChatInput(
             tuple(Message(m["role"], m["content"]) for m in messages), sampling, speech
