@@ -37,6 +37,7 @@ PROMPTS = {
 
 @dataclass
 class Seeded:
+    folder: Path
     engine: Engine
     prompts: dict[str, list[int]]
     expected: dict[str, list[int]]  # transformers' greedy continuation of each prompt
@@ -99,7 +100,7 @@ def seeded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
             )
         expected[name] = out[0, len(ids) :].tolist()
     engine = Engine.from_checkpoint(folder, EngineConfig(max_total_tokens=2048))
-    return Seeded(engine, prompts, expected)
+    return Seeded(folder, engine, prompts, expected)
 
 
 def _run(
@@ -161,3 +162,16 @@ def test_seeded_sampling_reproducible_and_batch_independent(seeded: Seeded) -> N
     batched = _run(seeded.engine, seeded.prompts, sampled)[name]
     assert alone == again == batched
     assert alone != seeded.expected[name][: len(alone)]  # sampled, not the greedy path
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_greedy_on_gpu_equals_transformers_with_and_without_cuda_graphs(seeded: Seeded) -> None:
+    """float32 on CUDA (the fused Triton experts where triton is installed): the reference's
+    greedy text, eager and with decode steps replayed from captured graphs."""
+    for cuda_graphs in (False, True):
+        config = EngineConfig(
+            max_total_tokens=2048, device="cuda", dtype="float32", cuda_graphs=cuda_graphs
+        )
+        engine = Engine.from_checkpoint(seeded.folder, config)
+        assert _run(engine, seeded.prompts, GREEDY) == seeded.expected, cuda_graphs
