@@ -35,6 +35,7 @@ from omni_server.engine.families.base import (
 from omni_server.engine.families.higgs_audio_v2.checkpoint import HiggsAudioV2Family
 from omni_server.engine.families.llama.checkpoint import LlamaFamily
 from omni_server.engine.families.llama.gguf import GGUFFormatError, read_metadata
+from omni_server.engine.families.qwen3_omni_moe.checkpoint import Qwen3OmniMoeFamily
 
 __all__ = [
     "FAMILIES",
@@ -50,7 +51,7 @@ __all__ = [
 
 
 def _registry() -> dict[str, Family]:
-    families: list[Family] = [LlamaFamily(), HiggsAudioV2Family()]
+    families: list[Family] = [LlamaFamily(), HiggsAudioV2Family(), Qwen3OmniMoeFamily()]
     return {model_type: f for f in families for model_type in f.model_types}
 
 
