@@ -186,19 +186,63 @@ class SpeechOptions(Contract):
 # -- chat (the thinker) ------------------------------------------------------------------------
 
 
+MAX_AUDIO_PART_BYTES = 25 * 1024 * 1024  # OpenAI's upload bound for a clip
+AUDIO_PART_FORMATS = ("wav", "mp3")  # OpenAI's input_audio formats
+
+
+@dataclass(frozen=True)
+class AudioPart(Contract):
+    """A clip a model hears itself (an omni model's own audio encoder, not the transcription
+    cascade): the bytes as the client sent them, decoded by the model's first stage, off the
+    server's event loop."""
+
+    KEY: ClassVar[str] = "audio"
+
+    data: bytes
+    format: str = "wav"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.data, bytes) or not self.data:
+            raise ValueError("data must be non-empty bytes")
+        if len(self.data) > MAX_AUDIO_PART_BYTES:
+            raise ValueError(f"data is over {MAX_AUDIO_PART_BYTES} bytes")
+        if self.format not in AUDIO_PART_FORMATS:
+            raise ValueError(f"format must be one of {', '.join(AUDIO_PART_FORMATS)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": self.format, "bytes": len(self.data)}
+
+
 @dataclass(frozen=True)
 class Message(Contract):
-    """One conversation turn as the thinker reads it (OpenAI's developer role is `system`)."""
+    """One conversation turn as the thinker reads it (OpenAI's developer role is `system`).
+
+    `content` is text, or, for a model that hears audio itself, the parts in the order the
+    client sent them: text (str) and clips (AudioPart)."""
 
     KEY: ClassVar[str] = "message"
 
     role: str
-    content: str
+    content: str | tuple[str | AudioPart, ...]
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}; got {self.role!r}")
+        if isinstance(self.content, tuple):
+            for i, part in enumerate(self.content):
+                if not isinstance(part, str | AudioPart):
+                    raise ValueError(
+                        f"content[{i}] must be text or an AudioPart; got {type(part).__name__}"
+                    )
+            return
         _check_text("content", self.content)
+
+    @property
+    def text(self) -> str:
+        """The turn's text alone (its clips left out)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part for part in self.content if isinstance(part, str))
 
 
 # What a request gets for a field that neither it nor its model's [sampling] sets: OpenAI's
