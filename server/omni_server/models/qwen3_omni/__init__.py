@@ -6,6 +6,7 @@
     talker.py         the talker (MoE decoder over codec frames) and its code predictor
     code2wav.py       the codec decoder: frames of codes -> 24 kHz audio
     layers.py         the pieces they share (RMSNorm, rotary, attention with a KV cache, MoE)
+    handoff.py        what the thinker stage streams to the talker stage (typed)
     config.py         config.json -> the shapes and token ids these modules need
     weights.py        the safetensors files, by published tensor name
 
