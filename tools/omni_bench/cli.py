@@ -48,6 +48,7 @@ SUBCOMMANDS = {
     "reload": ("omni_bench.reload", "model reload: time to serving, memory of both versions"),
     "random-checkpoint": ("omni_bench.random_checkpoint", "random-weight HF checkpoint folders"),
     "higgs-serve": ("omni_bench.higgs_serve", "Higgs Audio v2 served: TTFA, underrun, replicas"),
+    "chat-serve": ("omni_bench.chat_serve", "the thinker over HTTP: TTFT, tokens/s by concurrency"),
     "ar-fanout": ("omni_bench.ar_fanout", "an ar stage's chunks across processes, no model"),
 }
 
