@@ -19,7 +19,8 @@ request alone always fits (max_seq_len <= capacity), the oldest always progresse
 Playback-aware order: when a request's output is media (`playback_seconds`) and the step cannot
 hold everyone, deadline_order.py fills it instead: urgent streams, then new requests' prefill
 and first output, then the rest by their listeners' deadlines. When everyone fits, the batch
-above runs unchanged.
+above runs. Either way, while media streams play, a step's prefill is held to what keeps every
+started stream ahead of its listener (prefill_budget.py); text requests never are.
 """
 
 from __future__ import annotations
