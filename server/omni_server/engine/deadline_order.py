@@ -131,10 +131,10 @@ def ordered_batch(batcher: BatcherView, now: float, margin_s: float) -> StepBatc
             cap = absorb
             if urgent_cost:
                 cap = min(cap, max(batcher.prefill_beside_decodes, urgent_cost))
-            room = min(budget, cap - prefill_cost)
-            n, floor = cost.fit(start, remaining, room), min(remaining, allocator.block_size)
             if absorb <= 0:
                 continue  # the listeners need this step's time: prompts wait (bounded)
+            room = min(budget, cap - prefill_cost)
+            n, floor = cost.fit(start, remaining, room), min(remaining, allocator.block_size)
             if n < floor and not prefills:
                 n = floor  # the first prompt in order advances by a block at least: no starving
             if n < floor:
