@@ -29,11 +29,12 @@ of lead; so between two steps that advance the first prompt in order, at most
 
     ceil((margin + T(D + floor_units)) / g)
 
-steps hold no prefill. Under overload (g <= 0) none do. Prompts go in order (the batcher's:
-new requests by arrival), so the i-th prompt of a burst of prompts of at most L tokens has its
-first chunk within i * ceil(L / block) advancing steps of that. Without a measured step
-(StepTimeFit.model() None) or without a started stream the budget is the ceiling: the order
-before any listener exists is the plain batch's.
+steps hold no prefill (W); under overload (g <= 0) none do. The first prompt in order is the
+oldest (new requests rank by arrival), and its prompt done is its first frame, so the i-th
+(from 0) of a burst of prompts of at most L tokens has its first frame within
+(i + 1) * ceil(L / block) * (W + 1) steps; with lead to spare a step takes far more than a
+block. Without a measured step (StepTimeFit.model() None) or without a started stream the
+budget is the ceiling: the order before any listener exists is the plain batch's.
 """
 
 from __future__ import annotations
