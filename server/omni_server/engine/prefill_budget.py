@@ -19,7 +19,7 @@ Floor: a prompt advances by a block at least (`floor_units`: the cost of the fir
 block) when T(D + floor_units) fits. When it does not:
   - if a step of decodes alone gains every started stream lead (T(D) < its frame's seconds),
     the step holds no prefill: prompts wait while the leads grow;
-  - else nothing keeps every listener fed (the decodes alone outrun real time: overload), and
+  - else nothing keeps every listener fed (decodes alone take a frame or more: overload), and
     the floor runs anyway, so a new request still advances by a block every step.
 
 Bound (every new request makes progress): let g = min(frame_s) - T(D) > 0, D the decode units
