@@ -329,7 +329,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mode", choices=modes, default="decode", help=mode_help)
     gpu_step_mixed.add_arguments(p)
     args = p.parse_args(argv)
-    gpu_step_mixed.finish(args)
+    gpu_step_mixed.finish(p, args)
     args.attention = args.attention.split(",")
     if "paged" not in args.attention:
         p.error("--attention must include paged (the anchors are measured beside it)")

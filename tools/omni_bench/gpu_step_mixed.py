@@ -254,6 +254,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=30)
 
 
-def finish(args: argparse.Namespace) -> None:
-    args.rows = [int(r) for r in args.rows.split(",")]
-    args.lengths = [int(n) for n in args.lengths.split(",")]
+def finish(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Parse the lists; a bad value ends the run with one line (exit 2)."""
+    for name in ("rows", "lengths"):
+        text = getattr(args, name)
+        try:
+            values = [int(x) for x in text.split(",")]
+        except ValueError:
+            p.error(f"--{name}: expected integers separated by commas, got {text!r}")
+        if any(v < 1 for v in values):
+            p.error(f"--{name}: every value must be at least 1, got {text!r}")
+        setattr(args, name, values)
+    if args.higgs is not None and not (args.higgs / "config.json").is_file():
+        p.error(f"--higgs {args.higgs}: no config.json (write one: omni-bench random-checkpoint)")
