@@ -314,3 +314,39 @@ def test_flash_prefill_equals_the_reference_on_gpu(start: int, n: int) -> None:
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             got = prefill_attention(dq, dk, dv).float().cpu()
         torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@GPU
+def test_bf16_mixed_steps_split_equal_all_eager_logits_on_gpu() -> None:
+    """bf16 with the paged decode kernel and the flash prefill (a first chunk and chunks after a
+    prefix): each mixed step's logits through the split launch equal the all-eager step's within
+    bf16 rounding, rows in the same order."""
+    first, later = _llama_requests()
+    engine = _llama("cuda", dtype="bfloat16")
+    runner, schedule = engine.runner, engine.batcher.next_batch
+    compared: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def spy(*args: Any, **kwargs: Any) -> StepBatch | None:
+        batch = schedule(*args, **kwargs)
+        if batch is not None and batch.decodes and batch.prefills:
+            runner.split_mixed = False
+            eager, eager_rows, _ = runner.run(batch)
+            runner.split_mixed = True
+            split, split_rows, _ = runner.run(batch)
+            assert split_rows == eager_rows
+            compared.append((split.float().cpu(), eager.float().cpu()))
+        return batch
+
+    engine.batcher.next_batch = spy  # type: ignore[method-assign]
+    engine.add(first)
+    for _ in range(3):
+        engine.step()
+    for request in later:
+        engine.add(request)
+    while engine.has_work():
+        engine.step()
+    assert len(compared) >= 3
+    for split, eager in compared:
+        scale = eager.abs().max()
+        assert (split - eager).abs().max() <= 3e-2 * scale
