@@ -210,20 +210,33 @@ def higgs(higgs_dir: Path) -> Engine:
 
 
 def _higgs_requests(base: Engine) -> tuple[GenerationRequest, list[GenerationRequest]]:
-    from tests.engine.test_higgs_audio import prompt
+    """A greedy request, then three seeded TTS prompts and one carrying a reference voice (20
+    frame rows among its text rows: the chunk's audio and text rows split in DualFFN)."""
+    from tests.engine.test_higgs_audio import prompt, turn
+
+    def seeded(i: int) -> SamplingParams:
+        return SamplingParams(temperature=1.0, top_k=50, seed=i, max_tokens=24, ignore_eos=True)
 
     texts = ["The sun rises in the east.", "Hi", "It was the night before my birthday."]
     first = GenerationRequest(
         "g", prompt(base, texts[0]), SamplingParams(temperature=0, max_tokens=60)
     )
-    later = [
-        GenerationRequest(
-            f"s{i}",
-            prompt(base, t),
-            SamplingParams(temperature=1.0, top_k=50, seed=i, max_tokens=24, ignore_eos=True),
-        )
-        for i, t in enumerate(texts)
+    later = [GenerationRequest(f"s{i}", prompt(base, t), seeded(i)) for i, t in enumerate(texts)]
+    audio, tokenizer = base.model.audio, base.tokenizer
+    assert audio is not None and tokenizer is not None
+    conversation = [
+        turn("system", "Generate audio following instruction."),
+        turn("user", "It was the night before my birthday."),
+        {"role": "assistant", "content": [{"type": "audio", "url": "voice.wav"}]},
+        turn("user", "The sun rises in the east."),
     ]
+    text = tokenizer.apply_chat_template(conversation).replace(
+        "<|AUDIO_OUT|>", "<|AUDIO_OUT|>" * 20
+    )
+    gen = torch.Generator().manual_seed(1)
+    voice = torch.randint(0, audio.codebook_size, (20, audio.num_codebooks), generator=gen)
+    ids = tokenizer.encode(text)
+    later.append(GenerationRequest("voice", ids, seeded(7), audio_codes=voice.tolist()))
     return first, later
 
 
