@@ -1,5 +1,9 @@
-"""Turns a scheduled batch into tensors, runs the model (eager or a captured CUDA graph) and
-returns the logits of the tokens to sample, one row per sampling request in batch order."""
+"""Turns a scheduled batch into tensors, runs the model and returns the logits of the tokens to
+sample, one row per sampling request in batch order.
+
+Three ways a step runs: eagerly (the CPU, or no graphs); its decode rows through a captured
+CUDA graph (cuda_graphs.py); or, a step of decodes and prefill chunks, split: the decode rows'
+graph replayed and the chunks eager beside it, so a prompt never turns running streams eager."""
 
 from __future__ import annotations
 
