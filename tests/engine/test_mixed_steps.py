@@ -322,8 +322,9 @@ def test_flash_prefill_equals_the_reference_on_gpu(start: int, n: int) -> None:
     for heads, kv_heads, dim in ((32, 8, 64), (24, 8, 128)):
         q = torch.randn(n, heads, dim, generator=gen)
         k, v = (torch.randn(start + n, kv_heads, dim, generator=gen) for _ in range(2))
-        expected = reference_attention(q, k, v).float()
         dq, dk, dv = (t.to("cuda", torch.bfloat16) for t in (q, k, v))
+        # the reference of the very bf16 inputs: only the kernel's own rounding is compared
+        expected = reference_attention(*(t.cpu().double() for t in (dq, dk, dv))).float()
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             got = prefill_attention(dq, dk, dv).float().cpu()
         torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
@@ -362,4 +363,4 @@ def test_bf16_mixed_steps_split_equal_all_eager_logits_on_gpu() -> None:
     assert len(compared) >= 3
     for split, eager in compared:
         scale = eager.abs().max()
-        assert (split - eager).abs().max() <= 3e-2 * scale
+        assert (split - eager).abs().max() <= 5e-2 * scale  # a row out of order: ~scale
