@@ -13,6 +13,9 @@ clock to a synchronize, and the host's part alone (until run() returns):
   chunk       the prompt chunk alone (eager)
   eager mix   the mixed step as before issue 38: every row in one eager forward
   split mix   the mixed step now: the decode graph replayed, the chunk eager beside it
+  two graphs  (--chunk-graph) the decode graph and the chunk in a graph of its own: what
+              capturing first chunks (docs/engine.md) would give; the bench's code, not the
+              engine's
 
 prefill-attention: one layer's attention of a prompt chunk of each length (bf16, the shape's
 heads), the chunk from position 0 and a chunk of the same length after a prefix as long (the
@@ -37,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from omni_server.engine import SHAPES, Engine, EngineConfig, GenerationRequest, SamplingParams
-from omni_server.engine.attention import prefill_attention
+from omni_server.engine.attention import ForwardBatch, PrefillChunk, prefill_attention
 from omni_server.engine.batcher import PrefillWork, StepBatch
 from omni_server.engine.runner import ModelRunner
 from omni_server.engine.sequence import Sequence
@@ -128,6 +131,8 @@ def mixed_row(args: argparse.Namespace, shape: str | None, rows: int) -> dict[st
     row["chunk_alone"] = _timed(_step(runner, StepBatch([], [work])), args.iters)
     row["eager_mix"] = _timed(_step(runner, mixed, split=False), args.iters)
     row["split_mix"] = _timed(_step(runner, mixed), args.iters)
+    if args.chunk_graph:
+        row["two_graphs"] = _timed(_two_graphs(engine, decodes, work), args.iters)
     runner.split_mixed = True
     del engine, runner, decodes, newcomer, work, mixed  # the next row's engine gets the memory
     gc.collect()
@@ -144,18 +149,58 @@ def _step(runner: ModelRunner, batch: StepBatch, split: bool = True) -> Callable
     return call
 
 
+def _two_graphs(engine: Engine, decodes: list[Sequence], work: PrefillWork) -> Callable[[], object]:
+    """The next step's bound, not the engine's code: the mixed step with the chunk captured too
+    (a first chunk of text rows, its length a bucket of its own), so the step is two replays:
+    the decode rows' graph (as the split step) and this chunk's graph."""
+    runner, cache, dev = engine.runner, engine.cache, engine.runner.device
+    graphs = runner.graphs
+    assert graphs is not None and work.start == 0
+    n = work.length
+    slots = cache.slot_matrix([work.seq.block_table], n)[0].to(dev)
+    inputs = engine.head.step_inputs(StepBatch([], [work]), dev)
+    assert inputs is None, "a chunk with frame rows has no static inputs here"
+    static = ForwardBatch(
+        input_ids=torch.tensor(work.seq.token_ids[:n], device=dev),
+        positions=torch.arange(n, device=dev),
+        slot_mapping=slots,
+        logits_indices=torch.tensor([n - 1], device=dev),
+        decode=None,
+        prefills=[PrefillChunk(0, n, slots)],
+    )
+    stream = torch.cuda.Stream(device=dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream), torch.inference_mode():
+        for _ in range(2):  # warm-up outside the capture
+            runner.model.forward(static, cache.k, cache.v)
+    torch.cuda.current_stream(dev).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream), torch.inference_mode():
+        chunk_logits = runner.model.forward(static, cache.k, cache.v)
+
+    def call() -> object:
+        with torch.inference_mode():
+            out = graphs.run(*runner.decode_rows(decodes), decodes)
+            graph.replay()
+            return torch.cat([out.logits, chunk_logits])
+
+    return call
+
+
 def mixed_table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| model | decode rows | decode-only ms | chunk alone ms | eager mixed ms (host) | "
-        "split mixed ms (host) | split / eager |",
-        "|---|---|---|---|---|---|---|",
+        "split mixed ms (host) | split / eager | two graphs ms (host) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         eager, split = r["eager_mix"], r["split_mix"]
+        both = r.get("two_graphs")  # --chunk-graph
+        graphs = "-" if both is None else f"{both[0]:.2f} ({both[1]:.2f})"
         lines.append(
             f"| {r['model']} | {r['rows']} | {r['decode'][0]:.2f} | {r['chunk_alone'][0]:.2f} | "
             f"{eager[0]:.2f} ({eager[1]:.2f}) | {split[0]:.2f} ({split[1]:.2f}) | "
-            f"{split[0] / eager[0]:.2f} |"
+            f"{split[0] / eager[0]:.2f} | {graphs} |"
         )
     return "\n".join(lines)
 
@@ -252,6 +297,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--higgs", type=Path, default=None, help="mixed: a Higgs checkpoint folder")
     p.add_argument("--lengths", default="256,1024,4096", help="prefill-attention: chunk tokens")
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument(
+        "--chunk-graph",
+        action="store_true",
+        help="mixed: also the step with the chunk captured in a graph of its own (the bound of "
+        "graphing first chunks; the chunk must be text rows)",
+    )
 
 
 def finish(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
