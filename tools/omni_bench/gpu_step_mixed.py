@@ -13,6 +13,8 @@ clock to a synchronize, and the host's part alone (until run() returns):
   chunk       the prompt chunk alone (eager)
   eager mix   the mixed step as before issue 38: every row in one eager forward
   split mix   the mixed step now: the decode graph replayed, the chunk eager beside it
+  side stream (--side-stream) the split step with the chunk on a second stream, concurrent
+              with the graph where the GPU has room (the bench's code)
   two graphs  (--chunk-graph) the decode graph and the chunk in a graph of its own: what
               capturing first chunks (docs/engine.md) would give; the bench's code, not the
               engine's
@@ -131,6 +133,8 @@ def mixed_row(args: argparse.Namespace, shape: str | None, rows: int) -> dict[st
     row["chunk_alone"] = _timed(_step(runner, StepBatch([], [work])), args.iters)
     row["eager_mix"] = _timed(_step(runner, mixed, split=False), args.iters)
     row["split_mix"] = _timed(_step(runner, mixed), args.iters)
+    if args.side_stream:
+        row["side_stream"] = _timed(_side_stream(runner, decodes, work), args.iters)
     if args.chunk_graph:
         row["two_graphs"] = _timed(_two_graphs(engine, decodes, work), args.iters)
     runner.split_mixed = True
@@ -145,6 +149,29 @@ def _step(runner: ModelRunner, batch: StepBatch, split: bool = True) -> Callable
     def call() -> object:
         runner.split_mixed = split
         return runner.run(batch)
+
+    return call
+
+
+def _side_stream(
+    runner: ModelRunner, decodes: list[Sequence], work: PrefillWork
+) -> Callable[[], object]:
+    """The split step with the chunk on a second stream, so the GPU may run it while the decode
+    graph runs (the halves write disjoint KV slots); the bench's code, not the engine's."""
+    graphs = runner.graphs
+    assert graphs is not None
+    side = torch.cuda.Stream(device=runner.device)
+
+    @torch.inference_mode()  # as ModelRunner.run: the graphs' buffers are inference tensors
+    def call() -> object:
+        main = torch.cuda.current_stream(runner.device)
+        side.wait_stream(main)  # the previous step's writes first
+        out = graphs.run(*runner.decode_rows(decodes), decodes)
+        with torch.cuda.stream(side):
+            chunk_logits = runner.run(StepBatch([], [work]))[0]
+        main.wait_stream(side)
+        chunk_logits.record_stream(main)  # allocated on `side`, read on `main`
+        return torch.cat([out.logits, chunk_logits])
 
     return call
 
@@ -178,11 +205,11 @@ def _two_graphs(engine: Engine, decodes: list[Sequence], work: PrefillWork) -> C
     with torch.cuda.graph(graph, stream=stream), torch.inference_mode():
         chunk_logits = runner.model.forward(static, cache.k, cache.v)
 
+    @torch.inference_mode()  # as ModelRunner.run: the graphs' buffers are inference tensors
     def call() -> object:
-        with torch.inference_mode():
-            out = graphs.run(*runner.decode_rows(decodes), decodes)
-            graph.replay()
-            return torch.cat([out.logits, chunk_logits])
+        out = graphs.run(*runner.decode_rows(decodes), decodes)
+        graph.replay()
+        return torch.cat([out.logits, chunk_logits])
 
     return call
 
@@ -190,17 +217,20 @@ def _two_graphs(engine: Engine, decodes: list[Sequence], work: PrefillWork) -> C
 def mixed_table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| model | decode rows | decode-only ms | chunk alone ms | eager mixed ms (host) | "
-        "split mixed ms (host) | split / eager | two graphs ms (host) |",
-        "|---|---|---|---|---|---|---|---|",
+        "split mixed ms (host) | split / eager | split, chunk on a side stream ms (host) | "
+        "two graphs ms (host) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         eager, split = r["eager_mix"], r["split_mix"]
-        both = r.get("two_graphs")  # --chunk-graph
-        graphs = "-" if both is None else f"{both[0]:.2f} ({both[1]:.2f})"
+        graphs, side = (
+            "-" if r.get(key) is None else f"{r[key][0]:.2f} ({r[key][1]:.2f})"
+            for key in ("two_graphs", "side_stream")  # --chunk-graph, --side-stream
+        )
         lines.append(
             f"| {r['model']} | {r['rows']} | {r['decode'][0]:.2f} | {r['chunk_alone'][0]:.2f} | "
             f"{eager[0]:.2f} ({eager[1]:.2f}) | {split[0]:.2f} ({split[1]:.2f}) | "
-            f"{split[0] / eager[0]:.2f} | {graphs} |"
+            f"{split[0] / eager[0]:.2f} | {side} | {graphs} |"
         )
     return "\n".join(lines)
 
@@ -297,6 +327,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--higgs", type=Path, default=None, help="mixed: a Higgs checkpoint folder")
     p.add_argument("--lengths", default="256,1024,4096", help="prefill-attention: chunk tokens")
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument(
+        "--side-stream",
+        action="store_true",
+        help="mixed: also the split step with the chunk on a second stream (GPU concurrency)",
+    )
     p.add_argument(
         "--chunk-graph",
         action="store_true",
