@@ -35,11 +35,13 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 class EagerGraphs:
     """A stand-in for DecodeGraphs where no CUDA graph can be captured (the CPU): `run` gets a
     replay's arguments and runs those decode rows alone, eagerly, as a graph would (the head's
-    static inputs through graph_inputs / fill_graph_inputs; the argmax for a text head)."""
+    static inputs through graph_inputs / fill_graph_inputs; for a text head the argmax, kept in
+    a device feed that PENDING ids read, as cuda_graphs.py's `feed`)."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.replays: list[int] = []  # rows of each replay
+        self.feed = torch.zeros(64, dtype=torch.int64)
 
     def run(
         self,
@@ -57,8 +59,10 @@ class EagerGraphs:
             runner.head.fill_graph_inputs(static, decodes)
         mask = torch.arange(length).unsqueeze(0) < torch.tensor(context).unsqueeze(1)
         slots = runner.cache.slot_matrix(tables, length)
+        input_ids = torch.tensor(ids)
+        input_ids = torch.where(input_ids < 0, self.feed[:n], input_ids)  # overlap.PENDING
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids),
+            input_ids=input_ids,
             positions=torch.tensor(positions),
             slot_mapping=torch.tensor(slot_mapping),
             logits_indices=torch.arange(n),
@@ -67,7 +71,10 @@ class EagerGraphs:
             family_inputs=static,
         )
         logits = runner.model.forward(batch, runner.cache.k, runner.cache.v)
-        return DecodeOutput(logits, greedy_tokens(logits) if runner.head.argmax_is_draw else None)
+        if not runner.head.argmax_is_draw:
+            return DecodeOutput(logits, None)
+        self.feed[:n] = greedy_tokens(logits)
+        return DecodeOutput(logits, self.feed[:n].clone())
 
 
 def serve(
@@ -182,6 +189,35 @@ def test_llama_mixed_steps_through_the_split_launch_equal_all_eager() -> None:
     assert graphs.replays == [len(b.decodes) for b in batches if b.decodes]
     assert split == eager
     assert mixed(eager_batches) == mixed(batches)  # the same schedule, step for step
+
+
+def test_split_mixed_steps_beside_steps_in_flight_change_no_token() -> None:
+    """Greedy decode steps go in flight (overlap.py) before and after the mixed steps: the
+    mixed ones never do, and the feed the next graph step reads stays the decodes' argmax."""
+    requests = [
+        GenerationRequest(
+            f"g{i}",
+            [(5 * j + i) % 120 + 1 for j in range(6 + 25 * i)],
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        )
+        for i in range(3)
+    ]
+    engine = _llama(overlap_decode="on")
+    assert engine.overlaps_decode
+    graphs = EagerGraphs(engine.runner)
+    engine.runner.graphs = graphs  # type: ignore[assignment]
+    flown = 0
+    launch = engine.runner.run
+
+    def counting(batch: StepBatch) -> Any:  # the real run, its PENDING rows counted
+        nonlocal flown
+        flown += any(seq.token_ids[seq.num_computed] < 0 for seq in batch.decodes)
+        return launch(batch)
+
+    engine.runner.run = counting  # type: ignore[method-assign]
+    out, batches = serve(engine, requests[0], requests[1:])
+    assert mixed(batches) >= 3 and flown >= 10
+    assert out == serve(_llama(), requests[0], requests[1:])[0]
 
 
 def test_the_old_all_eager_mixed_step_is_kept_behind_split_mixed() -> None:
