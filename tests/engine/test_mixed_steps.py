@@ -191,10 +191,8 @@ def test_llama_mixed_steps_through_the_split_launch_equal_all_eager() -> None:
     assert mixed(eager_batches) == mixed(batches)  # the same schedule, step for step
 
 
-def test_split_mixed_steps_beside_steps_in_flight_change_no_token() -> None:
-    """Greedy decode steps go in flight (overlap.py) before and after the mixed steps: the
-    mixed ones never do, and the feed the next graph step reads stays the decodes' argmax."""
-    requests = [
+def _greedy_requests() -> list[GenerationRequest]:
+    return [
         GenerationRequest(
             f"g{i}",
             [(5 * j + i) % 120 + 1 for j in range(6 + 25 * i)],
@@ -202,6 +200,12 @@ def test_split_mixed_steps_beside_steps_in_flight_change_no_token() -> None:
         )
         for i in range(3)
     ]
+
+
+def test_split_mixed_steps_beside_steps_in_flight_change_no_token() -> None:
+    """Greedy decode steps go in flight (overlap.py) before and after the mixed steps: the
+    mixed ones never do, and the feed the next graph step reads stays the decodes' argmax."""
+    requests = _greedy_requests()
     engine = _llama(overlap_decode="on")
     assert engine.overlaps_decode
     graphs = EagerGraphs(engine.runner)
@@ -318,6 +322,13 @@ def test_llama_mixed_steps_through_graphs_equal_eager_on_gpu() -> None:
     greedy = {rid: t for rid, t in graphed.items() if rid in ("r0", "r2")}
     cpu = serve(_llama(), first, later)[0]
     assert greedy == {rid: cpu[rid] for rid in greedy}
+    # all greedy: decode steps in flight (the graphs' device feed) around the mixed steps
+    first, *later = _greedy_requests()
+    engine = _llama("cuda", dtype="float32")
+    assert engine.overlaps_decode
+    graphed, batches = serve(engine, first, later)
+    assert mixed(batches) >= 3
+    assert graphed == serve(_llama(), first, later)[0]
 
 
 @pytest.mark.gpu
