@@ -319,16 +319,15 @@ def test_llama_mixed_steps_through_graphs_equal_eager_on_gpu() -> None:
     old = _llama("cuda", dtype="float32")
     old.runner.split_mixed = False
     assert graphed == serve(old, first, later)[0]
-    greedy = {rid: t for rid, t in graphed.items() if rid in ("r0", "r2")}
-    cpu = serve(_llama(), first, later)[0]
-    assert greedy == {rid: cpu[rid] for rid in greedy}
+    # (not against the CPU engine: Engine.from_random draws its weights on the engine's
+    # device, so a CUDA engine and a CPU one of the same seed are different models)
     # all greedy: decode steps in flight (the graphs' device feed) around the mixed steps
     first, *later = _greedy_requests()
     engine = _llama("cuda", dtype="float32")
     assert engine.overlaps_decode
     graphed, batches = serve(engine, first, later)
     assert mixed(batches) >= 3
-    assert graphed == serve(_llama(), first, later)[0]
+    assert graphed == serve(_llama("cuda", dtype="float32", cuda_graphs=False), first, later)[0]
 
 
 @pytest.mark.gpu
