@@ -379,3 +379,16 @@ async def test_stage_processes_serve_without_transformers(
     pids = set(runtime.processes().values())
     assert len(pids) == 3  # frontend, thinker, talker
     assert pids <= blocked_pids(no_transformers)
+
+
+async def test_the_example_compiles_with_its_two_models() -> None:
+    """The example's own repository.toml (until its talker stages land, with the thinker's
+    stream off): both models, the frontend and thinker processes."""
+    from omni_server.compiler import compile_repository
+
+    overrides = ["--parameters.checkpoint", "/models/qwen3-omni",
+                 "--stages.thinker.stream_to", "[]"]  # fmt: skip
+    plan = compile_repository(EXAMPLE, overrides)
+    assert {"qwen3-omni", "qwen3-omni-thinker"} <= set(plan.models)
+    assert plan.models["qwen3-omni-thinker"].entry == "preprocessing"
+    assert plan.stages["thinker"].terminal and plan.stages["preprocessing"].process == "frontend"
