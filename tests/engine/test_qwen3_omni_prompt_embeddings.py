@@ -23,8 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from omni_server.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, TokenEvent
-from omni_server.engine.sequence import PromptEmbeddings
+from omni_server.engine import (
+    Engine,
+    EngineConfig,
+    GenerationRequest,
+    PromptEmbeddings,
+    SamplingParams,
+    TokenEvent,
+)
 from omni_server.models.qwen3_omni.audio_encoder import AudioEncoder, output_lengths
 from omni_server.models.qwen3_omni.config import Qwen3OmniConfig
 from omni_server.models.qwen3_omni.mel import log_mel

@@ -263,9 +263,10 @@ def chat(
     max_tokens: int = NEW_TOKENS,
     temperature: float = 0.0,
     seed: int | None = None,
+    stop: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     parts = content[0] if len(content) == 1 and isinstance(content[0], str) else tuple(content)
-    sampling = Sampling(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    sampling = Sampling(max_tokens=max_tokens, temperature=temperature, seed=seed, stop=stop)
     return ChatInput((Message("user", parts),), sampling, speech).payload()
 
 
@@ -314,6 +315,13 @@ async def test_text_prompt_greedy_equals_transformers(runtime: Any, seeded: Seed
     assert written.text == spoken.text and written.caller_keys == {"text"}
     assert written.talker == {"opening": None, "tokens": [], "dones": [],
                               "tokens_before_opening": 0}  # fmt: skip
+    # a stop string from the middle of the answer: the text ends before it, finish "stop"
+    full = spoken.text
+    assert len(full) > 8
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    stopped = await ask(runtime, chat(TEXT, speech=None, stop=(stop,)))
+    assert stopped.text == full[: full.find(stop)] == stopped.thinker["text"]
+    assert stopped.thinker["finish_reason"] == "stop"
 
 
 async def test_audio_prompt_greedy_and_talker_hidden_equal_transformers(

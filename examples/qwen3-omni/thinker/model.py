@@ -39,11 +39,11 @@ from omni_server.engine import (
     Engine,
     EngineConfig,
     GenerationRequest,
+    PromptEmbeddings,
     SamplingParams,
     TokenEvent,
 )
 from omni_server.engine.memory import MemoryBudgetError
-from omni_server.engine.sequence import PromptEmbeddings
 from omni_server.models.qwen3_omni.config import Qwen3OmniConfig
 from omni_server.models.qwen3_omni.folder import CheckpointFolderError, checkpoint_folder
 from omni_server.models.qwen3_omni.handoff import TalkerOpening, ThinkerTokens
