@@ -118,6 +118,23 @@ def test_given_rows_alone_batched_and_chunked_equal_the_plain_thinker(prompt: Au
         assert all(e.prompt_hidden is None for e in both["a"])  # not asked for
 
 
+def test_preemption_recomputes_the_given_rows(prompt: AudioPrompt) -> None:
+    """A KV budget too small for three: the newest is preempted and recomputes its prompt (its
+    given rows again) and its ids so far; each equals its run alone, its hidden handed once."""
+    base = _engine(prompt.folder)
+    config = EngineConfig(max_total_tokens=128, block_size=16, max_step_tokens=32, max_batch_size=4)
+    engine = Engine(base.model, config, base.tokenizer)
+    names = ["a", "b", "c"]
+    assert 3 * (len(prompt.ids) + NEW_TOKENS) > 128  # they cannot all fit at once
+    out = engine.generate([_audio_request(prompt, keep=True, name=n) for n in names])
+    assert engine.batcher.num_preemptions > 0
+    for name in names:
+        assert _ids(out[name]) == prompt.expected, name
+        handed = [e.prompt_hidden for e in out[name] if e.prompt_hidden is not None]
+        assert len(handed) == 1, name
+        torch.testing.assert_close(handed[0], prompt.hidden, atol=1e-5, rtol=1e-5)
+
+
 def test_the_head_refuses_rows_it_cannot_place(prompt: AudioPrompt) -> None:
     engine = _engine(prompt.folder)
     wide = PromptEmbeddings(prompt.positions, torch.zeros(len(prompt.positions), 3))

@@ -13,8 +13,8 @@ first event, TokenEvent.prompt_hidden).
     record   append(): the text head's event, with the buffer on the first one
 
 Decode graphs carry no inputs of this head (every decode row is a token). A preempted request
-recomputes its prompt: the same rows take the same values and the buffer is rewritten with the
-same hidden states; it was handed out at most once.
+recomputes its prompt: the same rows take the same values; the tap's buffer went out with
+the first event and is not written again.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ class PromptRowsState:
 
     positions: list[int]  # ascending prompt positions
     values: torch.Tensor  # [M, C] their input embeddings
-    hidden: torch.Tensor | None  # [M, C] the tap's output there (keep_hidden), filled in prefill
-    handed: bool = False  # hidden went out on an event
+    # [M, C] the tap's output there (keep_hidden), filled in prefill; None once handed out (the
+    # event owns it: a recomputed prompt after a preemption never writes into it again)
+    hidden: torch.Tensor | None
 
 
 @dataclass
@@ -117,8 +118,7 @@ class PromptRowsHead(TokenHead):
     def append(self, seq: Sequence, draw: int) -> TokenEvent:
         event = super().append(seq, draw)
         state = _state(seq)
-        if state is not None and state.hidden is not None and not state.handed:
+        if state is not None and state.hidden is not None:
             # the first append follows the prompt's last chunk: every row has been tapped
-            event.prompt_hidden = state.hidden
-            state.handed = True
+            event.prompt_hidden, state.hidden = state.hidden, None
         return event
