@@ -82,10 +82,8 @@ class Thinker(StageBackend):
             self.engine = Engine.from_checkpoint(folder, config, weights=context.shared_weights)
         except (CheckpointFolderError, CheckpointError, MemoryBudgetError, KeyError) as err:
             raise StageConfigError(str(err)) from err
-        # the prompt positions the talker hears through the thinker's hidden state
-        self.multimodal_ids = frozenset(
-            {model.audio_token_id, model.image_token_id, model.video_token_id}
-        )
+        # the audio placeholders: the prompt's multimodal rows (preprocessing refuses images and
+        # videos), whose hidden state the talker hears
         self.audio_token_id = model.audio_token_id
         self.hidden_size = model.thinker.hidden_size
         self._ids = itertools.count()
@@ -102,7 +100,6 @@ class Thinker(StageBackend):
         given = None
         if audio is not None:
             positions = tuple(i for i, t in enumerate(prompt) if t == self.audio_token_id)
-            # the audio rows are all the multimodal ones (preprocessing refuses images)
             given = PromptEmbeddings(positions, audio, keep_hidden=chat.speech is not None)
         engine_id = f"r{next(self._ids)}"
         try:
