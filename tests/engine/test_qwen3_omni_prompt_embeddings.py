@@ -19,6 +19,7 @@ import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -133,6 +134,37 @@ def test_preemption_recomputes_the_given_rows(prompt: AudioPrompt) -> None:
         handed = [e.prompt_hidden for e in out[name] if e.prompt_hidden is not None]
         assert len(handed) == 1, name
         torch.testing.assert_close(handed[0], prompt.hidden, atol=1e-5, rtol=1e-5)
+
+
+def test_given_rows_in_mixed_steps_through_the_split_launch(prompt: AudioPrompt) -> None:
+    """A text request decoding, then two audio requests prefilled in chunks beside it, the
+    decode rows through test_mixed_steps' EagerGraphs (its labelled stand-in for the decode
+    graph, which carries no given rows) and the chunks eagerly: each request's ids those of
+    its run alone, the hidden state too."""
+    from tests.engine.test_mixed_steps import EagerGraphs, mixed, serve
+
+    base = _engine(prompt.folder)
+    config = EngineConfig(max_total_tokens=1024, max_batch_size=4, max_step_tokens=16)
+    engine = Engine(base.model, config, base.tokenizer)
+    engine.runner.graphs = EagerGraphs(engine.runner)  # type: ignore[assignment]
+    hidden: list[torch.Tensor] = []
+    keep = engine.head.append
+
+    def append(seq: Any, draw: Any) -> TokenEvent:  # the events' hidden states, recorded
+        event = keep(seq, draw)
+        if event.prompt_hidden is not None:
+            hidden.append(event.prompt_hidden)
+        return event
+
+    engine.head.append = append  # type: ignore[method-assign]
+    text = GenerationRequest("t", prompt.text_ids, GREEDY)
+    audio = [_audio_request(prompt, keep=True, name=n) for n in ("a", "b")]
+    out, batches = serve(engine, text, audio, join_after=2)
+    assert mixed(batches) >= 3
+    assert out == {"t": prompt.expected_text, "a": prompt.expected, "b": prompt.expected}
+    assert len(hidden) == 2
+    for rows in hidden:
+        torch.testing.assert_close(rows, prompt.hidden, atol=1e-5, rtol=1e-5)
 
 
 def test_the_head_refuses_rows_it_cannot_place(prompt: AudioPrompt) -> None:
