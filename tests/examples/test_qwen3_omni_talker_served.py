@@ -44,7 +44,11 @@ from omni_server.contracts import SpeechOptions
 from omni_server.models.qwen3_omni.thinker import Thinker
 from omni_server.stage.backends import load_backend
 from tests.examples.qwen3_omni_stand_in.thinker.model import thinker_chunks
-from tests.examples.test_higgs_audio_v2 import no_transformers, python_path  # noqa: F401
+from tests.examples.test_higgs_audio_v2 import (  # noqa: F401
+    blocked_pids,
+    no_transformers,
+    python_path,
+)
 from tests.helpers.server import ROOT
 from tests.models.qwen3_omni.conftest import Checkpoint, checkpoint, one_torch_thread  # noqa: F401
 from tests.models.qwen3_omni.test_talker import FRAMES, THINKER_TOKENS, reference_codes
@@ -343,6 +347,7 @@ async def test_served_audio_through_processes_equals_the_reference(
     model = plan.models[MODEL]
     with python_path(no_transformers):
         async with running(plan) as runtime:
+            pids = set(runtime.processes().values())
             bodies = []
             for text, voice, _ in CASES:
                 fields = {
@@ -355,7 +360,49 @@ async def test_served_audio_through_processes_equals_the_reference(
                         body += chunk["audio"]
                     await handle.result()
                 bodies.append(bytes(body))
+    assert pids and pids <= blocked_pids(no_transformers)  # none of them could use transformers
     for body, expected in zip(bodies, references, strict=True):
         with torch.no_grad():
             want = checkpoint.reference.code2wav(expected[None])[0, 0].numpy()
         assert snr_db(want, decode(body, "pcm").samples) >= MIN_SNR_DB
+
+
+def test_abort_over_http_stops_the_talker_and_code2wav(
+    checkpoint: Checkpoint,  # noqa: F811
+    repo: Path,
+    no_transformers: list[str],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """omni-server on the test repository; a caller that leaves after its first audio bytes
+    (the talker would speak 120 s): both stages drop the request at once (their logs count
+    the requests still running: none), and the server still answers."""
+    import http.client
+    import json
+    import time
+
+    from tests.helpers.server import ServerProcess
+
+    with pytest.MonkeyPatch.context() as patch, python_path(no_transformers):
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")
+        server = ServerProcess.start(
+            repo, tmp_path / "server.log", "--parameters.checkpoint", str(checkpoint.folder),
+            "--stages.talker.parameters.ignore_eos", "true",
+        )  # fmt: skip
+    with server:
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+        body = {"model": MODEL, "voice": "ethan", "input": "Hello, how are you today?",
+                "response_format": "pcm"}  # fmt: skip
+        connection.request("POST", "/v1/audio/speech", json.dumps(body),
+                           {"Content-Type": "application/json"})  # fmt: skip
+        response = connection.getresponse()
+        assert response.status == 200
+        assert response.read1(4096)
+        connection.close()  # mid-stream: 1500 frames to go
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "code2wav: stopped" not in server.log():
+            time.sleep(0.2)
+        log = server.log()
+        assert "talker: aborted" in log and "(0 requests running)" in log, log[-3000:]
+        assert "code2wav: stopped" in log and "(0 streams running)" in log, log[-3000:]
+        status, models = server.get_json("/v1/models")
+        assert status == 200 and MODEL in json.dumps(models)

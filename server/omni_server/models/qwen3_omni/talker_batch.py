@@ -24,7 +24,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omni_server.models.qwen3_omni.layers import KVCache, apply_rotary, attend, rotary_cos_sin
+from omni_server.models.qwen3_omni.layers import (
+    DecoderLayer,
+    KVCache,
+    apply_rotary,
+    attend,
+    rotary_cos_sin,
+)
 from omni_server.models.qwen3_omni.talker import Talker
 from omni_server.models.qwen3_omni.thinker import Decoder, prompt_positions
 
@@ -188,6 +194,7 @@ def decode_rows(decoder: Decoder, x: torch.Tensor, caches: list[KVCache]) -> tor
     )
     cos, sin = cos[:, None, None, :], sin[:, None, None, :]  # [B, 1, 1, D]: row b's position
     for layer in decoder.layers:
+        assert isinstance(layer, DecoderLayer)
         attn = layer.self_attn
         h = layer.input_layernorm(x)
         q = attn.q_proj(h).view(b, 1, -1, attn.head_dim)

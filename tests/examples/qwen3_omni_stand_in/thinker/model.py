@@ -4,9 +4,11 @@ thinker.py, checked against transformers in tests/models/qwen3_omni) on the repo
 checkpoint: greedy tokens, layer `accept_hidden_layer`'s output at the multimodal placeholders.
 
 In: {"prompt_ids": [ids of a chat-templated text prompt], "speech": SpeechOptions,
-"max_tokens": n (optional)}. Out (to the talker): the TalkerOpening with the first token, then
-one ThinkerTokens chunk per generated token, the last done=True. The whole run is computed
-first (the talker then still meets its text one token a chunk, and waits for late ones)."""
+"max_tokens": n (optional)}, or the speech endpoint's {"text", "speech"} (the text as the user's
+turn of a ChatML prompt, tokenized by the checkpoint's tokenizer.json). Out (to the talker):
+the TalkerOpening with the first token, then one ThinkerTokens chunk per generated token, the
+last done=True. The whole run is computed first (the talker then still meets its text one
+token a chunk, and waits for late ones)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer
 
 from omni_server.backend import Request, StageBackend, StageContext
 from omni_server.contracts import SpeechOptions
@@ -28,12 +31,17 @@ class StandInThinker(StageBackend):
         folder = Path(context.repository_parameters["checkpoint"])
         self.thinker, self.config = Thinker.from_checkpoint(folder)
         self.max_tokens = int(context.parameters.get("max_tokens", 12))
+        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
 
     def generate(self, request: Request) -> Iterator[dict[str, Any]]:
+        inputs = request.inputs
+        ids = inputs.get("prompt_ids")
+        if ids is None:
+            chat = f"<|im_start|>user\n{inputs['text']}<|im_end|>\n<|im_start|>assistant\n"
+            ids = self.tokenizer.encode(chat).ids
         yield from thinker_chunks(
-            self.thinker, self.config, list(request.inputs["prompt_ids"]),
-            SpeechOptions.of(request.inputs),
-            int(request.inputs.get("max_tokens", self.max_tokens)),
+            self.thinker, self.config, list(ids), SpeechOptions.of(inputs),
+            int(inputs.get("max_tokens", self.max_tokens)),
         )  # fmt: skip
 
 
