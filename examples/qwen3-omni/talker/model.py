@@ -225,26 +225,34 @@ class TalkerStage(StageBackend):
         return speech.state is not None and speech.state.pending is None
 
     def _frames(self) -> list[StepOutput]:
-        """Code 0 for every request whose next frame is due, codec EOS or the frame cap ending
-        it; the frames of the others completed in one code predictor run and sent."""
-        outputs, chosen, code0s = [], [], []
+        """Code 0 for every request whose next frame is due (one choice for all), codec EOS or
+        the frame cap ending it; the frames of the others completed in one code predictor run
+        and sent."""
+        outputs, due = [], []
         for key, speech in list(self._speeches.items()):
             state = speech.state
             if state is None or state.pending is not None:
                 continue
-            code0 = None if state.frames >= self.max_frames else talker_batch.choose_code0(
-                self.talker, state
-            )  # fmt: skip
-            if code0 is None or code0 == self.config.talker_ids.codec_eos:
-                reason = "length" if code0 is None else "stop"
-                outputs.append(self._finish(speech, reason))
+            if state.frames >= self.max_frames:
+                outputs.append(self._finish(speech, "length"))
                 del self._speeches[key]
-                continue
-            chosen.append(speech)
-            code0s.append(code0)
+            else:
+                due.append(speech)
+        if not due:
+            return outputs
+        states = [s.state for s in due if s.state is not None]
+        code0s = talker_batch.choose_code0s(self.talker, states)
+        chosen, kept = [], []
+        for speech, code0 in zip(due, code0s, strict=True):
+            if code0 == self.config.talker_ids.codec_eos:
+                outputs.append(self._finish(speech, "stop"))
+                del self._speeches[id(speech.request)]
+            else:
+                chosen.append(speech)
+                kept.append(code0)
         if chosen:
             states = [s.state for s in chosen if s.state is not None]
-            frames = talker_batch.complete(self.talker, states, code0s)
+            frames = talker_batch.complete(self.talker, states, kept)
             outputs += [
                 self._chunk(s, {"frames": [f]}) for s, f in zip(chosen, frames, strict=True)
             ]

@@ -59,28 +59,38 @@ class CodeSampling:
             raise ValueError(f"repetition_penalty must be > 0; got {self.repetition_penalty}")
 
 
-def pick(
-    logits: torch.Tensor,  # [V] float
+Rule = tuple[float, int, int | float, torch.Generator | None]  # temperature, top-k, top-p, draws
+
+
+def pick_rows(logits: torch.Tensor, rules: list[Rule]) -> torch.Tensor:
+    """One id a row of logits [B, V] -> [B] long, on their device (no host sync): greedy rows
+    by one argmax, sampled rows (temperature > 0) each by `sample` from its own generator."""
+    out = torch.argmax(logits, dim=-1)
+    for row, (temperature, top_k, top_p, generator) in enumerate(rules):
+        if temperature > 0:
+            out[row] = sample(logits[row], temperature, int(top_k), float(top_p), generator)
+    return out
+
+
+def sample(
+    logits: torch.Tensor,  # [V]
     temperature: float,
     top_k: int,
     top_p: float,
     generator: torch.Generator | None,
-) -> int:
-    """Greedy at temperature 0; else temperature, top-k, top-p (the smallest set of the most
-    likely ids whose mass reaches top_p, at least one), then one draw from `generator`."""
-    if temperature == 0.0:
-        return int(torch.argmax(logits))
+) -> torch.Tensor:
+    """Temperature, top-k, top-p (the smallest set of the most likely ids whose mass reaches
+    top_p, at least one), then one draw from `generator`: a 0-d long tensor."""
     logits = logits.float() / temperature
     if 0 < top_k < logits.shape[0]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, -float("inf"))
     if top_p < 1.0:
         ordered, order = torch.sort(logits, descending=True)
-        mass = torch.softmax(ordered, -1).cumsum(-1)
-        drop = mass - torch.softmax(ordered, -1) >= top_p  # the mass before it already suffices
+        probs = torch.softmax(ordered, -1)
+        drop = probs.cumsum(-1) - probs >= top_p  # the mass before it already suffices
         logits = logits.index_fill(0, order[drop], -float("inf"))
-    probs = torch.softmax(logits, -1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[0]
 
 
 @dataclass(eq=False)
@@ -120,21 +130,24 @@ def start(
     return SpeechState(kv, talker.codec_head(last)[0, 0], last, sampling, generator)
 
 
-def choose_code0(talker: Talker, state: SpeechState) -> int:
-    """Code 0 of the next frame: repetition penalty over the codes 0 so far (positive logits
-    divided, negative multiplied), the last 1024 ids but codec EOS suppressed (codec EOS too
-    with `suppress_eos`), then greedy or sampled."""
-    sampling = state.sampling
-    logits = state.logits.float().clone()
-    if sampling.repetition_penalty != 1.0 and state.first_codes:
-        seen = torch.tensor(sorted(set(state.first_codes)), device=logits.device)
-        picked = logits[seen]
-        penalty = sampling.repetition_penalty
-        logits[seen] = torch.where(picked < 0, picked * penalty, picked / penalty)
-    logits[talker.suppressed] = -float("inf")
-    if sampling.suppress_eos:
-        logits[talker.ids.codec_eos] = -float("inf")
-    return pick(logits, sampling.temperature, sampling.top_k, sampling.top_p, state.generator)
+def choose_code0s(talker: Talker, states: list[SpeechState]) -> list[int]:
+    """Code 0 of every row's next frame: repetition penalty over its codes 0 so far (positive
+    logits divided, negative multiplied), the last 1024 ids but codec EOS suppressed (codec EOS
+    too with `suppress_eos`), then greedy or sampled. One host sync for all rows."""
+    logits = torch.stack([s.logits for s in states]).float()  # [B, V]
+    for row, state in enumerate(states):
+        penalty = state.sampling.repetition_penalty
+        if penalty != 1.0 and state.first_codes:
+            seen = torch.tensor(sorted(set(state.first_codes)), device=logits.device)
+            picked = logits[row, seen]
+            logits[row, seen] = torch.where(picked < 0, picked * penalty, picked / penalty)
+        if state.sampling.suppress_eos:
+            logits[row, talker.ids.codec_eos] = -float("inf")
+    logits[:, talker.suppressed] = -float("inf")
+    rules = [(s.sampling.temperature, s.sampling.top_k, s.sampling.top_p, s.generator)
+             for s in states]  # fmt: skip
+    codes: list[int] = pick_rows(logits, rules).tolist()
+    return codes
 
 
 @torch.no_grad()
@@ -147,20 +160,19 @@ def complete(talker: Talker, states: list[SpeechState], code0s: list[int]) -> li
     hidden = torch.cat([s.hidden for s in states])  # [B, 1, h]
     groups = len(predictor.lm_head) + 1
     kv = KVCache.for_decoder(predictor.shape, groups, batch=len(states), like=hidden)
-    x, codes = torch.cat((hidden, first), dim=1), [list[int]() for _ in states]
-    step_input = first.clone()
+    x, step_input, picked = torch.cat((hidden, first), dim=1), first.clone(), []
+    rules: list[Rule] = [
+        (s.sampling.temperature, s.sampling.predictor_top_k, s.sampling.predictor_top_p,
+         s.generator)
+        for s in states
+    ]  # fmt: skip
     for g in range(groups - 1):
         out, _ = predictor.model(x, torch.arange(kv.length, kv.length + x.shape[1]), kv)
-        logits = predictor.lm_head[g](out[:, -1])  # [B, V]
-        for row, state in enumerate(states):
-            s = state.sampling
-            codes[row].append(
-                pick(logits[row], s.temperature, s.predictor_top_k, s.predictor_top_p,
-                     state.generator)
-            )  # fmt: skip
-        ids = torch.tensor([c[-1] for c in codes], device=device)[:, None]
-        x = predictor.codec_embedding[g](ids)  # [B, 1, h]
+        ids = pick_rows(predictor.lm_head[g](out[:, -1]), rules)  # [B]
+        picked.append(ids)
+        x = predictor.codec_embedding[g](ids[:, None])  # [B, 1, h]
         step_input = step_input + x
+    codes: list[list[int]] = torch.stack(picked, dim=1).tolist()  # [B, G - 1]: one host sync
     for row, (state, code0) in enumerate(zip(states, code0s, strict=True)):
         state.pending = step_input[row : row + 1]
         state.first_codes.append(code0)
