@@ -77,14 +77,15 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def stage(repo: Path, name: str, folder: Path, **parameters: Any) -> Any:
+def stage(repo: Path, name: str, folder: Path, device: str = "cpu", **parameters: Any) -> Any:
+    """The repository's stage `name`, initialized on `device` with `parameters` overridden."""
     spec = compile_repository(repo, ["--parameters.checkpoint", str(folder)]).stages[name]
     backend = load_backend(spec)
     backend.initialize(
         StageContext(
             stage=name,
             parameters={**spec.parameters, **parameters},
-            device="cpu",
+            device=device,
             repository=repo,
             stage_dir=spec.directory,
             repository_parameters={"checkpoint": str(folder)},
