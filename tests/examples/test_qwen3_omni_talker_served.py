@@ -172,9 +172,10 @@ def serve(stages: Stages, talks: list[Talk], steps: int = 3000, to_the_end: bool
         for output in talker.step():
             talk = next(t for t in talks if t.at_talker is output.request)
             assert output.error is None, output.error
+            # code2wav holds a request from its first chunk, or from its stream's end
+            if not (talk.frames or talk.to_code2wav or talk.talker_done):
+                code2wav.add(talk.at_code2wav)
             if output.chunk is not None:
-                if not talk.frames and not talk.to_code2wav and "speech" in output.chunk:
-                    code2wav.add(talk.at_code2wav)
                 talk.frames += output.chunk["frames"]
                 talk.to_code2wav.append(output.chunk)
             talk.talker_done |= output.finished
@@ -321,6 +322,15 @@ def test_an_unknown_voice_names_the_speakers(stages: Stages) -> None:
     assert output.error.param == "voice"
     assert "'nobody'" in str(output.error) and "aiden, chelsie, ethan" in str(output.error)
     assert stages.talker.live_requests == 0
+
+
+def test_a_thinker_that_says_nothing_ends_both_stages_silently(stages: Stages) -> None:
+    """The thinker ended before its first id (handoff.py: it then sends the talker nothing)."""
+    silent = Talk("silent", [])
+    serve(stages, [silent])
+    assert silent.frames == [] and silent.audio == b""
+    assert silent.result is not None and silent.result["finish_reason"] == "silent"
+    assert stages.talker.live_requests == 0 and stages.code2wav.live_requests == 0
 
 
 # ---- through the runtime's processes ---------------------------------------------------------

@@ -16,7 +16,9 @@ decodes every due window, those of one length (in frames) in one call, first chu
 
 In (chunks from the talker): {"frames": [[G codes]], the first "speech" (SpeechOptions: format,
 rate, stream), the last "finish_reason"}. Out: {"audio": bytes}; result {"sample_rate",
-"audio_seconds", "format", "frames", "finish_reason"}.
+"audio_seconds", "format", "frames", "finish_reason"}; a stream that ends without a chunk
+(the thinker said nothing, so the talker did not speak) ends with no audio, finish_reason
+"silent".
 """
 
 from __future__ import annotations
@@ -148,11 +150,17 @@ class Code2WavStage(StageBackend):
         outputs: list[StepOutput] = []
         for key, request in list(self._held.items()):
             try:
-                self._take(key, request)
+                silent = self._take(key, request)
             except RequestAborted:
                 continue  # its abort() comes before the next step
-            except (TypeError, ValueError, RuntimeError) as exc:  # a malformed stream: it alone
+            except (TypeError, ValueError) as exc:  # a malformed stream: it alone
                 outputs.append(StepOutput(request, error=exc))
+                self._drop(key)
+                continue
+            if silent:  # the talker said nothing (its thinker ended before a first id)
+                result = {"sample_rate": None, "audio_seconds": 0.0, "format": None,
+                          "frames": 0, "finish_reason": "silent"}  # fmt: skip
+                outputs.append(StepOutput(request, finished=True, result=result))
                 self._drop(key)
         self._decode_due()
         for key, stream in list(self._streams.items()):
@@ -164,7 +172,8 @@ class Code2WavStage(StageBackend):
                 self._drop(key)
         return outputs
 
-    def _take(self, key: int, request: Request) -> None:
+    def _take(self, key: int, request: Request) -> bool:
+        """Read the request's new chunks; True: its stream ended without a chunk (silence)."""
         chunks, ended = request.take_stream()
         stream = self._streams.get(key)
         for chunk in chunks:
@@ -178,8 +187,9 @@ class Code2WavStage(StageBackend):
                 stream.final, stream.finish_reason = True, chunk["finish_reason"]
         if ended:
             if stream is None:
-                raise RuntimeError("the talker sent no frame")
+                return True
             stream.final = True
+        return False
 
     def _open(self, request: Request, speech: SpeechOptions) -> Stream:
         fmt = speech.response_format

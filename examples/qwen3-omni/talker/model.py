@@ -18,7 +18,9 @@ SpeechOptions: format, rate), the last with "finish_reason" ("stop": codec EOS; 
 max_audio_seconds). An abort frees the request's KV cache at once.
 
 Voices: the checkpoint's speakers (config.json talker_config.speaker_id); another voice is an
-InvalidRequest naming it and the speakers. Speed: 1.0 only (an InvalidRequest otherwise).
+InvalidRequest naming it and the speakers. Speed: 1.0 only (an InvalidRequest otherwise). A
+thinker that ends before its first id sends the talker nothing (handoff.py): the request ends
+here without a chunk, and code2wav sees its stream end alone.
 """
 
 from __future__ import annotations
@@ -170,6 +172,16 @@ class TalkerStage(StageBackend):
             except (TypeError, ValueError) as exc:  # InvalidRequest too: this request alone
                 outputs.append(StepOutput(speech.request, error=exc))
                 del self._speeches[key]
+                continue
+            if speech.done and speech.opening is None:  # an answer without a first id
+                outputs.append(
+                    StepOutput(
+                        speech.request,
+                        finished=True,
+                        result={"finish_reason": "silent", "frames": 0},
+                    )
+                )
+                del self._speeches[key]  # says nothing: code2wav sees the stream end alone
         outputs += self._frames()
         self._advance()
         return outputs
@@ -191,8 +203,10 @@ class TalkerStage(StageBackend):
                 speech.done = tokens.done
         if ended and not speech.done:
             speech.done = True  # the thinker's stream ended: nothing more to hear
-        if speech.done and (speech.opening is None or not speech.received):
-            raise ValueError("the thinker ended without a TalkerOpening and a first token")
+        if speech.done and (speech.opening is None) != (not speech.received):
+            raise ValueError(
+                "the thinker sent a TalkerOpening without tokens, or tokens without one"
+            )
 
     def _checked(self, opening: TalkerOpening) -> TalkerOpening:
         speech = opening.speech
