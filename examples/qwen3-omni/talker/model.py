@@ -153,6 +153,10 @@ class TalkerStage(StageBackend):
             log.info("talker: aborted %s after %d frames (%d requests running)",
                      request.id, frames, len(self._speeches))  # fmt: skip
 
+    def playback_seconds(self, chunk: dict[str, Any]) -> float:
+        """How long a chunk's frames play (12.5 frames a second): the stage's lead metrics."""
+        return len(chunk.get("frames", ())) / FRAMES_PER_SECOND
+
     def has_work(self) -> bool:
         """Some request can take a step without a new chunk (the thinker may be done long
         before the talker is)."""
