@@ -223,6 +223,7 @@ CONTRACT_READERS = {
     "examples/higgs-audio-v2/preprocessing/model.py": ("SpeechOptions",),
     "examples/qwen3-omni/preprocessing/model.py": ("ChatInput",),
     "examples/qwen3-omni/thinker/model.py": ("ChatInput",),
+    "examples/qwen3-omni/code2wav/model.py": ("SpeechOptions",),
 }
 CONTRACT_ONLY_FIELDS = {
     "SpeechOptions": {"speed", "response_format", "reference", "instructions"},
