@@ -6,6 +6,11 @@ Hops of a spoken turn (each streams into the next):
   frame) -> speech_started / speech_stopped -> committed user item -> the transcription model
   (Whisper) -> the realtime model (thinker -> voice) -> response.output_audio[_transcript].delta
 
+A model that hears audio itself (`audio_input = "native"`) gets the committed turn's clip in
+the conversation instead (the item keeps it: conversation.py bounds how many); the
+transcription model, when the repository has one, still writes the item's transcript for the
+client, beside the response, which does not wait for it.
+
 Every pipeline request of the session is aborted when the socket goes, and a response is
 aborted (in every stage, not muted) when the caller speaks over it or sends response.cancel.
 Both kinds of pipeline request (a turn's transcription, a response) hold an admission place of
@@ -139,8 +144,9 @@ class Session:
 
     def held_bytes(self) -> int:
         """What the session holds between events, at most: its conversation's characters (4
-        bytes each at worst) and its uncommitted audio. Both are bounded (docs/realtime.md)."""
-        return 4 * self.conversation.chars() + self._input.nbytes
+        bytes each at worst), the clips of spoken turns its model hears, and its uncommitted
+        audio. Each is bounded (docs/realtime.md)."""
+        return 4 * self.conversation.chars() + self.conversation.clip_bytes() + self._input.nbytes
 
     # ---- the socket ------------------------------------------------------------------------
 
@@ -258,8 +264,11 @@ class Session:
         await self.events.send({"type": "input_audio_buffer.cleared"})
 
     async def _commit(self, item_id: str, clip: np.ndarray) -> None:
-        """A user turn: the committed item, then its transcript (the thinker's input)."""
+        """A user turn: the committed item, then its transcript (the thinker's input, or, for a
+        model that hears the clip, the client's alone)."""
         item = Item(id=item_id, role="user", content=[{"type": "input_audio", "transcript": None}])
+        if self.model.hears_audio:
+            item.clip = wav(clip)
         previous = self.conversation.add(item)
         await self.events.send(
             {
@@ -282,7 +291,9 @@ class Session:
         try:
             async with (
                 admitted(self.state, self._asr),
-                submitted(self.state, self._asr, AsrOptions().payload(wav(clip))) as handle,
+                submitted(
+                    self.state, self._asr, AsrOptions().payload(item.clip or wav(clip))
+                ) as handle,
             ):
                 result = await handle.result()
         except (PipelineError, ApiError) as err:  # ApiError: not ready, or no place came
@@ -421,7 +432,8 @@ class Session:
             model=model,
             config=config,
             session_id=self.id,
-            waits=list(self._transcripts.values()),
+            # a model that hears the turns needs no transcript first
+            waits=[] if model.hears_audio else list(self._transcripts.values()),
             event_id=event_id if isinstance(event_id, str) else None,
             on_end=self._response_ended,
         )
@@ -460,8 +472,14 @@ def _task_model(plan: Plan, task: str) -> ModelSpec | None:
 
 
 def _text_model(plan: Plan, model: ModelSpec) -> ModelSpec:
-    """For text-only answers: a chat model that ends at the same thinker (no voice stages)."""
+    """For text-only answers: a chat model that ends at the same thinker (no voice stages) and
+    hears audio as this one does; else this model (its answer's `speech` is None)."""
     for other in plan.models.values():
-        if "chat" in other.tasks and other.entry == model.entry and not other.voices:
+        if (
+            "chat" in other.tasks
+            and other.entry == model.entry
+            and not other.voices
+            and other.audio_input == model.audio_input
+        ):
             return other
     return model
