@@ -24,7 +24,11 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from omni_server.audio import decode
+from omni_server.compiler.compiler import compile_repository
 from omni_server.contracts import AudioPart
+from omni_server.pipeline import Runtime
+from omni_server.serve import create_app
+from omni_server.serve.options import ServeOptions
 from omni_server.serve.realtime.conversation import (
     MAX_HEARD_BYTES,
     MAX_HEARD_TURNS,
@@ -322,3 +326,41 @@ def test_clips_are_bounded_in_bytes_and_a_turn_without_transcript_leaves_the_con
     assert (first.clip, second.clip) == (None, None) and third.clip is not None
     assert conversation.clip_bytes() == big
     assert conversation.messages("") == [{"role": "user", "content": (AudioPart(third.clip),)}]
+
+
+# ---- realtime without a transcription model (in-process: an inline runtime, aiohttp's client)
+
+
+async def test_without_a_transcription_model_a_heard_turn_has_no_transcript(
+    tmp_path, aiohttp_client
+):
+    stages = {k: v for k, v in STAGES.items() if k != "asr"}
+    models = MODELS.split("[models.ears-cascade]")[0]
+    files = {"thinker": FIXTURES / "hearing_thinker.py", "voice": FIXTURES / "fake_voice.py"}
+    runtime = Runtime(compile_repository(make_repo(tmp_path, stages, models, files)), inline=True)
+    await runtime.start()
+    try:
+        client = await aiohttp_client(create_app(runtime, options=ServeOptions()))
+        ws = await client.ws_connect("/v1/realtime?model=ears")
+        session = {"type": "realtime", "audio": {"input": {"turn_detection": None}}}
+        await ws.send_json({"type": "session.update", "session": session})
+        await ws.send_json({"type": "input_audio_buffer.append", "audio": _spoken(0.5)})
+        await ws.send_json({"type": "input_audio_buffer.commit"})
+        # a text answer: the model's own text, no speech asked of its voice
+        await ws.send_json({"type": "response.create", "response": {"output_modalities": ["text"]}})
+        events = [await ws.receive_json()]
+        while events[-1]["type"] != "response.done":
+            events.append(await ws.receive_json())
+        committed = next(e for e in events if e["type"] == "input_audio_buffer.committed")
+        await ws.send_json({"type": "conversation.item.retrieve", "item_id": committed["item_id"]})
+        retrieved = await ws.receive_json()
+        while retrieved["type"] != "conversation.item.retrieved":  # rate_limits.updated, ...
+            retrieved = await ws.receive_json()
+        await ws.close()
+    finally:
+        await runtime.stop()
+    assert not any("input_audio_transcription" in e["type"] for e in events)
+    assert retrieved["item"]["content"] == [{"type": "input_audio", "transcript": None}]
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    (samples,) = _clips(done["text"])
+    assert 0.9 * RATE / 2 <= samples <= RATE / 2 and done["text"].endswith("speech=none")
