@@ -221,8 +221,13 @@ def test_its_voices_are_listed(server):
     models = httpx.get(server.url + "/v1/models", timeout=30).json()["data"]
     ears = next(m for m in models if m["id"] == "ears")
     assert ears["voices"] == ["joe"] and ears["voice_aliases"] == {"alloy": "joe"}
-    voices = httpx.get(server.url + "/v1/audio/voices?model=ears", timeout=30).json()["data"]
-    assert "joe" in [v.get("id", v.get("name")) for v in voices]
+    assert ears["audio_input"] == "native"
+    assert next(m for m in models if m["id"] == "ears-cascade")["audio_input"] == "transcribe"
+    # a chat model with voices and no speech task lists them, as a speech model does
+    voices = httpx.get(server.url + "/v1/audio/voices", timeout=30).json()["data"]
+    assert [(v["model"], v["id"], v["aliases"], v["default"]) for v in voices] == [
+        ("ears", "joe", ["alloy"], True)
+    ]
 
 
 # ---- realtime
