@@ -333,6 +333,25 @@ def test_clips_are_bounded_in_bytes_and_a_turn_without_transcript_leaves_the_con
     assert conversation.messages("") == [{"role": "user", "content": (AudioPart(third.clip),)}]
 
 
+async def test_with_transcription_off_a_heard_turn_is_not_transcribed(server):
+    client = AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    async with client.realtime.connect(model="ears") as conn:
+        await _until(conn, "session.created")
+        audio_in = {"turn_detection": None, "transcription": None}
+        await conn.session.update(session={"type": "realtime", "audio": {"input": audio_in}})
+        await conn.input_audio_buffer.append(audio=_spoken(0.5))
+        await conn.input_audio_buffer.commit()
+        await conn.response.create()
+        events = await _until(conn, "response.done")
+        committed = next(e for e in events if e.type == "input_audio_buffer.committed")
+        await conn.conversation.item.retrieve(item_id=committed.item_id)
+        events += await _until(conn, "conversation.item.retrieved")
+    assert not any("input_audio_transcription" in e.type for e in events)
+    assert events[-1].item.content[0].transcript is None
+    answer = "".join(e.delta for e in events if e.type == "response.output_audio_transcript.delta")
+    assert len(_clips(answer)) == 1  # heard all the same
+
+
 # ---- realtime without a transcription model (in-process: an inline runtime, aiohttp's client)
 
 

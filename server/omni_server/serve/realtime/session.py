@@ -278,6 +278,8 @@ class Session:
             }
         )
         await self.events.item_added(item, previous)
+        if self.model.hears_audio and not self.config.transcription:
+            return  # the model hears the clip and the client asked for no transcript
         task = asyncio.get_running_loop().create_task(self._transcribe(item, clip))
         self._transcripts[item.id] = task
         task.add_done_callback(lambda _: self._transcripts.pop(item.id, None))
