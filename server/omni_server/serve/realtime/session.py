@@ -31,16 +31,14 @@ from aiohttp import WSMsgType, web
 
 from omni_server.audio.vad import SpeechStarted, Utterance
 from omni_server.compiler.plan import ModelSpec, Plan
-from omni_server.contracts import AsrOptions
-from omni_server.pipeline import PipelineError
 from omni_server.serve.errors import ApiError
-from omni_server.serve.pipeline_call import admitted, submitted
 from omni_server.serve.realtime.config import SessionConfig, check_no_tools
 from omni_server.serve.realtime.conversation import Conversation, Item, item_from_client
 from omni_server.serve.realtime.events import ServerEvents
 from omni_server.serve.realtime.input_audio import VAD_RATE, InputAudio, wav
 from omni_server.serve.realtime.protocol import MAX_EVENT_BYTES, ProtocolError
 from omni_server.serve.realtime.response_run import ResponseRun
+from omni_server.serve.realtime.transcripts import transcribe
 from omni_server.serve.realtime_sessions import RETRY_AFTER_S
 from omni_server.serve.state import STATE, ServerState
 
@@ -280,54 +278,18 @@ class Session:
         await self.events.item_added(item, previous)
         if self.model.hears_audio and not self.config.transcription:
             return  # the model hears the clip and the client asked for no transcript
-        task = asyncio.get_running_loop().create_task(self._transcribe(item, clip))
-        self._transcripts[item.id] = task
-        task.add_done_callback(lambda _: self._transcripts.pop(item.id, None))
+        self._transcribe(item, item.clip or wav(clip), clip.size / VAD_RATE)
 
-    async def _transcribe(self, item: Item, clip: np.ndarray) -> None:
-        """The turn's transcript, from the transcription model under one of its admission
-        places (it may wait in that model's queue: nothing else of the session waits on it but
-        the turn's response)."""
+    def _transcribe(self, item: Item, clip: bytes, seconds: float, index: int = 0) -> None:
+        """Start the transcript of the item's clip (part `index`), when the repository has a
+        transcription model; a cascade's next response waits for it (`_transcripts`)."""
         if self._asr is None:
             return
-        try:
-            async with (
-                admitted(self.state, self._asr),
-                submitted(
-                    self.state, self._asr, AsrOptions().payload(item.clip or wav(clip))
-                ) as handle,
-            ):
-                result = await handle.result()
-        except (PipelineError, ApiError) as err:  # ApiError: not ready, or no place came
-            if self.config.transcription:
-                await self.events.send(
-                    {
-                        "type": "conversation.item.input_audio_transcription.failed",
-                        "item_id": item.id,
-                        "content_index": 0,
-                        "error": {"type": "transcription_error", "message": err.message},
-                    }
-                )
-            return
-        text = str(result.get("text", "")).strip() if isinstance(result, dict) else ""
-        item.content[0]["transcript"] = text
-        if self.config.transcription:
-            common = {"item_id": item.id, "content_index": 0}
-            await self.events.send(
-                {
-                    "type": "conversation.item.input_audio_transcription.delta",
-                    **common,
-                    "delta": text,
-                }
-            )
-            await self.events.send(
-                {
-                    "type": "conversation.item.input_audio_transcription.completed",
-                    **common,
-                    "transcript": text,
-                    "usage": {"type": "duration", "seconds": round(clip.size / VAD_RATE, 3)},
-                }
-            )
+        task = asyncio.get_running_loop().create_task(
+            transcribe(self.state, self._asr, self.events, self.config, item, clip, seconds, index)
+        )
+        self._transcripts[item.id] = task
+        task.add_done_callback(lambda _: self._transcripts.pop(item.id, None))
 
     # ---- conversation ----------------------------------------------------------------------
 
