@@ -255,6 +255,10 @@ def _spoken(seconds: float) -> str:
     return base64.b64encode(pcm).decode()
 
 
+def _said(text: str) -> dict:
+    return {"type": "input_text", "text": text}
+
+
 def _clips(answer: str) -> list[int]:
     """The samples of each clip the thinker heard, in the conversation's order."""
     return [int(w.removeprefix("audio=")) for w in answer.split() if w.startswith("audio=")]
@@ -350,6 +354,55 @@ async def test_with_transcription_off_a_heard_turn_is_not_transcribed(server):
     assert events[-1].item.content[0].transcript is None
     answer = "".join(e.delta for e in events if e.type == "response.output_audio_transcript.delta")
     assert len(_clips(answer)) == 1  # heard all the same
+
+
+async def test_a_user_item_with_audio_is_heard_in_its_parts_order(server):
+    client = AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    spoken = {"type": "input_audio", "audio": _spoken(0.5)}
+    async with client.realtime.connect(model="ears") as conn:
+        await _until(conn, "session.created")
+        await conn.conversation.item.create(
+            item={"type": "message", "role": "user", "content": [_said("Listen:"), spoken]}
+        )
+        # the client's transcript is kept: nothing transcribes this one
+        await conn.conversation.item.create(
+            item={"type": "message", "role": "user", "content": [{**spoken, "transcript": "hi"}]}
+        )
+        await conn.response.create(response={"output_modalities": ["text"]})
+        events = await _until(conn, "response.done")
+        if not any(e.type.endswith("input_audio_transcription.completed") for e in events):
+            events += await _until(conn, "conversation.item.input_audio_transcription.completed")
+    answer = next(e for e in events if e.type == "response.output_text.done").text
+    first, second = answer.removesuffix(" speech=none").split(" | ")
+    assert first.startswith("text=7 audio=") and second.startswith("audio=")
+    assert all(0.9 * RATE / 2 <= n <= RATE / 2 for n in _clips(answer))
+    created = [e.item for e in events if e.type == "conversation.item.added"][:2]
+    heard = [e for e in events if e.type.endswith("input_audio_transcription.completed")]
+    assert len(heard) == 1 and heard[0].item_id == created[0].id and heard[0].content_index == 1
+    assert created[1].content[0].transcript == "hi"
+
+
+@pytest.mark.parametrize(
+    ("content", "param", "fragment"),
+    [
+        ([{"type": "input_audio", "audio": "%%%"}], "item.content[0].audio", "not base64"),
+        ([{"type": "input_audio", "audio": _spoken(0.05)}], "item.content[0].audio", "0.1 to"),
+        (
+            [{"type": "input_audio", "audio": _spoken(0.2)}] * 2,
+            "item.content[1]",
+            "at most one input_audio",
+        ),
+    ],
+)
+async def test_a_bad_audio_item_is_an_error_event_naming_the_part(server, content, param, fragment):
+    client = AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    async with client.realtime.connect(model="ears") as conn:
+        await _until(conn, "session.created")
+        await conn.conversation.item.create(
+            item={"type": "message", "role": "user", "content": content}
+        )
+        error = (await _until(conn, "error"))[-1]
+    assert error.error.param == param and fragment in error.error.message
 
 
 # ---- realtime without a transcription model (in-process: an inline runtime, aiohttp's client)

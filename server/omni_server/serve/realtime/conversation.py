@@ -15,10 +15,21 @@ transcript (when the repository transcribes) or, without one, leaves the model's
 
 from __future__ import annotations
 
+import base64
+import binascii
 from dataclasses import dataclass, field
 from typing import Any
 
+from omni_server.audio.resample import resample
 from omni_server.contracts import AudioPart
+from omni_server.serve.realtime import audio
+from omni_server.serve.realtime.audio import AudioFormat
+from omni_server.serve.realtime.input_audio import (
+    MAX_BUFFER_S,
+    MIN_COMMIT_SAMPLES,
+    VAD_RATE,
+    wav,
+)
 from omni_server.serve.realtime.protocol import BETA_PARTS, ProtocolError
 
 ROLES = ("user", "assistant", "system")
@@ -157,7 +168,7 @@ class Conversation:
         for item in self.items:
             text = item.text().strip()
             if item.clip is not None:
-                out.append({"role": item.role, "content": (AudioPart(item.clip, "wav"),)})
+                out.append({"role": item.role, "content": _heard_parts(item, item.clip)})
             elif text:
                 out.append({"role": item.role, "content": text})
         return out
@@ -188,9 +199,21 @@ class Conversation:
         )
 
 
-def item_from_client(raw: Any, item_id: str) -> Item:
-    """A conversation.item.create's item: a message with text content (audio items come from
-    the input buffer)."""
+def _heard_parts(item: Item, clip: bytes) -> tuple[str | AudioPart, ...]:
+    """An item with a clip as a model that hears it reads it: its parts in order, the audio
+    part as the clip (its transcript is the client's), text parts as their text."""
+    heard = AudioPart(clip, "wav")
+    return tuple(
+        heard if part["type"] == "input_audio" else str(part.get("text") or "")
+        for part in item.content
+    )
+
+
+def item_from_client(raw: Any, item_id: str, hears: AudioFormat | None = None) -> Item:
+    """A conversation.item.create's item: a message with text content. `hears`: the session's
+    input format, for a model that hears audio itself, whose user items may also hold one
+    `{"type": "input_audio", "audio": base64, "transcript"?}` part (decoded here, at 16 kHz
+    as a committed turn is: call it off the event loop). Other audio comes from the buffer."""
     if not isinstance(raw, dict) or raw.get("type", "message") != "message":
         raise ProtocolError('item must be {"type": "message", "role", "content"}', param="item")
     role = raw.get("role")
@@ -199,17 +222,50 @@ def item_from_client(raw: Any, item_id: str) -> Item:
     content = raw.get("content")
     if not isinstance(content, list) or not content:
         raise ProtocolError("item.content must be a non-empty list", param="item.content")
-    parts = []
+    parts: list[dict[str, Any]] = []
+    clip = None
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         text = part.get("text") if isinstance(part, dict) else None
+        where = f"item.content[{i}]"
         if kind in ("input_text", "output_text", "text") and isinstance(text, str):
             out_kind = "input_text" if role != "assistant" else "output_text"
             parts.append({"type": out_kind, "text": text})
+        elif kind == "input_audio" and hears is not None and role == "user":
+            assert isinstance(part, dict)
+            if clip is not None:
+                raise ProtocolError("a user item holds at most one input_audio part", param=where)
+            clip = _heard_clip(part.get("audio"), hears, f"{where}.audio")
+            transcript = part.get("transcript")
+            if transcript is not None and not isinstance(transcript, str):
+                raise ProtocolError("transcript must be a string", param=f"{where}.transcript")
+            parts.append({"type": "input_audio", "transcript": transcript})
         else:
+            audio = "input_audio parts ({type, audio}) of user items or " if hears else ""
             raise ProtocolError(
                 "content parts must be text parts ({type: input_text | output_text, text}); "
-                "send audio with input_audio_buffer.append",
-                param=f"item.content[{i}]",
+                f"send audio as {audio}with input_audio_buffer.append",
+                param=where,
             )
-    return Item(id=item_id, role=role, content=parts)
+    return Item(id=item_id, role=role, content=parts, clip=clip)
+
+
+def _heard_clip(raw: Any, fmt: AudioFormat, param: str) -> bytes:
+    """A client item's audio (base64 in the session's input format) as a committed turn's
+    clip: a 16 kHz WAV of 100 ms .. MAX_BUFFER_S."""
+    try:
+        if not isinstance(raw, str):
+            raise ValueError("not a string")
+        samples = audio.decode(base64.b64decode(raw, validate=True), fmt)
+    except (binascii.Error, ValueError) as err:
+        raise ProtocolError(
+            f"audio is not base64 {fmt.type}: {err}", code="invalid_audio", param=param
+        ) from None
+    heard = resample(samples, fmt.rate, VAD_RATE)
+    if not MIN_COMMIT_SAMPLES <= heard.size <= MAX_BUFFER_S * VAD_RATE:
+        raise ProtocolError(
+            f"audio must last 0.1 to {MAX_BUFFER_S:g} s; got {heard.size / VAD_RATE:.3f} s",
+            code="invalid_audio",
+            param=param,
+        )
+    return wav(heard)

@@ -35,7 +35,7 @@ from omni_server.serve.errors import ApiError
 from omni_server.serve.realtime.config import SessionConfig, check_no_tools
 from omni_server.serve.realtime.conversation import Conversation, Item, item_from_client
 from omni_server.serve.realtime.events import ServerEvents
-from omni_server.serve.realtime.input_audio import VAD_RATE, InputAudio, wav
+from omni_server.serve.realtime.input_audio import VAD_RATE, InputAudio, clip_seconds, wav
 from omni_server.serve.realtime.protocol import MAX_EVENT_BYTES, ProtocolError
 from omni_server.serve.realtime.response_run import ResponseRun
 from omni_server.serve.realtime.transcripts import transcribe
@@ -298,9 +298,18 @@ class Session:
         item_id = (
             raw.get("id") if isinstance(raw, dict) and isinstance(raw.get("id"), str) else None
         )
-        item = item_from_client(raw, item_id or self.ids.new("item"))
+        item_id = item_id or self.ids.new("item")
+        if self.model.hears_audio:  # a user item may hold audio: decoded off the event loop
+            hears = self.config.input_format
+            item = await asyncio.to_thread(item_from_client, raw, item_id, hears)
+        else:
+            item = item_from_client(raw, item_id)
         previous = self.conversation.add_from_client(item, event.get("previous_item_id"))
         await self.events.item_added(item, previous)
+        if item.clip is not None and self.config.transcription:
+            index = next(i for i, p in enumerate(item.content) if p["type"] == "input_audio")
+            if item.content[index]["transcript"] is None:  # else the client's own
+                self._transcribe(item, item.clip, clip_seconds(item.clip), index)
 
     async def _on_conversation_item_delete(self, event: dict[str, Any]) -> None:
         item_id = str(event.get("item_id"))
