@@ -91,7 +91,7 @@ class Engine:
         self._sequences: dict[str, Sequence] = {}
         self._pending: list[TokenEvent] = []  # abort events, handed out by the next step()
         self._arrivals = 0
-        # Greedy decode steps launched before their tokens are read (overlap.py)
+        # Decode steps launched before their tokens are read (overlap.py)
         self._overlap = overlap.enabled(
             config, self.runner.graphs is not None, self.head.argmax_is_draw, model.tp.size
         )
@@ -215,7 +215,7 @@ class Engine:
 
     @property
     def overlaps_decode(self) -> bool:
-        """Greedy decode steps go in flight ahead of their tokens (overlap.py)."""
+        """Decode steps go in flight ahead of their tokens (overlap.py)."""
         return self._overlap
 
     @property
@@ -252,7 +252,8 @@ class Engine:
             assert flight is None or all(
                 a is b for a, b in zip(batch.decodes, flight.seqs, strict=True)
             ), "a step launched ahead has its predecessor's rows (the device feed is by row)"
-            self._in_flight = self._readback.launch(sampled, greedy)
+            tokens = overlap.feed(greedy, self.head.draw(logits, sampled, greedy))
+            self._in_flight = self._readback.launch(sampled, tokens)
             overlap.launched(batch)
             if flight is not None:  # the previous step's tokens, read while this one runs
                 events += self._settle(flight)

@@ -10,7 +10,8 @@ life and nowhere else:
     add        check(request); start(request, token_ids) -> the request's own state (seq.state)
     run        step_inputs(batch) -> ForwardBatch.family_inputs (eager steps)
                graph_inputs(rows) once per captured graph, fill_graph_inputs(...) every replay
-    sample     sample(logits, seqs, greedy) -> one draw a row (the step's output)
+    sample     sample(logits, seqs, greedy) -> one draw a row (the step's output);
+               draw(logits, seqs, greedy): the same left on the device (a step in flight)
     record     append(seq, draw) -> the TokenEvent (the token appended, the finish decided)
     size       profile_inputs / profile_sample: the heaviest step, for the KV budget
 
@@ -79,6 +80,13 @@ class Head(Protocol[Draw]):
     ) -> list[Draw]:
         """One draw per row of `logits` [R, ...] (the requests `seqs`, in order). `greedy` [R]:
         each row's argmax, where a decode graph computed it (argmax_is_draw heads only)."""
+        ...
+
+    def draw(
+        self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`sample`'s draws as a device tensor [R, ...], not read back (no sync): what a step in
+        flight feeds its successor and copies out behind it (overlap.py)."""
         ...
 
     def profile_sample(self, logits: torch.Tensor) -> None:
