@@ -88,6 +88,8 @@ class Engine:
         self.runner = ModelRunner(model, self.cache, config, self.max_seq_len)
         # what a step emits for a request and how it is sampled: the model's family's (head.py)
         self.head = model.head
+        if self.runner.graphs is not None:  # the draws after a decode graph: graphs too
+            self.head.capture_draws(config.max_batch_size, device)
         self._sequences: dict[str, Sequence] = {}
         self._pending: list[TokenEvent] = []  # abort events, handed out by the next step()
         self._arrivals = 0

@@ -14,6 +14,7 @@ life and nowhere else:
                draw(logits, seqs, greedy): the same left on the device (a step in flight)
     record     append(seq, draw) -> the TokenEvent (the token appended, the finish decided)
     size       profile_inputs / profile_sample: the heaviest step, for the KV budget
+    graphs     capture_draws(max_rows, device): draws replayed from CUDA graphs from now on
 
 A head that needs no inputs besides token ids returns None from the input methods. Whatever a
 head keeps per request lives in `seq.state` and survives preemption (a recomputed prompt never
@@ -87,6 +88,11 @@ class Head(Protocol[Draw]):
     ) -> torch.Tensor:
         """`sample`'s draws as a device tensor [R, ...], not read back (no sync): what a step in
         flight feeds its successor and copies out behind it (overlap.py)."""
+        ...
+
+    def capture_draws(self, max_rows: int, device: torch.device) -> None:
+        """From now on draw sampled rows of up to `max_rows` from CUDA graphs (draw_graphs.py)
+        on `device` (the engine asks where its decode steps replay graphs)."""
         ...
 
     def profile_sample(self, logits: torch.Tensor) -> None:

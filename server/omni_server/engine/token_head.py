@@ -16,7 +16,15 @@ from typing import Any
 
 import torch
 
-from omni_server.engine.sampling import SamplingParams, draw, request_seed, sampling_row, step_table
+from omni_server.engine.draw_graphs import DrawGraphs
+from omni_server.engine.sampling import (
+    SamplingParams,
+    draw,
+    graph_draw,
+    request_seed,
+    sampling_row,
+    step_table,
+)
 from omni_server.engine.sequence import FinishReason, GenerationRequest, Sequence, TokenEvent
 from omni_server.engine.step_batch import StepBatch
 
@@ -25,6 +33,13 @@ class TokenHead:
     """The head of a text model: one token a step, its text detokenized as it comes."""
 
     argmax_is_draw = True
+
+    def __init__(self) -> None:
+        self.graphs: DrawGraphs | None = None  # capture_draws: sampled rows' draws in graphs
+
+    def capture_draws(self, max_rows: int, device: torch.device) -> None:
+        if self.graphs is None or self.graphs.max_rows < max_rows:
+            self.graphs = DrawGraphs(graph_draw, max_rows, device)
 
     def check(self, request: GenerationRequest) -> None:
         if request.audio_codes:
@@ -51,7 +66,7 @@ class TokenHead:
         # each row draws the token at position num_tokens (a PENDING one of a step in flight
         # counted: the same position as the synchronous step's)
         table = step_table([(*s.sampling_row, s.num_tokens) for s in seqs])
-        return draw(logits, table, greedy)
+        return draw(logits, table, greedy, self.graphs)
 
     def sample(
         self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None

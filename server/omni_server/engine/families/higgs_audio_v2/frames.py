@@ -133,7 +133,8 @@ def draw_frames(
     if sampled:
         settings = table[:, TEMPERATURE : MIN_P + 1].to(torch.float32)  # [R, 4]
         u = uniforms(table, lanes)  # [R, K]
-        picked = filtered_draw(flat, settings.repeat_interleave(k, dim=0), u.view(-1))
+        each = settings[:, None, :].expand(rows, k, 4).reshape(rows * k, 4)  # [R * K, 4]
+        picked = filtered_draw(flat, each, u.view(-1))
         frame = torch.where(settings[:, :1] > 0, picked.view(rows, k), frame)
     if window is None:
         return frame

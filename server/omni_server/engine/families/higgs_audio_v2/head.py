@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from omni_server.engine.attention import ForwardBatch
+from omni_server.engine.draw_graphs import DrawGraphs
 from omni_server.engine.families.higgs_audio_v2.frames import (
     AudioSpec,
     delay_starts,
@@ -74,6 +75,19 @@ class FrameHead:
 
     def __init__(self, spec: AudioSpec) -> None:
         self.spec = spec
+        self.graphs: DrawGraphs | None = None  # capture_draws: the frame draws in graphs
+
+    def capture_draws(self, max_rows: int, device: torch.device) -> None:
+        if self.graphs is None or self.graphs.max_rows < max_rows:
+            self.graphs = DrawGraphs(self._graph_draw, max_rows, device)
+
+    def _graph_draw(
+        self, variant: tuple[bool, bool], logits: torch.Tensor, table: torch.Tensor,
+        *window: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """draw_frames as DrawGraphs captures it: variant (sampled, repetition-aware)."""
+        sampled, ras = variant
+        return draw_frames(logits, self.spec, table, window[0] if ras else None, sampled)
 
     def check(self, request: GenerationRequest) -> None:
         audio, frames = self.spec, request.audio_codes or []
@@ -173,18 +187,23 @@ class FrameHead:
     def _draw(
         self, logits: torch.Tensor, table: torch.Tensor, windows: list[np.ndarray | None]
     ) -> torch.Tensor:
-        dev = logits.device
-        copy = dev.type == "cuda"
+        dev, rows = logits.device, len(windows)
         sampled = bool((table[:, 0] > 0).any())
         window = None
         widths = [0 if w is None else len(w) for w in windows]
         if any(widths):  # rows without RAS (or a shorter window) padded with -1: never a code
-            host = np.full((len(windows), max(widths), self.spec.num_codebooks), -1, np.int64)
+            host = np.full((rows, max(widths), self.spec.num_codebooks), -1, np.int64)
             for i, w in enumerate(windows):
                 if w is not None:
                     host[i, host.shape[1] - len(w) :] = w
-            window = torch.from_numpy(host).to(dev, non_blocking=copy)
+            window = torch.from_numpy(host)
+        graphs = self.graphs
+        if graphs is not None and dev.type == "cuda" and 0 < rows <= graphs.max_rows:
+            inputs = [table] if window is None else [table, window]
+            return graphs((sampled, window is not None), logits, inputs)
+        copy = dev.type == "cuda"
         table = table.to(dev, non_blocking=copy)
+        window = None if window is None else window.to(dev, non_blocking=copy)
         return draw_frames(logits, self.spec, table, window, sampled)
 
     def sample(

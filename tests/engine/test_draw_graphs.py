@@ -1,0 +1,90 @@
+"""Seeded draws replayed from CUDA graphs (draw_graphs.py) equal the eager draws, and stay
+independent of the batch a request ran in (text tokens here; Higgs frames in
+test_higgs_audio.py). GPU only (marked gpu); the CPU side of the same functions is
+test_sampling.py's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omni_server.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+from omni_server.engine.draw_graphs import DrawGraphs
+from omni_server.engine.sampling import (
+    graph_draw,
+    greedy_tokens,
+    request_seed,
+    sample_on_device,
+    sampling_row,
+    step_table,
+    uniforms,
+)
+from tests.engine.conftest import TINY
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+SETTINGS = [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=1.0, seed=1),
+    SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=2),
+    SamplingParams(temperature=1.2, min_p=0.05, seed=3),
+    SamplingParams(temperature=1.0, top_p=0.5),  # unseeded
+]
+
+
+def test_graph_replays_equal_the_eager_draw_and_the_cpu_uniforms() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 300, generator=gen)
+    table = step_table(
+        [(*sampling_row(p, request_seed(p.seed)), 40 + i) for i, p in enumerate(SETTINGS)]
+    )
+    dev = torch.device("cuda")
+    assert torch.equal(uniforms(table.to(dev)).cpu(), uniforms(table))  # the same bits
+    greedy = greedy_tokens(logits.to(dev))
+    eager = sample_on_device(logits.to(dev), table.to(dev), greedy)
+    graphs = DrawGraphs(graph_draw, 8, dev)
+    replayed = graphs(None, logits.to(dev), [table, greedy]).clone()
+    assert torch.equal(replayed, eager)
+    # the same rows as the last 3 of another step (the same bucket, other padding)
+    again = graphs(None, logits[2:].to(dev), [table[2:], greedy[2:]])
+    assert torch.equal(again, eager[2:])
+    assert len(graphs.graphs) == 1  # one capture, replayed
+
+
+def _params(i: int) -> SamplingParams:
+    top_k = 40 if i % 2 else 0
+    return SamplingParams(
+        temperature=1.0, top_k=top_k, top_p=0.9, seed=10 + i, max_tokens=30, ignore_eos=True
+    )
+
+
+def _requests(ids: list[int]) -> list[GenerationRequest]:
+    prompts = {i: [(5 * j + i) % 100 + 1 for j in range(7 + 11 * i)] for i in ids}
+    return [GenerationRequest(f"r{i}", prompts[i], _params(i)) for i in ids]
+
+
+def _tokens(engine: Engine, requests: list[GenerationRequest]) -> dict[str, list[int]]:
+    out = engine.generate(requests)
+    return {rid: [t for e in events for t in e.token_ids] for rid, events in out.items()}
+
+
+def test_seeded_tokens_through_graphs_equal_eager_and_batch_independent() -> None:
+    def engine(cuda_graphs: bool) -> Engine:
+        config = EngineConfig(
+            max_total_tokens=2048, max_batch_size=8, device="cuda", dtype="float32",
+            cuda_graphs=cuda_graphs,
+        )  # fmt: skip
+        return Engine.from_random(TINY, config, seed=3)
+
+    graphed_engine = engine(cuda_graphs=True)
+    graphed = _tokens(graphed_engine, _requests([0, 1, 2, 3, 4]))
+    head_graphs = graphed_engine.head.graphs  # type: ignore[attr-defined]
+    assert head_graphs is not None and head_graphs.graphs  # the draws replayed graphs
+    assert graphed_engine.overlaps_decode  # and the sampled steps went in flight
+    assert graphed == _tokens(engine(cuda_graphs=False), _requests([0, 1, 2, 3, 4]))
+    for i in range(5):  # each alone: the same tokens as in the batch of five
+        alone = _tokens(engine(cuda_graphs=True), _requests([i]))
+        assert alone[f"r{i}"] == graphed[f"r{i}"], i
