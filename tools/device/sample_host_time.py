@@ -11,7 +11,8 @@ On the CPU with small logits (a 512-token text vocabulary; Higgs' tiny checkpoin
 codes) the sampler's arithmetic is a few microseconds, so the time is the host's: Python over
 rows, tensors built from lists, per-row generators, syncs. On a GPU (`--device cuda`) it is the
 host's time to build and launch the work plus the one read back; `--sync` adds a device
-synchronize after each call (the sampler's GPU time included).
+synchronize after each call (the sampler's GPU time included); `--graphs` draws from CUDA
+graphs as an engine with decode graphs does (draw_graphs.py; a checkout without them fails).
 
 The same script runs against any checkout (the head API it calls is the engine's seam,
 head.py), which is how the before / after table in docs/engine.md was made.
@@ -90,7 +91,7 @@ def measure(
 
 
 def _frame_width(engine: Engine) -> int:
-    spec = engine.head.spec  # type: ignore[attr-defined]
+    spec = engine.head.spec
     return int(spec.num_codebooks * spec.codebook_size)
 
 
@@ -100,22 +101,28 @@ def main() -> None:
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--sync", action="store_true", help="synchronize the device after each call")
+    p.add_argument("--graphs", action="store_true", help="the draws from CUDA graphs")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     torch.set_num_threads(1)
     base = {"max_total_tokens": 16384, "max_batch_size": max(batches), "device": args.device,
             "cuda_graphs": False}  # fmt: skip
     text = Engine.from_random(TEXT_SHAPE, EngineConfig.from_table(base))
+    if args.graphs:
+        text.head.capture_draws(max(batches), torch.device(args.device))
     rows = measure("text", text, list(range(1, 17)), batches, args.calls, args.sync)
     from omni_bench.random_checkpoint import write_higgs_audio_v2
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_higgs_audio_v2(Path(tmp) / "higgs", "tiny", seed=0)
         higgs = Engine.from_checkpoint(folder, EngineConfig.from_table(base))
-        audio = higgs.model.audio  # type: ignore[attr-defined]
+        if args.graphs:
+            higgs.head.capture_draws(max(batches), torch.device(args.device))
+        audio = higgs.model.audio
         prompt = [*range(10, 40), audio.audio_bos_token_id]
         rows += measure("frames", higgs, prompt, batches, args.calls, args.sync)
-    print(f"| sampling ({args.device}) | batch | us a call |")
+    mode = f"{args.device}{', graphs' if args.graphs else ''}{', synced' if args.sync else ''}"
+    print(f"| sampling ({mode}) | batch | us a call |")
     print("|---|---|---|")
     for name, b, us in rows:
         print(f"| {name} | {b} | {us:.0f} |")
