@@ -21,6 +21,7 @@ from omni_server.engine.sampling import (
     SamplingParams,
     draw,
     graph_draw,
+    greedy_tokens,
     request_seed,
     sampling_row,
     step_table,
@@ -63,6 +64,8 @@ class TokenHead:
     def draw(
         self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None
     ) -> torch.Tensor:  # [R] int64 on the device
+        if all(s.params.greedy for s in seqs):  # no table to build: the argmax
+            return greedy_tokens(logits) if greedy is None else greedy
         # each row draws the token at position num_tokens (a PENDING one of a step in flight
         # counted: the same position as the synchronous step's)
         table = step_table([(*s.sampling_row, s.num_tokens) for s in seqs])
