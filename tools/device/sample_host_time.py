@@ -14,6 +14,11 @@ host's time to build and launch the work plus the one read back; `--sync` adds a
 synchronize after each call (the sampler's GPU time included); `--graphs` draws from CUDA
 graphs as an engine with decode graphs does (draw_graphs.py; a checkout without them fails).
 
+`--steps SHAPE` (e.g. smollm2-135m, random weights) times whole decode steps instead: the median
+`Engine.step()` of a batch of decoding requests, greedy against seeded sampling, with the
+engine's defaults on the device (CUDA graphs and steps in flight where they apply): what a
+sampled row costs a step beside a greedy one.
+
 The same script runs against any checkout (the head API it calls is the engine's seam,
 head.py), which is how the before / after table in docs/engine.md was made.
 """
@@ -90,6 +95,43 @@ def measure(
     return rows
 
 
+def steps(shape: str, device: str, batches: list[int], calls: int) -> list[tuple[str, int, float]]:
+    """Median ms of Engine.step() over `calls` decode steps, greedy and seeded, per batch."""
+    from omni_server.engine.config import SHAPES
+
+    config = EngineConfig.from_table(
+        {"device": device, "dtype": "bfloat16" if device == "cuda" else "float32",
+         "max_total_tokens": 65536, "max_batch_size": max(batches)}
+    )  # fmt: skip
+    engine = Engine.from_random(SHAPES[shape], config)
+    engine.warmup()
+    gen = torch.Generator().manual_seed(0)
+    settings = {
+        "greedy": SamplingParams(temperature=0, max_tokens=calls + 40, ignore_eos=True),
+        "seeded": SamplingParams(
+            temperature=1.0, top_k=50, top_p=0.9, seed=1, max_tokens=calls + 40, ignore_eos=True
+        ),
+    }
+    rows = []
+    for name, params in settings.items():
+        for b in batches:
+            prompt = torch.randint(1, 1000, (64,), generator=gen).tolist()
+            seqs = _running(engine, b, params, prompt)
+            for _ in range(5):
+                engine.step()
+            times = []
+            for _ in range(calls):
+                start = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - start)
+            rows.append((f"{shape} step {name}", b, statistics.median(times) * 1e3))
+            for seq in seqs:
+                engine.abort(seq.request_id)
+            while engine.has_work():
+                engine.step()
+    return rows
+
+
 def _frame_width(engine: Engine) -> int:
     spec = engine.head.spec
     return int(spec.num_codebooks * spec.codebook_size)
@@ -102,9 +144,16 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--sync", action="store_true", help="synchronize the device after each call")
     p.add_argument("--graphs", action="store_true", help="the draws from CUDA graphs")
+    p.add_argument("--steps", default=None, help="a model shape: time whole decode steps")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     torch.set_num_threads(1)
+    if args.steps:
+        print(f"| decode step ({args.device}) | batch | ms a step |")
+        print("|---|---|---|")
+        for name, b, ms in steps(args.steps, args.device, batches, args.calls):
+            print(f"| {name} | {b} | {ms:.3f} |")
+        return
     base = {"max_total_tokens": 16384, "max_batch_size": max(batches), "device": args.device,
             "cuda_graphs": False}  # fmt: skip
     text = Engine.from_random(TEXT_SHAPE, EngineConfig.from_table(base))
