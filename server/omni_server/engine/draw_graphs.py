@@ -40,6 +40,9 @@ class DrawGraphs:
         self.device = device
         self.buckets = batch_buckets(max_rows)
         self.graphs: dict[tuple[Any, ...], _Captured] = {}
+        # static inputs by row shapes, [max_rows, ...] each: every bucket's graph reads the
+        # first b rows (replays are in stream order, so one set of buffers serves them all)
+        self.statics: dict[tuple[Any, ...], list[torch.Tensor]] = {}
         self.pool: Any = None
         self._stream: Any = None
 
@@ -58,7 +61,7 @@ class DrawGraphs:
         key = (variant, b, shapes)
         g = self.graphs.get(key)
         if g is None:
-            g = self._capture(variant, b, logits, inputs)
+            g = self._capture(variant, b, self._statics(shapes, logits, inputs))
             self.graphs[key] = g
         g.logits[:n].copy_(logits)
         for static, x in zip(g.inputs, inputs, strict=True):
@@ -66,12 +69,21 @@ class DrawGraphs:
         g.graph.replay()
         return g.out[:n]
 
-    def _capture(
-        self, variant: Hashable, b: int, logits: torch.Tensor, inputs: list[torch.Tensor]
-    ) -> _Captured:
+    def _statics(
+        self, shapes: tuple[Any, ...], logits: torch.Tensor, inputs: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """The static [max_rows, ...] buffers of inputs shaped like `logits` and `inputs`."""
+        if shapes not in self.statics:
+            rows = self.max_rows
+            self.statics[shapes] = [
+                torch.zeros((rows, *x.shape[1:]), dtype=x.dtype, device=self.device)
+                for x in (logits, *inputs)
+            ]
+        return self.statics[shapes]
+
+    def _capture(self, variant: Hashable, b: int, statics: list[torch.Tensor]) -> _Captured:
         dev = self.device
-        static_logits = torch.zeros((b, *logits.shape[1:]), dtype=logits.dtype, device=dev)
-        static = [torch.zeros((b, *x.shape[1:]), dtype=x.dtype, device=dev) for x in inputs]
+        static_logits, *static = (x[:b] for x in statics)
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=dev)
         stream = self._stream
