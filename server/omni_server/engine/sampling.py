@@ -26,12 +26,8 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from omni_server.engine.draw_graphs import DrawGraphs
 
 
 @dataclass(frozen=True)
@@ -190,25 +186,22 @@ def draw(
     logits: torch.Tensor,  # [R, V] float32
     table: torch.Tensor,  # [R, COLUMNS] float64 host (step_table)
     greedy: torch.Tensor | None = None,  # [R] greedy_tokens(logits), already computed
-    graphs: DrawGraphs | None = None,  # sample_on_device captured (graph_draw), on CUDA
 ) -> torch.Tensor:  # [R] int64 on the logits' device, not read back
     """One token a row, left on the device. `greedy`: the rows' argmax as a decode graph
     computed it (the same argmax as greedy_tokens on CUDA), so a greedy batch runs no kernel
-    here (the host table tells; no sync). With `graphs`, the sampled rows' draw is one graph
-    replay instead of ~60 kernels (the result then lives until the next replay)."""
+    here (the host table tells; no sync)."""
     tokens = greedy_tokens(logits) if greedy is None else greedy
     if not bool((table[:, TEMPERATURE] > 0).any()):
         return tokens
     device = logits.device
-    if graphs is not None and device.type == "cuda" and len(table) <= graphs.max_rows:
-        return graphs(None, logits, [table, tokens])
     return sample_on_device(logits, table.to(device, non_blocking=device.type == "cuda"), tokens)
 
 
 def graph_draw(
     variant: object, logits: torch.Tensor, table: torch.Tensor, greedy: torch.Tensor
 ) -> torch.Tensor:
-    """sample_on_device as DrawGraphs captures it (a text head has one variant)."""
+    """sample_on_device as draw_graphs.DrawGraphs captures it (a text head has one variant):
+    the ~60 kernels of a sampled step's draw become one replay."""
     return sample_on_device(logits, table, greedy)
 
 

@@ -69,7 +69,11 @@ class TokenHead:
         # each row draws the token at position num_tokens (a PENDING one of a step in flight
         # counted: the same position as the synchronous step's)
         table = step_table([(*s.sampling_row, s.num_tokens) for s in seqs])
-        return draw(logits, table, greedy, self.graphs)
+        tokens = greedy_tokens(logits) if greedy is None else greedy
+        graphs = self.graphs
+        if graphs is not None and logits.is_cuda and len(seqs) <= graphs.max_rows:
+            return graphs(None, logits, [table, tokens])  # valid until its next replay
+        return draw(logits, table, tokens)
 
     def sample(
         self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None
