@@ -81,7 +81,7 @@ def test_seeded_tokens_through_graphs_equal_eager_and_batch_independent() -> Non
 
     graphed_engine = engine(cuda_graphs=True)
     graphed = _tokens(graphed_engine, _requests([0, 1, 2, 3, 4]))
-    head_graphs = graphed_engine.head.graphs  # type: ignore[attr-defined]
+    head_graphs = graphed_engine.head.graphs
     assert head_graphs is not None and head_graphs.graphs  # the draws replayed graphs
     assert graphed_engine.overlaps_decode  # and the sampled steps went in flight
     assert graphed == _tokens(engine(cuda_graphs=False), _requests([0, 1, 2, 3, 4]))

@@ -393,7 +393,7 @@ def test_seeded_ras_frames_from_draw_graphs_are_batch_independent_on_gpu(
             graphed.add(pending.pop(0))
         for event in graphed.step():
             out[event.request_id].append(event)
-    head_graphs = graphed.head.graphs  # type: ignore[attr-defined]
+    head_graphs = graphed.head.graphs
     assert head_graphs is not None and head_graphs.graphs
     alone_engine = engine(cuda_graphs=True)
     eager = engine(cuda_graphs=False).generate(requests)
