@@ -129,12 +129,15 @@ def draw_frames(
     scores = scores.masked_fill(force_eos[..., None] & (codes != spec.stream_eos_id), -torch.inf)
     flat = scores.view(rows * k, c)
     frame = greedy_tokens(flat).view(rows, k)
-    lanes = torch.arange(k, device=dev).expand(rows, k)  # codebook k draws lane k
+    if not sampled and window is None:
+        return frame
+    # [R, 2K]: codebook k's draw at lane k, its repetition-aware redraw at lane K + k (one
+    # hash pass for both)
+    u = uniforms(table, torch.arange(2 * k, device=dev).expand(rows, 2 * k))
     if sampled:
         settings = table[:, TEMPERATURE : MIN_P + 1].to(torch.float32)  # [R, 4]
-        u = uniforms(table, lanes)  # [R, K]
         each = settings[:, None, :].expand(rows, k, 4).reshape(rows * k, 4)  # [R * K, 4]
-        picked = filtered_draw(flat, each, u.view(-1))
+        picked = filtered_draw(flat, each, u[:, :k].reshape(-1))
         frame = torch.where(settings[:, :1] > 0, picked.view(rows, k), frame)
     if window is None:
         return frame
@@ -144,6 +147,6 @@ def draw_frames(
     special = (frame == spec.stream_bos_id) | (frame == spec.stream_eos_id)
     repeats = (most > 0) & (counts >= most) & ~special
     cdf = logits.view(rows, k, c).softmax(dim=-1).cumsum(dim=-1)  # [R, K, C] raw logits
-    target = uniforms(table, lanes + k).unsqueeze(-1) * cdf[..., -1:]
+    target = u[:, k:].unsqueeze(-1) * cdf[..., -1:]
     redrawn = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=c - 1)
     return torch.where(repeats, redrawn, frame)
