@@ -129,10 +129,10 @@ def _reference_uniform(seed: int, position: int, lane: int) -> float:
 
     def mix(x: int) -> int:
         x ^= x >> 16
-        x = (x * 0x85EBCA6B) & 0xFFFFFFFF
-        x ^= x >> 13
-        x = (x * 0xC2B2AE35) & 0xFFFFFFFF
-        return x ^ (x >> 16)
+        x = (x * 0x21F0AAAD) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x735A2D97) & 0xFFFFFFFF
+        return x ^ (x >> 15)
 
     m64 = (1 << 64) - 1
     z = (seed + 0x9E3779B97F4A7C15) & m64

@@ -9,8 +9,9 @@ host reads back the chosen ids, one tensor, at most.
 
 Randomness is a pure function of (the request's seed, the position of the token drawn, a lane):
 `uniforms` hashes them (the 64-bit seed turned into two 32-bit keys once, on the host, by
-splitmix64; then two rounds of murmur3's 32-bit finalizer over position * LANES + lane, in int64
-torch ops whose products stay under 2^48, so the CPU and every GPU compute the same bits). So a
+splitmix64; then two rounds of a 32-bit xorshift-multiply mixer over position * LANES + lane,
+in int64 torch ops whose products stay under 2^63, so the CPU and every GPU compute the same
+bits). So a
 seeded request draws the same tokens on every run, alone or at any row of any batch, through
 preemption and recompute (a token's position does not depend on when it is computed) and in a
 step launched before its predecessor's tokens are read (overlap.py). An unseeded request gets a
@@ -119,19 +120,15 @@ def step_table(rows: list[tuple[float, ...]]) -> torch.Tensor:  # [R, COLUMNS] f
     return torch.tensor(rows, dtype=torch.float64).view(len(rows), COLUMNS)
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """x * c mod 2^32 for x in [0, 2^32): two partial products under 2^48 (int64 never wraps,
-    so every backend gives the same bits)."""
-    return ((((x * (c >> 16)) & 0xFFFF) << 16) + x * (c & 0xFFFF)) & _M32
-
-
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """murmur3's 32-bit finalizer (a bijection of [0, 2^32) with full avalanche)."""
+    """A 32-bit xorshift-multiply mixer (a bijection of [0, 2^32); hash-prospector's two-round
+    constants). Both multipliers are under 2^31, so x * c < 2^63: int64 never wraps and every
+    backend computes the same bits."""
     x = x ^ (x >> 16)
-    x = _mul32(x, 0x85EB_CA6B)
-    x = x ^ (x >> 13)
-    x = _mul32(x, 0xC2B2_AE35)
-    return x ^ (x >> 16)
+    x = (x * 0x21F0_AAAD) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A_2D97) & _M32
+    return x ^ (x >> 15)
 
 
 def uniforms(table: torch.Tensor, lanes: torch.Tensor | int = 0) -> torch.Tensor:
