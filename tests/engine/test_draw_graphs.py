@@ -88,3 +88,14 @@ def test_seeded_tokens_through_graphs_equal_eager_and_batch_independent() -> Non
     for i in range(5):  # each alone: the same tokens as in the batch of five
         alone = _tokens(engine(cuda_graphs=True), _requests([i]))
         assert alone[f"r{i}"] == graphed[f"r{i}"], i
+
+
+def test_warmup_captures_every_bucket_so_serving_captures_none() -> None:
+    config = EngineConfig(max_total_tokens=2048, max_batch_size=8, device="cuda")
+    engine = Engine.from_random(TINY, config, seed=3)
+    engine.warmup()
+    graphs = engine.head.graphs
+    assert graphs is not None and len(graphs.graphs) == len(graphs.buckets)
+    captured = set(graphs.graphs)
+    _tokens(engine, _requests([0, 1, 2, 3, 4]))
+    assert set(graphs.graphs) == captured  # sampled steps of 1..5 rows replayed warm-up's graphs

@@ -89,7 +89,7 @@ class Engine:
         # what a step emits for a request and how it is sampled: the model's family's (head.py)
         self.head = model.head
         if self.runner.graphs is not None:  # the draws after a decode graph: graphs too
-            self.head.capture_draws(config.max_batch_size, device)
+            self.head.capture_draws(config.max_batch_size, device, None)
         self._sequences: dict[str, Sequence] = {}
         self._pending: list[TokenEvent] = []  # abort events, handed out by the next step()
         self._arrivals = 0
@@ -336,11 +336,13 @@ class Engine:
         """One short request through prefill and decode (allocations, kernels, graphs).
 
         With `capture_all_graphs`, every decode-graph bucket is captured now instead of on its
-        first use (no capture pause while serving).
+        first use (no capture pause while serving), and so is each bucket of the head's draw.
         """
         self.generate([GenerationRequest("__warmup__", [0, 1, 2], _warmup_params())])
         if capture_all_graphs and self.runner.graphs is not None:
             self.runner.graphs.capture_all()
+            width = next(iter(self.runner.graphs.graphs.values())).logits.shape[-1]
+            self.head.capture_draws(self.config.max_batch_size, self._device, width)
 
 
 def _warmup_params() -> SamplingParams:

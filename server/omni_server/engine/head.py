@@ -14,7 +14,7 @@ life and nowhere else:
                draw(logits, seqs, greedy): the same left on the device (a step in flight)
     record     append(seq, draw) -> the TokenEvent (the token appended, the finish decided)
     size       profile_inputs / profile_sample: the heaviest step, for the KV budget
-    graphs     capture_draws(max_rows, device): draws replayed from CUDA graphs from now on
+    graphs     capture_draws(max_rows, device, width): draws replayed from CUDA graphs
 
 A head that needs no inputs besides token ids returns None from the input methods. Whatever a
 head keeps per request lives in `seq.state` and survives preemption (a recomputed prompt never
@@ -90,9 +90,12 @@ class Head(Protocol[Draw]):
         flight feeds its successor and copies out behind it (overlap.py)."""
         ...
 
-    def capture_draws(self, max_rows: int, device: torch.device) -> None:
-        """From now on draw sampled rows of up to `max_rows` from CUDA graphs (draw_graphs.py)
-        on `device` (the engine asks where its decode steps replay graphs)."""
+    def capture_draws(self, max_rows: int, device: torch.device, width: int | None) -> None:
+        """From now on draw rows of up to `max_rows` from CUDA graphs (draw_graphs.py) on
+        `device` (the engine asks where its decode steps replay graphs). `width`: the logits'
+        width, to capture every rows bucket of the served variants now (the engine's warm-up:
+        no capture while serving, when another thread of the process may use the GPU); None:
+        each on first use."""
         ...
 
     def profile_sample(self, logits: torch.Tensor) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from omni_server.engine.draw_graphs import DrawGraphs
 from omni_server.engine.sampling import (
+    COLUMNS,
     SamplingParams,
     draw,
     graph_draw,
@@ -38,9 +39,14 @@ class TokenHead:
     def __init__(self) -> None:
         self.graphs: DrawGraphs | None = None  # capture_draws: sampled rows' draws in graphs
 
-    def capture_draws(self, max_rows: int, device: torch.device) -> None:
+    def capture_draws(self, max_rows: int, device: torch.device, width: int | None) -> None:
         if self.graphs is None or self.graphs.max_rows < max_rows:
             self.graphs = DrawGraphs(graph_draw, max_rows, device)
+        if width is not None:  # one variant: the sampled rows' draw (greedy needs none)
+            for b in self.graphs.buckets:
+                table = torch.zeros(b, COLUMNS, dtype=torch.float64)
+                greedy = torch.zeros(b, dtype=torch.int64, device=device)
+                self.graphs(None, torch.zeros(b, width, device=device), [table, greedy])
 
     def check(self, request: GenerationRequest) -> None:
         if request.audio_codes:

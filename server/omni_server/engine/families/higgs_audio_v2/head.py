@@ -20,6 +20,7 @@ import torch
 from omni_server.engine.attention import ForwardBatch
 from omni_server.engine.draw_graphs import DrawGraphs
 from omni_server.engine.families.higgs_audio_v2.frames import (
+    DELAY_STARTS,
     AudioSpec,
     delay_starts,
     draw_frames,
@@ -28,6 +29,8 @@ from omni_server.engine.families.higgs_audio_v2.frames import (
 from omni_server.engine.sampling import SamplingParams, request_seed, sampling_row
 from omni_server.engine.sequence import FinishReason, GenerationRequest, Sequence, TokenEvent
 from omni_server.engine.step_batch import StepBatch
+
+SERVED_RAS_WINDOW = 7  # the published generation_config.json's ras_win_len
 
 
 @dataclass
@@ -77,9 +80,21 @@ class FrameHead:
         self.spec = spec
         self.graphs: DrawGraphs | None = None  # capture_draws: the frame draws in graphs
 
-    def capture_draws(self, max_rows: int, device: torch.device) -> None:
+    def capture_draws(self, max_rows: int, device: torch.device, width: int | None) -> None:
         if self.graphs is None or self.graphs.max_rows < max_rows:
             self.graphs = DrawGraphs(self._graph_draw, max_rows, device)
+        if width is None:
+            return
+        # the served variants: greedy or sampled, with or without repetition-aware sampling
+        # over the published window (7 frames); another window is captured on first use
+        k = self.spec.num_codebooks
+        for sampled, ras in ((False, False), (True, False), (False, True), (True, True)):
+            for b in self.graphs.buckets:
+                inputs = [frame_table([(0.0,) * (DELAY_STARTS + 2 * k)] * b, self.spec)]
+                if ras:
+                    inputs.append(torch.full((b, SERVED_RAS_WINDOW, k), -1, dtype=torch.int64))
+                logits = torch.zeros(b, width, device=device)
+                self.graphs((sampled, ras), logits, inputs)
 
     def _graph_draw(
         self, variant: tuple[bool, bool], logits: torch.Tensor, table: torch.Tensor,
