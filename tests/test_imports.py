@@ -209,8 +209,9 @@ def test_every_endpoint_module_is_named() -> None:
 ROOT = SERVER.parent
 BACKENDS = sorted([*ROOT.glob("repository/*/model.py"), *ROOT.glob("examples/*/*/model.py")])
 # what a stage backend may import of the server: the stage-author API, the contracts, and the
-# libraries for stage authors (audio, engine, the compiled plan's types)
-BACKEND_SURFACE = ("backend", "contracts", "audio", "engine", "compiler")
+# libraries for stage authors (audio, engine, the compiled plan's types, the plain-torch model
+# code an example's stages run: models/qwen3_omni)
+BACKEND_SURFACE = ("backend", "contracts", "audio", "engine", "compiler", "models")
 # the backends that read an API contract -> the contracts they read, and the fields that exist
 # only in those contracts: reading one by its name out of a dict is parsing the contract again
 CONTRACT_READERS = {
@@ -220,6 +221,9 @@ CONTRACT_READERS = {
     "repository/thinker/model.py": ("ChatInput",),
     "repository/asr_whisper/model.py": ("AsrOptions",),
     "examples/higgs-audio-v2/preprocessing/model.py": ("SpeechOptions",),
+    "examples/qwen3-omni/preprocessing/model.py": ("ChatInput",),
+    "examples/qwen3-omni/thinker/model.py": ("ChatInput",),
+    "examples/qwen3-omni/code2wav/model.py": ("SpeechOptions",),
 }
 CONTRACT_ONLY_FIELDS = {
     "SpeechOptions": {"speed", "response_format", "reference", "instructions"},

@@ -5,6 +5,10 @@ Inputs: `chat`, the typed `contracts.ChatInput` (docs/backends.md): the messages
 voice's `SpeechOptions`, handed to the voice with the first chunk (omni models).
 Chunks: {"text": delta} as tokens are sampled (never a broken UTF-8 character); the first also
 carries "speech" when the request has one. Result: {"text", "finish_reason", "usage"}.
+
+Parameters for benchmarks (omni-bench chat-serve): `checkpoint`, another chat model (a checkpoint
+folder with its tokenizer.json, or a GGUF file) instead of the embedded SmolLM2-135M;
+`ignore_eos`, every answer runs to its max_tokens (random weights have no end worth waiting for).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from omni_server.backend import (
 from omni_server.contracts import ChatInput, Sampling, SpeechOptions
 from omni_server.engine import (
     ChatTemplateError,
+    CheckpointError,
     ContextLengthExceeded,
     Engine,
     EngineConfig,
@@ -44,6 +49,14 @@ class Thinker(StageBackend):
             )
         if context.device == "cpu":
             torch.set_num_threads(threads)
+        checkpoint = context.parameters.get("checkpoint")
+        if checkpoint is not None and not isinstance(checkpoint, str):
+            raise StageConfigError(f"parameters.checkpoint must be a path; found {checkpoint!r}")
+        self._ignore_eos = context.parameters.get("ignore_eos", False)
+        if not isinstance(self._ignore_eos, bool):
+            raise StageConfigError(
+                f"parameters.ignore_eos must be true or false; found {self._ignore_eos!r}"
+            )
         try:
             config = EngineConfig.from_table(
                 {
@@ -59,11 +72,22 @@ class Thinker(StageBackend):
         tp = TensorParallel(context.tp_rank, context.tp_size, context.process_group)
         try:
             # one copy of the weights per device when replicas share them (weight_share = "on")
-            self.engine = Engine.from_gguf(config, weights=context.shared_weights, tp=tp)
+            if checkpoint is None:
+                self.engine = Engine.from_gguf(config, weights=context.shared_weights, tp=tp)
+            else:
+                self.engine = Engine.from_checkpoint(
+                    checkpoint, config, tp=tp, weights=context.shared_weights
+                )
+        except CheckpointError as err:  # names the folder and what it lacks
+            raise StageConfigError(str(err)) from err
         except MemoryBudgetError as err:  # the fraction cannot hold the model and one request
             raise StageConfigError(str(err)) from err
         except ShardingError as err:  # SmolLM2-135M's 9 heads / 3 KV heads: no tp_size = 2
             raise StageConfigError(str(err)) from err
+        if self.engine.tokenizer is None:
+            raise StageConfigError(
+                f"parameters.checkpoint {checkpoint}: no tokenizer.json (a chat model needs one)"
+            )
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}  # engine id -> request
         # engine id -> the voice's options, until the first chunk
@@ -73,7 +97,7 @@ class Thinker(StageBackend):
     def add(self, request: Request) -> None:
         chat = ChatInput.of(request.inputs)
         tokenizer = self.engine.tokenizer
-        assert tokenizer is not None  # from_gguf always has one
+        assert tokenizer is not None  # initialize checked
         try:
             text = tokenizer.apply_chat_template([m.to_dict() for m in chat.messages])
         except ChatTemplateError as err:  # e.g. roles the model's template refuses
@@ -91,7 +115,7 @@ class Thinker(StageBackend):
                 param="messages",
             )
         prompt = tokenizer.encode(text)
-        params = _sampling(chat.sampling)
+        params = _sampling(chat.sampling, self._ignore_eos)
         engine_id = f"r{next(self._ids)}"
         try:
             self.engine.add(GenerationRequest(engine_id, prompt, params))
@@ -149,7 +173,7 @@ class Thinker(StageBackend):
                 self.engine.abort(engine_id)
 
 
-def _sampling(sampling: Sampling) -> SamplingParams:
+def _sampling(sampling: Sampling, ignore_eos: bool) -> SamplingParams:
     """The engine's sampler for the contract's fields; what the engine cannot run (top_p 0)
     is the caller's to fix."""
     try:
@@ -161,6 +185,7 @@ def _sampling(sampling: Sampling) -> SamplingParams:
             seed=sampling.seed,
             max_tokens=sampling.max_tokens,
             stop=sampling.stop,
+            ignore_eos=ignore_eos,
         )
     except (TypeError, ValueError) as err:
         raise InvalidRequest(f"sampling: {err}") from err

@@ -45,6 +45,9 @@ class Contract:
     """The base of every contract: a frozen dataclass whose `__post_init__` checks it."""
 
     KEY: ClassVar[str]  # where a payload holds it
+    # True: it crosses between stages only (a stream_to edge); a terminal stage's chunks reach
+    # the caller without it (stage/node.py), as Qwen3-Omni's thinker -> talker contracts
+    STAGES_ONLY: ClassVar[bool] = False
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # pickled as a constructor call, never as a bare __dict__: decoding re-checks

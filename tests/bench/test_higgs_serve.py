@@ -7,6 +7,7 @@ itself is a device benchmark, run on the CPU by hand with the tiny checkpoint)."
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -82,3 +83,51 @@ def test_without_gpu_every_stage_runs_on_the_cpu(tmp_path):
 def test_a_layout_is_a_count_and_its_flags(layout):
     with pytest.raises(ValueError):
         higgs_serve.parse_layout(layout)
+
+
+def test_open_loop_admission_covers_every_request_it_sends(tmp_path):
+    args = higgs_serve.build_parser().parse_args(
+        ["--checkpoint", str(tmp_path), "--concurrency", "", "--rate", "5,20", "--duration", "20"]
+    )
+    args.levels = []
+    assert args.rates == [5.0, 20.0]
+    assert higgs_serve.open_loop_requests(args, 20.0) == 400
+    assert higgs_serve.max_in_flight(args) == 400  # every request may be in flight at once
+
+
+@pytest.mark.parametrize("rate", ["0", "5,x", "inf"])
+def test_a_bad_rate_is_a_usage_error(tmp_path, rate):
+    with pytest.raises(SystemExit) as exit_:
+        higgs_serve.main(["--checkpoint", str(tmp_path), "--rate", rate])
+    assert exit_.value.code == 2
+
+
+@pytest.mark.parametrize("argv", [["--concurrency", ""], ["--rate", "5", "--duration", "0"]])
+def test_no_level_or_no_duration_exits_2_before_writing_a_checkpoint(tmp_path, argv):
+    assert higgs_serve.main(["--checkpoint", str(tmp_path), *argv]) == 2
+    assert not (tmp_path / "config.json").exists()
+
+
+@pytest.mark.slow  # a real server on a tiny random checkpoint: ~10 s on this machine
+@pytest.mark.timeout(300)
+def test_open_loop_mode_serves_a_tiny_checkpoint_and_reports_each_rate(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from omni_bench.cli import main; sys.exit(main())",
+         "higgs-serve", "--repo", str(REPO), "--checkpoint", str(tmp_path / "ckpt"),
+         "--size", "tiny", "--concurrency", "", "--rate", "4", "--duration", "2",
+         "--min-requests", "4", "--replicas", "1", "--audio-seconds", "0.5", "--out", str(out)],
+        capture_output=True, text=True, timeout=280, env=os.environ | {"TQDM_DISABLE": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    [run] = json.loads((out / "higgs_serve.json").read_text())
+    [level] = run["levels"]
+    assert level["rate"] == 4 and level["requests"] == 8 and level["failed"] == 0
+    assert 0 < level["ttfa"]["p50"] <= level["ttfa"]["p95"]
+    assert 0 <= level["underrun_share"] <= 1
+    assert level["audio_seconds_per_second"] > 0 and level["requests_per_second"] > 0
+    assert not run["leftovers"]
+    table = (out / "higgs_serve.md").read_text()
+    assert "| replicas | rate req/s | requests | failed | TTFA p50 ms | TTFA p95 ms |" in table
+    assert "| 1 | 4 | 8 | 0 |" in table
+    assert "| concurrency |" not in table  # no closed-loop level was asked for

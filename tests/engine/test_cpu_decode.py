@@ -34,7 +34,7 @@ def test_span_attention_equals_the_gathered_path(chunk: int) -> None:
     slots = torch.arange(start, start + length)
     prefills = []
     if chunk:  # another request's first chunk, after the decode row
-        prefills = [PrefillChunk(1, chunk, torch.arange(160, 160 + chunk), None)]
+        prefills = [PrefillChunk(1, chunk, torch.arange(160, 160 + chunk))]
     gathered = DecodeGroup(1, slots.unsqueeze(0), torch.ones(1, 1, 1, length, dtype=torch.bool))
     span = DecodeGroup(1, kv_span=(start, length))
     expected = paged_attention(q, k_cache, v_cache, _batch(gathered, 1 + chunk, prefills))

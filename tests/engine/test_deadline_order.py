@@ -99,13 +99,13 @@ def test_urgent_streams_step_first_and_cap_the_prefill_beside_them():
     assert prefills == [("new", 16)] and decodes == ["dry", "far"]
 
 
-@pytest.mark.parametrize(("lead", "chunk"), [(6.0, 60), (0.3, 20)])
+@pytest.mark.parametrize(("lead", "chunk"), [(6.0, 60), (0.3, 19)])
 def test_a_prefill_stretches_the_step_only_as_far_as_the_tightest_lead_allows(lead, chunk):
     """No started stream gets a frame before the step ends: with a cost unit measured at
     10 ms, a stream 0.3 s ahead (margin 0.1 s) lets the step take 20 units, one 6 s ahead
     all of the prompt."""
     batcher = _batcher(max_batch_size=2, max_step_tokens=64, beside=8)
-    batcher.unit_s = 0.01
+    batcher.step_time.record(1.0, 0.01)  # a cost unit measured at 10 ms (proportional)
     _request(batcher, "ahead", 8, lead=lead)
     _request(batcher, "new", 60)
     [(name, length)] = _names(batcher.next_batch(NOW, margin_s=0.1))[1]
@@ -117,7 +117,8 @@ def test_the_engine_measures_what_a_cost_unit_takes():
     seq = _request(batcher, "a", 8, lead=1.0)
     seq.num_computed += 1  # the engine advanced it, then records the step
     batcher.record_step(0.2, StepBatch([seq], []))
-    assert batcher.unit_s == pytest.approx(0.2)  # one decode: one unit (keys are huge here)
+    model = batcher.step_time.model()  # one decode: one unit (keys are huge here)
+    assert model is not None and model.seconds(1.0) == pytest.approx(0.2)
     assert batcher.steps.margin_s == pytest.approx(0.4)
 
 

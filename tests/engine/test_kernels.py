@@ -23,7 +23,7 @@ def _logits(model: Llama, ids: list[int]) -> torch.Tensor:
         slot_mapping=slots,
         logits_indices=torch.arange(n),
         decode=None,
-        prefills=[PrefillChunk(0, n, slots, None)],  # one prompt from position 0: causal
+        prefills=[PrefillChunk(0, n, slots)],  # one prompt from position 0: causal
     )
     with torch.inference_mode():
         return model.forward(batch, cache.k, cache.v)

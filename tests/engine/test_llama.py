@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from omni_server.engine.attention import ForwardBatch, PrefillChunk, causal_chunk_mask
+from omni_server.engine.attention import ForwardBatch, PrefillChunk
 from omni_server.engine.families.llama.gguf import GGUFModel, smollm2_gguf_path
 from omni_server.engine.families.llama.model import Llama
 from omni_server.engine.kv_cache import KVCache
@@ -48,11 +48,7 @@ def _prefill_logits(model: Llama, ids: list[int], chunks: list[int]) -> torch.Te
             slot_mapping=slots[start:end],
             logits_indices=torch.arange(n),
             decode=None,
-            prefills=[
-                PrefillChunk(
-                    0, n, slots[:end], None if start == 0 else causal_chunk_mask(start, n, "cpu")
-                )
-            ],
+            prefills=[PrefillChunk(0, n, slots[:end])],
         )
         with torch.inference_mode():
             out.append(model(batch, cache.k, cache.v))

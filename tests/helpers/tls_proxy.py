@@ -3,15 +3,19 @@
 For clients that speak only `wss://`: ElevenLabs' SDK builds its WebSocket URL with `wss`
 whatever its base URL says. The certificate is self-signed for 127.0.0.1; a client trusts it
 through `SSL_CERT_FILE` (which Python's default SSL context reads when it is created).
-Bytes are relayed as they come, both ways, one thread per direction; `close()` ends them all.
+
+Bytes are relayed as they come, both ways, by one asyncio loop on a thread of its own. Not a
+thread per direction: an `ssl.SSLSocket` read in one thread while written in another is one
+OpenSSL object used concurrently, which OpenSSL does not support (a TLS 1.3 read may write);
+it stalled a handshake in CI once. asyncio's TLS runs on memory BIOs in one thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime
 import ipaddress
-import socket
 import ssl
 import threading
 from pathlib import Path
@@ -61,68 +65,64 @@ class TlsProxy:
         self._upstream = upstream
         self._context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self._context.load_cert_chain(certificate, key)
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
+        self._loop = asyncio.new_event_loop()
+        self._relays: set[asyncio.Task[None]] = set()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._server = asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(10)
+        self.port = self._server.sockets[0].getsockname()[1]
         self.url = f"https://127.0.0.1:{self.port}"
-        self._sockets: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._accept, daemon=True)]
-        self._threads[0].start()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return  # closed
-            self._start(self._connect, client)
+    async def _listen(self) -> asyncio.Server:
+        return await asyncio.start_server(self._connect, "127.0.0.1", 0, ssl=self._context)
 
-    def _connect(self, client: socket.socket) -> None:
-        self._keep(client)
+    async def _connect(self, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter):
+        task = asyncio.current_task()
+        assert task is not None
+        self._relays.add(task)  # close() cancels what is still relaying
         try:
-            secure = self._context.wrap_socket(client, server_side=True)
-            upstream = socket.create_connection(self._upstream)
+            upstream_in, upstream_out = await asyncio.open_connection(*self._upstream)
         except OSError:
-            client.close()
+            client_out.close()
+            self._relays.discard(task)
             return
-        self._keep(secure, upstream)
-        self._start(self._relay, upstream, secure)
-        self._relay(secure, upstream)
+        try:
+            await asyncio.gather(
+                self._relay(client_in, upstream_out), self._relay(upstream_in, client_out)
+            )
+        finally:
+            for end in (client_out, upstream_out):
+                end.close()
+            self._relays.discard(task)
 
-    def _relay(self, source: socket.socket, sink: socket.socket) -> None:
-        """Copy until either side ends, then end both: shutdown, not just close, because the
-        other direction's thread is blocked in recv() on them (a close alone would neither wake
-        it nor send the FIN the peers wait for)."""
-        with contextlib.suppress(OSError, ValueError):
-            while data := source.recv(65536):
-                sink.sendall(data)
-        for end in (source, sink):
-            with contextlib.suppress(OSError, ValueError):
-                end.shutdown(socket.SHUT_RDWR)
-            end.close()
+    @staticmethod
+    async def _relay(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        """Copy until the source ends, then end the sink's writing half (the peer's FIN),
+        so the other direction runs until its own end."""
+        with contextlib.suppress(OSError, ConnectionError):
+            while data := await source.read(65536):
+                sink.write(data)
+                await sink.drain()
+        with contextlib.suppress(OSError, RuntimeError):
+            if sink.can_write_eof():
+                sink.write_eof()
+            else:
+                sink.close()  # a TLS stream has no half close: end it whole
 
-    def _start(self, target, *args) -> None:
-        thread = threading.Thread(target=target, args=args, daemon=True)
-        with self._lock:
-            self._threads.append(thread)
-        thread.start()
-
-    def _keep(self, *sockets: socket.socket) -> None:
-        with self._lock:
-            self._sockets.extend(sockets)
+    async def _stop(self) -> None:
+        self._server.close()
+        for task in list(self._relays):
+            task.cancel()
+        await asyncio.gather(*self._relays, return_exceptions=True)
+        await self._server.wait_closed()
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() waiting on it
-        self._listener.close()
-        with self._lock:
-            sockets, threads = list(self._sockets), list(self._threads)
-        for end in sockets:
-            with contextlib.suppress(OSError, ValueError):
-                end.shutdown(socket.SHUT_RDWR)
-            end.close()
-        for thread in threads:
-            thread.join(timeout=10)
+        if self._loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
 
     def __enter__(self) -> TlsProxy:
         return self

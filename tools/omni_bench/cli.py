@@ -17,6 +17,7 @@
     omni-bench gpu-step     the engine's decode step vs a static-cache graph and the HBM floor
     omni-bench gpu-moe      Qwen3-Omni's MoE experts: plain loop vs fused Triton vs the HBM floor
     omni-bench reload       a model reload's time to serving and extra memory (omni_bench.reload)
+    omni-bench chat-serve   the thinker over HTTP: TTFT and tokens/s by concurrency
 
 Each subcommand module exposes `main(argv) -> int`; modules load only when their subcommand
 runs, so one benchmark's heavy imports never slow another.
@@ -48,6 +49,7 @@ SUBCOMMANDS = {
     "reload": ("omni_bench.reload", "model reload: time to serving, memory of both versions"),
     "random-checkpoint": ("omni_bench.random_checkpoint", "random-weight HF checkpoint folders"),
     "higgs-serve": ("omni_bench.higgs_serve", "Higgs Audio v2 served: TTFA, underrun, replicas"),
+    "chat-serve": ("omni_bench.chat_serve", "the thinker over HTTP: TTFT, tokens/s by concurrency"),
     "ar-fanout": ("omni_bench.ar_fanout", "an ar stage's chunks across processes, no model"),
 }
 

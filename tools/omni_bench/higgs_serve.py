@@ -2,7 +2,7 @@
 HTTP and loaded with `omni-bench speech`, one replica of `pipeline` against several.
 
     omni-bench higgs-serve --checkpoint DIR [--size full] [--gpu] [--concurrency 1,4,16,64]
-        [--replicas 1,3,3v] [--audio-seconds 6] [--out DIR]
+        [--rate 5,10,20 [--duration 20]] [--replicas 1,3,3v] [--audio-seconds 6] [--out DIR]
 
 The whole device run of issue 22's "Measure" in one command. A random checkpoint is written
 to DIR first when DIR has none (`random-checkpoint`, drawn on the GPU with --gpu). For each
@@ -17,10 +17,14 @@ stage moved into `pipeline`, so each replica decodes its own frames, handed over
 first chunk with 4 lookahead columns; flags combine, `1mf4`)
 and each concurrency level is a closed-loop `omni-bench speech` run against it (streamed pcm, the
 dataset's texts of one to three sentences, every request `--audio-seconds` of audio: random
-weights have no end of speech worth waiting for). Per level: TTFA p50/p95, RTF, audio seconds
-per second, requests per second, the share of streams that underrun; per server: the GPU's
-memory in use (nvidia-smi, peak while loaded). Tables to stdout and `OUT/higgs_serve.md`,
-everything in `OUT/higgs_serve.json` (each level's speech.json beside it).
+weights have no end of speech worth waiting for). With --rate, each server then takes
+open-loop levels too: requests arrive at each rate (Poisson arrivals, the same seeded schedule
+at every rate and layout: `omni-bench speech --rate`) for --duration seconds, whether or not
+earlier ones have ended, as a service's users send them (`--concurrency ""`: open loop
+only). Per level: TTFA p50/p95, RTF, audio seconds per second, requests per second, the share
+of streams that underrun (a listener who starts at the first byte runs out of audio); per
+server: the GPU's memory in use (nvidia-smi, peak while loaded). Tables to stdout and
+`OUT/higgs_serve.md`, everything in `OUT/higgs_serve.json` (each level's speech.json beside it).
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ def serve_args(args: argparse.Namespace, text: str) -> list[str]:
         "--parameters.checkpoint", str(args.checkpoint),
         "--stages.tts_engine.parameters.ignore_eos", "true",
         "--stages.tts_engine.parameters.max_audio_seconds", str(args.audio_seconds),
-        "--max-in-flight", str(max(64, 2 * max(args.levels))),
+        "--max-in-flight", str(max_in_flight(args)),
     ]  # fmt: skip
     out += placement_overrides(args.repo, args.gpu, replicas)
     if replicas > 1:
@@ -115,6 +119,19 @@ def serve_args(args: argparse.Namespace, text: str) -> list[str]:
     if layout.first_lookahead is not None:
         out += ["--stages.vocoder.parameters.first_lookahead_frames", str(layout.first_lookahead)]
     return out + args.extra
+
+
+def open_loop_requests(args: argparse.Namespace, rate: float) -> int:
+    """Requests sent at one open-loop rate: --duration seconds of arrivals, at least
+    --min-requests."""
+    return max(args.min_requests, round(rate * args.duration))
+
+
+def max_in_flight(args: argparse.Namespace) -> int:
+    """The server's admission limit: above any level's load, so the bench measures queueing
+    inside the server rather than its 429s (an open loop may have every request in flight)."""
+    closed = 2 * max(args.levels, default=0)
+    return max(64, closed, *(open_loop_requests(args, r) for r in args.rates))
 
 
 class GpuMemory:
@@ -153,12 +170,19 @@ class GpuMemory:
             self._thread.join()
 
 
-def _level(args: argparse.Namespace, url: str, concurrency: int, out: Path) -> dict[str, Any]:
-    requests = max(args.min_requests, args.rounds * concurrency)
+def _level(args: argparse.Namespace, url: str, load: speech.Level, out: Path) -> dict[str, Any]:
+    """One closed-loop (`load.concurrency`) or open-loop (`load.rate`) level of `speech`."""
+    if load.rate is None:
+        requests = max(args.min_requests, args.rounds * load.concurrency)
+        shape = ["--concurrency", str(load.concurrency)]
+        warmup = min(load.concurrency, 4)
+    else:
+        requests = open_loop_requests(args, load.rate)
+        shape, warmup = ["--rate", f"{load.rate:g}"], 4
     argv = [
-        "--url", url, "--stream", "--format", "pcm", "--voice", args.voice,
-        "--concurrency", str(concurrency), "--requests", str(requests),
-        "--dataset", str(args.dataset), "--warmup", str(min(concurrency, 4)), "--out", str(out),
+        "--url", url, "--stream", "--format", "pcm", "--voice", args.voice, *shape,
+        "--requests", str(requests), "--dataset", str(args.dataset),
+        "--warmup", str(warmup), "--out", str(out),
     ]  # fmt: skip
     rc = speech.main(argv)
     result = json.loads((out / "speech.json").read_text())
@@ -175,7 +199,14 @@ def _serve(args: argparse.Namespace, replicas: str) -> dict[str, Any]:
         try:
             loaded = gpu.now()
             levels = [
-                _level(args, server.url, c, args.out / f"r{replicas}-c{c}") for c in args.levels
+                _level(
+                    args, server.url, speech.Level(concurrency=c), args.out / f"r{replicas}-c{c}"
+                )
+                for c in args.levels
+            ]
+            levels += [
+                _level(args, server.url, speech.Level(rate=r), args.out / f"r{replicas}-rate{r:g}")
+                for r in args.rates
             ]
             log = server.log_tail(1 << 20).splitlines()
         finally:
@@ -198,27 +229,28 @@ def _ms(d: dict[str, float], key: str) -> str:
 
 
 def report(runs: list[dict[str, Any]]) -> str:
+    """The closed-loop table, the open-loop table (when run), then one row per layout."""
+    closed = [(run, lv) for run in runs for lv in run["levels"] if lv.get("rate") is None]
+    open_ = [(run, lv) for run in runs for lv in run["levels"] if lv.get("rate") is not None]
     lines = []
-    columns = [
-        "replicas", "concurrency", "requests", "failed", "TTFA p50 ms", "TTFA p95 ms",
-        "RTF p50", "audio s/s", "req/s", "underrun share", "worst deficit s",
-    ]  # fmt: skip
-    lines += tables.header(columns)
-    for run in runs:
-        for lv in run["levels"]:
-            lines.append(
-                tables.row(
-                    [
-                        run["replicas"], lv["concurrency"], lv["requests"], lv["failed"],
-                        _ms(lv["ttfa"], "p50"), _ms(lv["ttfa"], "p95"),
-                        f"{lv['rtf'].get('p50', float('nan')):.3f}",
-                        f"{lv['audio_seconds_per_second']:.1f}",
-                        f"{lv['requests_per_second']:.2f}",
-                        f"{lv['underrun_share']:.2f}", f"{lv['worst_deficit']:.3f}",
-                    ]
-                )
-            )  # fmt: skip
-    lines.append("")
+    if closed:
+        columns = [
+            "replicas", "concurrency", "requests", "failed", "TTFA p50 ms", "TTFA p95 ms",
+            "RTF p50", "audio s/s", "req/s", "underrun share", "worst deficit s",
+        ]  # fmt: skip
+        lines += tables.header(columns)
+        for run, lv in closed:
+            lines.append(tables.row([run["replicas"], lv["concurrency"], *_measures(lv)]))
+        lines.append("")
+    if open_:
+        columns = [
+            "replicas", "rate req/s", "requests", "failed", "TTFA p50 ms", "TTFA p95 ms",
+            "RTF p50", "audio s/s", "req/s", "underrun share", "worst deficit s",
+        ]  # fmt: skip
+        lines += tables.header(columns)
+        for run, lv in open_:
+            lines.append(tables.row([run["replicas"], f"{lv['rate']:g}", *_measures(lv)]))
+        lines.append("")
     lines += tables.header(["replicas", "best audio s/s", "vs one", "GPU MiB loaded", "peak"])
     base = None
     for run in runs:
@@ -235,6 +267,26 @@ def report(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _measures(lv: dict[str, Any]) -> list[Any]:
+    return [
+        lv["requests"], lv["failed"], _ms(lv["ttfa"], "p50"), _ms(lv["ttfa"], "p95"),
+        f"{lv['rtf'].get('p50', float('nan')):.3f}", f"{lv['audio_seconds_per_second']:.1f}",
+        f"{lv['requests_per_second']:.2f}", f"{lv['underrun_share']:.2f}",
+        f"{lv['worst_deficit']:.3f}",
+    ]  # fmt: skip
+
+
+def parse_rates(text: str) -> list[float]:
+    """--rate: "" (none) or request rates > 0, comma separated."""
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected rates like 5,10,20") from None
+    if not all(0 < r < float("inf") for r in rates):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected rates > 0 (requests/s)")
+    return rates
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="omni-bench higgs-serve", description=(__doc__ or "").split("\n")[0]
@@ -247,7 +299,21 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="on the GPU, as the example places itself there (default: on the CPU)",
     )
-    p.add_argument("--concurrency", default="1,4,16,64", help="closed-loop levels")
+    p.add_argument("--concurrency", default="1,4,16,64", help='closed-loop levels ("": none)')
+    p.add_argument(
+        "--rate",
+        dest="rates",
+        type=parse_rates,
+        default="",
+        help="open-loop levels after the closed-loop ones: request rates (requests/s, Poisson "
+        "arrivals, seeded), e.g. 5,10,20 (default: none)",
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=20.0,
+        help="open loop: seconds of arrivals at each rate (20; at least --min-requests)",
+    )
     p.add_argument(
         "--replicas",
         default="1,3",
@@ -274,14 +340,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.levels = [int(c) for c in args.concurrency.split(",")]
+        args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
         counts = args.replicas.split(",")
         for layout in counts:
             parse_layout(layout)
+        if min(args.levels, default=1) < 1:
+            raise ValueError(args.levels)
+        if not (args.levels or args.rates) or not args.duration > 0:
+            raise ValueError("no level")
     except ValueError:
         print(
-            "omni-bench higgs-serve: --concurrency: integers; --replicas: layouts (a count, "
-            "then flags from v, m, e and f<N>), comma separated"
+            "omni-bench higgs-serve: --concurrency: integers >= 1 (or --rate: not both "
+            "empty); --duration: seconds > 0; --replicas: layouts (a count, then "
+            "flags from v, m, e and f<N>); lists comma separated",
+            file=sys.stderr,
         )
         return 2
     if not (args.checkpoint / "config.json").is_file():

@@ -44,7 +44,12 @@ from omni_server.engine.kernels import apply_rope
 from omni_server.engine.memory import MemoryBudgetError
 from omni_server.engine.parallel import TensorParallel
 from omni_server.engine.sampling import SamplingParams
-from omni_server.engine.sequence import FinishReason, GenerationRequest, TokenEvent
+from omni_server.engine.sequence import (
+    FinishReason,
+    GenerationRequest,
+    PromptEmbeddings,
+    TokenEvent,
+)
 from omni_server.engine.tokenizer import ChatTemplateError, GGUFTokenizer, IncrementalDetokenizer
 
 __all__ = [
@@ -66,6 +71,7 @@ __all__ = [
     "Llama",
     "LlamaShape",
     "MemoryBudgetError",
+    "PromptEmbeddings",
     "SamplingParams",
     "TensorParallel",
     "TokenEvent",

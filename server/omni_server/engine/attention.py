@@ -4,9 +4,11 @@ One forward carries the tokens of many requests, flattened: first one decode tok
 request, then each prefilling request's chunk. `ForwardBatch` says, per token, its position and
 the cache slot its K/V is written to, and, per request, which cache slots hold its context.
 
-Grouped-query attention without repeating K/V: the G = H / Hkv query heads that share a KV head
-are laid out as G extra query rows of that KV head, so SDPA sees `[.., Hkv, G * n, D]` queries
-against `[.., Hkv, ctx, D]` keys (HF's `repeat_kv` maps query head h to KV head h // G; the same).
+Grouped-query attention never repeats K/V (HF's `repeat_kv` maps query head h to KV head h // G,
+G = H / Hkv; so does every path here): decode rows lay the G query heads of a KV head out as G
+query rows against its keys (matmuls on the CPU, paged_decode.py's kernel on CUDA); a prefill
+chunk goes to SDPA with `enable_gqa` over its context's keys (`prefill_attention`: flash
+attention on CUDA in half precision).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from omni_server.engine.paged_decode import paged_decode_attention
 
@@ -45,8 +48,9 @@ class PrefillChunk:
 
     start: int
     length: int
-    kv_slots: torch.Tensor  # [ctx] int64: slots of positions 0..ctx-1 (this chunk included)
-    mask: torch.Tensor | None  # [n, ctx] bool causal mask; None when the chunk starts at 0
+    # [ctx] int64: slots of positions 0..ctx-1, this chunk's included (its last n): the chunk
+    # starts at position ctx - n and attends causally (attention.prefill_attention)
+    kv_slots: torch.Tensor
 
 
 @dataclass
@@ -106,20 +110,11 @@ def paged_attention(
         out[:b] = od.reshape(b, num_heads, head_dim)
     for chunk in batch.prefills:
         n = chunk.length
-        qp = q[chunk.start : chunk.start + n]  # [n, H, D]
-        # [n, Hkv, G, D] -> [Hkv, G, n, D] -> [Hkv, G * n, D]
-        qp = qp.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        qp = qp.reshape(num_kv_heads, group * n, head_dim)
-        kp = _gather(k_cache, chunk.kv_slots).transpose(0, 1)  # [Hkv, ctx, D]
-        vp = _gather(v_cache, chunk.kv_slots).transpose(0, 1)
-        if chunk.mask is None:  # chunk covers positions 0..n-1: plain causal
-            op = _causal_grouped(qp, kp, vp, group, n)
-        else:
-            mask = chunk.mask.repeat(group, 1)  # [G * n, ctx], rows in (g, i) order
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask)
-        # [Hkv, G * n, D] -> [Hkv, G, n, D] -> [n, Hkv, G, D]
-        op = op.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
-        out[chunk.start : chunk.start + n] = op.reshape(n, num_heads, head_dim)
+        kp = _gather(k_cache, chunk.kv_slots)  # [ctx, Hkv, D]: this chunk's context only
+        vp = _gather(v_cache, chunk.kv_slots)
+        out[chunk.start : chunk.start + n] = prefill_attention(
+            q[chunk.start : chunk.start + n], kp, vp
+        )
     return out
 
 
@@ -149,22 +144,27 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
-def _causal_grouped(
-    q: torch.Tensor,  # [Hkv, G * n, D]
-    k: torch.Tensor,  # [Hkv, n, D]
+def prefill_attention(
+    q: torch.Tensor,  # [n, H, D]: a chunk's queries, positions ctx - n .. ctx - 1
+    k: torch.Tensor,  # [ctx, Hkv, D]: its request's keys at positions 0 .. ctx - 1
     v: torch.Tensor,
-    group: int,
-    n: int,
-) -> torch.Tensor:  # [Hkv, G * n, D]
-    # is_causal would align rows 0..G*n-1 against n keys: wrong for G > 1. Put G on a batch dim.
-    hkv, _, d = q.shape
-    q4 = q.view(hkv, group, n, d)  # [Hkv, G, n, D]
-    o = F.scaled_dot_product_attention(q4, k.unsqueeze(1), v.unsqueeze(1), is_causal=True)
-    return o.reshape(hkv, group * n, d)
+) -> torch.Tensor:  # [n, H, D]
+    """Causal attention of one prompt chunk over its context: SDPA with `enable_gqa`, the G
+    query heads of a KV head read its keys as they are (no K/V repeated or broadcast).
 
-
-def causal_chunk_mask(start: int, length: int, device: torch.device) -> torch.Tensor:
-    """[n, start + n] bool: query i (position start + i) sees keys at positions <= start + i."""
-    q_pos = torch.arange(start, start + length, device=device).unsqueeze(1)
-    k_pos = torch.arange(start + length, device=device).unsqueeze(0)
-    return k_pos <= q_pos
+    [n, H, D] is flash attention's own [S, H, D] layout, so the [1, H, n, D] views cost no copy
+    on CUDA. A chunk after the first (ctx > n) attends to the whole prefix plus its own causal
+    part: the causal mask aligned bottom-right (query i at position ctx - n + i), which SDPA's
+    is_causal (top-left) is not; torch's `causal_lower_right` bias runs it in flash attention
+    without a mask where it can (CUDA, half precision) and materializes the [n, ctx] mask only
+    where it cannot (CPU, float32)."""
+    n, ctx = q.shape[0], k.shape[0]
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    kh = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+    vh = v.transpose(0, 1).unsqueeze(0)
+    if ctx == n:  # the first chunk: top-left and bottom-right alignment agree
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    else:
+        bias = causal_lower_right(n, ctx)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, enable_gqa=True)
+    return o[0].transpose(0, 1)  # [n, H, D]

@@ -19,7 +19,8 @@ request alone always fits (max_seq_len <= capacity), the oldest always progresse
 Playback-aware order: when a request's output is media (`playback_seconds`) and the step cannot
 hold everyone, deadline_order.py fills it instead: urgent streams, then new requests' prefill
 and first output, then the rest by their listeners' deadlines. When everyone fits, the batch
-above runs unchanged.
+above runs. Either way, while media streams play, a step's prefill is held to what keeps every
+started stream ahead of its listener (prefill_budget.py); text requests never are.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from collections import deque
 from omni_server.engine import deadline_order
 from omni_server.engine.config import EngineConfig
 from omni_server.engine.kv_cache import BlockAllocator
+from omni_server.engine.prefill_budget import StepTimeFit, prefill_budget
 from omni_server.engine.sequence import Sequence, Status
 from omni_server.engine.step_batch import PrefillWork, StepBatch
 from omni_server.engine.step_cost import StepCost
-from omni_server.playback import STEP_SMOOTHING, StepClock
+from omni_server.playback import StepClock
 
 __all__ = ["Batcher", "PrefillWork", "StepBatch"]
 
@@ -53,7 +55,7 @@ class Batcher:
         self.running: list[Sequence] = []  # ordered by arrival
         self.num_preemptions = 0
         self.steps = StepClock()  # the engine records each step's time: the urgency margin
-        self.unit_s: float | None = None  # seconds a cost unit takes (moving average)
+        self.step_time = StepTimeFit()  # seconds a step of given cost units takes
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -64,29 +66,36 @@ class Batcher:
     def next_batch(self, now: float = 0.0, margin_s: float | None = None) -> StepBatch | None:
         """The next step's work. `now` (the engine's clock) dates listeners' deadlines; a lead
         under `margin_s` (default: the step clock's) is urgent."""
-        if self.config.playback_order and self.plays_media() and not self._everyone_fits():
-            margin = self.steps.margin_s if margin_s is None else margin_s
+        margin = self.steps.margin_s if margin_s is None else margin_s
+        if (
+            self.config.playback_order
+            and self.plays_media()
+            and not self._everyone_fits(now, margin)
+        ):
             return deadline_order.ordered_batch(self, now, margin)
         decodes = self._decodes()
-        budget = self.config.max_step_tokens - sum(
-            self.cost.decode(seq.num_computed) for seq in decodes
-        )
+        decode_units = sum(self.cost.decode(seq.num_computed) for seq in decodes)
+        budget = self.config.max_step_tokens - decode_units
         if decodes:  # a running stream's step at most about doubles while prompts prefill
-            budget = min(
-                budget, max(self.prefill_beside_decodes, self.config.max_step_tokens - budget)
-            )
-        prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
-        prefilling += self._admit(budget)
+            budget = min(budget, max(self.prefill_beside_decodes, decode_units))
+        prompts = [s for s in self.running if s.num_tokens - s.num_computed > 1]
+        head = [self.waiting[0]] if self.waiting else []
+        first = min([*prompts, *head], key=lambda s: s.arrival, default=None)
+        # playing streams' listeners bound the step's time (prefill_budget.py); 0: none now
+        deadline = self.deadline_budget(now, margin, decode_units, budget, first)
+        budget = min(budget, deadline)
+        prefilling = prompts + self._admit(budget)
         # Shortest remainder first (then arrival): a short prompt never waits behind a long one.
         prefilling.sort(key=lambda s: (s.num_tokens - s.num_computed, s.arrival))
-        # The oldest prompt advances every step, by one block at least, whatever the budget.
+        # The oldest prompt advances every step (the listeners allowing: prefill_budget.py),
+        # by one block at least, whatever the budget.
         oldest = min(prefilling, key=lambda s: s.arrival, default=None)
         prefills: list[PrefillWork] = []
         for seq in prefilling:
             start, remaining = seq.num_computed, seq.num_tokens - seq.num_computed
             n = self.cost.fit(start, remaining, budget)
             floor = min(remaining, self.allocator.block_size)
-            if seq is oldest:
+            if seq is oldest and deadline > 0:
                 n = max(n, floor)
             if n < floor:
                 continue  # no slivers: a prompt advances by a block at least, or waits
@@ -95,6 +104,34 @@ class Batcher:
         if not decodes and not prefills:
             return None
         return StepBatch(decodes, prefills)
+
+    def deadline_budget(
+        self,
+        now: float,
+        margin_s: float,
+        decode_units: float,
+        ceiling: float,
+        first_prompt: Sequence | None,
+    ) -> float:
+        """The prefill units a step of `decode_units` may hold so that every started stream's
+        listener stays fed (prefill_budget.py); `ceiling` when no stream plays (text)."""
+        if first_prompt is None or not self.config.playback_order:
+            return ceiling
+        leads = [
+            (s.playback.lead(now), s.playback_seconds)
+            for s in self.running
+            if s.playback is not None and s.playback.started and s.playback_seconds is not None
+        ]
+        start = first_prompt.num_computed
+        block = min(first_prompt.num_tokens - start, self.allocator.block_size)
+        return prefill_budget(
+            leads=leads,
+            margin_s=margin_s,
+            decode_units=decode_units,
+            floor_units=self.cost.chunk(start, block),
+            ceiling_units=ceiling,
+            time=self.step_time.model(),
+        )
 
     def _admit(self, budget: float) -> list[Sequence]:
         """Waiting requests that join now, in arrival order: while KV blocks for all their
@@ -113,19 +150,13 @@ class Batcher:
         return admitted
 
     def record_step(self, seconds: float, batch: StepBatch) -> None:
-        """The engine's measure of a step it ran: the urgency margin and the seconds a cost
-        unit takes (what a longer prefill would add to a step: deadline_order.py)."""
+        """The engine's measure of a step it ran: the urgency margin and the model of a step's
+        time from its cost units (what a longer prefill would add to a step: prefill_budget.py)."""
         self.steps.record(seconds)
         units = sum(self.cost.decode(s.num_computed - 1) for s in batch.decodes) + sum(
             self.cost.chunk(p.start, p.length) for p in batch.prefills
         )
-        if units > 0:
-            unit_s = seconds / units
-            self.unit_s = (
-                unit_s
-                if self.unit_s is None
-                else self.unit_s + STEP_SMOOTHING * (unit_s - self.unit_s)
-            )
+        self.step_time.record(units, seconds)
 
     def admit(self, seq: Sequence) -> None:
         """A waiting request joins the running ones, with KV blocks for all its tokens."""
@@ -137,9 +168,10 @@ class Batcher:
         """Some request's output is media: the playback-aware order may apply."""
         return any(s.playback is not None for s in (*self.running, *self.waiting))
 
-    def _everyone_fits(self) -> bool:
+    def _everyone_fits(self, now: float, margin_s: float) -> bool:
         """The plain batch would hold every request whole this step: every running request
-        decodes or finishes its prompt, every waiting one is admitted and prefills all of it."""
+        decodes or finishes its prompt, every waiting one is admitted and prefills all of it,
+        within what the playing streams' listeners allow (prefill_budget.py)."""
         if len(self.running) + len(self.waiting) > self.config.max_batch_size:
             return False
         decoding = [s for s in self.running if s.num_tokens - s.num_computed == 1]
@@ -154,6 +186,8 @@ class Batcher:
         budget = self.config.max_step_tokens - decode_cost
         if decoding:
             budget = min(budget, max(self.prefill_beside_decodes, decode_cost))
+        first = min(prompts, key=lambda s: s.arrival, default=None)
+        budget = min(budget, self.deadline_budget(now, margin_s, decode_cost, budget, first))
         prefill_cost = sum(
             self.cost.chunk(s.num_computed, s.num_tokens - s.num_computed) for s in prompts
         )

@@ -10,6 +10,9 @@ requests with longest context L runs the graph of the smallest bucket (b >= B, l
                    the bucket bounds the block table's width and so the kernel's grid);
                    gathered: slots beyond a request's context point at slot 0, masked out
 
+A step that also holds prefill chunks replays its decode rows' graph the same way and runs the
+chunks eagerly after it (runner.py, the split launch).
+
 Batch buckets 1, 2, 4, 8, then steps of 8 up to max_batch_size; context buckets powers of two
 from 256 up to max_seq_len. Graphs are captured lazily on first use (or all at once by
 `capture_all`) and share one memory pool; their inputs are static buffers the step copies into.

@@ -14,11 +14,11 @@ changes. When not, the step is filled in this order (lower first; ties: the olde
   2. every other media request, earliest deadline first.
 
 What the order changes against the plain batch:
-- a prompt's prefill is held to `max_prefill_beside_decodes` only beside urgent (rank 0)
-  decodes; otherwise it may take what the step's budget leaves, up to what the tightest stream
-  can absorb: no started stream gets a frame before the step ends, so the step may cost at most
-  (its lead - the margin) / the measured seconds a cost unit takes (Batcher.record_step). A new
-  request's first frame then comes in one or two steps instead of one small chunk a step;
+- prompts' prefill takes what the step's budget leaves, up to what the tightest started stream
+  can absorb (prefill_budget.py: the step's estimated time stays under every lead less the
+  margin; none when decodes alone would restore the leads), and beside urgent (rank 0) decodes
+  at most `max_prefill_beside_decodes`. A new request's first frame then comes in one or two
+  steps instead of one small chunk a step, and a burst is admitted as fast as the leads allow;
 - a request with lead sits out the step when rows or budget run out before its turn; it keeps
   its KV blocks and comes back when its lead falls under the margin (nothing starves: urgent
   requests outrank everything, and every lead shrinks while it waits);
@@ -38,6 +38,7 @@ from typing import Protocol
 
 from omni_server.engine.config import EngineConfig
 from omni_server.engine.kv_cache import BlockAllocator
+from omni_server.engine.prefill_budget import StepTimeFit
 from omni_server.engine.sequence import Sequence, Status
 from omni_server.engine.step_batch import PrefillWork, StepBatch
 from omni_server.engine.step_cost import StepCost
@@ -54,11 +55,20 @@ class BatcherView(Protocol):
     allocator: BlockAllocator
     cost: StepCost
     prefill_beside_decodes: int
-    unit_s: float | None  # measured seconds one cost unit takes a step (None: none yet)
+    step_time: StepTimeFit  # the measured steps: what a step of given cost takes
     waiting: deque[Sequence]
     running: list[Sequence]
 
     def admit(self, seq: Sequence) -> None: ...
+
+    def deadline_budget(
+        self,
+        now: float,
+        margin_s: float,
+        decode_units: float,
+        ceiling: float,
+        first_prompt: Sequence | None,
+    ) -> float: ...
 
     def preempt(self, seq: Sequence) -> None: ...
 
@@ -96,7 +106,7 @@ def ordered_batch(batcher: BatcherView, now: float, margin_s: float) -> StepBatc
     chosen: set[int] = set()  # id(seq) of those in this batch
     preempted: set[int] = set()  # preempted in this step: they wait for the next
     urgent_cost = prefill_cost = 0.0
-    absorb = _absorbable(batcher, now, margin_s)
+    absorb = _absorbable(batcher, order, now, margin_s)
     blocked = False  # a waiting request found no KV: later arrivals do not overtake it
     for seq in order:
         if rows == 0:
@@ -116,10 +126,14 @@ def ordered_batch(batcher: BatcherView, now: float, margin_s: float) -> StepBatc
                 urgent_cost += step_cost
         else:
             start, remaining = seq.num_computed, seq.num_tokens - seq.num_computed
-            # beside urgent decodes a prompt takes the plain batch's share; else what the
-            # tightest listener's lead lets the step cost (at least that share)
-            share = urgent_cost if urgent_cost else absorb
-            room = min(budget, max(batcher.prefill_beside_decodes, share) - prefill_cost)
+            # what the tightest listener's lead lets the step cost; beside urgent decodes at
+            # most the plain batch's share too
+            cap = absorb
+            if urgent_cost:
+                cap = min(cap, max(batcher.prefill_beside_decodes, urgent_cost))
+            if absorb <= 0:
+                continue  # the listeners need this step's time: prompts wait (bounded)
+            room = min(budget, cap - prefill_cost)
             n, floor = cost.fit(start, remaining, room), min(remaining, allocator.block_size)
             if n < floor and not prefills:
                 n = floor  # the first prompt in order advances by a block at least: no starving
@@ -145,19 +159,19 @@ def ordered_batch(batcher: BatcherView, now: float, margin_s: float) -> StepBatc
     return StepBatch(decodes, prefills)
 
 
-def _absorbable(batcher: BatcherView, now: float, margin_s: float) -> float:
-    """The cost a step may have before the tightest started stream's listener runs out (its
-    lead less the margin, over the measured seconds a cost unit takes); inf: no stream has
-    started, or no step was measured yet."""
-    leads = [
-        s.playback.lead(now)
-        for s in batcher.running
-        if s.playback is not None and s.playback.started
+def _absorbable(batcher: BatcherView, order: list[Sequence], now: float, margin_s: float) -> float:
+    """The prefill cost units the step may hold before the tightest started stream's listener
+    runs out (prefill_budget.py), its decodes counted as the first max_batch_size requests in
+    `order` that decode (at most what the step will hold); inf-like: no stream has started."""
+    decoding = [
+        s for s in order if s.status is Status.RUNNING and s.num_tokens - s.num_computed == 1
     ]
-    unit_s = batcher.unit_s
-    if not leads or not unit_s:  # None, or steps too short to measure (an injected clock)
-        return math.inf
-    return (min(leads) - margin_s) / unit_s
+    decode_units = sum(
+        batcher.cost.decode(s.num_computed) for s in decoding[: batcher.config.max_batch_size]
+    )
+    first = next((s for s in order if s.num_tokens - s.num_computed > 1), None)
+    ceiling = float(batcher.config.max_step_tokens) - decode_units
+    return batcher.deadline_budget(now, margin_s, decode_units, ceiling, first)
 
 
 def _room_to_decode(

@@ -1,11 +1,15 @@
-"""Turns a scheduled batch into tensors, runs the model (eager or a captured CUDA graph) and
-returns the logits of the tokens to sample, one row per sampling request in batch order."""
+"""Turns a scheduled batch into tensors, runs the model and returns the logits of the tokens to
+sample, one row per sampling request in batch order.
+
+Three ways a step runs: eagerly (the CPU, or no graphs); its decode rows through a captured
+CUDA graph (cuda_graphs.py); or, a step of decodes and prefill chunks, split: the decode rows'
+graph replayed and the chunks eager beside it, so a prompt never turns running streams eager."""
 
 from __future__ import annotations
 
 import torch
 
-from omni_server.engine.attention import DecodeGroup, ForwardBatch, PrefillChunk, causal_chunk_mask
+from omni_server.engine.attention import DecodeGroup, ForwardBatch, PrefillChunk
 from omni_server.engine.batcher import StepBatch
 from omni_server.engine.config import EngineConfig
 from omni_server.engine.cuda_graphs import DecodeGraphs
@@ -30,7 +34,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs and self.device.type == "cuda":
             # Compiled code only inside the graphs: fixed shapes per bucket, one compile each;
-            # the mixed prefill steps (varying chunk lists) stay eager.
+            # prefill chunks (varying chunk lists) stay eager.
             self.graphs = DecodeGraphs(
                 model, cache, config.max_batch_size, max_seq_len, self.paged, forward=compiled
             )
@@ -41,22 +45,54 @@ class ModelRunner:
         # keep their own device feed)
         self.feeds_greedy = False
         self._feed: torch.Tensor | None = None
+        # A step of decodes and prefill chunks: the decodes through their graph and the chunks
+        # eagerly beside it (True), or every row eagerly in one forward (False: the old mixed
+        # step, which omni-bench gpu-step --mode mixed measures against)
+        self.split_mixed = True
 
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> tuple[torch.Tensor, list[Sequence], torch.Tensor | None]:
-        """Logits [R, V] float32, the R requests they belong to (those that sample now), and
-        each row's greedy token [R] int64 where a decode graph computed it (else None)."""
+        """Logits [R, V] float32, the R requests they belong to (those that sample now: the
+        decodes, then each prompt this step completes), and each row's greedy token [R] int64
+        where a decode graph computed it (else None)."""
         decodes = batch.decodes
+        if self.graphs is None or not decodes or (batch.prefills and not self.split_mixed):
+            return self._eager(batch)
+        # The decode rows replay their graph; a step's prefill chunks run eagerly beside it
+        # (the split launch): the graph is launched first, so the GPU runs it while the host
+        # launches the chunks' kernels. Requests of the two halves differ, so their K/V writes
+        # go to disjoint slots and neither half reads what the other writes this step.
+        out = self.graphs.run(*self.decode_rows(decodes), decodes)
+        if not batch.prefills:
+            return out.logits, list(decodes), out.greedy
+        chunk_logits, prompts, _ = self._eager(StepBatch([], batch.prefills))
+        if not prompts:  # no chunk completes its prompt: only the decodes sample
+            return out.logits, list(decodes), out.greedy
+        # Rows in batch order, decodes first (the graph's output is its static buffer: cat
+        # copies it, so the next replay cannot overwrite what this step samples)
+        logits = torch.cat([out.logits, chunk_logits])
+        greedy = None
+        if out.greedy is not None:
+            greedy = torch.cat([out.greedy, greedy_tokens(chunk_logits)])
+        return logits, [*decodes, *prompts], greedy
+
+    def decode_rows(
+        self, decodes: list[Sequence]
+    ) -> tuple[list[int], list[int], list[int], list[list[int]], list[int]]:
+        """The decode rows' token ids, positions, cache slots, block tables and context
+        lengths (the arguments of DecodeGraphs.run), in batch order."""
         positions = [seq.num_computed for seq in decodes]
         ids = [seq.token_ids[pos] for seq, pos in zip(decodes, positions, strict=True)]
         context = [pos + 1 for pos in positions]
         tables = [seq.block_table for seq in decodes]
         slot_of = self.cache.slot_of
         slot_mapping = [slot_of(t, pos) for t, pos in zip(tables, positions, strict=True)]
-        if not batch.prefills and self.graphs is not None and decodes:
-            out = self.graphs.run(ids, positions, slot_mapping, tables, context, decodes)
-            return out.logits, list(decodes), out.greedy
+        return ids, positions, slot_mapping, tables, context
 
+    def _eager(self, batch: StepBatch) -> tuple[torch.Tensor, list[Sequence], torch.Tensor | None]:
+        """`run` for a step without a graph: every row of `batch` in one eager forward."""
+        decodes = batch.decodes
+        ids, positions, slot_mapping, tables, context = self.decode_rows(decodes)
         sampled: list[Sequence] = list(decodes)
         logits_indices = list(range(len(decodes)))
         chunks: list[PrefillChunk] = []
@@ -67,8 +103,7 @@ class ModelRunner:
             ids.extend(work.seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             slot_mapping.extend(table_slots[start:].tolist())
-            mask = None if start == 0 else causal_chunk_mask(start, n, self.device)
-            chunks.append(PrefillChunk(first, n, table_slots.to(self.device), mask))
+            chunks.append(PrefillChunk(first, n, table_slots.to(self.device)))
             if work.completes_prompt:
                 sampled.append(work.seq)
                 logits_indices.append(first + n - 1)

@@ -7,6 +7,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from omni_server.engine.sampling import SamplingParams, request_seed, sampling_row
 from omni_server.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
 from omni_server.playback import Playback
@@ -25,6 +27,30 @@ class Status(enum.Enum):
 
 
 @dataclass(frozen=True)
+class PromptEmbeddings:
+    """Prompt rows whose input embedding is given, not looked up by token id: an encoder's
+    output at the prompt's placeholder tokens (an omni model's audio). Only a family whose
+    head reads them takes them (the text head refuses them). `keep_hidden`: the family also
+    hands back its tapped layer's hidden state at these rows, once, on the request's first
+    event (TokenEvent.prompt_hidden), for a stage that hears the prompt through it."""
+
+    positions: tuple[int, ...]  # ascending prompt positions
+    values: torch.Tensor  # [len(positions), hidden] floating
+    keep_hidden: bool = False
+
+    def __post_init__(self) -> None:
+        values = self.values
+        if not isinstance(values, torch.Tensor) or values.dim() != 2:
+            raise ValueError("prompt embeddings must be a 2-D tensor [rows, hidden]")
+        if not values.is_floating_point() or values.shape[0] != len(self.positions):
+            raise ValueError(
+                f"{len(self.positions)} positions, {values.shape[0]} floating embedding rows"
+            )
+        if any(b <= a for a, b in zip(self.positions, self.positions[1:], strict=False)):
+            raise ValueError("prompt embedding positions must be strictly ascending")
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
     prompt_token_ids: list[int]
@@ -37,6 +63,8 @@ class GenerationRequest:
     # hold everyone (deadline_order.py); None: no playback of its own (a thinker feeding a
     # voice), the plain order.
     playback_seconds: float | None = None
+    # Models that take embeddings for some prompt rows (PromptEmbeddings); None: ids only.
+    prompt_embeddings: PromptEmbeddings | None = None
 
 
 @dataclass
@@ -54,6 +82,12 @@ class TokenEvent:
     # codes included, as the reference's generate() returns them); token_ids then holds its
     # text-track token (audio or delay token; none on the final, all-EOS frame).
     audio_frames: list[list[int]] = field(default_factory=list)
+    # The stop token that ended the request (finish_reason "stop" on a stop token; it is not
+    # part of the answer, so not in token_ids); None otherwise.
+    stop_token_id: int | None = None
+    # PromptEmbeddings.keep_hidden: [rows, hidden] the tapped layer's output at those rows, on
+    # the request's first event only.
+    prompt_hidden: torch.Tensor | None = None
 
 
 class Sequence:

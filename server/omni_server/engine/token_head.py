@@ -36,8 +36,9 @@ class TokenHead:
 
     argmax_is_draw = True
 
-    def __init__(self) -> None:
-        self.graphs: DrawGraphs | None = None  # capture_draws: sampled rows' draws in graphs
+    # capture_draws: the sampled rows' draws in graphs (set on the instance; a subclass need
+    # not call this class's __init__)
+    graphs: DrawGraphs | None = None
 
     def capture_draws(self, max_rows: int, device: torch.device, width: int | None) -> None:
         if self.graphs is None or self.graphs.max_rows < max_rows:
@@ -51,6 +52,8 @@ class TokenHead:
     def check(self, request: GenerationRequest) -> None:
         if request.audio_codes:
             raise ValueError("audio_codes given, but this model has no audio head")
+        if request.prompt_embeddings is not None:
+            raise ValueError("prompt embeddings given, but this model embeds token ids only")
 
     def start(self, request: GenerationRequest, token_ids: list[int]) -> Any:
         return None
@@ -95,8 +98,10 @@ class TokenHead:
         seq.token_ids.append(token)
         params = seq.params
         new_ids: list[int] = []
+        stopped_on = None
         if token in seq.stop_token_ids and not params.ignore_eos:
             seq.finish_reason = FinishReason.STOP  # the EOS token is not part of the answer
+            stopped_on = token
         else:
             new_ids.append(token)
             if seq.detokenizer is not None:
@@ -108,7 +113,9 @@ class TokenHead:
         if seq.finish_reason is not None:
             if seq.detokenizer is not None and seq.finish_reason is not FinishReason.STOP:
                 seq.text += seq.detokenizer.flush()
-            return seq.event(new_ids, seq.take_text(final=True))
+            event = seq.event(new_ids, seq.take_text(final=True))
+            event.stop_token_id = stopped_on
+            return event
         return seq.event(new_ids, seq.take_text(final=False))
 
 

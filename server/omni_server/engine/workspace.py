@@ -7,9 +7,9 @@ take:
 
   mixed:   max_batch_size - 1 decodes at context max_seq_len (gathered: the padded gather of
            a batch whose longest request is max_seq_len; paged: the kernel's partial results)
-           + one prefill chunk filling max_step_tokens
-           that ends at max_seq_len (its causal mask and context gather), then sampling every
-           row with top-p (a sort over the vocabulary);
+           + one prefill chunk filling max_step_tokens that ends at max_seq_len (its context
+           gather; a causal mask where SDPA builds one), then sampling every row with top-p
+           (a sort over the vocabulary);
   prefill: one chunk of max_step_tokens tokens ending at max_seq_len;
   decode:  max_batch_size decodes at context max_seq_len, then sampling.
 
@@ -189,12 +189,9 @@ def _step(
         decode = DecodeGroup(decodes, slots, kv_mask)
     prefills = []
     if chunk:
+        # the chunk's context, the prefix gathered (its attention: causal, bottom-right)
         kv_slots = torch.zeros(context, dtype=torch.int64, device=dev)
-        causal: torch.Tensor | None = None  # the chunk starts at 0: plain causal attention
-        if start > 0:
-            q_pos = torch.arange(start, context, device=dev).unsqueeze(1)
-            causal = torch.arange(context, device=dev).unsqueeze(0) <= q_pos
-        prefills.append(PrefillChunk(decodes, chunk, kv_slots, causal))
+        prefills.append(PrefillChunk(decodes, chunk, kv_slots))
     positions = [context - 1] * decodes + list(range(start, context))
     rows = list(range(decodes)) + ([tokens - 1] if chunk else [])
     fwd = ForwardBatch(

@@ -323,14 +323,15 @@ def _payloads(result: Any, chat: ChatRequest) -> tuple[dict[str, Any], dict[str,
     """The text terminal's payload (checked) and the audio terminal's, if the model has one.
 
     One terminal: its payload is the result. Several: a dict terminal -> payload, told apart
-    by their keys (`finish_reason` for text, `audio_seconds` for audio)."""
+    by their keys (`audio_seconds` for audio; `finish_reason` without it for text: an audio
+    terminal may say why its speech ended too)."""
     if isinstance(result, dict) and "finish_reason" in result:
         payloads = [result]
     elif isinstance(result, dict):
         payloads = [p for p in result.values() if isinstance(p, dict)]
     else:
         payloads = []
-    texts = [p for p in payloads if "finish_reason" in p]
+    texts = [p for p in payloads if "finish_reason" in p and "audio_seconds" not in p]
     audios = [p for p in payloads if "audio_seconds" in p]
     if len(texts) != 1 or len(audios) > 1:
         shape = sorted(result) if isinstance(result, dict) else type(result).__name__

@@ -410,10 +410,11 @@ class StageNode:
             for dst in stream_to:
                 message = StreamChunk(env, dst, self.name, seq, next(copies))
                 edges.setdefault(dst, []).append(message)
-            if spec.terminal:
+            caller = _for_caller(next(copies)) if spec.terminal else {}
+            if spec.terminal and (caller or not chunk):  # stage-only parts reach no caller
                 if isinstance(item, _TerminalItem) and item.credits > 0:
                     item.credits -= 1
-                self.outbox.to_coordinator(TerminalChunk(item.key, self.name, seq, next(copies)))
+                self.outbox.to_coordinator(TerminalChunk(item.key, self.name, seq, caller))
         for dst, chunks in edges.items():
             self.outbox.send_chunks(dst, chunks)
 
@@ -465,6 +466,12 @@ class StageNode:
 
     def _timing(self, item: WorkItem) -> tuple[str, float, float, float]:
         return (self.name, item.queue_s, item.compute_s, item.min_lead_s)
+
+
+def _for_caller(chunk: Payload) -> Payload:
+    """A terminal chunk as the caller gets it: without the contracts that cross between
+    stages only (Contract.STAGES_ONLY: what a stream_to stage reads, not the client)."""
+    return {k: v for k, v in chunk.items() if not getattr(type(v), "STAGES_ONLY", False)}
 
 
 def _isolated(payload: Any, receivers: int) -> Any:

@@ -16,7 +16,12 @@ import torch
 from omni_server.models.qwen3_omni.audio_encoder import AudioEncoder, output_lengths
 from omni_server.models.qwen3_omni.mel import log_mel
 from omni_server.models.qwen3_omni.talker import Talker
-from omni_server.models.qwen3_omni.talker_input import project_text, talker_prompt
+from omni_server.models.qwen3_omni.talker_input import (
+    opening_prompt,
+    project_text,
+    speaker_id,
+    talker_prompt,
+)
 from omni_server.models.qwen3_omni.thinker import Thinker, greedy_run
 from tests.models.qwen3_omni.conftest import Checkpoint
 from tests.models.qwen3_omni.test_audio import clip
@@ -142,6 +147,13 @@ def test_talker_codes_for_an_audio_prompt_equal_the_reference(
     state = talker.prefill(heard.prompt, heard.trailing_text, heard.tts_pad, FRAMES + 1)
     ours = talker.greedy_frames(state, FRAMES + 1, PENALTY, suppress_eos=True)
     assert torch.equal(ours, expected)
+    # what the talker stage builds from the thinker's TalkerOpening: the same prompt
+    rows = (ids[0] == config.audio_token_id).nonzero()[:, 0]
+    assert run.captured is not None and len(rows) == count
+    aiden = speaker_id(config, "Aiden")
+    opening = opening_prompt(config, thinker.embed_tokens, talker, ids[0].tolist(),
+                             run.captured[0, rows], run.tokens[0], aiden)  # fmt: skip
+    assert torch.equal(opening, heard.prompt)
 
 
 def test_streamed_thinker_text_gives_the_same_codes(checkpoint: Checkpoint, models) -> None:  # type: ignore[no-untyped-def]

@@ -255,3 +255,15 @@ class Code2Wav(nn.Module):
             pieces.append(self(codes[..., start - context : end])[..., context * step :])
             start = end
         return torch.cat(pieces, dim=-1)
+
+
+def lookahead_frames(shape: Code2WavShape) -> int:
+    """Frames after a frame that its samples depend on: each decoder block's transposed
+    convolution (kernel 2 x rate, `rate` trimmed at each end) looks one of its input samples
+    ahead, `rate x the later blocks' rates` output samples; the causal convolutions none. 1 for
+    the published shape (about 555 of a frame's 1920 samples)."""
+    ahead, scale = 0, 1
+    for rate in reversed(shape.upsample_rates):
+        scale *= rate
+        ahead += scale
+    return -(-ahead // shape.samples_per_frame)

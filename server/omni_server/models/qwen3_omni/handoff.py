@@ -44,6 +44,7 @@ class TalkerOpening(Contract):
     """The talker's view of the prompt, and the voice to answer in."""
 
     KEY: ClassVar[str] = "talker_opening"
+    STAGES_ONLY: ClassVar[bool] = True  # the talker's; never the caller's
 
     prompt_ids: tuple[int, ...]
     # [M, thinker hidden] floating: the thinker's layer-accept_hidden_layer output at the M
@@ -76,6 +77,7 @@ class ThinkerTokens(Contract):
     """The thinker's answer as the talker hears it: ids as they are generated."""
 
     KEY: ClassVar[str] = "thinker_tokens"
+    STAGES_ONLY: ClassVar[bool] = True  # the talker's; never the caller's
 
     token_ids: tuple[int, ...]
     done: bool = False  # the thinker has ended; no chunk follows

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from omni_server.models.qwen3_omni.config import Qwen3OmniConfig
 from omni_server.models.qwen3_omni.talker import Talker
@@ -101,3 +102,84 @@ def talker_prompt(
     prompt = torch.cat((user, text_side + codec_side), dim=1)
     trailing = torch.cat((assistant[:, 4:], tts_eos), dim=1) if text_done else assistant[:, 4:]
     return TalkerPrompt(prompt, trailing, tts_pad, tts_eos)
+
+
+# ---- from the typed edge (handoff.py): what the talker stage builds as the thinker streams ----
+
+
+def speaker_id(config: Qwen3OmniConfig, voice: str) -> int:
+    """The codec id of a speaker (case-insensitive); ValueError naming the speakers else."""
+    found = config.talker_ids.speakers.get(voice.lower())
+    if found is None:
+        speakers = ", ".join(sorted(config.talker_ids.speakers))
+        raise ValueError(f"unknown voice {voice!r}; this checkpoint's speakers are: {speakers}")
+    return found
+
+
+@torch.no_grad()
+def tts_specials(
+    config: Qwen3OmniConfig, embed_tokens: nn.Embedding, talker: Talker
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tts_bos, tts_eos, tts_pad) as the talker hears them, [1, 1, talker hidden] each."""
+    specials = [config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id]
+    ids = torch.tensor([specials], device=embed_tokens.weight.device)
+    bos, eos, pad = talker.text_projection(embed_tokens(ids)).chunk(3, 1)
+    return bos, eos, pad
+
+
+@torch.no_grad()
+def opening_prompt(
+    config: Qwen3OmniConfig,
+    embed_tokens: nn.Embedding,  # the thinker's input embedding table (only it)
+    talker: Talker,
+    prompt_ids: list[int],
+    multimodal_hidden: torch.Tensor,  # [M, thinker hidden]: layer accept_hidden_layer there
+    first_token: int,  # the thinker's first generated id
+    speaker: int,  # codec id (speaker_id)
+) -> torch.Tensor:
+    """The talker's prompt [1, T, talker hidden] from what the thinker sends first (a
+    TalkerOpening and its first generated id), equal to `talker_prompt`'s: the same projections
+    over the same rows (the user turns' text projected over the whole prompt at once, the
+    multimodal rows through hidden_projection; the assistant's 4 text rows together)."""
+    s = len(prompt_ids)
+    device = embed_tokens.weight.device
+    placeholders = {config.audio_token_id, config.image_token_id, config.video_token_id}
+    multimodal = torch.tensor([t in placeholders for t in prompt_ids], device=device)
+    if int(multimodal.sum()) != multimodal_hidden.shape[0]:
+        raise ValueError(
+            f"{int(multimodal.sum())} multimodal placeholders in the prompt, "
+            f"{multimodal_hidden.shape[0]} rows of multimodal_hidden"
+        )
+    user_positions, role = [], None
+    for i, token in enumerate(prompt_ids):
+        if token == config.im_start_token_id and i + 1 < s:
+            role = prompt_ids[i + 1]
+        if role == config.user_token_id:
+            user_positions.append(i)
+    prompt_embeds = embed_tokens(torch.tensor([prompt_ids], device=device))
+    projected = prompt_embeds.new_empty(1, s, talker.shape.hidden_size)
+    projected[:, ~multimodal] = talker.text_projection(prompt_embeds[:, ~multimodal])
+    if bool(multimodal.any()):
+        hidden = multimodal_hidden.to(device=device, dtype=prompt_embeds.dtype)
+        projected[:, multimodal] = talker.hidden_projection(hidden[None])
+    user = projected[:, user_positions]
+    starts = [
+        i
+        for i in range(s - 1)
+        if prompt_ids[i] == config.im_start_token_id
+        and prompt_ids[i + 1] == config.assistant_token_id
+    ]
+    if not starts or starts[-1] + 3 != s:
+        raise ValueError("the prompt must end with the assistant turn's <|im_start|>assistant\\n")
+    head = torch.tensor([[*prompt_ids[starts[-1] :], first_token]], device=device)
+    assistant = talker.text_projection(embed_tokens(head))  # [1, 4, talker hidden]
+    tts_bos, _, tts_pad = tts_specials(config, embed_tokens, talker)
+    text_side = torch.cat(
+        (assistant[:, :3], tts_pad.expand(1, 4, -1), tts_bos, assistant[:, 3:]), 1
+    )
+    ids = config.talker_ids
+    codec_ids = [ids.codec_nothink, ids.codec_think_bos, ids.codec_think_eos, speaker,
+                 ids.codec_pad, ids.codec_bos]  # fmt: skip
+    codec_embeds = talker.codec_embedding(torch.tensor([codec_ids], device=device))
+    codec_side = torch.cat((text_side.new_zeros(1, 3, text_side.shape[-1]), codec_embeds), 1)
+    return torch.cat((user, text_side + codec_side), dim=1)

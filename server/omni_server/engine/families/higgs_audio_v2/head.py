@@ -108,6 +108,8 @@ class FrameHead:
         audio, frames = self.spec, request.audio_codes or []
         if request.params.stop:
             raise ValueError("stop strings do not apply to an audio-frame model")
+        if request.prompt_embeddings is not None:
+            raise ValueError("prompt embeddings do not apply to an audio-frame model")
         placeholders = sum(audio.is_frame_token(t) for t in request.prompt_token_ids)
         if placeholders != len(frames):
             raise ValueError(

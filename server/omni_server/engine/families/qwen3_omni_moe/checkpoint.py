@@ -60,6 +60,8 @@ class ThinkerArchitecture(Architecture):
     thinker's text path with their shapes (present, not loaded)."""
 
     moe: DecoderShape | None = None
+    # talker_config.accept_hidden_layer: the layer whose input the talker hears
+    tap_layer: int = 0
     other_weights: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
 
@@ -204,15 +206,23 @@ class Qwen3OmniMoeFamily(Family):
         shape, moe = read_thinker(config, folder)
         ours = thinker_weight_shapes(shape, moe)
         others = {n: s for n, s in _headers(folder).items() if n not in ours}
-        return ThinkerArchitecture(shape, moe, others)
+        talker = config.get("talker_config")
+        tap = talker.get("accept_hidden_layer", 0) if isinstance(talker, Mapping) else 0
+        if not (isinstance(tap, int) and 0 <= tap < shape.num_layers):
+            raise CheckpointError(
+                folder, f"talker_config.accept_hidden_layer {tap!r} is no thinker layer"
+            )
+        return ThinkerArchitecture(shape, moe, tap, others)
 
     def expected_weights(self, spec: Architecture) -> dict[str, tuple[int, ...]]:
         shape, moe, thinker = _thinker(spec)
         return {**thinker_weight_shapes(shape, moe), **thinker.other_weights}
 
     def build(self, spec: Architecture, max_positions: int, tp: TensorParallel) -> FamilyModel:
-        shape, moe, _ = _thinker(spec)
-        return Qwen3OmniThinker(shape, moe, max_positions=max_positions, tp=tp)
+        shape, moe, thinker = _thinker(spec)
+        return Qwen3OmniThinker(
+            shape, moe, max_positions=max_positions, tp=tp, tap_layer=thinker.tap_layer
+        )
 
     def load(self, model: FamilyModel, tensors: TensorSource, spec: Architecture) -> None:
         shape, moe, _ = _thinker(spec)

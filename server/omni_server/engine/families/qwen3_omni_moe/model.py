@@ -4,10 +4,20 @@ of its sparse layers.
 
 Rotary: the thinker's is multimodal (three position axes interleaved over the frequencies);
 a text token carries the same position on all three axes, which makes it the plain rotary the
-engine's RoPE table holds (models/qwen3_omni/layers.py, `rotary_cos_sin`). Text only, so the
-engine's sequential positions are exact. Q / K rows (and the q_norm / k_norm weights, which
-scale each head dimension) are loaded in pair order, as the llama family does: RMSNorm over a
-head is unchanged by a permutation of its dimensions when its weight is permuted alike.
+engine's RoPE table holds (models/qwen3_omni/layers.py, `rotary_cos_sin`). So does an audio
+placeholder: transformers' `get_rope_index` gives a clip's placeholders consecutive positions,
+the same on all three axes, and the text after it carries on from there (images and videos,
+which would not, are not served), so the engine's sequential positions are exact for text and
+audio prompts.
+
+Audio in: the prompt rows a request gives embeddings for (the audio tower's output at its
+placeholders) take them in place of the token's (prompt_rows.py, the family's head), and the
+output of layer `tap_layer - 1` (transformers' `hidden_states[accept_hidden_layer]`, what the
+talker hears) is kept at those rows when the request asks for it.
+
+Q / K rows (and the q_norm / k_norm weights, which scale each head dimension) are loaded in
+pair order, as the llama family does: RMSNorm over a head is unchanged by a permutation of
+its dimensions when its weight is permuted alike.
 
 Tensor parallelism is not supported (the experts are not sharded): one rank.
 """
@@ -15,13 +25,22 @@ Tensor parallelism is not supported (the experts are not sharded): one rank.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 from torch import nn
 
 from omni_server.engine.attention import ForwardBatch, paged_attention
 from omni_server.engine.config import LlamaShape
-from omni_server.engine.families.llama.model import MLP, Attention, DecoderLayer, Llama, RMSNorm
+from omni_server.engine.families.llama.model import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    Llama,
+    RMSNorm,
+    sampled_rows,
+)
+from omni_server.engine.families.qwen3_omni_moe.prompt_rows import PromptRows, PromptRowsHead
 from omni_server.engine.parallel import SINGLE, TensorParallel
 from omni_server.models.qwen3_omni.config import DecoderShape
 from omni_server.models.qwen3_omni.layers import SparseMoE, fused_experts_for
@@ -76,7 +95,8 @@ class ThinkerLayer(DecoderLayer):
 
 
 class Qwen3OmniThinker(Llama):
-    """Embeddings, ThinkerLayers, the final norm and the text head (TokenHead: text tokens)."""
+    """Embeddings (or given rows), ThinkerLayers, the final norm and the text head
+    (PromptRowsHead: text tokens, given prompt rows, the tap's hidden states)."""
 
     def __init__(
         self,
@@ -84,14 +104,62 @@ class Qwen3OmniThinker(Llama):
         moe: DecoderShape,
         max_positions: int,
         tp: TensorParallel = SINGLE,
+        tap_layer: int = 0,
     ) -> None:
         if tp.size != 1:
             raise ValueError("the qwen3_omni_moe family runs on one rank (tp_size 1)")
+        if not 0 <= tap_layer < shape.num_layers:
+            raise ValueError(f"tap_layer {tap_layer} outside 0..{shape.num_layers - 1}")
         super().__init__(shape, max_positions, tp)
         self.moe = moe
+        # hidden_states[tap_layer] of transformers: the input of layer tap_layer (0: the
+        # embeddings), i.e. the residual stream after layer tap_layer - 1
+        self.tap_layer = tap_layer
+        self.head = PromptRowsHead(shape.hidden_size)
         self.layers = nn.ModuleList(ThinkerLayer(shape, moe, i) for i in range(shape.num_layers))
         for p in self.parameters():
             p.requires_grad_(False)
+
+    def forward(
+        self,
+        batch: ForwardBatch,
+        k_caches: list[torch.Tensor],  # per layer [S, Hkv, D]
+        v_caches: list[torch.Tensor],
+    ) -> torch.Tensor:  # [R, V] float32 logits of batch.logits_indices
+        given = batch.family_inputs
+        if given is None:  # token rows only (every decode step, text prompts)
+            return super().forward(batch, k_caches, v_caches)
+        assert isinstance(given, PromptRows)
+        h = self.embed(batch.input_ids)  # [T, C]
+        h = h.index_copy(0, given.rows, given.values.to(h.dtype))
+        rope = self.rope_rows(batch.positions)
+        h = self._tapped_hidden(h, rope, batch, k_caches, v_caches, given)  # [R, C]
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return self.kernels.linear(h, head, torch.float32)
+
+    def _tapped_hidden(
+        self,
+        h: torch.Tensor,  # [T, C] the embedded rows
+        rope: torch.Tensor,
+        batch: ForwardBatch,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        given: PromptRows,
+    ) -> torch.Tensor:  # [R, C]: Llama.final_hidden, keeping the tap's rows on the way
+        layers = zip(cast(list[DecoderLayer], list(self.layers)), k_caches, v_caches, strict=True)
+        deferred = self.kernels.defers_adds(h)
+        delta: torch.Tensor | None = None
+        for i, (layer, k_cache, v_cache) in enumerate(layers):
+            if i == self.tap_layer and given.keeps:
+                given.keep(h if delta is None else h + delta)  # the stream is h + delta
+            if deferred:
+                h, delta = layer.forward_deferred(h, delta, rope, k_cache, v_cache, batch)
+            else:
+                h = layer(h, rope, k_cache, v_cache, batch)
+        rows = batch.logits_indices
+        if delta is None:
+            return self.norm(sampled_rows(h, rows))
+        return self.norm.after_add(sampled_rows(delta, rows), sampled_rows(h, rows))[1]
 
     def place(
         self, device: torch.device | str, dtype: torch.dtype, cpu_weight_order: str = "rows"
