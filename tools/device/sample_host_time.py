@@ -158,7 +158,7 @@ def main() -> None:
             "cuda_graphs": False}  # fmt: skip
     text = Engine.from_random(TEXT_SHAPE, EngineConfig.from_table(base))
     if args.graphs:
-        text.head.capture_draws(max(batches), torch.device(args.device))
+        text.head.capture_draws(max(batches), torch.device(args.device), None)
     rows = measure("text", text, list(range(1, 17)), batches, args.calls, args.sync)
     from omni_bench.random_checkpoint import write_higgs_audio_v2
 
@@ -166,7 +166,7 @@ def main() -> None:
         folder = write_higgs_audio_v2(Path(tmp) / "higgs", "tiny", seed=0)
         higgs = Engine.from_checkpoint(folder, EngineConfig.from_table(base))
         if args.graphs:
-            higgs.head.capture_draws(max(batches), torch.device(args.device))
+            higgs.head.capture_draws(max(batches), torch.device(args.device), None)
         audio = higgs.model.audio
         prompt = [*range(10, 40), audio.audio_bos_token_id]
         rows += measure("frames", higgs, prompt, batches, args.calls, args.sync)
