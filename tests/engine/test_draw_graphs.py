@@ -1,14 +1,14 @@
 """Seeded draws replayed from CUDA graphs (draw_graphs.py) equal the eager draws, and stay
 independent of the batch a request ran in (text tokens here; Higgs frames in
-test_higgs_audio.py). GPU only (marked gpu); the CPU side of the same functions is
-test_sampling.py's."""
+test_higgs_audio.py). On a GPU (marked gpu); on the CPU only the replay's plumbing, with a
+stand-in for the CUDA graph (the CPU side of the draw itself is test_sampling.py's)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from omni_server.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+from omni_server.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, draw_graphs
 from omni_server.engine.draw_graphs import DrawGraphs
 from omni_server.engine.sampling import (
     graph_draw,
@@ -21,10 +21,7 @@ from omni_server.engine.sampling import (
 )
 from tests.engine.conftest import TINY
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 SETTINGS = [
     SamplingParams(temperature=0),
@@ -35,6 +32,8 @@ SETTINGS = [
 ]
 
 
+@pytest.mark.gpu
+@needs_gpu
 def test_graph_replays_equal_the_eager_draw_and_the_cpu_uniforms() -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 300, generator=gen)
@@ -54,6 +53,40 @@ def test_graph_replays_equal_the_eager_draw_and_the_cpu_uniforms() -> None:
     assert len(graphs.graphs) == 1  # one capture, replayed
 
 
+class _StandInGraph:
+    """Stand-in for a captured CUDA graph (none on the CPU): replay runs the captured call
+    again on the same static buffers and writes its static output, as a replay would."""
+
+    def __init__(self, run) -> None:  # type: ignore[no-untyped-def]
+        self.run = run
+
+    def replay(self) -> None:
+        self.run()
+
+
+def test_replays_copy_n_rows_in_and_read_n_rows_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DrawGraphs' own part (buckets, keys, static buffers shared by buckets, rows in and out)
+    on the CPU, the capture replaced by the stand-in above."""
+
+    def capture(self, variant, b, statics):  # type: ignore[no-untyped-def]
+        logits, *inputs = (x[:b] for x in statics)
+        out = self.draw(variant, logits, *inputs)
+        graph = _StandInGraph(lambda: out.copy_(self.draw(variant, logits, *inputs)))
+        return draw_graphs.CapturedDraw(graph, logits, inputs, out)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DrawGraphs, "_capture", capture)
+    graphs = DrawGraphs(graph_draw, 8, torch.device("cpu"))
+    logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(1))
+    rows = [(*sampling_row(SETTINGS[i % 5], request_seed(i)), 40 + i) for i in range(8)]
+    table, greedy = step_table(rows), greedy_tokens(logits)
+    eager = sample_on_device(logits, table, greedy)
+    for n in (5, 3, 8, 1, 5):  # buckets 8, 4, 8, 1, 8: stale rows past n in the shared buffers
+        replayed = graphs(None, logits[:n], [table[:n], greedy[:n]])
+        assert torch.equal(replayed, eager[:n]), n
+    assert sorted(key[1] for key in graphs.graphs) == [1, 4, 8]
+    assert len(graphs.statics) == 1  # one set of static inputs for every bucket
+
+
 def _params(i: int) -> SamplingParams:
     top_k = 40 if i % 2 else 0
     return SamplingParams(
@@ -71,6 +104,8 @@ def _tokens(engine: Engine, requests: list[GenerationRequest]) -> dict[str, list
     return {rid: [t for e in events for t in e.token_ids] for rid, events in out.items()}
 
 
+@pytest.mark.gpu
+@needs_gpu
 def test_seeded_tokens_through_graphs_equal_eager_and_batch_independent() -> None:
     def engine(cuda_graphs: bool) -> Engine:
         config = EngineConfig(
@@ -90,6 +125,8 @@ def test_seeded_tokens_through_graphs_equal_eager_and_batch_independent() -> Non
         assert alone[f"r{i}"] == graphed[f"r{i}"], i
 
 
+@pytest.mark.gpu
+@needs_gpu
 def test_warmup_captures_every_bucket_so_serving_captures_none() -> None:
     config = EngineConfig(max_total_tokens=2048, max_batch_size=8, device="cuda")
     engine = Engine.from_random(TINY, config, seed=3)

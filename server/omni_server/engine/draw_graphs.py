@@ -26,7 +26,9 @@ from omni_server.engine.cuda_graphs import batch_buckets, bucket_for
 
 
 @dataclass
-class _Captured:
+class CapturedDraw:
+    """One draw captured for a rows bucket, with the static buffers it reads and writes."""
+
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor  # [b, V] static input
     inputs: list[torch.Tensor]  # [b, ...] static inputs (tables, device tensors)
@@ -34,12 +36,14 @@ class _Captured:
 
 
 class DrawGraphs:
+    """A draw function's graphs on one device (module doc): call it as the function."""
+
     def __init__(self, draw: Callable[..., torch.Tensor], max_rows: int, device: torch.device):
         # draw(variant, logits [b, V], *inputs [b, ...]) -> [b, ...]
         self.draw = draw
         self.device = device
         self.buckets = batch_buckets(max_rows)
-        self.graphs: dict[tuple[Any, ...], _Captured] = {}
+        self.graphs: dict[tuple[Any, ...], CapturedDraw] = {}
         # static inputs by row shapes, [max_rows, ...] each: every bucket's graph reads the
         # first b rows (replays are in stream order, so one set of buffers serves them all)
         self.statics: dict[tuple[Any, ...], list[torch.Tensor]] = {}
@@ -81,7 +85,7 @@ class DrawGraphs:
             ]
         return self.statics[shapes]
 
-    def _capture(self, variant: Hashable, b: int, statics: list[torch.Tensor]) -> _Captured:
+    def _capture(self, variant: Hashable, b: int, statics: list[torch.Tensor]) -> CapturedDraw:
         dev = self.device
         static_logits, *static = (x[:b] for x in statics)
         if self._stream is None:
@@ -97,4 +101,4 @@ class DrawGraphs:
             out = self.draw(variant, static_logits, *static)
         if self.pool is None:
             self.pool = graph.pool()
-        return _Captured(graph, static_logits, static, out)
+        return CapturedDraw(graph, static_logits, static, out)
