@@ -28,6 +28,7 @@ import math
 import secrets
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -116,8 +117,9 @@ def sampling_row(params: SamplingParams, seed: int) -> tuple[float, ...]:
 
 
 def step_table(rows: list[tuple[float, ...]]) -> torch.Tensor:  # [R, COLUMNS] float64 host
-    """A step's table from each row's `sampling_row` + (position,)."""
-    return torch.tensor(rows, dtype=torch.float64).view(len(rows), COLUMNS)
+    """A step's table from each row's `sampling_row` + (position,) (through numpy: 2-3x faster
+    than torch.tensor over a list of tuples)."""
+    return torch.from_numpy(np.array(rows, dtype=np.float64).reshape(len(rows), COLUMNS))
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from omni_server.engine.sampling import (
@@ -103,9 +104,8 @@ def delay_starts(spec: AudioSpec, prompt: list[int]) -> tuple[int, ...]:
 def frame_table(rows: list[tuple[float, ...]], spec: AudioSpec) -> torch.Tensor:
     """[R, COLUMNS + 3 + 2K] float64 host: each row sampling.py's row + (position,) + (frames
     drawn, delays, ras_max_repeat) + delay_starts."""
-    return torch.tensor(rows, dtype=torch.float64).view(
-        len(rows), DELAY_STARTS + 2 * spec.num_codebooks
-    )
+    width = DELAY_STARTS + 2 * spec.num_codebooks
+    return torch.from_numpy(np.array(rows, dtype=np.float64).reshape(len(rows), width))
 
 
 def draw_frames(
