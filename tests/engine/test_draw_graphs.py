@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from omni_server.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, draw_graphs
+from omni_server.engine.cuda_graphs import bucket_for
 from omni_server.engine.draw_graphs import DrawGraphs
 from omni_server.engine.sampling import (
     graph_draw,
@@ -47,10 +48,15 @@ def test_graph_replays_equal_the_eager_draw_and_the_cpu_uniforms() -> None:
     graphs = DrawGraphs(graph_draw, 8, dev)
     replayed = graphs(None, logits.to(dev), [table, greedy]).clone()
     assert torch.equal(replayed, eager)
-    # the same rows as the last 3 of another step (the same bucket, other padding)
-    again = graphs(None, logits[2:].to(dev), [table[2:], greedy[2:]])
-    assert torch.equal(again, eager[2:])
-    assert len(graphs.graphs) == 1  # one capture, replayed
+    # the same rows in another order: the same bucket, replayed (one capture)
+    order = torch.tensor([4, 2, 0, 3, 1])
+    again = graphs(None, logits[order].to(dev), [table[order], greedy[order.to(dev)]])
+    assert torch.equal(again, eager[order.to(dev)])
+    assert len(graphs.graphs) == 1
+    # the last 3 of them alone: a smaller bucket (its own capture), the same draws
+    fewer = graphs(None, logits[2:].to(dev), [table[2:], greedy[2:]])
+    assert torch.equal(fewer, eager[2:])
+    assert len(graphs.graphs) == len({bucket_for(n, graphs.buckets) for n in (5, 3)})
 
 
 class _StandInGraph:

@@ -34,7 +34,10 @@ pytestmark = [
 async def test_the_thinker_half_on_the_gpu_hears_as_transformers(tmp_path: Path) -> None:
     from omni_bench.random_qwen3_omni import write_qwen3_omni
     from omni_server.compiler import compile_repository
+    from omni_server.compiler.plan import MachineFacts
     from tests.helpers.runtime import running
+
+    machine = MachineFacts(gpus=torch.cuda.device_count())  # as the CLI finds it (gpu.discover)
 
     folder = write_qwen3_omni(tmp_path / "ckpt", "tiny", seed=0)
     perturb_norms(folder, 0)
@@ -42,14 +45,14 @@ async def test_the_thinker_half_on_the_gpu_hears_as_transformers(tmp_path: Path)
     assert expected.hidden is not None
     root = repository(tmp_path / "repo")
     overrides = ["--parameters.checkpoint", str(folder)]
-    placed = compile_repository(root, overrides)
+    placed = compile_repository(root, overrides, machine)
     thinker = placed.stages["thinker"]
     assert thinker.gpu == (0,) and placed.stages["audio_encoder"].gpu == (0,)
     assert thinker.engine is not None and thinker.engine.settings["dtype"] == "bfloat16"
     overrides += ["--stages.thinker.parameters.ignore_eos", "true",
                   "--stages.thinker.engine.dtype", "float32",
                   "--stages.audio_encoder.parameters.dtype", "float32"]  # fmt: skip
-    async with running(compile_repository(root, overrides)) as runtime:
+    async with running(compile_repository(root, overrides, machine)) as runtime:
         spoken = await ask(runtime, chat(AudioPart(CLIP, "wav"), QUESTION))
     check_handoff(spoken, expected)
     assert spoken.talker["tokens"] == expected.tokens
