@@ -203,7 +203,7 @@ class Batcher:
             if seq.status is not Status.RUNNING or seq.num_tokens - seq.num_computed != 1:
                 continue  # preempted in this loop, or still prefilling
             if not self.ready(seq):
-                continue  # its input is not in yet (a talker awaiting its text): next step
+                continue  # its next input is not in yet: it runs in a later step
             need = self.allocator.new_blocks(seq.block_table, seq.num_tokens)
             if not need:  # 15 steps in 16 (block size 16): nothing to allocate or preempt
                 decodes.append(seq)
