@@ -24,17 +24,42 @@ are the same alone or among others, and the same as talker_batch's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from torch import nn
 
-from omni_server.engine.families.qwen3_omni_talker.model import TalkerRows
+from omni_server.engine.config import LlamaShape
 from omni_server.engine.sequence import FinishReason, GenerationRequest, Sequence, TokenEvent
 from omni_server.engine.step_batch import StepBatch
+from omni_server.models.qwen3_omni.config import Qwen3OmniConfig
+from omni_server.models.qwen3_omni.talker import CodePredictor
 from omni_server.models.qwen3_omni.talker_batch import CodeSampling, Rule, pick_rows, residual_codes
 
-if TYPE_CHECKING:
-    from omni_server.engine.families.qwen3_omni_talker.model import Qwen3OmniTalker
+
+class TalkerParts(Protocol):
+    """What the head reads of its model (model.py's Qwen3OmniTalker)."""
+
+    @property
+    def shape(self) -> LlamaShape: ...
+
+    @property
+    def config(self) -> Qwen3OmniConfig: ...
+
+    @property
+    def embed(self) -> nn.Embedding: ...  # the codec ids' embedding
+
+    @property
+    def code_predictor(self) -> CodePredictor: ...
+
+    def hear(self, token_ids: list[int]) -> torch.Tensor: ...
+
+
+@dataclass
+class TalkerRows:
+    """Every row's input embedding of a step (ForwardBatch.family_inputs), flat row order."""
+
+    values: torch.Tensor  # [T, C]
 
 
 @dataclass(eq=False)
@@ -90,7 +115,7 @@ def _state(seq: Sequence) -> TalkerState:
 class TalkerHead:
     argmax_is_draw = False  # a frame is code 0 then the code predictor's: no argmax in a graph
 
-    def __init__(self, model: Qwen3OmniTalker) -> None:
+    def __init__(self, model: TalkerParts) -> None:
         self.model = model
         self._expected: dict[str, TalkerFeed] = {}  # request id -> feed, until start()
         self._specials: tuple[torch.Tensor, torch.Tensor] | None = None  # tts_eos, tts_pad

@@ -19,7 +19,6 @@ embedding table (the talker hears the thinker's tokens through it).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,17 +26,11 @@ from torch import nn
 from omni_server.engine.attention import ForwardBatch
 from omni_server.engine.config import LlamaShape
 from omni_server.engine.families.qwen3_omni_moe.model import Qwen3OmniThinker
+from omni_server.engine.families.qwen3_omni_talker.head import TalkerHead, TalkerRows
 from omni_server.engine.parallel import SINGLE, TensorParallel
 from omni_server.models.qwen3_omni.config import Qwen3OmniConfig
 from omni_server.models.qwen3_omni.layers import inverse_frequencies
 from omni_server.models.qwen3_omni.talker import CodePredictor, Projection
-
-
-@dataclass
-class TalkerRows:
-    """Every row's input embedding of a step (ForwardBatch.family_inputs), flat row order."""
-
-    values: torch.Tensor  # [T, C]
 
 
 class Qwen3OmniTalker(Qwen3OmniThinker):
@@ -48,8 +41,6 @@ class Qwen3OmniTalker(Qwen3OmniThinker):
         max_positions: int,
         tp: TensorParallel = SINGLE,
     ) -> None:
-        from omni_server.engine.families.qwen3_omni_talker.head import TalkerHead
-
         super().__init__(shape, config.talker, max_positions, tp)
         self.config = config
         thinker = config.thinker
