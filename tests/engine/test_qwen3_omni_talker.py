@@ -47,8 +47,8 @@ def reference(folder: Path) -> Talker:
 
 
 def config(device: str = "cpu", **kw: Any) -> EngineConfig:
-    return EngineConfig(device=device, dtype="float32", max_total_tokens=2048,
-                        max_batch_size=8, **kw)  # fmt: skip
+    return EngineConfig(**{"device": device, "dtype": "float32", "max_total_tokens": 2048,
+                           "max_batch_size": 8, **kw})  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +175,19 @@ def test_a_row_waits_for_its_text_then_goes_on_unchanged(engine: Engine, referen
         for event in engine.step():
             got += event.audio_frames
     assert got == expected
+
+
+def test_preemption_recomputes_the_same_frames(folder: Path, reference: Talker) -> None:
+    """A cache of 4 blocks for two speeches of 31 and 43 positions: the newer one is preempted
+    (its prompt and frames recomputed from the head's state) and both keep their frames."""
+    small = talker_engine(folder, config(max_total_tokens=64, block_size=16))
+    speeches = [SPEECHES[0], Speech("e", 23, [9, 10])]
+    expected = {s.name: talker_batch_frames(reference, small, s) for s in speeches}
+    got = run(small, speeches)
+    assert small.batcher.num_preemptions > 0
+    for speech in speeches:
+        assert frames(got[speech.name]) == expected[speech.name], speech.name
+    assert small.cache.allocator.num_free == 4
 
 
 def test_abort_and_the_end_free_every_kv_block(engine: Engine) -> None:

@@ -144,6 +144,8 @@ class Batcher:
         admitted: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
             seq = self.waiting[0]
+            if not self.ready(seq):
+                break  # a preempted request whose last input is not in yet: it waits
             need = self.allocator.new_blocks(seq.block_table, seq.num_tokens)
             if not self.allocator.can_allocate(need):
                 break  # KV full: wait for a request to finish

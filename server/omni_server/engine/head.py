@@ -16,10 +16,10 @@ life and nowhere else:
 
 A head may also define `ready(seq) -> bool` (optional; without it every row is ready): a
 running request whose next decode row's input is not in yet (a talker awaiting the thinker's
-next text) sits the step out, keeping its KV blocks (batcher.py); it is asked of decode rows
-only. A head that needs no inputs besides token ids returns None from the input methods. Whatever a
-head keeps per request lives in `seq.state` and survives preemption (a recomputed prompt never
-re-derives it).
+next text) sits the step out, keeping its KV blocks, and a waiting one (preempted: its recompute
+ends on that row) is not admitted yet (batcher.py). A head that needs no inputs besides
+token ids returns None from the input methods. Whatever a head keeps per request lives in
+`seq.state` and survives preemption (a recomputed prompt never re-derives it).
 """
 
 from __future__ import annotations

@@ -147,8 +147,10 @@ class TalkerHead:
         return TalkerState(self._expected.pop(request.request_id))
 
     def ready(self, seq: Sequence) -> bool:
-        """The next decode row's input is known: the text of its frame's step is in."""
-        return _state(seq).feed.has_text(seq.num_computed - seq.num_prompt_tokens)
+        """The input of the request's last position is known: a prompt row, or a frame whose
+        step's text is in (its decode row, or the end of a recompute after preemption)."""
+        step = seq.num_tokens - 1 - seq.num_prompt_tokens
+        return step < 0 or _state(seq).feed.has_text(step)
 
     # ---- inputs ----------------------------------------------------------------------------
 
