@@ -78,6 +78,8 @@ def _names(contract: Contract) -> list[str]:
 
 def _plain(value: Any) -> Any:
     if isinstance(value, Contract):
+        if type(value).to_dict is not Contract.to_dict:  # its own plain form (no raw bytes)
+            return value.to_dict()
         return {name: _plain(getattr(value, name)) for name in _names(value)}
     if isinstance(value, tuple | list):
         return [_plain(v) for v in value]

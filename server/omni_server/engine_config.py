@@ -148,8 +148,9 @@ class EngineConfig:
     )
     overlap_decode: str = _setting(
         "auto",
-        "`on` / `off`: launch a greedy decode step before the previous step's tokens are read, "
-        "its ids taken on the device from that step's argmax (`overlap.py`); `auto` where "
+        "`on` / `off`: launch a decode step before the previous step's tokens are read, its "
+        "ids taken on the device from that step's draws (argmax or seeded sample, "
+        "`overlap.py`); `auto` where "
         "decode graphs run, one rank, models whose head draws the argmax (text); `on` also "
         "eager steps (tests)",
         kind="choice",

@@ -362,6 +362,50 @@ def test_frames_through_cuda_graphs_equal_eager_on_gpu(higgs_dir: Path, base: En
     assert graphed["g"] == frames(make(base).generate([greedy_request])["g"])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_seeded_ras_frames_from_draw_graphs_are_batch_independent_on_gpu(
+    higgs_dir: Path, base: Engine
+) -> None:
+    """The frame draws replayed from graphs (draw_graphs.py: delay masks, filters, RAS): seeded
+    frames with repetition-aware sampling are each request's alone, in a batch of six joining
+    one a step, and equal the eager draws (cuda_graphs off)."""
+
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(
+            temperature=1.0, top_k=40, top_p=0.9, seed=50 + i, max_tokens=30,
+            ras_window=7, ras_max_repeat=2,
+        )  # fmt: skip
+
+    requests = [GenerationRequest(f"r{i}", prompt(base, t), params(i)) for i, t in enumerate(TEXTS)]
+
+    def engine(cuda_graphs: bool) -> Engine:
+        config = EngineConfig(
+            max_total_tokens=4096, max_batch_size=8, device="cuda", cuda_graphs=cuda_graphs
+        )
+        return Engine.from_checkpoint(higgs_dir, config)
+
+    graphed = engine(cuda_graphs=True)
+    graphed.warmup()  # every bucket of the served variants captured (RAS over 7 frames)
+    head_graphs = graphed.head.graphs
+    assert head_graphs is not None
+    captured = set(head_graphs.graphs)
+    out: dict[str, list[TokenEvent]] = {r.request_id: [] for r in requests}
+    pending = list(requests)
+    while pending or graphed.has_work():
+        if pending:
+            graphed.add(pending.pop(0))
+        for event in graphed.step():
+            out[event.request_id].append(event)
+    assert set(head_graphs.graphs) == captured  # serving captured nothing
+    alone_engine = engine(cuda_graphs=True)
+    eager = engine(cuda_graphs=False).generate(requests)
+    for r in requests:
+        alone = frames(alone_engine.generate([r])[r.request_id])
+        assert frames(out[r.request_id]) == alone, r.request_id
+        assert frames(eager[r.request_id]) == alone, r.request_id
+
+
 def _first_repeat(history: list[list[int]], window: int, most: int, special: set[int]) -> int:
     """The first frame index whose code in some codebook already appears `most` times in that
     codebook over the `window` frames before it (BOS / EOS codes aside), or len(history)."""

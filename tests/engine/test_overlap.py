@@ -83,6 +83,28 @@ def test_overlapped_steps_equal_synchronous_steps(
     assert not engine.has_work()
 
 
+def test_seeded_rows_go_in_flight_and_draw_as_synchronous_steps(
+    make_tiny_engine: Callable[..., Engine],
+) -> None:
+    """Only sampled rows (top-k / top-p / min-p, seeded and not): every decode step goes in
+    flight, its draws fed on the device; seeded tokens equal the synchronous steps'."""
+
+    def requests() -> list[GenerationRequest]:
+        sampled = [
+            SamplingParams(seed=11, max_tokens=30),
+            SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=12, max_tokens=24),
+            SamplingParams(temperature=1.3, min_p=0.05, seed=13, max_tokens=27),
+        ]
+        return [GenerationRequest(f"s{i}", _prompt(6 + 5 * i, i), p) for i, p in enumerate(sampled)]
+
+    sync, _ = _run(make_tiny_engine(overlap_decode="off"), requests(), late=1)
+    engine = make_tiny_engine(overlap_decode="on")
+    ahead, in_flight = _run(engine, requests(), late=1)
+    assert _summary(ahead) == _summary(sync)
+    assert in_flight > 20
+    assert engine.cache.allocator.num_free == engine.cache.allocator.num_blocks
+
+
 def test_overlap_with_preemption(make_tiny_engine: Callable[..., Engine]) -> None:
     # 8 blocks of 16 tokens: three requests growing to 20 + 40 tokens cannot all fit
     def requests() -> list[GenerationRequest]:

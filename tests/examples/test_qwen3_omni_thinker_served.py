@@ -390,13 +390,13 @@ async def test_stage_processes_serve_without_transformers(
 
 
 async def test_the_example_compiles_with_its_two_models() -> None:
-    """The example's own repository.toml (until its talker stages land, with the thinker's
-    stream off): both models, the frontend and thinker processes."""
+    """The example's own repository.toml: both models, the thinker's stream into the talker
+    and on to code2wav, the frontend and thinker processes."""
     from omni_server.compiler import compile_repository
 
-    overrides = ["--parameters.checkpoint", "/models/qwen3-omni",
-                 "--stages.thinker.stream_to", "[]"]  # fmt: skip
-    plan = compile_repository(EXAMPLE, overrides)
+    plan = compile_repository(EXAMPLE, ["--parameters.checkpoint", "/models/qwen3-omni"])
     assert {"qwen3-omni", "qwen3-omni-thinker"} <= set(plan.models)
     assert plan.models["qwen3-omni-thinker"].entry == "preprocessing"
+    assert plan.stages["thinker"].stream_to == ("talker",)
+    assert plan.stages["talker"].stream_to == ("code2wav",) and plan.stages["code2wav"].terminal
     assert plan.stages["thinker"].terminal and plan.stages["preprocessing"].process == "frontend"

@@ -10,7 +10,7 @@ import pytest
 from openai import OpenAI
 
 from omni_server.compiler.plan import ModelSpec
-from omni_server.serve.chat_request import AudioPart, parse_chat_request
+from omni_server.serve.chat_request import AudioContent, parse_chat_request
 from omni_server.serve.errors import ApiError
 
 pytestmark = pytest.mark.timeout(600)
@@ -37,7 +37,7 @@ def test_input_audio_parts_are_kept_in_order_for_the_transcriber():
     data = base64.b64encode(b"RIFF....WAVE").decode()
     chat = parse_chat_request({"model": "m", "messages": _audio_message(data)}, MODEL)
     (part,) = chat.audio_parts
-    assert isinstance(part, AudioPart) and part.data == b"RIFF....WAVE" and part.format == "wav"
+    assert isinstance(part, AudioContent) and part.data == b"RIFF....WAVE" and part.format == "wav"
     assert part.param == "messages[0].content[1]"
     heard = chat.transcribed({part.param: " the question "})
     assert heard.messages[0]["content"] == "Please answer: the question"

@@ -48,12 +48,12 @@ def test_a_greedy_answer_is_english(client: OpenAI):
 
 def test_the_default_answer_names_paris(client: OpenAI):
     """No sampling field, as OpenAI's quickstart asks: the thinker's [sampling] (temperature 0.2,
-    top_p 0.9, max_tokens 512) applies. Sampled, so seeded: about 1 seed in 4 begins "L'Étoile"
-    and rambles in French (docs/serving.md#sampling-defaults); seeds 0 to 2 answer Paris, while
-    at OpenAI's temperature 1 seeds 1 and 2 ramble without it."""
+    top_p 0.9, max_tokens 512) applies. Sampled, so seeded: about 2 seeds in 5 begin "L'Étoile"
+    and ramble in French (docs/serving.md#sampling-defaults); seeds 1, 3 and 4 answer Paris,
+    while at OpenAI's temperature 1 they ramble (seed 1 naming Paris in passing)."""
     (listed,) = [m for m in client.models.list().data if m.id == MODEL]
     assert listed.sampling == {"temperature": 0.2, "top_p": 0.9, "max_tokens": 512}
-    for seed in range(3):
+    for seed in (1, 3, 4):
         completion = client.chat.completions.create(model=MODEL, messages=QUESTION, seed=seed)
         answer = completion.choices[0].message.content
         assert "Paris" in answer, (seed, answer)

@@ -1,7 +1,7 @@
 """The two parts of the Higgs pipeline that bound its serving, alone on the GPU, so the served
 numbers (`omni-bench higgs-serve`) can be read against them. A device script, not an omni-bench
-command: it swaps the engine's frame sampler for the old one (its same-run peer), which reaches
-inside the engine as the benchmarks never do.
+command: it times the engine's step in parts, which reaches inside the engine as the
+benchmarks never do.
 
     python3 tools/device/higgs_parts.py --checkpoint DIR [--batches 1,16,64] [--lengths 14,22,38]
         [--windows 1,4,16,64] [--out DIR]
@@ -33,8 +33,6 @@ import numpy as np
 import torch
 
 from omni_bench.harness import tables
-from omni_server.engine.families.higgs_audio_v2.frames import AudioSpec
-from omni_server.engine.sampling import SamplingParams, sample
 
 PROMPT_TOKENS = 74
 
@@ -124,14 +122,9 @@ def engine(folder: Path, batches: list[int], device: str = "cuda") -> list[dict[
     rng = np.random.default_rng(1)
     rows = []
     ids = iter(range(10**9))
-    import omni_server.engine.families.higgs_audio_v2.head as engine_module
-
-    now = (engine_module.sample_frames, engine_module.redraw_repeats)
-    before = (_before_sample_frames, _before_redraw_repeats)
-    for sampler, ras in (("before", 7), ("now", 7), ("now", 0)):
-        engine_module.sample_frames, engine_module.redraw_repeats = (
-            before if sampler == "before" else now
-        )
+    # ("before": the per-row sampler this A/B once ran against is gone; draw_frames is the
+    # engine's only frame draw now, sampling.py's counter-based uniforms)
+    for sampler, ras in (("now", 7), ("now", 0)):
         for b in batches:
             params = SamplingParams(
                 temperature=1.0, top_k=50, top_p=0.95, max_tokens=400, ignore_eos=True,
@@ -172,59 +165,7 @@ def engine(folder: Path, batches: list[int], device: str = "cuda") -> list[dict[
             for name in names:
                 eng.abort(name)
             eng.step()
-    engine_module.sample_frames, engine_module.redraw_repeats = now
     return rows
-
-
-# The frame sampling before this branch (commit 10403f8's audio_frames.py), the peer of the
-# same-run A/B: per-row tensors built from lists, sampling.sample over the R x K rows, the
-# repeats redrawn one codebook at a time with a sync each.
-def _before_sample_frames(
-    logits: torch.Tensor,  # [R, K * C] float32, the audio head's
-    spec: AudioSpec,
-    masks: list[tuple[list[bool], list[bool]]],  # per row: DelayState.next_masks
-    params: list[SamplingParams],
-    generators: list[torch.Generator],
-) -> list[list[int]]:  # [R][K] codes
-    rows, k, c = logits.shape[0], spec.num_codebooks, spec.codebook_size
-    if rows == 0:  # a step of prefill chunks that complete no prompt
-        return []
-    device = logits.device
-    force_bos = torch.tensor([m[0] for m in masks], dtype=torch.bool, device=device)  # [R, K]
-    force_eos = torch.tensor([m[1] for m in masks], dtype=torch.bool, device=device)
-    codes = torch.arange(c, device=device)  # [C]
-    scores = logits.view(rows, k, c)  # out of place below: graph outputs are static buffers
-    scores = scores.masked_fill(force_bos[..., None] & (codes != spec.stream_bos_id), -torch.inf)
-    scores = scores.masked_fill(force_eos[..., None] & (codes != spec.stream_eos_id), -torch.inf)
-    flat = sample(
-        scores.view(rows * k, c),
-        [p for p in params for _ in range(k)],
-        [g for g in generators for _ in range(k)],  # a request draws its K uniforms in order
-    )
-    return [flat[i * k : (i + 1) * k] for i in range(rows)]
-
-
-def _before_redraw_repeats(
-    logits: torch.Tensor,  # [R, K * C] float32 raw (no delay masks, no temperature)
-    spec: AudioSpec,
-    frames: list[list[int]],  # [R][K] just drawn; codes are replaced in place
-    histories: list[list[list[int]]],  # per row: the request's frames so far, oldest first
-    params: list[SamplingParams],
-    generators: list[torch.Generator],
-) -> None:
-    """Repetition-aware sampling, the reference's rule with the request's own generator."""
-    k, c = spec.num_codebooks, spec.codebook_size
-    special = (spec.stream_bos_id, spec.stream_eos_id)
-    for i, p in enumerate(params):
-        window = histories[i][-p.ras_window :] if p.ras_window else []
-        for j in range(k if window else 0):
-            code = frames[i][j]
-            if code in special or sum(f[j] == code for f in window) < p.ras_max_repeat:
-                continue
-            cdf = logits[i].view(k, c)[j].softmax(dim=-1).cumsum(dim=-1)  # [C]
-            u = torch.rand((), generator=generators[i]).to(cdf.device)
-            picked = int(torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True).item())
-            frames[i][j] = min(picked, c - 1)
 
 
 def report(voc: list[dict[str, Any]], eng: list[dict[str, Any]]) -> str:

@@ -37,7 +37,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from omni_bench import gpu_step_mixed
 from omni_server.engine import (
     SHAPES,
     Engine,
@@ -324,12 +323,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host-profile", action="store_true", help="cProfile of engine.step()")
     p.add_argument("--attention", default="paged,gather", help="decode attentions to run")
     p.add_argument("--json", default=None)
-    modes = ("decode", "mixed", "prefill-attention")
-    mode_help = "decode: the above; mixed, prefill-attention: gpu_step_mixed.py"
-    p.add_argument("--mode", choices=modes, default="decode", help=mode_help)
-    gpu_step_mixed.add_arguments(p)
     args = p.parse_args(argv)
-    gpu_step_mixed.finish(p, args)
     args.attention = args.attention.split(",")
     if "paged" not in args.attention:
         p.error("--attention must include paged (the anchors are measured beside it)")
@@ -343,15 +337,6 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("omni-bench gpu-step: needs a CUDA GPU", file=sys.stderr)
         return 2
-    if args.mode != "decode":  # issue 38's step measures (gpu_step_mixed.py)
-        text, rows = gpu_step_mixed.run(args)
-        print(f"{torch.cuda.get_device_name(0)}, bf16, gpu-step --mode {args.mode}")
-        print(text)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"setup": {**vars(args), "higgs": str(args.higgs)}, "results": rows},
-                          f, indent=2)  # fmt: skip
-        return 0
     results = [run_shape(name, args) for name in args.shapes.split(",")]
     print(f"{torch.cuda.get_device_name(0)}, bf16, CUDA graphs, {args.prompt_tokens}-token "
           f"prompts, {args.new_tokens} new tokens")  # fmt: skip

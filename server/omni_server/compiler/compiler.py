@@ -249,6 +249,14 @@ def _models(raw: RawRepository, stages: Mapping[str, StageSpec]) -> dict[str, Mo
                     file=raw.file,
                     field=f"{prefix}voice_aliases.{alias}",
                 )
+        audio_input = field_value(data, MODEL_FIELDS, "audio_input")
+        if audio_input == "native" and not {"chat", "realtime"} & set(tasks):
+            raise RepositoryError(
+                "a model hears audio only through chat or realtime; its tasks are "
+                f"{list(tasks)}: leave audio_input out, or add chat or realtime to tasks",
+                file=raw.file,
+                field=prefix + "audio_input",
+            )
         models[model_id] = ModelSpec(
             id=model_id,
             entry=entry,
@@ -261,5 +269,6 @@ def _models(raw: RawRepository, stages: Mapping[str, StageSpec]) -> dict[str, Mo
             description=field_value(data, MODEL_FIELDS, "description"),
             language=data.get("language"),
             sampling=stages[entry].sampling,
+            audio_input=audio_input,
         )
     return models

@@ -209,6 +209,14 @@ class ModelSpec:
     # the entry stage's [sampling]: the entry reads a request's sampling fields (the chat
     # contract), so its defaults are the model's
     sampling: SamplingSpec = NO_SAMPLING
+    # how it hears audio in: "transcribe" (the repository's transcription model, then text) or
+    # "native" (its entry gets the clips as contracts.AudioPart parts of the messages)
+    audio_input: str = "transcribe"
+
+    @property
+    def hears_audio(self) -> bool:
+        """Its entry hears clips itself (an omni model's audio encoder): no transcription."""
+        return self.audio_input == "native"
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,8 @@ def _model(m: Any) -> dict[str, Any]:
         out["language"] = m.language
     if m.voice_aliases:
         out["voice_aliases"] = dict(m.voice_aliases)
+    if m.hears_audio:  # shown where it differs from the default, "transcribe"
+        out["audio_input"] = m.audio_input
     return out
 
 

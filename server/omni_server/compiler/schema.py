@@ -363,6 +363,10 @@ SERVER_FIELDS = _fields(
 )
 
 TASKS = ("speech", "transcription", "chat", "realtime")
+# How a model takes audio in (chat's input_audio parts, realtime's spoken turns): "transcribe"
+# hears it with the repository's transcription model and the entry reads text; "native" hands
+# the clips to the entry as `contracts.AudioPart`s (an omni model's own audio encoder).
+AUDIO_INPUTS = ("transcribe", "native")
 
 MODEL_FIELDS = _fields(
     Field("entry", Kind.STR, "the entry stage of the model's pipeline"),
@@ -380,6 +384,14 @@ MODEL_FIELDS = _fields(
     Field("description", Kind.STR, "free text shown in /v1/models", ""),
     Field("language", Kind.STR, "BCP 47 tag of the model's voices (/v1/audio/voices), e.g. en-US"),
     Field("voice_aliases", Kind.STR_MAP, "alias -> voice (targets must be in voices)", {}),
+    Field(
+        "audio_input",
+        Kind.ENUM,
+        "how the model hears chat's input_audio and realtime's spoken turns: transcribed by "
+        "the repository's transcription model (transcribe) or as audio by its entry (native)",
+        AUDIO_INPUTS[0],
+        AUDIO_INPUTS,
+    ),
 )
 
 PROCESS_FIELDS = _fields(

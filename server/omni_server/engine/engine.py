@@ -91,10 +91,12 @@ class Engine:
         ready = getattr(self.head, "ready", None)  # optional (head.py): default, always ready
         if ready is not None:
             self.batcher.ready = ready
+        if self.runner.graphs is not None:  # the draws after a decode graph: graphs too
+            self.head.capture_draws(config.max_batch_size, device, None)
         self._sequences: dict[str, Sequence] = {}
         self._pending: list[TokenEvent] = []  # abort events, handed out by the next step()
         self._arrivals = 0
-        # Greedy decode steps launched before their tokens are read (overlap.py)
+        # Decode steps launched before their tokens are read (overlap.py)
         self._overlap = overlap.enabled(
             config, self.runner.graphs is not None, self.head.argmax_is_draw, model.tp.size
         )
@@ -218,7 +220,7 @@ class Engine:
 
     @property
     def overlaps_decode(self) -> bool:
-        """Greedy decode steps go in flight ahead of their tokens (overlap.py)."""
+        """Decode steps go in flight ahead of their tokens (overlap.py)."""
         return self._overlap
 
     @property
@@ -255,7 +257,8 @@ class Engine:
             assert flight is None or all(
                 a is b for a, b in zip(batch.decodes, flight.seqs, strict=True)
             ), "a step launched ahead has its predecessor's rows (the device feed is by row)"
-            self._in_flight = self._readback.launch(sampled, greedy)
+            tokens = overlap.feed(greedy, self.head.draw(logits, sampled, greedy))
+            self._in_flight = self._readback.launch(sampled, tokens)
             overlap.launched(batch)
             if flight is not None:  # the previous step's tokens, read while this one runs
                 events += self._settle(flight)
@@ -336,11 +339,13 @@ class Engine:
         """One short request through prefill and decode (allocations, kernels, graphs).
 
         With `capture_all_graphs`, every decode-graph bucket is captured now instead of on its
-        first use (no capture pause while serving).
+        first use (no capture pause while serving), and so is each bucket of the head's draw.
         """
         self.generate([GenerationRequest("__warmup__", [0, 1, 2], _warmup_params())])
         if capture_all_graphs and self.runner.graphs is not None:
             self.runner.graphs.capture_all()
+            width = next(iter(self.runner.graphs.graphs.values())).logits.shape[-1]
+            self.head.capture_draws(self.config.max_batch_size, self._device, width)
 
 
 def _warmup_params() -> SamplingParams:

@@ -10,9 +10,11 @@ life and nowhere else:
     add        check(request); start(request, token_ids) -> the request's own state (seq.state)
     run        step_inputs(batch) -> ForwardBatch.family_inputs (eager steps)
                graph_inputs(rows) once per captured graph, fill_graph_inputs(...) every replay
-    sample     sample(logits, seqs, greedy) -> one draw a row (the step's output)
+    sample     sample(logits, seqs, greedy) -> one draw a row (the step's output);
+               draw(logits, seqs, greedy): the same left on the device (a step in flight)
     record     append(seq, draw) -> the TokenEvent (the token appended, the finish decided)
     size       profile_inputs / profile_sample: the heaviest step, for the KV budget
+    graphs     capture_draws(max_rows, device, width): draws replayed from CUDA graphs
 
 A head may also define `ready(seq) -> bool` (optional; without it every row is ready): a
 running request whose next decode row's input is not in yet (a talker awaiting the thinker's
@@ -82,6 +84,21 @@ class Head(Protocol[Draw]):
     ) -> list[Draw]:
         """One draw per row of `logits` [R, ...] (the requests `seqs`, in order). `greedy` [R]:
         each row's argmax, where a decode graph computed it (argmax_is_draw heads only)."""
+        ...
+
+    def draw(
+        self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`sample`'s draws as a device tensor [R, ...], not read back (no sync): what a step in
+        flight feeds its successor and copies out behind it (overlap.py)."""
+        ...
+
+    def capture_draws(self, max_rows: int, device: torch.device, width: int | None) -> None:
+        """From now on draw rows of up to `max_rows` from CUDA graphs (draw_graphs.py) on
+        `device` (the engine asks where its decode steps replay graphs). `width`: the logits'
+        width, to capture every rows bucket of the served variants now (the engine's warm-up:
+        no capture while serving, when another thread of the process may use the GPU); None:
+        each on first use."""
         ...
 
     def profile_sample(self, logits: torch.Tensor) -> None:

@@ -1,11 +1,13 @@
-"""Greedy decode steps launched one ahead of their tokens: the host's work overlaps the GPU's.
+"""Decode steps launched one ahead of their tokens: the host's work overlaps the GPU's.
 
 A synchronous step launches its graph, waits for the tokens, then does the host's work
-(bookkeeping, events, the next schedule) while the GPU idles. Here a greedy decode step N goes
-*in flight*: its argmax is copied to pinned memory behind the graph (an event marks it) and the
-step returns. The next `step()` schedules and launches N+1 first, whose input ids are read on
-the device from N's argmax (the decode graphs' `feed`; a row's host id is PENDING), and only
-then waits for N's tokens and does N's bookkeeping while N+1 runs.
+(bookkeeping, events, the next schedule) while the GPU idles. Here a decode step N goes *in
+flight*: its tokens are drawn on the device (a greedy row's argmax, inside the graph; a sampled
+row's seeded draw, sampling.py, keyed by the token's position and so the synchronous step's
+draw), written into the feed and copied to pinned memory behind the step (an event marks it),
+and the step returns. The next `step()` schedules and launches N+1 first, whose input ids are
+read on the device from the feed (the decode graphs' `feed`, or the eager runner's; a row's
+host id is PENDING), and only then waits for N's tokens and does N's bookkeeping while N+1 runs.
 
 Invariants:
   - a request in flight has one PENDING token at the end of `token_ids` per launched, unread
@@ -19,8 +21,8 @@ Invariants:
     to a block already freed, which is safe because every later use of the block comes after
     N+1 on the same stream; its token is dropped when N+1 is settled (the request is finished);
   - abort / finish settle first, so they act on read tokens.
-Sampled (non-greedy) rows, prefills, media requests (their step clock), models whose head's
-greedy draw is no argmax (head.py `argmax_is_draw`: an audio frame) and
+Prefills, media requests (their step clock), models whose head's greedy draw is no argmax
+(head.py `argmax_is_draw`: an audio frame, whose next input is a frame, not a token id) and
 tensor parallelism keep the synchronous path.
 """
 
@@ -46,7 +48,7 @@ def enabled(config: EngineConfig, graphs: bool, argmax_is_draw: bool, tp_size: i
 
 @dataclass
 class InFlight:
-    """A launched greedy decode step whose tokens are not read yet."""
+    """A launched decode step whose tokens are not read yet."""
 
     seqs: list[Sequence]  # its rows, in order
     tokens: torch.Tensor  # [R] int64 host (pinned on CUDA): filled when `ready` completes
@@ -71,27 +73,33 @@ class Readback:
         ]
         self.turn = 0
 
-    def launch(self, seqs: list[Sequence], greedy: torch.Tensor) -> InFlight:
-        """Queue the copy of `greedy` [R] behind the step that computes it."""
+    def launch(self, seqs: list[Sequence], tokens: torch.Tensor) -> InFlight:
+        """Queue the copy of `tokens` [R] behind the step that computes them."""
         buffer = self.buffers[self.turn][: len(seqs)]
         self.turn ^= 1
         if self.device.type != "cuda":
-            buffer.copy_(greedy)
+            buffer.copy_(tokens)
             return InFlight(seqs, buffer, None)
-        buffer.copy_(greedy, non_blocking=True)
+        buffer.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
         return InFlight(seqs, buffer, ready)
 
 
 def goes_in_flight(batch: StepBatch, greedy: torch.Tensor | None, media: bool) -> bool:
-    """A step whose tokens may be read one step late: greedy decodes only, argmax on the device."""
-    return (
-        greedy is not None
-        and not media
-        and not batch.prefills
-        and all(seq.params.greedy for seq in batch.decodes)
-    )
+    """A step whose tokens may be read one step late: decodes only, their argmax (the feed) on
+    the device. Sampled rows too: their draws are the device's as well (`feed`)."""
+    return greedy is not None and not media and not batch.prefills
+
+
+def feed(greedy: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """The step's tokens where its successor reads its PENDING ids: `greedy` [R] is a view of
+    the feed (the decode graphs' or the eager runner's), holding the argmax; sampled rows' draws
+    overwrite theirs (stream order: after the step, before its successor's launch)."""
+    if draws is not greedy:
+        with torch.inference_mode():  # the feed is the runner's (an inference tensor)
+            greedy.copy_(draws)
+    return greedy
 
 
 def can_launch_ahead(batcher: Batcher, flight: InFlight) -> bool:

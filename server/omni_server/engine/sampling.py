@@ -1,18 +1,34 @@
-"""Per-request sampling: greedy, temperature, top-k, top-p, min-p, with a seeded generator each.
+"""Per-request sampling: greedy, temperature, top-k, top-p, min-p, batched over rows as tensors,
+with counter-based seeded randomness.
 
-Determinism: each sampled token consumes exactly one uniform number from the request's own
-`torch.Generator` (inverse-CDF sampling over the filtered distribution in vocabulary order), and
-every filter works row by row. So a seeded request draws the same tokens on every run, alone or
-at any position of any batch. Generators live on the CPU (one draw per token is cheap; CUDA
-generators could not be mixed in one batched call anyway); the filtering runs batched on the
-model's device.
+A step samples its R rows from one table [R, COLUMNS] float64 (`step_table`): each row's settings
+and random key (constants its request computed once: `sampling_row`) and the position of the
+token it draws. The table crosses to the device in one copy; everything after it is tensor work
+on the logits' device with no host state (`sample_on_device`: a CUDA graph can hold it) and the
+host reads back the chosen ids, one tensor, at most.
+
+Randomness is a pure function of (the request's seed, the position of the token drawn, a lane):
+`uniforms` hashes them (the 64-bit seed turned into two 32-bit keys once, on the host, by
+splitmix64; then two rounds of a 32-bit xorshift-multiply mixer over position * LANES + lane,
+in int64 torch ops whose products stay under 2^63, so the CPU and every GPU compute the same
+bits). So a
+seeded request draws the same tokens on every run, alone or at any row of any batch, through
+preemption and recompute (a token's position does not depend on when it is computed) and in a
+step launched before its predecessor's tokens are read (overlap.py). An unseeded request gets a
+fresh 64-bit seed when it enters the engine. A sampled token takes one uniform (lane 0; an audio
+frame's codebook k lane k, its repetition-aware redraw lane K + k) and picks by inverse CDF over
+the filtered distribution in vocabulary order, so the pick does not depend on how the sort
+ordered ties. (Until 2026-12 each request drew from its own CPU torch.Generator: the tokens a
+given seed yields changed then; the distribution did not.)
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -70,34 +86,129 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    gen = torch.Generator()
-    if seed is None:
-        gen.seed()  # fresh entropy: unseeded requests differ run to run, as OpenAI's do
-    else:
-        gen.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-    return gen
+# The columns of a step's sampling table (float64: every integer below 2^53 is exact).
+TEMPERATURE, TOP_K, TOP_P, MIN_P, KEY_LO, KEY_HI, POSITION = range(7)
+COLUMNS = 7
+LANES = 64  # uniforms a position may draw (lane < LANES); positions stay below 2^26
+_M32 = 0xFFFF_FFFF
+_M64 = 0xFFFF_FFFF_FFFF_FFFF
+
+
+def request_seed(seed: int | None) -> int:
+    """The 64-bit seed a request samples with: its own, else fresh entropy (unseeded requests
+    differ run to run, as OpenAI's do)."""
+    return secrets.randbits(64) if seed is None else seed & _M64
+
+
+def sampling_row(params: SamplingParams, seed: int) -> tuple[float, ...]:
+    """A request's constant columns of the sampling table (all but POSITION), computed once."""
+    z = (seed + 0x9E37_79B9_7F4A_7C15) & _M64  # splitmix64: nearby seeds, unrelated keys
+    z = ((z ^ (z >> 30)) * 0xBF58_476D_1CE4_E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D0_49BB_1331_11EB) & _M64
+    z ^= z >> 31
+    return (
+        float(params.temperature),
+        float(params.top_k),
+        float(params.top_p),
+        float(params.min_p),
+        float(z & _M32),
+        float(z >> 32),
+    )
+
+
+def step_table(rows: list[tuple[float, ...]]) -> torch.Tensor:  # [R, COLUMNS] float64 host
+    """A step's table from each row's `sampling_row` + (position,) (through numpy: 2-3x faster
+    than torch.tensor over a list of tuples)."""
+    return torch.from_numpy(np.array(rows, dtype=np.float64).reshape(len(rows), COLUMNS))
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit xorshift-multiply mixer (a bijection of [0, 2^32); hash-prospector's two-round
+    constants). Both multipliers are under 2^31, so x * c < 2^63: int64 never wraps and every
+    backend computes the same bits."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0_AAAD) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A_2D97) & _M32
+    return x ^ (x >> 15)
+
+
+def uniforms(table: torch.Tensor, lanes: torch.Tensor | int = 0) -> torch.Tensor:
+    """[R, ...] float32 in [0, 1), 24 random bits each: the uniform of each row's (key,
+    position, lane); `table` [R, COLUMNS] (on the device), `lanes` int or [R, ...] int64."""
+    keys = table[:, KEY_LO : POSITION + 1].to(torch.int64)  # [R, 3]
+    shape = (-1,) + (1,) * (lanes.dim() - 1) if isinstance(lanes, torch.Tensor) else (-1,)
+    key_lo, key_hi, position = (keys[:, i].view(shape) for i in range(3))
+    word = (position * LANES + lanes) & _M32
+    bits = _mix32(_mix32(word ^ key_lo) ^ key_hi)
+    return (bits >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def filtered_draw(
+    scores: torch.Tensor,  # [N, V] float32 logits (masked entries -inf)
+    settings: torch.Tensor,  # [N, 4] float: temperature (> 0), top_k (0: off), top_p, min_p
+    uniform: torch.Tensor,  # [N] float32 in [0, 1)
+) -> torch.Tensor:  # [N] int64
+    """Temperature, then top-k, top-p, min-p over the sorted probabilities (the most likely
+    token always kept), then the inverse CDF at `uniform` in vocabulary order."""
+    vocab = scores.shape[-1]
+    temperature, top_k, top_p, min_p = (settings[:, i : i + 1] for i in range(4))
+    scaled = scores / torch.where(temperature > 0, temperature, 1.0).to(scores.dtype)
+    sorted_scores, order = torch.sort(scaled, dim=-1, descending=True)  # [N, V]
+    probs = sorted_scores.softmax(dim=-1)
+    ranks = torch.arange(vocab, device=scores.device)  # [V]
+    drop = ranks >= torch.where(top_k > 0, top_k, vocab).to(torch.int64)
+    # top-p: drop a token when the tokens ranked above it already reach top_p
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p.to(probs.dtype)
+    # min-p: drop tokens less likely than min_p x the most likely one
+    drop |= probs < min_p.to(probs.dtype) * probs[:, :1]
+    drop[:, 0] = False
+    kept = torch.zeros_like(probs).scatter_(1, order, probs.masked_fill(drop, 0.0))
+    cdf = kept.cumsum(dim=-1)  # [N, V] in vocabulary order
+    target = (uniform.unsqueeze(1) * cdf[:, -1:]).to(cdf.dtype)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=vocab - 1)
+
+
+def sample_on_device(
+    logits: torch.Tensor,  # [R, V] float32
+    table: torch.Tensor,  # [R, COLUMNS] on the logits' device
+    greedy: torch.Tensor,  # [R] int64 each row's argmax
+) -> torch.Tensor:  # [R] int64
+    """One token a row, pure tensor work (no host state, no sync): a greedy row (temperature
+    0) keeps its argmax; the others draw from their filtered distribution at lane 0."""
+    settings = table[:, TEMPERATURE : MIN_P + 1].to(torch.float32)
+    picked = filtered_draw(logits, settings, uniforms(table))
+    return torch.where(settings[:, TEMPERATURE] > 0, picked, greedy)
+
+
+def draw(
+    logits: torch.Tensor,  # [R, V] float32
+    table: torch.Tensor,  # [R, COLUMNS] float64 host (step_table)
+    greedy: torch.Tensor | None = None,  # [R] greedy_tokens(logits), already computed
+) -> torch.Tensor:  # [R] int64 on the logits' device, not read back
+    """One token a row, left on the device. `greedy`: the rows' argmax as a decode graph
+    computed it (the same argmax as greedy_tokens on CUDA), so a greedy batch runs no kernel
+    here (the host table tells; no sync)."""
+    tokens = greedy_tokens(logits) if greedy is None else greedy
+    if not bool((table[:, TEMPERATURE] > 0).any()):
+        return tokens
+    device = logits.device
+    return sample_on_device(logits, table.to(device, non_blocking=device.type == "cuda"), tokens)
+
+
+def graph_draw(
+    variant: object, logits: torch.Tensor, table: torch.Tensor, greedy: torch.Tensor
+) -> torch.Tensor:
+    """sample_on_device as draw_graphs.DrawGraphs captures it (a text head has one variant):
+    the ~60 kernels of a sampled step's draw become one replay."""
+    return sample_on_device(logits, table, greedy)
 
 
 def sample(
-    logits: torch.Tensor,  # [R, V] float32
-    params: list[SamplingParams],  # one per row
-    generators: list[torch.Generator],  # one per row (CPU)
-    greedy: torch.Tensor | None = None,  # [R] greedy_tokens(logits), already computed
+    logits: torch.Tensor, table: torch.Tensor, greedy: torch.Tensor | None = None
 ) -> list[int]:
-    """One token per row. `greedy`: the rows' argmax as a decode graph computed it (the same
-    argmax as greedy_tokens on CUDA), so no kernel runs here for a greedy batch."""
-    # [R]: the greedy answer; sampled rows overwrite theirs
-    tokens = greedy_tokens(logits) if greedy is None else greedy
-    rows = [i for i, p in enumerate(params) if not p.greedy]
-    if rows:
-        if greedy is not None:
-            tokens = tokens.clone()  # a graph's static output: not written here
-        picked = _sample_rows(
-            logits[rows], [params[i] for i in rows], [generators[i] for i in rows]
-        )
-        tokens[rows] = picked
-    return tokens.tolist()
+    """`draw`, read back: one token id a row."""
+    return draw(logits, table, greedy).tolist()
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
@@ -107,34 +218,3 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
     if logits.device.type == "cpu":
         return logits.max(dim=-1).indices
     return logits.argmax(dim=-1)
-
-
-def _sample_rows(
-    logits: torch.Tensor,  # [N, V]
-    params: list[SamplingParams],
-    generators: list[torch.Generator],
-) -> torch.Tensor:  # [N] int64
-    device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
-    sorted_logits, order = torch.sort(logits / temperature, dim=-1, descending=True)  # [N, V]
-    probs = sorted_logits.softmax(dim=-1)
-    vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=device).unsqueeze(0)  # [1, V]
-    top_k = torch.tensor([p.top_k or vocab for p in params], device=device).unsqueeze(1)
-    drop = ranks >= top_k
-    # top-p: drop a token when the tokens ranked above it already reach top_p (keeps >= 1 token)
-    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=probs.dtype)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= top_p.unsqueeze(1)
-    # min-p: drop tokens less likely than min_p x the most likely one
-    min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
-    drop |= probs < (min_p * probs[:, 0]).unsqueeze(1)
-    drop[:, 0] = False
-    probs = probs.masked_fill(drop, 0.0)
-    # Inverse CDF in vocabulary order, so the choice does not depend on how ties were sorted.
-    kept = torch.zeros_like(probs).scatter_(1, order, probs)  # [N, V] in vocabulary order
-    cdf = kept.cumsum(dim=-1)
-    uniforms = torch.stack([torch.rand((), generator=g) for g in generators]).to(device)
-    target = (uniforms * cdf[:, -1]).unsqueeze(1).to(cdf.dtype)  # [N, 1]
-    picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    return picked.clamp_(max=vocab - 1)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from omni_server.engine.sampling import SamplingParams, make_generator
+from omni_server.engine.sampling import SamplingParams, request_seed, sampling_row
 from omni_server.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
 from omni_server.playback import Playback
 
@@ -109,7 +109,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.status = Status.WAITING
         self.arrival = arrival  # admission order; the newest running request is preempted first
-        self.generator: torch.Generator = make_generator(request.params.seed)
+        # its constant columns of a step's sampling table (settings, random key: sampling.py)
+        self.sampling_row = sampling_row(request.params, request_seed(request.params.seed))
         self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self.text = ""  # output text so far (after stop-string truncation)
         self.emitted_chars = 0  # how much of `text` has left in events

@@ -1,6 +1,9 @@
 """A text token a step: the output of a language model's head (head.py's `Head`).
 
-Sampling is sampling.py's (greedy takes the decode graph's argmax where it computed one). After
+Sampling is sampling.py's, batched on the device from one table a step (each row's settings,
+random key and the position of the token it draws: draws depend on nothing else, so a seeded
+row draws alike in any batch and in a step launched ahead, overlap.py); greedy takes the decode
+graph's argmax where it computed one. After
 a token: it ends the request when it is a stop token (the request's stop_token_ids, else the
 tokenizer's EOS; not with ignore_eos) or its text reaches a stop string (the text is cut before
 it); otherwise it is detokenized into the request's text, of which the event carries the part
@@ -13,7 +16,17 @@ from typing import Any
 
 import torch
 
-from omni_server.engine.sampling import SamplingParams, sample
+from omni_server.engine.draw_graphs import DrawGraphs
+from omni_server.engine.sampling import (
+    COLUMNS,
+    SamplingParams,
+    draw,
+    graph_draw,
+    greedy_tokens,
+    request_seed,
+    sampling_row,
+    step_table,
+)
 from omni_server.engine.sequence import FinishReason, GenerationRequest, Sequence, TokenEvent
 from omni_server.engine.step_batch import StepBatch
 
@@ -22,6 +35,19 @@ class TokenHead:
     """The head of a text model: one token a step, its text detokenized as it comes."""
 
     argmax_is_draw = True
+
+    # capture_draws: the sampled rows' draws in graphs (set on the instance; a subclass need
+    # not call this class's __init__)
+    graphs: DrawGraphs | None = None
+
+    def capture_draws(self, max_rows: int, device: torch.device, width: int | None) -> None:
+        if self.graphs is None or self.graphs.max_rows < max_rows:
+            self.graphs = DrawGraphs(graph_draw, max_rows, device)
+        if width is not None:  # one variant: the sampled rows' draw (greedy needs none)
+            for b in self.graphs.buckets:
+                table = torch.zeros(b, COLUMNS, dtype=torch.float64)
+                greedy = torch.zeros(b, dtype=torch.int64, device=device)
+                self.graphs(None, torch.zeros(b, width, device=device), [table, greedy])
 
     def check(self, request: GenerationRequest) -> None:
         if request.audio_codes:
@@ -44,16 +70,28 @@ class TokenHead:
     def profile_inputs(self, decodes: int, rows: int, device: torch.device) -> Any:
         return None
 
+    def draw(
+        self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None
+    ) -> torch.Tensor:  # [R] int64 on the device
+        if all(s.params.greedy for s in seqs):  # no table to build: the argmax
+            return greedy_tokens(logits) if greedy is None else greedy
+        # each row draws the token at position num_tokens (a PENDING one of a step in flight
+        # counted: the same position as the synchronous step's)
+        table = step_table([(*s.sampling_row, s.num_tokens) for s in seqs])
+        tokens = greedy_tokens(logits) if greedy is None else greedy
+        graphs = self.graphs
+        if graphs is not None and logits.is_cuda and len(seqs) <= graphs.max_rows:
+            return graphs(None, logits, [table, tokens])  # valid until its next replay
+        return draw(logits, table, tokens)
+
     def sample(
         self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None
     ) -> list[int]:
-        params, generators = [s.params for s in seqs], [s.generator for s in seqs]
-        return sample(logits, params, generators, greedy)
+        return self.draw(logits, seqs, greedy).tolist()
 
     def profile_sample(self, logits: torch.Tensor) -> None:
-        rows = logits.shape[0]
-        params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * rows
-        sample(logits, params, [torch.Generator().manual_seed(0) for _ in range(rows)])
+        row = sampling_row(SamplingParams(temperature=1.0, top_p=0.9, top_k=50), request_seed(0))
+        draw(logits, step_table([(*row, 1)] * logits.shape[0]))
 
     def append(self, seq: Sequence, draw: int) -> TokenEvent:
         token = draw

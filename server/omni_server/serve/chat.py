@@ -19,7 +19,9 @@ request handle's context, for any reason (a client gone, a failure, server shutd
 request in every stage.
 
 Audio in: `input_audio` parts of user messages are heard first by the repository's
-transcription model; their transcripts take their place in the messages the thinker reads.
+transcription model; their transcripts take their place in the messages the thinker reads. A
+model that hears audio itself (`audio_input = "native"`) gets them instead as
+`contracts.AudioPart`s in the messages, in the client's order, and no transcription runs.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from omni_server.pipeline import PipelineError, RequestHandle
 from omni_server.serve.admission import RATE_LIMITED
 from omni_server.serve.body import read_json
 from omni_server.serve.chat_request import (
-    AudioPart,
+    AudioContent,
     ChatRequest,
     chat_model,
     parse_chat_request,
@@ -74,7 +76,7 @@ async def _chat(call: ApiCall) -> web.StreamResponse:
     call.track.model = model.id
     chat = parse_chat_request(body, model, call.state.voices)
     require_ready(call.state.runtime, model)  # before any audio part is heard for nothing
-    if chat.audio_parts:  # heard first: the thinker reads their transcripts
+    if chat.audio_parts and not model.hears_audio:  # heard first: the thinker reads text
         chat = await hear_audio_parts(call.state, chat)
     # the completion's id is the request's id in the runtime and the logs
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -99,7 +101,7 @@ async def hear_audio_parts(state: ServerState, chat: ChatRequest) -> ChatRequest
             code="unsupported_value",
         )
 
-    async def hear(part: AudioPart) -> tuple[str, str]:
+    async def hear(part: AudioContent) -> tuple[str, str]:
         try:
             async with submitted(state, asr, AsrOptions().payload(part.data)) as handle:
                 result = await handle.result()

@@ -18,9 +18,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from omni_server.audio.containers import truncation
 from omni_server.audio.encode import OPENAI_SAMPLE_RATE
 from omni_server.compiler.plan import ModelSpec, Plan
-from omni_server.contracts import ChatInput, Message, Sampling, SpeechOptions, VoiceReference
+from omni_server.contracts import (
+    AudioPart,
+    ChatInput,
+    Message,
+    Sampling,
+    SpeechOptions,
+    VoiceReference,
+)
 from omni_server.serve.chat_body import (
     AUDIO_FORMATS,
     MAX_INPUT_AUDIO_BYTES,
@@ -34,7 +42,7 @@ from omni_server.serve.chat_body import (
     TextPart,
     UserMessage,
 )
-from omni_server.serve.errors import invalid_field
+from omni_server.serve.errors import ApiError, invalid_field
 from omni_server.serve.models import resolve_model
 from omni_server.serve.validation import model_name, names, parse
 from omni_server.serve.voice_catalog import VoiceCatalog, choose_voice
@@ -57,9 +65,10 @@ class AudioOut:
 
 
 @dataclass(frozen=True)
-class AudioPart:
+class AudioContent:
     """An `input_audio` content part: heard by the transcription model before the thinker reads
-    the message (its transcript takes the part's place)."""
+    the message (its transcript takes the part's place), or, for a model that hears audio
+    itself (`ModelSpec.hears_audio`), handed to its entry as a `contracts.AudioPart`."""
 
     param: str  # where it sat, e.g. messages[1].content[0]
     data: bytes
@@ -70,7 +79,9 @@ class AudioPart:
 class ChatRequest:
     model: ModelSpec
     # {"role": system|user|assistant, "content": str}; a user message with input_audio parts
-    # holds a tuple of str and AudioPart until `transcribed` replaces the audio by its text
+    # holds a tuple of str and AudioContent (one per client part, in its order) until
+    # `transcribed` replaces the audio by its text, or `thinker_input` hands it to a model
+    # that hears it
     messages: tuple[dict[str, Any], ...]
     # as the thinker gets it: the request's fields, else the model's defaults (its
     # [sampling]), else OpenAI's (Sampling.resolve)
@@ -80,13 +91,13 @@ class ChatRequest:
     audio: AudioOut | None  # None: text only
 
     @property
-    def audio_parts(self) -> list[AudioPart]:
+    def audio_parts(self) -> list[AudioContent]:
         return [
             part
             for message in self.messages
             if isinstance(message["content"], tuple)
             for part in message["content"]
-            if isinstance(part, AudioPart)
+            if isinstance(part, AudioContent)
         ]
 
     def transcribed(self, transcripts: Mapping[str, str]) -> ChatRequest:
@@ -95,15 +106,18 @@ class ChatRequest:
         for message in self.messages:
             content = message["content"]
             if isinstance(content, tuple):
-                texts = (transcripts[p.param] if isinstance(p, AudioPart) else p for p in content)
+                texts = (
+                    transcripts[p.param] if isinstance(p, AudioContent) else p for p in content
+                )
                 content = " ".join(t.strip() for t in texts if t.strip())
             messages.append({**message, "content": content})
         return replace(self, messages=tuple(messages))
 
     def thinker_input(self) -> ChatInput:
-        """The thinker's contract (docs/serving.md): the transcribed messages, the sampling,
-        and the voice's options when the answer is spoken."""
-        assert not self.audio_parts, "audio parts are transcribed before the thinker runs"
+        """The thinker's contract (docs/serving.md): the messages (transcribed, or with their
+        clips as `AudioPart`s for a model that hears audio), the sampling, and the voice's
+        options when the answer is spoken."""
+        assert self.model.hears_audio or not self.audio_parts, "transcribe audio parts first"
         speech = None
         if self.audio is not None:
             # every format at OpenAI's 24 kHz, as its audio models answer (the voice's native
@@ -116,7 +130,7 @@ class ChatRequest:
                 sample_rate=OPENAI_SAMPLE_RATE,
                 reference=self.audio.reference,
             )
-        messages = tuple(Message(m["role"], m["content"]) for m in self.messages)
+        messages = tuple(Message(m["role"], _heard(m["content"])) for m in self.messages)
         return ChatInput(messages, self.sampling, speech)
 
     def pipeline_inputs(self) -> dict[str, Any]:
@@ -163,7 +177,7 @@ def parse_chat_request(
         seed=fields.seed,
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
     )
-    return ChatRequest(
+    chat = ChatRequest(
         model=model,
         messages=tuple(_message(i, m) for i, m in enumerate(fields.messages)),
         sampling=sampling,
@@ -171,6 +185,10 @@ def parse_chat_request(
         include_usage=bool(fields.stream_options and fields.stream_options.include_usage),
         audio=_audio_out(fields, model, voices),
     )
+    if model.hears_audio:  # the entry decodes the clips: refuse what is plainly no audio now
+        for part in chat.audio_parts:
+            _check_container(part)
+    return chat
 
 
 def _message(
@@ -191,22 +209,22 @@ def _message(
 
 def _content(
     param: str, content: str | Sequence[TextPart | InputAudioPart | RefusedPart]
-) -> str | tuple[str | AudioPart, ...]:
+) -> str | tuple[str | AudioContent, ...]:
     """A message's text; a user message with `input_audio` parts keeps its parts in order."""
     if isinstance(content, str):
         return content
-    parts: list[str | AudioPart] = []
+    parts: list[str | AudioContent] = []
     for i, part in enumerate(content):
         assert not isinstance(part, RefusedPart), "its type's validator refuses every value"
         at = f"{param}[{i}]"
         parts.append(part.text if isinstance(part, TextPart) else _input_audio(at, part))
-    if any(isinstance(p, AudioPart) for p in parts):
+    if any(isinstance(p, AudioContent) for p in parts):
         return tuple(parts)
     # OpenAI joins a message's text parts without a separator
     return "".join(str(p) for p in parts)
 
 
-def _input_audio(at: str, part: InputAudioPart) -> AudioPart:
+def _input_audio(at: str, part: InputAudioPart) -> AudioContent:
     data = part.input_audio.data
     if len(data) > MAX_INPUT_AUDIO_BYTES * 4 // 3 + 4:
         raise invalid_field(
@@ -220,7 +238,39 @@ def _input_audio(at: str, part: InputAudioPart) -> AudioPart:
         raise invalid_field(
             f"{at}.input_audio.data", f"'{at}.input_audio.data' is not valid base64"
         ) from None
-    return AudioPart(param=at, data=audio, format=part.input_audio.format)
+    return AudioContent(param=at, data=audio, format=part.input_audio.format)
+
+
+def _heard(content: str | tuple[str | AudioContent, ...]) -> str | tuple[str | AudioPart, ...]:
+    """A message's content as the entry reads it: text, or its parts in the client's order,
+    each clip an `AudioPart` (the bytes as sent; the entry decodes them)."""
+    if isinstance(content, str):
+        return content
+    return tuple(AudioPart(p.data, p.format) if isinstance(p, AudioContent) else p for p in content)
+
+
+# How each input_audio format's files begin: RIFF/WAVE; an ID3 tag or an MPEG audio frame's
+# sync (11 set bits) for mp3.
+def _looks_like(data: bytes, fmt: str) -> bool:
+    if fmt == "wav":
+        return data[:4] in (b"RIFF", b"RF64") and data[8:12] == b"WAVE"
+    return data[:3] == b"ID3" or (len(data) >= 2 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0)
+
+
+def _check_container(part: AudioContent) -> None:
+    """A clip for a model that hears audio itself: its container is the declared format's and
+    whole (a wav's data chunk holds what it declares). Decoding is the entry stage's, off the
+    server's loop; this cheap look at the header turns plain non-audio into a 400 naming the
+    part, as the transcription model's refusal does for a cascade."""
+    problem = None
+    if not _looks_like(part.data, part.format):
+        problem = (
+            f"the data is not {part.format} audio (its first bytes are no {part.format} header)"
+        )
+    elif part.format == "wav":
+        problem = truncation(part.data, "wav")
+    if problem is not None:
+        raise ApiError(400, f"'{part.param}': {problem}", param=part.param, code="invalid_audio")
 
 
 def _audio_out(fields: ChatBody, model: ModelSpec, voices: VoiceCatalog | None) -> AudioOut | None:

@@ -84,4 +84,6 @@ def _model_object(state: ServerState, model: ModelSpec) -> dict[str, Any]:
         # what a request that leaves a sampling field (or max_tokens) out gets: the entry
         # stage's [sampling]; a field missing here is OpenAI's default
         "sampling": model.sampling.declared(),
+        # how it hears input_audio: "native" (its own audio encoder) or "transcribe"
+        "audio_input": model.audio_input,
     }

@@ -6,18 +6,41 @@ Bounded three ways (docs/realtime.md#bounds): at most MAX_ITEMS items, one clien
 either bound is refused (an `error` event naming the bound, the conversation unchanged); the
 session's own items (a turn's transcript, an answer: bounded by 120 s of audio and
 `max_output_tokens`) make room by dropping the oldest items, as the item count does.
+
+For a model that hears audio itself, a spoken user turn keeps its clip (`Item.clip`, a 16 kHz
+WAV) and the model hears it on every later response. Clips are bounded apart from text: the
+newest MAX_HEARD_TURNS turns within MAX_HEARD_BYTES keep theirs; an older turn is read as its
+transcript (when the repository transcribes) or, without one, leaves the model's context.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 from dataclasses import dataclass, field
 from typing import Any
 
+from omni_server.audio.resample import resample
+from omni_server.contracts import AudioPart
+from omni_server.serve.realtime import audio
+from omni_server.serve.realtime.audio import AudioFormat
+from omni_server.serve.realtime.input_audio import (
+    MAX_BUFFER_S,
+    MIN_COMMIT_SAMPLES,
+    VAD_RATE,
+    wav,
+)
 from omni_server.serve.realtime.protocol import BETA_PARTS, ProtocolError
 
 ROLES = ("user", "assistant", "system")
 INPUT_PARTS = ("input_text", "input_audio")
 MAX_ITEMS = 512  # a session's history is bounded; the oldest items go first
+# Spoken turns a model that hears audio keeps hearing: the newest 8 turns, at most 8 MiB of
+# 16 kHz PCM16 WAV (about 4.4 minutes; one turn is at most 120 s, 3.8 MB). An omni model's
+# audio encoder costs prompt tokens for every clip on every response (Qwen3-Omni: 12.5 per
+# second), so a long session's early turns are better read as text than heard again.
+MAX_HEARD_TURNS = 8
+MAX_HEARD_BYTES = 8 << 20
 
 
 @dataclass
@@ -27,6 +50,9 @@ class Item:
     content: list[dict[str, Any]] = field(default_factory=list)  # GA content parts
     status: str = "completed"
     audio_ms: float = 0.0  # assistant audio sent so far (truncate cuts the transcript with it)
+    # a spoken user turn, as a model that hears audio hears it (16 kHz mono PCM16 WAV); None
+    # for other items, other models, and turns past the clip bound (never shown to the client)
+    clip: bytes | None = None
 
     def text(self) -> str:
         return "".join(
@@ -66,6 +92,10 @@ class Conversation:
         """Characters of every item's text (what the thinker would read, and what it holds)."""
         return sum(item.chars() for item in self.items)
 
+    def clip_bytes(self) -> int:
+        """Bytes of the spoken turns' clips held (at most MAX_HEARD_BYTES)."""
+        return sum(len(item.clip) for item in self.items if item.clip is not None)
+
     def add_from_client(self, item: Item, previous_item_id: str | None = None) -> str | None:
         """A `conversation.item.create`: refused whole when over a bound (nothing changes)."""
         size = item.chars()
@@ -100,6 +130,7 @@ class Conversation:
             oldest = 1 if self.items[0] is item else 0
             total -= self.items[oldest].chars()
             del self.items[oldest]
+        self._bound_clips()
         position = self.items.index(item)
         return self.items[position - 1].id if position > 0 else None
 
@@ -128,14 +159,36 @@ class Conversation:
         part["transcript"] = text[:keep]
         item.audio_ms = float(audio_end_ms)
 
-    def messages(self, instructions: str) -> list[dict[str, str]]:
-        """The thinker's context: the instructions, then every item with text."""
-        out = [{"role": "system", "content": instructions}] if instructions else []
+    def messages(self, instructions: str) -> list[dict[str, Any]]:
+        """The thinker's context: the instructions, then every item with text, or with a clip
+        (content `(AudioPart,)`: the model hears the turn, its transcript is the client's)."""
+        out: list[dict[str, Any]] = (
+            [{"role": "system", "content": instructions}] if instructions else []
+        )
         for item in self.items:
             text = item.text().strip()
-            if text:
+            if item.clip is not None:
+                out.append({"role": item.role, "content": _heard_parts(item, item.clip)})
+            elif text:
                 out.append({"role": item.role, "content": text})
         return out
+
+    def _bound_clips(self) -> None:
+        """Keep the clips of the newest MAX_HEARD_TURNS spoken turns within MAX_HEARD_BYTES
+        (the newest clip always: one turn is under the byte bound)."""
+        kept = held = 0
+        full = False  # once a clip is past the bound, every older one is too
+        for item in reversed(self.items):
+            if item.clip is None:
+                continue
+            full = full or (
+                kept > 0 and (kept == MAX_HEARD_TURNS or held + len(item.clip) > MAX_HEARD_BYTES)
+            )
+            if full:
+                item.clip = None
+                continue
+            kept += 1
+            held += len(item.clip)
 
     def _index(self, item_id: str, param: str) -> int:
         for i, item in enumerate(self.items):
@@ -146,9 +199,21 @@ class Conversation:
         )
 
 
-def item_from_client(raw: Any, item_id: str) -> Item:
-    """A conversation.item.create's item: a message with text content (audio items come from
-    the input buffer)."""
+def _heard_parts(item: Item, clip: bytes) -> tuple[str | AudioPart, ...]:
+    """An item with a clip as a model that hears it reads it: its parts in order, the audio
+    part as the clip (its transcript is the client's), text parts as their text."""
+    heard = AudioPart(clip, "wav")
+    return tuple(
+        heard if part["type"] == "input_audio" else str(part.get("text") or "")
+        for part in item.content
+    )
+
+
+def item_from_client(raw: Any, item_id: str, hears: AudioFormat | None = None) -> Item:
+    """A conversation.item.create's item: a message with text content. `hears`: the session's
+    input format, for a model that hears audio itself, whose user items may also hold one
+    `{"type": "input_audio", "audio": base64, "transcript"?}` part (decoded here, at 16 kHz
+    as a committed turn is: call it off the event loop). Other audio comes from the buffer."""
     if not isinstance(raw, dict) or raw.get("type", "message") != "message":
         raise ProtocolError('item must be {"type": "message", "role", "content"}', param="item")
     role = raw.get("role")
@@ -157,17 +222,50 @@ def item_from_client(raw: Any, item_id: str) -> Item:
     content = raw.get("content")
     if not isinstance(content, list) or not content:
         raise ProtocolError("item.content must be a non-empty list", param="item.content")
-    parts = []
+    parts: list[dict[str, Any]] = []
+    clip = None
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         text = part.get("text") if isinstance(part, dict) else None
+        where = f"item.content[{i}]"
         if kind in ("input_text", "output_text", "text") and isinstance(text, str):
             out_kind = "input_text" if role != "assistant" else "output_text"
             parts.append({"type": out_kind, "text": text})
+        elif kind == "input_audio" and hears is not None and role == "user":
+            assert isinstance(part, dict)
+            if clip is not None:
+                raise ProtocolError("a user item holds at most one input_audio part", param=where)
+            clip = _heard_clip(part.get("audio"), hears, f"{where}.audio")
+            transcript = part.get("transcript")
+            if transcript is not None and not isinstance(transcript, str):
+                raise ProtocolError("transcript must be a string", param=f"{where}.transcript")
+            parts.append({"type": "input_audio", "transcript": transcript})
         else:
+            audio = "input_audio parts ({type, audio}) of user items or " if hears else ""
             raise ProtocolError(
                 "content parts must be text parts ({type: input_text | output_text, text}); "
-                "send audio with input_audio_buffer.append",
-                param=f"item.content[{i}]",
+                f"send audio as {audio}with input_audio_buffer.append",
+                param=where,
             )
-    return Item(id=item_id, role=role, content=parts)
+    return Item(id=item_id, role=role, content=parts, clip=clip)
+
+
+def _heard_clip(raw: Any, fmt: AudioFormat, param: str) -> bytes:
+    """A client item's audio (base64 in the session's input format) as a committed turn's
+    clip: a 16 kHz WAV of 100 ms .. MAX_BUFFER_S."""
+    try:
+        if not isinstance(raw, str):
+            raise ValueError("not a string")
+        samples = audio.decode(base64.b64decode(raw, validate=True), fmt)
+    except (binascii.Error, ValueError) as err:
+        raise ProtocolError(
+            f"audio is not base64 {fmt.type}: {err}", code="invalid_audio", param=param
+        ) from None
+    heard = resample(samples, fmt.rate, VAD_RATE)
+    if not MIN_COMMIT_SAMPLES <= heard.size <= MAX_BUFFER_S * VAD_RATE:
+        raise ProtocolError(
+            f"audio must last 0.1 to {MAX_BUFFER_S:g} s; got {heard.size / VAD_RATE:.3f} s",
+            code="invalid_audio",
+            param=param,
+        )
+    return wav(heard)

@@ -124,3 +124,9 @@ def wav(samples: np.ndarray, rate: int = VAD_RATE) -> bytes:
         w.setframerate(rate)
         w.writeframes(pcm)
     return out.getvalue()
+
+
+def clip_seconds(data: bytes) -> float:
+    """How long a clip that `wav` wrote lasts."""
+    with wave.open(io.BytesIO(data), "rb") as w:
+        return w.getnframes() / w.getframerate()

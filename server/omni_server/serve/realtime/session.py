@@ -6,6 +6,11 @@ Hops of a spoken turn (each streams into the next):
   frame) -> speech_started / speech_stopped -> committed user item -> the transcription model
   (Whisper) -> the realtime model (thinker -> voice) -> response.output_audio[_transcript].delta
 
+A model that hears audio itself (`audio_input = "native"`) gets the committed turn's clip in
+the conversation instead (the item keeps it: conversation.py bounds how many); the
+transcription model, when the repository has one, still writes the item's transcript for the
+client, beside the response, which does not wait for it.
+
 Every pipeline request of the session is aborted when the socket goes, and a response is
 aborted (in every stage, not muted) when the caller speaks over it or sends response.cancel.
 Both kinds of pipeline request (a turn's transcription, a response) hold an admission place of
@@ -26,16 +31,14 @@ from aiohttp import WSMsgType, web
 
 from omni_server.audio.vad import SpeechStarted, Utterance
 from omni_server.compiler.plan import ModelSpec, Plan
-from omni_server.contracts import AsrOptions
-from omni_server.pipeline import PipelineError
 from omni_server.serve.errors import ApiError
-from omni_server.serve.pipeline_call import admitted, submitted
 from omni_server.serve.realtime.config import SessionConfig, check_no_tools
 from omni_server.serve.realtime.conversation import Conversation, Item, item_from_client
 from omni_server.serve.realtime.events import ServerEvents
-from omni_server.serve.realtime.input_audio import VAD_RATE, InputAudio, wav
+from omni_server.serve.realtime.input_audio import VAD_RATE, InputAudio, clip_seconds, wav
 from omni_server.serve.realtime.protocol import MAX_EVENT_BYTES, ProtocolError
 from omni_server.serve.realtime.response_run import ResponseRun
+from omni_server.serve.realtime.transcripts import transcribe
 from omni_server.serve.realtime_sessions import RETRY_AFTER_S
 from omni_server.serve.state import STATE, ServerState
 
@@ -139,8 +142,9 @@ class Session:
 
     def held_bytes(self) -> int:
         """What the session holds between events, at most: its conversation's characters (4
-        bytes each at worst) and its uncommitted audio. Both are bounded (docs/realtime.md)."""
-        return 4 * self.conversation.chars() + self._input.nbytes
+        bytes each at worst), the clips of spoken turns its model hears, and its uncommitted
+        audio. Each is bounded (docs/realtime.md)."""
+        return 4 * self.conversation.chars() + self.conversation.clip_bytes() + self._input.nbytes
 
     # ---- the socket ------------------------------------------------------------------------
 
@@ -258,8 +262,11 @@ class Session:
         await self.events.send({"type": "input_audio_buffer.cleared"})
 
     async def _commit(self, item_id: str, clip: np.ndarray) -> None:
-        """A user turn: the committed item, then its transcript (the thinker's input)."""
+        """A user turn: the committed item, then its transcript (the thinker's input, or, for a
+        model that hears the clip, the client's alone)."""
         item = Item(id=item_id, role="user", content=[{"type": "input_audio", "transcript": None}])
+        if self.model.hears_audio:
+            item.clip = wav(clip)
         previous = self.conversation.add(item)
         await self.events.send(
             {
@@ -269,52 +276,20 @@ class Session:
             }
         )
         await self.events.item_added(item, previous)
-        task = asyncio.get_running_loop().create_task(self._transcribe(item, clip))
-        self._transcripts[item.id] = task
-        task.add_done_callback(lambda _: self._transcripts.pop(item.id, None))
+        if self.model.hears_audio and not self.config.transcription:
+            return  # the model hears the clip and the client asked for no transcript
+        self._transcribe(item, item.clip or wav(clip), clip.size / VAD_RATE)
 
-    async def _transcribe(self, item: Item, clip: np.ndarray) -> None:
-        """The turn's transcript, from the transcription model under one of its admission
-        places (it may wait in that model's queue: nothing else of the session waits on it but
-        the turn's response)."""
+    def _transcribe(self, item: Item, clip: bytes, seconds: float, index: int = 0) -> None:
+        """Start the transcript of the item's clip (part `index`), when the repository has a
+        transcription model; a cascade's next response waits for it (`_transcripts`)."""
         if self._asr is None:
             return
-        try:
-            async with (
-                admitted(self.state, self._asr),
-                submitted(self.state, self._asr, AsrOptions().payload(wav(clip))) as handle,
-            ):
-                result = await handle.result()
-        except (PipelineError, ApiError) as err:  # ApiError: not ready, or no place came
-            if self.config.transcription:
-                await self.events.send(
-                    {
-                        "type": "conversation.item.input_audio_transcription.failed",
-                        "item_id": item.id,
-                        "content_index": 0,
-                        "error": {"type": "transcription_error", "message": err.message},
-                    }
-                )
-            return
-        text = str(result.get("text", "")).strip() if isinstance(result, dict) else ""
-        item.content[0]["transcript"] = text
-        if self.config.transcription:
-            common = {"item_id": item.id, "content_index": 0}
-            await self.events.send(
-                {
-                    "type": "conversation.item.input_audio_transcription.delta",
-                    **common,
-                    "delta": text,
-                }
-            )
-            await self.events.send(
-                {
-                    "type": "conversation.item.input_audio_transcription.completed",
-                    **common,
-                    "transcript": text,
-                    "usage": {"type": "duration", "seconds": round(clip.size / VAD_RATE, 3)},
-                }
-            )
+        task = asyncio.get_running_loop().create_task(
+            transcribe(self.state, self._asr, self.events, self.config, item, clip, seconds, index)
+        )
+        self._transcripts[item.id] = task
+        task.add_done_callback(lambda _: self._transcripts.pop(item.id, None))
 
     # ---- conversation ----------------------------------------------------------------------
 
@@ -323,9 +298,18 @@ class Session:
         item_id = (
             raw.get("id") if isinstance(raw, dict) and isinstance(raw.get("id"), str) else None
         )
-        item = item_from_client(raw, item_id or self.ids.new("item"))
+        item_id = item_id or self.ids.new("item")
+        if self.model.hears_audio:  # a user item may hold audio: decoded off the event loop
+            hears = self.config.input_format
+            item = await asyncio.to_thread(item_from_client, raw, item_id, hears)
+        else:
+            item = item_from_client(raw, item_id)
         previous = self.conversation.add_from_client(item, event.get("previous_item_id"))
         await self.events.item_added(item, previous)
+        if item.clip is not None and self.config.transcription:
+            index = next(i for i, p in enumerate(item.content) if p["type"] == "input_audio")
+            if item.content[index]["transcript"] is None:  # else the client's own
+                self._transcribe(item, item.clip, clip_seconds(item.clip), index)
 
     async def _on_conversation_item_delete(self, event: dict[str, Any]) -> None:
         item_id = str(event.get("item_id"))
@@ -421,7 +405,8 @@ class Session:
             model=model,
             config=config,
             session_id=self.id,
-            waits=list(self._transcripts.values()),
+            # a model that hears the turns needs no transcript first
+            waits=[] if model.hears_audio else list(self._transcripts.values()),
             event_id=event_id if isinstance(event_id, str) else None,
             on_end=self._response_ended,
         )
@@ -460,8 +445,14 @@ def _task_model(plan: Plan, task: str) -> ModelSpec | None:
 
 
 def _text_model(plan: Plan, model: ModelSpec) -> ModelSpec:
-    """For text-only answers: a chat model that ends at the same thinker (no voice stages)."""
+    """For text-only answers: a chat model that ends at the same thinker (no voice stages) and
+    hears audio as this one does; else this model (its answer's `speech` is None)."""
     for other in plan.models.values():
-        if "chat" in other.tasks and other.entry == model.entry and not other.voices:
+        if (
+            "chat" in other.tasks
+            and other.entry == model.entry
+            and not other.voices
+            and other.audio_input == model.audio_input
+        ):
             return other
     return model

@@ -6,26 +6,31 @@ What the engine's generic step asks of it, and where the old audio branches of t
     check / start       the request's frames against its prompt's frame tokens; FrameState
     step_inputs         the frames of the batch's frame positions (FrameInputs), flat row order
     graph_inputs / fill a decode graph's static [b, K] codes (every decode row is a frame)
-    sample              delay masks, sample_frames, repetition-aware redraws
+    sample / draw       one frame table + RAS window to the device, draw_frames, [R, K] back
     append              the text-track token, the frame recorded, the end of audio
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from omni_server.engine.attention import ForwardBatch
+from omni_server.engine.draw_graphs import DrawGraphs
 from omni_server.engine.families.higgs_audio_v2.frames import (
+    DELAY_STARTS,
     AudioSpec,
-    DelayState,
-    redraw_repeats,
-    sample_frames,
+    delay_starts,
+    draw_frames,
+    frame_table,
 )
-from omni_server.engine.sampling import SamplingParams
+from omni_server.engine.sampling import SamplingParams, request_seed, sampling_row
 from omni_server.engine.sequence import FinishReason, GenerationRequest, Sequence, TokenEvent
 from omni_server.engine.step_batch import StepBatch
+
+SERVED_RAS_WINDOW = 7  # the published generation_config.json's ras_win_len
 
 
 @dataclass
@@ -49,11 +54,16 @@ def frame_inputs(batch: ForwardBatch) -> FrameInputs | None:
 class FrameState:
     """One request's frames (Sequence.state), kept through preemption."""
 
-    delay: DelayState
+    # its constant columns of a frame table past the clocks: (ras_max_repeat, *delay_starts)
+    constants: tuple[int, ...]
     # position -> its frame, for every frame token (prompt and output): what the model embeds
     frames: dict[int, list[int]]
-    # the frames in order (prompt's, then generated): repetition-aware sampling's window
-    history: list[list[int]] = field(default_factory=list)
+    # delay tokens among the tokens it sampled after so far (the closing delay's clock): the
+    # prompt's last token, then each text-track token appended
+    delays: int
+    # [ras_window, K] int64 the last frames, oldest first (prompt's included), -1 where none
+    # yet: repetition-aware sampling's window; None when the request does not ask for it
+    window: np.ndarray | None
 
 
 def _state(seq: Sequence) -> FrameState:
@@ -68,6 +78,31 @@ class FrameHead:
 
     def __init__(self, spec: AudioSpec) -> None:
         self.spec = spec
+        self.graphs: DrawGraphs | None = None  # capture_draws: the frame draws in graphs
+
+    def capture_draws(self, max_rows: int, device: torch.device, width: int | None) -> None:
+        if self.graphs is None or self.graphs.max_rows < max_rows:
+            self.graphs = DrawGraphs(self._graph_draw, max_rows, device)
+        if width is None:
+            return
+        # the served variants: greedy or sampled, with or without repetition-aware sampling
+        # over the published window (7 frames); another window is captured on first use
+        k = self.spec.num_codebooks
+        for sampled, ras in ((False, False), (True, False), (False, True), (True, True)):
+            for b in self.graphs.buckets:
+                inputs = [frame_table([(0.0,) * (DELAY_STARTS + 2 * k)] * b, self.spec)]
+                if ras:
+                    inputs.append(torch.full((b, SERVED_RAS_WINDOW, k), -1, dtype=torch.int64))
+                logits = torch.zeros(b, width, device=device)
+                self.graphs((sampled, ras), logits, inputs)
+
+    def _graph_draw(
+        self, variant: tuple[bool, bool], logits: torch.Tensor, table: torch.Tensor,
+        *window: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """draw_frames as DrawGraphs captures it: variant (sampled, repetition-aware)."""
+        sampled, ras = variant
+        return draw_frames(logits, self.spec, table, window[0] if ras else None, sampled)
 
     def check(self, request: GenerationRequest) -> None:
         audio, frames = self.spec, request.audio_codes or []
@@ -87,10 +122,18 @@ class FrameHead:
                 raise ValueError(f"each audio frame must be {k} integer codes in [0, {c})")
 
     def start(self, request: GenerationRequest, token_ids: list[int]) -> FrameState:
-        audio = self.spec
+        audio, params = self.spec, request.params
         positions = [i for i, t in enumerate(token_ids) if audio.is_frame_token(t)]
         frames = dict(zip(positions, request.audio_codes or [], strict=True))
-        return FrameState(DelayState(audio, token_ids), frames, list(frames.values()))
+        window = None
+        if params.ras_window:
+            window = np.full((params.ras_window, audio.num_codebooks), -1, dtype=np.int64)
+            recent = list(frames.values())[-params.ras_window :]
+            if recent:
+                window[-len(recent) :] = recent
+        constants = (params.ras_max_repeat, *delay_starts(audio, token_ids))
+        delays = int(token_ids[-1] == audio.audio_delay_token_id)
+        return FrameState(constants, frames, delays, window)
 
     def step_inputs(self, batch: StepBatch, device: torch.device) -> FrameInputs | None:
         """Mark the batch's frame positions (decodes first, then each chunk: the flat order)."""
@@ -144,23 +187,56 @@ class FrameHead:
             inputs.text_rows = torch.arange(decodes, rows, device=device)
         return inputs
 
+    def draw(
+        self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None
+    ) -> torch.Tensor:  # [R, K] int64 on the logits' device
+        """One frame table (a row a request: its sampling row, the position and clocks of the
+        frame it draws, its constants) and, where a row asks for repetition-aware sampling,
+        one window [R, W, K]: two host-to-device copies, then draw_frames."""
+        states = [_state(s) for s in seqs]
+        rows = [
+            (*s.sampling_row, s.num_tokens, s.num_output_tokens, st.delays, *st.constants)
+            for s, st in zip(seqs, states, strict=True)
+        ]
+        table = frame_table(rows, self.spec)
+        return self._draw(logits, table, [st.window for st in states])
+
+    def _draw(
+        self, logits: torch.Tensor, table: torch.Tensor, windows: list[np.ndarray | None]
+    ) -> torch.Tensor:
+        dev, rows = logits.device, len(windows)
+        sampled = bool((table[:, 0] > 0).any())
+        window = None
+        widths = [0 if w is None else len(w) for w in windows]
+        if any(widths):  # rows without RAS (or a shorter window) padded with -1: never a code
+            host = np.full((rows, max(widths), self.spec.num_codebooks), -1, np.int64)
+            for i, w in enumerate(windows):
+                if w is not None:
+                    host[i, host.shape[1] - len(w) :] = w
+            window = torch.from_numpy(host)
+        graphs = self.graphs
+        if graphs is not None and dev.type == "cuda" and 0 < rows <= graphs.max_rows:
+            inputs = [table] if window is None else [table, window]
+            return graphs((sampled, window is not None), logits, inputs)
+        copy = dev.type == "cuda"
+        table = table.to(dev, non_blocking=copy)
+        window = None if window is None else window.to(dev, non_blocking=copy)
+        return draw_frames(logits, self.spec, table, window, sampled)
+
     def sample(
         self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None
     ) -> list[list[int]]:
-        params, generators = [s.params for s in seqs], [s.generator for s in seqs]
-        masks = [_state(s).delay.next_masks(s.token_ids[-1]) for s in seqs]
-        frames = sample_frames(logits, self.spec, masks, params, generators)
-        if any(p.ras_window for p in params):
-            histories = [_state(s).history for s in seqs]
-            redraw_repeats(logits, self.spec, frames, histories, params, generators)
+        if not seqs:  # a step of prefill chunks that complete no prompt
+            return []
+        frames: list[list[int]] = self.draw(logits, seqs, greedy).tolist()
         return frames
 
     def profile_sample(self, logits: torch.Tensor) -> None:
         rows, k = logits.shape[0], self.spec.num_codebooks
-        params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * rows
-        generators = [torch.Generator().manual_seed(0) for _ in range(rows)]
-        masks = [([False] * k, [False] * k)] * rows
-        sample_frames(logits, self.spec, masks, params, generators)
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
+        row = (*sampling_row(params, request_seed(0)), 1, 0, 0, 2, *([0] * (2 * k)))
+        windows: list[np.ndarray | None] = [np.zeros((7, k), np.int64)] * rows
+        self._draw(logits, frame_table([row] * rows, self.spec), windows)
 
     def append(self, seq: Sequence, draw: list[int]) -> TokenEvent:
         """The reference's bookkeeping after a frame: its text-track token, the end of audio."""
@@ -170,10 +246,14 @@ class FrameHead:
         if ends and seq.params.ignore_eos:  # benchmarks: keep decoding frames past the end
             token, ends = audio.audio_delay_token_id, False
         seq.token_ids.append(token)
+        state = _state(seq)
+        state.delays += token == audio.audio_delay_token_id
         if audio.is_frame_token(token):  # the next step embeds this frame at this position
-            state = _state(seq)
             state.frames[seq.num_tokens - 1] = frame
-            state.history.append(frame)
+            window = state.window
+            if window is not None:
+                window[:-1] = window[1:].copy()
+                window[-1] = frame
         if ends:
             seq.finish_reason = FinishReason.STOP
         elif seq.num_output_tokens >= seq.max_tokens:

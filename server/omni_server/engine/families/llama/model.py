@@ -177,12 +177,14 @@ class Llama(nn.Module):
     # A family's variant (higgs_audio_v2) swaps the layer, drops the text head, adds its own.
     layer_class: type[DecoderLayer] = DecoderLayer
     text_head = True
-    # What a step emits and how it is sampled (head.py): a text token, the vocabulary logits
-    head: Head[Any] = TokenHead()
+    # What a step emits and how it is sampled (head.py): a text token, the vocabulary logits;
+    # one a model (it holds the model's draw graphs)
+    head: Head[Any]
     kernels: TorchKernels = CPU  # set with the device (place, adopt): kernels.py
 
     def __init__(self, shape: LlamaShape, max_positions: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.head = TokenHead()
         self.shape = shape  # the whole model's
         self.tp = tp
         self.local_shape = tp.local_shape(shape)  # this rank's share: what its KV cache holds

@@ -93,6 +93,9 @@ class TalkerState:
     """One request's talker side (Sequence.state), through preemption."""
 
     feed: TalkerFeed
+    # the request's draws, in talker_batch's order (code 0, then codes 1 .. G-1, a frame): a
+    # frame is drawn once whatever the batch or a recompute, so a seeded request repeats
+    generator: torch.Generator
     first_codes: list[int] = field(default_factory=list)  # code 0 of every frame so far
     sums: list[torch.Tensor] = field(default_factory=list)  # [C] each frame's codes summed
 
@@ -144,7 +147,13 @@ class TalkerHead:
             )
 
     def start(self, request: GenerationRequest, token_ids: list[int]) -> TalkerState:
-        return TalkerState(self._expected.pop(request.request_id))
+        generator = torch.Generator()  # CPU: pick_rows draws there, the same bits on any device
+        seed = request.params.seed
+        if seed is None:
+            generator.seed()  # fresh entropy: unseeded requests differ run to run
+        else:
+            generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+        return TalkerState(self._expected.pop(request.request_id), generator)
 
     def ready(self, seq: Sequence) -> bool:
         """The input of the request's last position is known: a prompt row, or a frame whose
@@ -220,8 +229,8 @@ class TalkerHead:
         codes[:, suppressed] = -float("inf")
         rules: list[Rule] = [
             (s.feed.sampling.temperature, s.feed.sampling.top_k, s.feed.sampling.top_p,
-             seq.generator)
-            for s, seq in zip(states, seqs, strict=True)
+             s.generator)
+            for s in states
         ]  # fmt: skip
         code0s: list[int] = pick_rows(codes, rules).tolist()
         draws = [TalkerDraw(c) for c in code0s]
@@ -233,7 +242,7 @@ class TalkerHead:
         first = self.model.embed(torch.tensor([code0s[r] for r in going], device=logits.device))
         predictor_rules: list[Rule] = [
             (states[r].feed.sampling.temperature, states[r].feed.sampling.predictor_top_k,
-             states[r].feed.sampling.predictor_top_p, seqs[r].generator)
+             states[r].feed.sampling.predictor_top_p, states[r].generator)
             for r in going
         ]  # fmt: skip
         with torch.no_grad():
@@ -246,6 +255,17 @@ class TalkerHead:
         for k, (row, others) in enumerate(zip(going, rest.tolist(), strict=True)):
             draws[row] = TalkerDraw(code0s[row], [code0s[row], *others], sums[k, 0])
         return draws
+
+    def draw(
+        self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None
+    ) -> torch.Tensor:
+        # only a step in flight asks (overlap.py), and argmax_is_draw False keeps every step
+        # synchronous: a frame is read back before the code predictor runs
+        raise NotImplementedError("the talker's steps never go in flight (argmax_is_draw)")
+
+    def capture_draws(self, max_rows: int, device: torch.device, width: int | None) -> None:
+        """Nothing to capture: code 0 and the code predictor's run are eager (the decode
+        graphs hold the talker's forward)."""
 
     def profile_sample(self, logits: torch.Tensor) -> None:
         vocab = self.model.shape.vocab_size

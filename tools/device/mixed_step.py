@@ -1,8 +1,10 @@
-"""omni-bench gpu-step --mode mixed | prefill-attention: issue 38's step measures.
+"""Issue 38's step measures, on the device (a device script: it drives the engine's runner
+and batcher directly, below the engine's public surface that omni-bench keeps to):
 
-    omni-bench gpu-step --mode mixed --shapes llama-3b --rows 1,16,64 --chunk 256
-    omni-bench gpu-step --mode mixed --higgs DIR --rows 1,16,64      # a Higgs checkpoint
-    omni-bench gpu-step --mode prefill-attention --shapes llama-3b --lengths 256,1024,4096
+    python3 tools/device/mixed_step.py --mode mixed --shapes llama-3b --rows 1,16,64 --chunk 256
+    python3 tools/device/mixed_step.py --mode mixed --higgs DIR --rows 1,16,64   # a Higgs folder
+    python3 tools/device/mixed_step.py --mode prefill-attention --shapes llama-3b \
+        --lengths 256,1024,4096
 
 mixed: `rows` requests decode (their graphs captured), then one more request's prompt chunk of
 --chunk tokens runs beside them. Timed, each the median of --iters calls of ModelRunner.run
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import sys
 import time
@@ -311,7 +314,7 @@ def attention_table(results: list[dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace) -> tuple[str, Any]:
-    """The mode's table and its results (gpu_step.main prints / writes them)."""
+    """The mode's table and its results (main prints / writes them)."""
     shapes = [s for s in args.shapes.split(",") if s]
     if args.mode == "prefill-attention":
         rows = [r for name in shapes for r in attention_rows(args, name)]
@@ -322,6 +325,10 @@ def run(args: argparse.Namespace) -> tuple[str, Any]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", choices=("mixed", "prefill-attention"), default="mixed")
+    p.add_argument("--shapes", default="llama-3b", help="engine shapes (omni_server.engine.SHAPES)")
+    p.add_argument("--prompt-tokens", type=int, default=192, help="mixed: the decode rows' prompts")
+    p.add_argument("--json", default=None, help="write the results here too")
     p.add_argument("--rows", default="1,16,64", help="mixed: decode rows beside the chunk")
     p.add_argument("--chunk", type=int, default=256, help="mixed: the prompt chunk's tokens")
     p.add_argument("--higgs", type=Path, default=None, help="mixed: a Higgs checkpoint folder")
@@ -353,3 +360,25 @@ def finish(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         setattr(args, name, values)
     if args.higgs is not None and not (args.higgs / "config.json").is_file():
         p.error(f"--higgs {args.higgs}: no config.json (write one: omni-bench random-checkpoint)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    finish(p, args)
+    if not torch.cuda.is_available():
+        print("mixed_step.py: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    text, rows = run(args)
+    print(f"{torch.cuda.get_device_name(0)}, bf16, --mode {args.mode}")
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"setup": {**vars(args), "higgs": str(args.higgs)}, "results": rows}, f,
+                      indent=2)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
