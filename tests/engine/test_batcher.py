@@ -16,8 +16,10 @@ from omni_server.engine import (
     SamplingParams,
     TokenEvent,
 )
-from omni_server.engine.batcher import StepBatch
+from omni_server.engine.batcher import Batcher, StepBatch
 from omni_server.engine.config import SMOLLM2_135M
+from omni_server.engine.kv_cache import BlockAllocator
+from omni_server.engine.sequence import Sequence
 from omni_server.engine.step_cost import StepCost, keys_per_token
 
 
@@ -293,3 +295,29 @@ def test_finish_ends_a_request_as_its_length_limit_would(
     assert events["cut"].completion_tokens == made and events["cut"].token_ids == []
     assert not events["runs"].finished
     assert not engine.finish("cut") and not engine.finish("never-added")
+
+
+def test_a_row_not_ready_sits_the_step_out_and_a_waiting_one_is_not_admitted() -> None:
+    """The head's optional `ready` (head.py): a running request whose next input is not in yet
+    takes no row this step and keeps its blocks (no preemption); a waiting one is not admitted
+    (head of line). Once ready, both run."""
+    config = EngineConfig(max_total_tokens=64 * 16, max_batch_size=4, max_step_tokens=64)
+    batcher = Batcher(config, BlockAllocator(64, 16), StepCost(10**9), 8)
+    seqs = [
+        Sequence(GenerationRequest(name, _prompt(4), _params(8)), 8, None, arrival=i)
+        for i, name in enumerate(["a", "b"])
+    ]
+    batcher.add(seqs[0])
+    batcher.next_batch()  # "a" admitted and prefilled
+    seqs[0].num_computed, seqs[0].token_ids = 4, [*seqs[0].token_ids, 9]  # its first token
+    batcher.add(seqs[1])
+    held: set[str] = {"a", "b"}
+    batcher.ready = lambda seq: seq.request_id not in held
+    blocks = list(seqs[0].block_table)
+    assert batcher.next_batch() is None  # "a" waits for its input, "b" is not admitted
+    assert seqs[0].block_table == blocks and batcher.num_preemptions == 0
+    assert [s.request_id for s in batcher.waiting] == ["b"]
+    held.clear()
+    batch = batcher.next_batch()
+    assert batch is not None and batch.decodes == [seqs[0]]
+    assert [p.seq for p in batch.prefills] == [seqs[1]]

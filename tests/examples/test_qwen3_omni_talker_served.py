@@ -316,6 +316,43 @@ def test_abort_mid_stream_frees_the_talker_and_stops_code2wav(stages: Stages) ->
     assert talker.live_requests == 0 and code2wav.live_requests == 0
 
 
+def test_the_engine_batches_talker_rows_and_frees_every_block(stages: Stages) -> None:
+    """The talker stage's engine: a step holds several requests' talker rows (read off its
+    batcher's batches), and after an abort mid-stream and the others' ends every KV block is
+    free again."""
+    engine = stages.talker.engine
+    allocator = engine.cache.allocator
+    full = allocator.num_free
+    rows: list[int] = []
+    next_batch = engine.batcher.next_batch
+
+    def spy(*args: Any, **kwargs: Any) -> Any:  # the real batcher's batch, its decodes noted
+        batch = next_batch(*args, **kwargs)
+        if batch is not None:
+            rows.append(len(batch.decodes))
+        return batch
+
+    talks = [talk(stages, "Hello, how are you today?", v, start=i)
+             for i, v in enumerate(["Ethan", "Aiden", "Chelsie"])]  # fmt: skip
+    gone = talk(stages, "What time is it?", "Aiden")
+    engine.batcher.next_batch = spy
+    try:
+        serve(stages, [*talks, gone], steps=12, to_the_end=False)
+        assert allocator.num_free < full and len(gone.frames) < FRAMES
+        for request, held_by in ((gone.at_talker, stages.talker),
+                                 (gone.at_code2wav, stages.code2wav)):  # fmt: skip
+            request.abort()
+            held_by.abort(request)
+        for t in talks:
+            t.start = -1  # held by both stages already
+        serve(stages, talks)
+    finally:
+        del engine.batcher.next_batch
+    assert max(rows) == 4  # every request's talker row in one step
+    assert allocator.num_free == full
+    assert stages.talker.live_requests == 0 and stages.code2wav.live_requests == 0
+
+
 def test_an_unknown_voice_names_the_speakers(stages: Stages) -> None:
     bad = talk(stages, "Hi.", "nobody")
     stages.talker.add(bad.at_talker)

@@ -15,7 +15,7 @@ the last.
 
 Out (to code2wav): {"frames": [[G codes]]} a step, the first chunk with "speech" (the request's
 SpeechOptions: format, rate), the last with "finish_reason" ("stop": codec EOS; "length":
-max_audio_seconds). An abort frees the request's KV cache at once.
+max_audio_seconds). An abort frees the request's KV blocks at once.
 
 Voices: the checkpoint's speakers (config.json talker_config.speaker_id); another voice is an
 InvalidRequest naming it and the speakers. Speed: 1.0 only (an InvalidRequest otherwise). A
@@ -26,6 +26,7 @@ here without a chunk, and code2wav sees its stream end alone.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -33,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from omni_server.backend import (
     InvalidRequest,
@@ -44,13 +44,16 @@ from omni_server.backend import (
     StageContext,
     StepOutput,
 )
-from omni_server.models.qwen3_omni import talker_batch
+from omni_server.engine import CheckpointError, EngineConfig, MemoryBudgetError
+from omni_server.engine.families.qwen3_omni_talker.checkpoint import talker_engine
+from omni_server.engine.families.qwen3_omni_talker.head import TalkerFeed, TalkerHead
+from omni_server.engine.families.qwen3_omni_talker.model import Qwen3OmniTalker
+from omni_server.engine.sampling import SamplingParams
+from omni_server.engine.sequence import FinishReason, GenerationRequest, TokenEvent
 from omni_server.models.qwen3_omni.config import Qwen3OmniConfig
 from omni_server.models.qwen3_omni.handoff import TalkerOpening, ThinkerTokens
-from omni_server.models.qwen3_omni.talker import Talker
-from omni_server.models.qwen3_omni.talker_batch import CodeSampling, SpeechState
-from omni_server.models.qwen3_omni.talker_input import opening_prompt, speaker_id, tts_specials
-from omni_server.models.qwen3_omni.weights import CheckpointWeights
+from omni_server.models.qwen3_omni.talker_batch import CodeSampling
+from omni_server.models.qwen3_omni.talker_input import opening_prompt, speaker_id
 
 log = logging.getLogger("omni_server.examples.qwen3_omni.talker")
 
@@ -67,7 +70,11 @@ class Speech:
     speaker: int = -1
     received: list[int] = field(default_factory=list)
     done: bool = False  # the thinker's last chunk came
-    state: SpeechState | None = None
+    engine_id: str = ""
+    feed: TalkerFeed | None = None  # once added to the engine
+    fed: int = 0  # thinker ids heard by the feed so far (received[1:1 + fed])
+    frames: int = 0  # frames sent
+    ending: str | None = None  # "length": the finish chunk goes out next step
     sent: int = 0  # chunks sent to code2wav
 
 
@@ -92,14 +99,25 @@ class TalkerStage(StageBackend):
         folder = checkpoint_folder(context.repository_parameters)
         dtype = self._dtype(params.get("dtype", "auto"), context.device)
         try:
+            config = EngineConfig.from_table(
+                {
+                    **context.engine,
+                    "device": context.device,
+                    "dtype": dtype,
+                    # on a GPU the stage's budget sizes (or checks) the KV cache
+                    "gpu_memory_fraction": context.gpu_memory_fraction,
+                }
+            )
+        except (TypeError, ValueError) as err:
+            raise StageConfigError(f"[engine]: {err}") from err
+        try:
             self.config = Qwen3OmniConfig.from_folder(folder)
-            talker, _ = Talker.from_checkpoint(folder, dtype)
-            table = CheckpointWeights(folder).prefixed("thinker.model.embed_tokens.", dtype)
-        except (OSError, KeyError, ValueError) as err:
+            self.engine = talker_engine(folder, config)
+        except (CheckpointError, MemoryBudgetError, OSError, KeyError, ValueError) as err:
             raise StageConfigError(f"checkpoint {folder}: {err}") from err
-        self.talker = talker.to(context.device)
-        self.embed_tokens = nn.Embedding.from_pretrained(table["weight"]).to(context.device)
-        _, self.tts_eos, self.tts_pad = tts_specials(self.config, self.embed_tokens, self.talker)
+        model = self.engine.model
+        assert isinstance(model, Qwen3OmniTalker) and isinstance(model.head, TalkerHead)
+        self.model, self.head = model, model.head
         try:
             self.defaults = CodeSampling(
                 temperature=float(params.get("temperature", 0.9)),
@@ -117,29 +135,30 @@ class TalkerStage(StageBackend):
             raise StageConfigError(f"parameters.max_audio_seconds must be > 0; got {seconds}")
         self.max_frames = max(1, math.floor(seconds * FRAMES_PER_SECOND + 1e-6))
         self._speeches: dict[int, Speech] = {}  # id(request) -> its speech, add() to its end
+        self._by_engine_id: dict[str, Speech] = {}
+        self._ids = itertools.count()
 
     @staticmethod
-    def _dtype(value: Any, device: str) -> torch.dtype:
+    def _dtype(value: Any, device: str) -> str:
         if value == "auto":
-            return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+            return "bfloat16" if torch.device(device).type == "cuda" else "float32"
         if value not in ("float32", "bfloat16", "float16"):
             raise StageConfigError(
                 f'parameters.dtype must be "auto", "float32", "bfloat16" or "float16"; '
                 f"got {value!r}"
             )
-        dtype: torch.dtype = getattr(torch, value)
-        return dtype
+        return str(value)
 
     @property
     def live_requests(self) -> int:
         """Requests this stage holds: 0 when every one ended or was aborted."""
         return len(self._speeches)
 
-    def state(self, request: Request) -> SpeechState | None:
-        """The request's talker state (KV cache, logits); None before its prefill and once it
-        ended or was aborted (tests observe the abort through it)."""
+    def state(self, request: Request) -> TalkerFeed | None:
+        """The request's talker input (its prompt, the text it heard); None before it joins
+        the engine and once it ended or was aborted (tests observe the abort through it)."""
         speech = self._speeches.get(id(request))
-        return speech.state if speech is not None else None
+        return speech.feed if speech is not None else None
 
     # ---- the ar contract (one compute thread: no locks) -----------------------------------
 
@@ -149,9 +168,9 @@ class TalkerStage(StageBackend):
     def abort(self, request: Request) -> None:
         speech = self._speeches.pop(id(request), None)
         if speech is not None:
-            frames = speech.state.frames if speech.state is not None else 0
+            self._drop(speech)
             log.info("talker: aborted %s after %d frames (%d requests running)",
-                     request.id, frames, len(self._speeches))  # fmt: skip
+                     request.id, speech.frames, len(self._speeches))  # fmt: skip
 
     def playback_seconds(self, chunk: dict[str, Any]) -> float:
         """How long a chunk's frames play (12.5 frames a second): the stage's lead metrics."""
@@ -159,23 +178,31 @@ class TalkerStage(StageBackend):
 
     def has_work(self) -> bool:
         """Some request can take a step without a new chunk (the thinker may be done long
-        before the talker is)."""
+        before the talker is): a finish to send, a prompt to prefill, a frame whose text is
+        in."""
         return any(
-            self._can_choose(s) or self._text(s) is not None for s in self._speeches.values()
+            s.ending is not None
+            or (s.feed is not None and (s.frames == 0 or s.feed.has_text(s.frames - 1)))
+            for s in self._speeches.values()
         )
 
     def step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
         for key, speech in list(self._speeches.items()):
+            if speech.ending is not None:  # the frame cap came last step
+                outputs.append(self._finish(speech, speech.ending))
+                self._end(key, speech)
+                continue
             try:
                 self._take(speech)
-                if speech.state is None and speech.opening is not None and speech.received:
+                if speech.feed is None and speech.opening is not None and speech.received:
                     self._start(speech)
+                self._hear(speech)
             except RequestAborted:
                 continue  # its abort() comes before the next step
             except (TypeError, ValueError) as exc:  # InvalidRequest too: this request alone
                 outputs.append(StepOutput(speech.request, error=exc))
-                del self._speeches[key]
+                self._end(key, speech)
                 continue
             if speech.done and speech.opening is None:  # an answer without a first id
                 outputs.append(
@@ -185,13 +212,12 @@ class TalkerStage(StageBackend):
                         result={"finish_reason": "silent", "frames": 0},
                     )
                 )
-                del self._speeches[key]  # says nothing: code2wav sees the stream end alone
-        outputs += self._frames()
-        self._advance()
+                self._end(key, speech)  # says nothing: code2wav sees the stream end alone
+        for event in self.engine.step():
+            outputs += self._event(event)
         return outputs
 
     # ---- one step's parts ------------------------------------------------------------------
-
     def _take(self, speech: Speech) -> None:
         chunks, ended = speech.request.take_stream()
         for chunk in chunks:
@@ -229,88 +255,63 @@ class TalkerStage(StageBackend):
         assert opening is not None
         options = opening.speech
         prompt = opening_prompt(
-            self.config, self.embed_tokens, self.talker, list(opening.prompt_ids),
+            self.config, self.model.text_embed, self.model, list(opening.prompt_ids),
             opening.multimodal_hidden, speech.received[0], speaker_id(self.config, options.voice),
         )  # fmt: skip
         sampling = self.defaults
         if options.temperature is not None:
             sampling = dataclasses.replace(self.defaults, temperature=options.temperature)
-        speech.state = talker_batch.start(
-            self.talker, prompt, self.max_frames, sampling, options.seed
-        )
+        feed = TalkerFeed(prompt[0], sampling)
+        engine_id = f"{speech.request.id}#{next(self._ids)}"
+        # the prompt's rows are given (the feed's); its ids only size it (codec pad)
+        ids = [self.config.talker_ids.codec_pad] * prompt.shape[1]
+        params = SamplingParams(seed=options.seed, max_tokens=self.max_frames)
+        self.head.expect(engine_id, feed)
+        try:
+            self.engine.add(GenerationRequest(engine_id, ids, params))
+        finally:
+            self.head.forget(engine_id)  # taken by the add, or refused with it
+        speech.feed, speech.engine_id = feed, engine_id
+        self._by_engine_id[engine_id] = speech
 
-    def _can_choose(self, speech: Speech) -> bool:
-        return speech.state is not None and speech.state.pending is None
+    def _hear(self, speech: Speech) -> None:
+        """Feed the thinker text in since the last step: step k hears token k + 1 once it is
+        known not to be the last (then tts_eos, then tts_pad: the feed's end)."""
+        feed = speech.feed
+        if feed is None or feed.done:
+            return
+        heard = speech.received[1:-1]  # followed by another id: never the unheard last one
+        if len(heard) > speech.fed:
+            feed.hear(self.model.hear(heard[speech.fed :]))
+            speech.fed = len(heard)
+        if speech.done:
+            feed.end()
 
-    def _frames(self) -> list[StepOutput]:
-        """Code 0 for every request whose next frame is due (one choice for all), codec EOS or
-        the frame cap ending it; the frames of the others completed in one code predictor run
-        and sent."""
-        outputs, due = [], []
-        for key, speech in list(self._speeches.items()):
-            state = speech.state
-            if state is None or state.pending is not None:
-                continue
-            if state.frames >= self.max_frames:
-                outputs.append(self._finish(speech, "length"))
-                del self._speeches[key]
-            else:
-                due.append(speech)
-        if not due:
-            return outputs
-        states = [s.state for s in due if s.state is not None]
-        code0s = talker_batch.choose_code0s(self.talker, states)
-        chosen, kept = [], []
-        for speech, code0 in zip(due, code0s, strict=True):
-            if code0 == self.config.talker_ids.codec_eos:
-                outputs.append(self._finish(speech, "stop"))
-                del self._speeches[id(speech.request)]
-            else:
-                chosen.append(speech)
-                kept.append(code0)
-        if chosen:
-            states = [s.state for s in chosen if s.state is not None]
-            frames = talker_batch.complete(self.talker, states, kept)
-            outputs += [
-                self._chunk(s, {"frames": [f]}) for s, f in zip(chosen, frames, strict=True)
-            ]
+    def _event(self, event: TokenEvent) -> list[StepOutput]:
+        speech = self._by_engine_id.get(event.request_id)
+        if speech is None or event.finish_reason is FinishReason.ABORT:
+            return []  # aborted: its abort() dropped it
+        outputs = []
+        for frame in event.audio_frames:
+            speech.frames += 1
+            outputs.append(self._chunk(speech, {"frames": [frame]}))
+        if event.finish_reason is FinishReason.STOP:  # codec EOS
+            outputs.append(self._finish(speech, "stop"))
+            self._end(id(speech.request), speech)
+        elif event.finish_reason is not None:  # the frame cap: its finish goes out next step
+            speech.ending = "length"
+            self._by_engine_id.pop(speech.engine_id, None)
         return outputs
 
-    def _advance(self) -> None:
-        """Every request whose frame waits and whose text for that frame is in: one talker
-        forward for all of them."""
-        ready, texts = [], []
-        for speech in self._speeches.values():
-            text = self._text(speech)
-            if text is not None:
-                ready.append(speech)
-                texts.append(text)
-        if not ready:
-            return
-        ids = [t for t in texts if isinstance(t, int)]
-        projected = iter(())
-        if ids:
-            table = self.embed_tokens(torch.tensor(ids, device=self.embed_tokens.weight.device))
-            projected = iter(self.talker.text_projection(table[:, None]))  # [n, 1, h] each row
-        rows = [next(projected)[None] if isinstance(t, int) else t for t in texts]
-        talker_batch.advance(
-            self.talker, [s.state for s in ready if s.state is not None], torch.cat(rows)
-        )
+    def _end(self, key: int, speech: Speech) -> None:
+        del self._speeches[key]
+        self._drop(speech)
 
-    def _text(self, speech: Speech) -> int | torch.Tensor | None:
-        """What the talker hears with the frame waiting in `speech` (step k = frames - 1): the
-        thinker's token k + 1 once known not to be the last, tts_eos right after the last
-        heard one, tts_pad after that; None: nothing waits, or the text is not in yet."""
-        state = speech.state
-        if state is None or state.pending is None:
-            return None
-        k = state.frames - 1
-        heard = speech.received[1:-1]  # followed by another id: never the unheard last one
-        if k < len(heard):
-            return heard[k]
-        if not speech.done:
-            return None
-        return self.tts_eos if k == len(heard) else self.tts_pad
+    def _drop(self, speech: Speech) -> None:
+        """The request leaves the engine (its KV blocks freed now) and this stage's maps."""
+        if self._by_engine_id.pop(speech.engine_id, None) is not None:
+            self.engine.abort(speech.engine_id)
+        speech.feed = None
 
     def _chunk(self, speech: Speech, chunk: dict[str, Any], finished: bool = False) -> StepOutput:
         if speech.sent == 0:
@@ -319,7 +320,7 @@ class TalkerStage(StageBackend):
         speech.sent += 1
         return StepOutput(speech.request, chunk=chunk, finished=finished,
                           result={"finish_reason": chunk.get("finish_reason"),
-                                  "frames": speech.state.frames if speech.state else 0}
+                                  "frames": speech.frames}
                           if finished else None)  # fmt: skip
 
     def _finish(self, speech: Speech, reason: str) -> StepOutput:

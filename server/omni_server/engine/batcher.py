@@ -26,6 +26,7 @@ started stream ahead of its listener (prefill_budget.py); text requests never ar
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from omni_server.engine import deadline_order
 from omni_server.engine.config import EngineConfig
@@ -56,6 +57,9 @@ class Batcher:
         self.num_preemptions = 0
         self.steps = StepClock()  # the engine records each step's time: the urgency margin
         self.step_time = StepTimeFit()  # seconds a step of given cost units takes
+        # whether a running request's next decode row can run now (the head's optional
+        # `ready`, head.py): one that cannot sits this step out, keeping its blocks
+        self.ready: Callable[[Sequence], bool] = lambda seq: True
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -140,6 +144,8 @@ class Batcher:
         admitted: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
             seq = self.waiting[0]
+            if not self.ready(seq):
+                break  # a preempted request whose last input is not in yet: it waits
             need = self.allocator.new_blocks(seq.block_table, seq.num_tokens)
             if not self.allocator.can_allocate(need):
                 break  # KV full: wait for a request to finish
@@ -198,6 +204,8 @@ class Batcher:
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or seq.num_tokens - seq.num_computed != 1:
                 continue  # preempted in this loop, or still prefilling
+            if not self.ready(seq):
+                continue  # its next input is not in yet: it runs in a later step
             need = self.allocator.new_blocks(seq.block_table, seq.num_tokens)
             if not need:  # 15 steps in 16 (block size 16): nothing to allocate or preempt
                 decodes.append(seq)

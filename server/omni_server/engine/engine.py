@@ -88,6 +88,9 @@ class Engine:
         self.runner = ModelRunner(model, self.cache, config, self.max_seq_len)
         # what a step emits for a request and how it is sampled: the model's family's (head.py)
         self.head = model.head
+        ready = getattr(self.head, "ready", None)  # optional (head.py): default, always ready
+        if ready is not None:
+            self.batcher.ready = ready
         if self.runner.graphs is not None:  # the draws after a decode graph: graphs too
             self.head.capture_draws(config.max_batch_size, device, None)
         self._sequences: dict[str, Sequence] = {}

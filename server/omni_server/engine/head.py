@@ -16,9 +16,12 @@ life and nowhere else:
     size       profile_inputs / profile_sample: the heaviest step, for the KV budget
     graphs     capture_draws(max_rows, device, width): draws replayed from CUDA graphs
 
-A head that needs no inputs besides token ids returns None from the input methods. Whatever a
-head keeps per request lives in `seq.state` and survives preemption (a recomputed prompt never
-re-derives it).
+A head may also define `ready(seq) -> bool` (optional; without it every row is ready): a
+running request whose next decode row's input is not in yet (a talker awaiting the thinker's
+next text) sits the step out, keeping its KV blocks, and a waiting one (preempted: its recompute
+ends on that row) is not admitted yet (batcher.py). A head that needs no inputs besides
+token ids returns None from the input methods. Whatever a head keeps per request lives in
+`seq.state` and survives preemption (a recomputed prompt never re-derives it).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from omni_server.models.qwen3_omni.layers import (
     attend,
     rotary_cos_sin,
 )
-from omni_server.models.qwen3_omni.talker import Talker
+from omni_server.models.qwen3_omni.talker import CodePredictor, Talker
 from omni_server.models.qwen3_omni.thinker import Decoder, prompt_positions
 
 
@@ -68,7 +68,8 @@ def pick_rows(logits: torch.Tensor, rules: list[Rule]) -> torch.Tensor:
     out = torch.argmax(logits, dim=-1)
     for row, (temperature, top_k, top_p, generator) in enumerate(rules):
         if temperature > 0:
-            out[row] = sample(logits[row], temperature, int(top_k), float(top_p), generator)
+            row_logits = logits[row] if generator is None else logits[row].to(generator.device)
+            out[row] = sample(row_logits, temperature, int(top_k), float(top_p), generator)
     return out
 
 
@@ -154,29 +155,41 @@ def choose_code0s(talker: Talker, states: list[SpeechState]) -> list[int]:
 def complete(talker: Talker, states: list[SpeechState], code0s: list[int]) -> list[list[int]]:
     """Each row's frame [code 0, codes 1 .. G-1], the code predictor run once for all rows;
     leaves each row's summed code embeddings in `pending`."""
-    predictor = talker.code_predictor
     device = states[0].hidden.device
     first = talker.codec_embedding(torch.tensor(code0s, device=device)[:, None])  # [B, 1, h]
     hidden = torch.cat([s.hidden for s in states])  # [B, 1, h]
-    groups = len(predictor.lm_head) + 1
-    kv = KVCache.for_decoder(predictor.shape, groups, batch=len(states), like=hidden)
-    x, step_input, picked = torch.cat((hidden, first), dim=1), first.clone(), []
     rules: list[Rule] = [
         (s.sampling.temperature, s.sampling.predictor_top_k, s.sampling.predictor_top_p,
          s.generator)
         for s in states
     ]  # fmt: skip
+    picked, step_input = residual_codes(talker.code_predictor, hidden, first, rules)
+    codes: list[list[int]] = picked.tolist()  # [B, G - 1]: one host sync
+    for row, (state, code0) in enumerate(zip(states, code0s, strict=True)):
+        state.pending = step_input[row : row + 1]
+        state.first_codes.append(code0)
+    return [[code0, *rest] for code0, rest in zip(code0s, codes, strict=True)]
+
+
+def residual_codes(
+    predictor: CodePredictor,
+    hidden: torch.Tensor,  # [B, 1, h] the talker's last normed hidden state of each row
+    first: torch.Tensor,  # [B, 1, h] each row's code-0 embedding
+    rules: list[Rule],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes 1 .. G-1 of B frames [B, G - 1] (on the device) by one code predictor run over
+    all rows (a fresh KV cache of G positions), and each row's G code embeddings summed
+    [B, 1, h] (code 0's first, then in group order: the talker's next input, minus its text)."""
+    groups = len(predictor.lm_head) + 1
+    kv = KVCache.for_decoder(predictor.shape, groups, batch=hidden.shape[0], like=hidden)
+    x, step_input, picked = torch.cat((hidden, first), dim=1), first.clone(), []
     for g in range(groups - 1):
         out, _ = predictor.model(x, torch.arange(kv.length, kv.length + x.shape[1]), kv)
         ids = pick_rows(predictor.lm_head[g](out[:, -1]), rules)  # [B]
         picked.append(ids)
         x = predictor.codec_embedding[g](ids[:, None])  # [B, 1, h]
         step_input = step_input + x
-    codes: list[list[int]] = torch.stack(picked, dim=1).tolist()  # [B, G - 1]: one host sync
-    for row, (state, code0) in enumerate(zip(states, code0s, strict=True)):
-        state.pending = step_input[row : row + 1]
-        state.first_codes.append(code0)
-    return [[code0, *rest] for code0, rest in zip(code0s, codes, strict=True)]
+    return torch.stack(picked, dim=1), step_input
 
 
 @torch.no_grad()

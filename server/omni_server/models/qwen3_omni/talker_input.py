@@ -15,6 +15,7 @@ as the reference's `generate` builds them (one conversation, no padding).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -107,6 +108,28 @@ def talker_prompt(
 # ---- from the typed edge (handoff.py): what the talker stage builds as the thinker streams ----
 
 
+class _Width(Protocol):
+    @property
+    def hidden_size(self) -> int: ...
+
+
+class TalkerParts(Protocol):
+    """What the talker's input is built with: the plain-torch `Talker`, or the engine's
+    (engine/families/qwen3_omni_talker/model.py)."""
+
+    @property
+    def shape(self) -> _Width: ...
+
+    @property
+    def codec_embedding(self) -> nn.Module: ...
+
+    @property
+    def text_projection(self) -> nn.Module: ...
+
+    @property
+    def hidden_projection(self) -> nn.Module: ...
+
+
 def speaker_id(config: Qwen3OmniConfig, voice: str) -> int:
     """The codec id of a speaker (case-insensitive); ValueError naming the speakers else."""
     found = config.talker_ids.speakers.get(voice.lower())
@@ -118,7 +141,7 @@ def speaker_id(config: Qwen3OmniConfig, voice: str) -> int:
 
 @torch.no_grad()
 def tts_specials(
-    config: Qwen3OmniConfig, embed_tokens: nn.Embedding, talker: Talker
+    config: Qwen3OmniConfig, embed_tokens: nn.Embedding, talker: TalkerParts
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tts_bos, tts_eos, tts_pad) as the talker hears them, [1, 1, talker hidden] each."""
     specials = [config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id]
@@ -131,7 +154,7 @@ def tts_specials(
 def opening_prompt(
     config: Qwen3OmniConfig,
     embed_tokens: nn.Embedding,  # the thinker's input embedding table (only it)
-    talker: Talker,
+    talker: TalkerParts,
     prompt_ids: list[int],
     multimodal_hidden: torch.Tensor,  # [M, thinker hidden]: layer accept_hidden_layer there
     first_token: int,  # the thinker's first generated id

@@ -153,10 +153,16 @@ def thinker_weight_shapes(shape: LlamaShape, moe: DecoderShape) -> dict[str, tup
 
 
 def thinker_engine_weights(
-    tensors: TensorSource, shape: LlamaShape, moe: DecoderShape
+    tensors: TensorSource,
+    shape: LlamaShape,
+    moe: DecoderShape,
+    body: str = BODY,
+    head: str = HEAD,
+    embed: str = "embed_tokens.weight",
 ) -> LazyWeights:
     """Checkpoint tensors -> Qwen3OmniThinker.load_weights names (float32; Q / K rows and the
-    QK-norm weights in pair order; each sparse layer's experts stacked), read when asked."""
+    QK-norm weights in pair order; each sparse layer's experts stacked), read when asked.
+    `body` / `head` / `embed` (under body): another decoder of the same layout (the talker's)."""
     out = LazyWeights()
 
     def read(name: str, heads: int = 0) -> Callable[[], torch.Tensor]:
@@ -174,12 +180,12 @@ def thinker_engine_weights(
         names = [f"{prefix}{e}.{which}.weight" for e in range(moe.num_experts)]
         return lambda: torch.stack([tensors(n).float() for n in names])
 
-    out.add("embed", read(BODY + "embed_tokens.weight"))
-    out.add("norm", read(BODY + "norm.weight"))
-    out.add("lm_head", read(HEAD))
+    out.add("embed", read(body + embed))
+    out.add("norm", read(body + "norm.weight"))
+    out.add("lm_head", read(head))
     heads = {"wq": shape.num_heads, "wk": shape.num_kv_heads, "q_norm": 1, "k_norm": 1}
     for i in range(shape.num_layers):
-        w, ours = f"{BODY}layers.{i}.", f"layers.{i}."
+        w, ours = f"{body}layers.{i}.", f"layers.{i}."
         for theirs, name in ATTENTION_TENSORS.items():
             out.add(ours + name, read(w + theirs, heads.get(name, 0)))
         if moe.is_moe(i):
