@@ -4,18 +4,23 @@ For clients that speak only `wss://`: ElevenLabs' SDK builds its WebSocket URL w
 whatever its base URL says. The certificate is self-signed for 127.0.0.1; a client trusts it
 through `SSL_CERT_FILE` (which Python's default SSL context reads when it is created).
 
-Bytes are relayed as they come, both ways, by one asyncio loop on a thread of its own. Not a
-thread per direction: an `ssl.SSLSocket` read in one thread while written in another is one
-OpenSSL object used concurrently, which OpenSSL does not support (a TLS 1.3 read may write);
-it stalled a handshake in CI once. asyncio's TLS runs on memory BIOs in one thread.
+One thread a connection relays both directions, waiting on both sockets at once (selectors).
+Not a thread a direction: an `ssl.SSLSocket` read in one thread while written in another is one
+OpenSSL object used concurrently (OpenSSL's server writes its session tickets on the first read
+or write after the handshake), and CI saw a handshake stall that way. Nor asyncio's TLS: a
+client's request that arrives with its last handshake message sat unread in the SSL object
+until more bytes came (reproduced here about 1 run in 15), a 10 s stall for a client that
+waits for its answer. Here every read first takes what the SSL object already holds
+(`pending()`), then waits on the sockets.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import datetime
 import ipaddress
+import selectors
+import socket
 import ssl
 import threading
 from pathlib import Path
@@ -61,68 +66,95 @@ def self_signed_certificate(folder: Path) -> tuple[Path, Path]:
 class TlsProxy:
     """`https://127.0.0.1:{port}` in front of `http://{host}:{port}` (`upstream`)."""
 
+    POLL_S = 0.2  # how often an idle relay looks whether the proxy is closing
+
     def __init__(self, upstream: tuple[str, int], certificate: Path, key: Path) -> None:
         self._upstream = upstream
         self._context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self._context.load_cert_chain(certificate, key)
-        self._loop = asyncio.new_event_loop()
-        self._relays: set[asyncio.Task[None]] = set()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-        self._server = asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(10)
-        self.port = self._server.sockets[0].getsockname()[1]
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
         self.url = f"https://127.0.0.1:{self.port}"
+        self._closing = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
 
-    async def _listen(self) -> asyncio.Server:
-        return await asyncio.start_server(self._connect, "127.0.0.1", 0, ssl=self._context)
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            thread = threading.Thread(target=self._connect, args=(client,), daemon=True)
+            with self._lock:
+                self._threads.append(thread)
+            thread.start()
 
-    async def _connect(self, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter):
-        task = asyncio.current_task()
-        assert task is not None
-        self._relays.add(task)  # close() cancels what is still relaying
+    def _connect(self, client: socket.socket) -> None:
+        with contextlib.ExitStack() as ends:
+            ends.callback(client.close)
+            try:
+                client.settimeout(10)  # the handshake's bound
+                secure = self._context.wrap_socket(client, server_side=True)
+                ends.callback(secure.close)
+                upstream = socket.create_connection(self._upstream, timeout=10)
+                ends.callback(upstream.close)
+            except OSError:
+                return
+            with contextlib.suppress(OSError, ValueError):
+                self._relay(secure, upstream)
+
+    def _relay(self, secure: ssl.SSLSocket, upstream: socket.socket) -> None:
+        """Both directions until both have ended; a direction's end (EOF) is passed on as a
+        half close where the sink can take one (plain TCP), else the connection ends."""
+        secure.settimeout(self.POLL_S)  # a read waits for a whole record at most this long
+        upstream.settimeout(None)
+        selector = selectors.DefaultSelector()
+        with selector:
+            selector.register(secure, selectors.EVENT_READ)
+            selector.register(upstream, selectors.EVENT_READ)
+            open_ = {secure, upstream}
+            while open_ and not self._closing.is_set():
+                held = secure in open_ and secure.pending() > 0  # decrypted, not yet read
+                ready = [key.fileobj for key, _ in selector.select(0 if held else self.POLL_S)]
+                if held:
+                    ready.append(secure)
+                for source in dict.fromkeys(ready):
+                    if source not in open_:
+                        continue
+                    try:
+                        data = source.recv(65536)  # type: ignore[union-attr]
+                    except (TimeoutError, ssl.SSLWantReadError):
+                        continue  # a partial record: the rest comes with the next wake
+                    if data:
+                        self._send(upstream if source is secure else secure, data)
+                        continue
+                    open_.discard(source)  # type: ignore[arg-type]
+                    selector.unregister(source)
+                    if source is secure:
+                        upstream.shutdown(socket.SHUT_WR)  # the client is done sending
+                    else:
+                        return  # the server is done: TLS has no half close, end it whole
+
+    def _send(self, sink: socket.socket, data: bytes) -> None:
+        """All of `data`, however slowly the peer reads (the poll timeout is for reads)."""
+        timeout = sink.gettimeout()
+        sink.settimeout(None)
         try:
-            upstream_in, upstream_out = await asyncio.open_connection(*self._upstream)
-        except OSError:
-            client_out.close()
-            self._relays.discard(task)
-            return
-        try:
-            await asyncio.gather(
-                self._relay(client_in, upstream_out), self._relay(upstream_in, client_out)
-            )
+            sink.sendall(data)
         finally:
-            for end in (client_out, upstream_out):
-                end.close()
-            self._relays.discard(task)
-
-    @staticmethod
-    async def _relay(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-        """Copy until the source ends, then end the sink's writing half (the peer's FIN),
-        so the other direction runs until its own end."""
-        with contextlib.suppress(OSError, ConnectionError):
-            while data := await source.read(65536):
-                sink.write(data)
-                await sink.drain()
-        with contextlib.suppress(OSError, RuntimeError):
-            if sink.can_write_eof():
-                sink.write_eof()
-            else:
-                sink.close()  # a TLS stream has no half close: end it whole
-
-    async def _stop(self) -> None:
-        self._server.close()
-        for task in list(self._relays):
-            task.cancel()
-        await asyncio.gather(*self._relays, return_exceptions=True)
-        await self._server.wait_closed()
+            sink.settimeout(timeout)
 
     def close(self) -> None:
-        if self._loop.is_closed():
-            return
-        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        self._loop.close()
+        self._closing.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() waiting on it
+        self._listener.close()
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(timeout=10)
 
     def __enter__(self) -> TlsProxy:
         return self
