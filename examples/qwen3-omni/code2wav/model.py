@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,6 +42,7 @@ from omni_server.backend import (
 )
 from omni_server.contracts import SpeechOptions
 from omni_server.models.qwen3_omni.code2wav import Code2Wav, lookahead_frames
+from omni_server.models.qwen3_omni.folder import CheckpointFolderError, checkpoint_folder
 
 log = logging.getLogger("omni_server.examples.qwen3_omni.code2wav")
 
@@ -75,19 +75,6 @@ class Window:
     last: bool  # the stream's last window: keep to the decode's end
 
 
-def checkpoint_folder(parameters: Any) -> Path:
-    value = parameters.get("checkpoint")
-    if not isinstance(value, str) or not value:
-        raise StageConfigError(
-            "parameters.checkpoint is not set: serve with --parameters.checkpoint DIR "
-            "(a Qwen3-Omni checkpoint folder)"
-        )
-    folder = Path(value).expanduser().resolve()
-    if not folder.is_dir():
-        raise StageConfigError(f"checkpoint {folder}: no such folder")
-    return folder
-
-
 def stage_dtype(value: Any, device: str) -> torch.dtype:
     if value == "auto":
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
@@ -104,7 +91,10 @@ class Code2WavStage(StageBackend):
         params = context.parameters
         if context.device == "cpu":
             torch.set_num_threads(int(params.get("intra_op_threads", 1)))
-        folder = checkpoint_folder(context.repository_parameters)
+        try:
+            folder = checkpoint_folder(context.repository_parameters)
+        except CheckpointFolderError as err:
+            raise StageConfigError(str(err)) from err
         dtype = stage_dtype(params.get("dtype", "auto"), context.device)
         try:
             self.codec = Code2Wav.from_checkpoint(folder, dtype).to(context.device)

@@ -30,7 +30,6 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,6 +50,7 @@ from omni_server.engine.families.qwen3_omni_talker.model import Qwen3OmniTalker
 from omni_server.engine.sampling import SamplingParams
 from omni_server.engine.sequence import FinishReason, GenerationRequest, TokenEvent
 from omni_server.models.qwen3_omni.config import Qwen3OmniConfig
+from omni_server.models.qwen3_omni.folder import CheckpointFolderError, checkpoint_folder
 from omni_server.models.qwen3_omni.handoff import TalkerOpening, ThinkerTokens
 from omni_server.models.qwen3_omni.talker_batch import CodeSampling
 from omni_server.models.qwen3_omni.talker_input import opening_prompt, speaker_id
@@ -78,25 +78,15 @@ class Speech:
     sent: int = 0  # chunks sent to code2wav
 
 
-def checkpoint_folder(parameters: Any) -> Path:
-    value = parameters.get("checkpoint")
-    if not isinstance(value, str) or not value:
-        raise StageConfigError(
-            "parameters.checkpoint is not set: serve with --parameters.checkpoint DIR "
-            "(a Qwen3-Omni checkpoint folder)"
-        )
-    folder = Path(value).expanduser().resolve()
-    if not folder.is_dir():
-        raise StageConfigError(f"checkpoint {folder}: no such folder")
-    return folder
-
-
 class TalkerStage(StageBackend):
     def initialize(self, context: StageContext) -> None:
         params = context.parameters
         if context.device == "cpu":
             torch.set_num_threads(int(params.get("intra_op_threads", 1)))
-        folder = checkpoint_folder(context.repository_parameters)
+        try:
+            folder = checkpoint_folder(context.repository_parameters)
+        except CheckpointFolderError as err:
+            raise StageConfigError(str(err)) from err
         dtype = self._dtype(params.get("dtype", "auto"), context.device)
         try:
             config = EngineConfig.from_table(
