@@ -24,7 +24,8 @@ earlier ones have ended, as a service's users send them (`--concurrency ""`: ope
 only). Per level: TTFA p50/p95, RTF, audio seconds per second, requests per second, the share
 of streams that underrun (a listener who starts at the first byte runs out of audio); per
 server: the GPU's memory in use (nvidia-smi, peak while loaded). Tables to stdout and
-`OUT/higgs_serve.md`, everything in `OUT/higgs_serve.json` (each level's speech.json beside it).
+`OUT/higgs_serve.md`, everything in `OUT/higgs_serve.json` (each level's speech.json beside it;
+each server's log in `OUT/server-rN.log`).
 """
 
 from __future__ import annotations
@@ -192,7 +193,13 @@ def _level(args: argparse.Namespace, url: str, load: speech.Level, out: Path) ->
 
 
 def _serve(args: argparse.Namespace, replicas: str) -> dict[str, Any]:
-    server = OmniServer(args.repo, serve_args(args, replicas), ready_timeout_s=args.ready_timeout)
+    args.out.mkdir(parents=True, exist_ok=True)
+    server = OmniServer(
+        args.repo,
+        serve_args(args, replicas),
+        ready_timeout_s=args.ready_timeout,
+        log=args.out / f"server-r{replicas}.log",
+    )
     gpu = GpuMemory()
     with gpu:
         asyncio.run(server.start())
