@@ -93,6 +93,17 @@ async def test_index_load_unload_round_trip(control, aiohttp_client):
         ("/v2/repository/index", b"{not json", 400, None),
         ("/v2/repository/index", b'{"ready": "yes"}', 400, "ready"),
         ("/v2/repository/index", b'{"repository_name": "other"}', 404, "repository_name"),
+        # the probe's null (issue 42.5): no repository name, not the field left out
+        ("/v2/repository/index", b'{"repository_name": null}', 400, "repository_name"),
+        ("/v2/repository/index", b'{"repository_name": 0}', 400, "repository_name"),
+        ("/v2/repository/index", b'{"ready": null}', 400, "ready"),
+        ("/v2/repository/models/first/load", b'{"parameters": null}', 400, "parameters"),
+        (
+            "/v2/repository/models/first/unload",
+            b'{"parameters": {"unload_dependents": null}}',
+            400,
+            "parameters.unload_dependents",
+        ),
         (
             "/v2/repository/models/first/load",
             b'{"parameters": {"config": "{"}}',
