@@ -179,3 +179,72 @@ async def test_a_loads_config_lasts_until_the_models_next_load(control, aiohttp_
     assert (await client.post("/v2/repository/models/first/load")).status == 200
     assert control.plan.stages["a"].parameters == {}  # the files again
     assert control.generations()["first"] > version
+
+
+class GatedRuntime(Runtime):
+    """A real inline runtime whose start first waits for the test's gate: it holds a model in
+    LOADING as long as the test needs (the stand-in for a slow `initialize`)."""
+
+    def __init__(self, plan, gate):
+        super().__init__(plan, inline=True)
+        self._gate = gate
+
+    async def start(self) -> None:
+        await self._gate.wait()
+        await super().start()
+
+
+async def test_a_loading_model_answers_503_with_retry_after_on_its_routes(
+    control, aiohttp_client
+):
+    """Issue 42.4: requests naming a model whose load is under way got 404 model_not_found;
+    the model exists and is coming, so every route naming it says 503 `model_loading` with
+    Retry-After, and the index says LOADING, until the load answers and it serves."""
+    import asyncio
+
+    gate = asyncio.Event()
+
+    def runtime(plan):
+        return GatedRuntime(plan, gate) if "second" in plan.models else Runtime(plan, inline=True)
+
+    loading = ModelControl(
+        control.repository, mode=ControlMode.EXPLICIT, load=["first"], runtime=runtime
+    )
+    await loading.start()
+    try:
+        client = await aiohttp_client(create_app(loading))
+        call = asyncio.ensure_future(client.post("/v2/repository/models/second/load"))
+        for _ in range(200):  # until the load has compiled and started the generation
+            index = {e["name"]: e for e in loading.index()}
+            if index["second"]["state"] == "LOADING":
+                break
+            await asyncio.sleep(0.01)
+        assert index["second"]["state"] == "LOADING", index
+        speech = {"model": "second", "input": "hello", "voice": "v", "response_format": "pcm"}
+        chat = {"model": "second", "messages": [{"role": "user", "content": "hi"}]}
+        answers = [
+            await client.post("/v1/audio/speech", json=speech),
+            await client.post("/v1/chat/completions", json=chat),
+            await client.get("/v1/models/second"),
+            await client.get("/v1/audio/voices", params={"model": "second"}),
+            await client.get("/v1/realtime", params={"model": "second"}),
+        ]
+        for response in answers:
+            assert response.status == 503, (response.url, await response.text())
+            assert int(response.headers["Retry-After"]) > 0
+            error = (await response.json())["error"]
+            assert (error["code"], error["param"]) == ("model_loading", "model"), error
+            assert "loading" in error["message"]
+        listed = await (await client.get("/v1/models")).json()
+        assert [m["id"] for m in listed["data"]] == ["first"]  # what serves now
+        gone = await client.post("/v1/audio/speech", json={**speech, "model": "nope"})
+        assert gone.status == 404  # a name that is no model is still a 404
+
+        gate.set()
+        assert (await call).status == 200
+        assert {e["name"]: e["state"] for e in loading.index()}["second"] == "READY"
+        response = await client.post("/v1/audio/speech", json=speech)
+        assert response.status == 200 and len(await response.read()) == 3 * 480
+    finally:
+        gate.set()
+        await loading.stop()
