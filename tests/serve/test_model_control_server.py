@@ -9,6 +9,7 @@ that crossed a swap would show two values.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
 import subprocess
@@ -427,6 +428,21 @@ def test_explicit_mode_starts_with_the_named_models_and_guards_the_api(tmp_path)
         )
         assert status == 200, body
         assert _speak(client) == 42  # the load's config overrode the file
+        # issue 42.2: one call may not fork more processes than this machine has cores
+        workers = _workers(server)
+        too_many = len(os.sched_getaffinity(0)) + 1
+        status, body = _post(
+            server,
+            "/v2/repository/models/speaker/load",
+            {"parameters": {"config": {"processes.voice.num_replicas": too_many}}},
+            key=key,
+        )
+        assert status == 400, body
+        assert body["error"]["code"] == "invalid_repository"
+        assert "field 'processes.voice.num_replicas'" in body["error"]["message"]
+        assert "CPU core" in body["error"]["message"]
+        assert _workers(server) == workers  # nothing was started or stopped
+        assert _speak(client) == 42  # the loaded version serves on
         listed = subprocess.run(
             [
                 sys.executable,

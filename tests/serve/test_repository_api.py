@@ -194,9 +194,7 @@ class GatedRuntime(Runtime):
         await super().start()
 
 
-async def test_a_loading_model_answers_503_with_retry_after_on_its_routes(
-    control, aiohttp_client
-):
+async def test_a_loading_model_answers_503_with_retry_after_on_its_routes(control, aiohttp_client):
     """Issue 42.4: requests naming a model whose load is under way got 404 model_not_found;
     the model exists and is coming, so every route naming it says 503 `model_loading` with
     Retry-After, and the index says LOADING, until the load answers and it serves."""
@@ -248,3 +246,39 @@ async def test_a_loading_model_answers_503_with_retry_after_on_its_routes(
     finally:
         gate.set()
         await loading.stop()
+
+
+async def test_a_load_may_not_fork_more_processes_than_the_machine_has_cores(
+    control, aiohttp_client
+):
+    """Issue 42.2, the probe's body: `processes.<p>.num_replicas: 6` on a machine of two cores
+    is the compiler's 400 naming the file and field; nothing starts, the old version serves."""
+    from omni_server.compiler.compiler import compile_repository
+    from omni_server.compiler.plan import MachineFacts
+
+    machine = MachineFacts(cpus=2, memory_bytes=8 << 30)
+    bounded = ModelControl(
+        control.repository,
+        plan=compile_repository(control.repository, machine=machine),
+        mode=ControlMode.EXPLICIT,
+        load=["first"],
+        runtime=lambda plan: Runtime(plan, inline=True),
+    )
+    await bounded.start()
+    try:
+        client = await aiohttp_client(create_app(bounded))
+        version = bounded.generations()["first"]
+        body = {"parameters": {"config": {"processes.a.num_replicas": 6}}}
+        response = await client.post("/v2/repository/models/first/load", json=body)
+        assert response.status == 400
+        error = (await response.json())["error"]
+        assert error["code"] == "invalid_repository"
+        assert "repository.toml, field 'processes.a.num_replicas'" in error["message"]
+        assert "2 CPU cores" in error["message"] and "at most 2 replicas" in error["message"]
+        assert bounded.generations() == {"first": version}  # nothing was started
+        assert bounded.plan.processes["a"].num_replicas == 1
+        body = {"parameters": {"config": {"processes.a.num_replicas": 2}}}  # what fits
+        assert (await client.post("/v2/repository/models/first/load", json=body)).status == 200
+        assert bounded.plan.processes["a"].num_replicas == 2
+    finally:
+        await bounded.stop()
