@@ -32,6 +32,7 @@ from aiohttp import WSMsgType, web
 from omni_server.audio.vad import SpeechStarted, Utterance
 from omni_server.compiler.plan import ModelSpec, Plan
 from omni_server.serve.errors import ApiError
+from omni_server.serve.models import loading_models, model_loading
 from omni_server.serve.realtime.config import SessionConfig, check_no_tools
 from omni_server.serve.realtime.conversation import Conversation, Item, item_from_client
 from omni_server.serve.realtime.events import ServerEvents
@@ -88,7 +89,11 @@ async def realtime(request: web.Request) -> web.WebSocketResponse:
 
 def _realtime_model(plan: Plan, name: str | None) -> ModelSpec:
     models = [m for m in plan.models.values() if "realtime" in m.tasks]
+    if not models and name is None:  # the default model may be one being loaded
+        name = next((m.id for m in loading_models(plan) if "realtime" in m.tasks), None)
     if not models:
+        if name is not None and (loading := model_loading(plan, name)) is not None:
+            raise loading
         raise ApiError(
             404, "no model of this repository serves the realtime task", code="not_found"
         )
@@ -97,6 +102,8 @@ def _realtime_model(plan: Plan, name: str | None) -> ModelSpec:
     for model in models:
         if name == model.id or name in model.aliases:
             return model
+    if (loading := model_loading(plan, name)) is not None:
+        raise loading
     raise ApiError(
         404,
         f"no realtime model {name!r}; realtime models: {', '.join(m.id for m in models)}",
