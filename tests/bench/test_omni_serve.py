@@ -42,7 +42,7 @@ def test_the_gpu_command_line_holds_the_example_to_the_gpu(tmp_path):
     thinker, talker = stages["thinker"], stages["talker"]
     assert thinker["engine"]["dtype"] == "bfloat16"  # the example's [on_gpu], not the bench's
     assert thinker["engine"]["max_batch_size"] == talker["engine"]["max_batch_size"] == 64
-    assert thinker["engine"]["max_total_tokens"] == 24576  # 2 x 64 x (128 + 64)
+    assert thinker["engine"]["max_total_tokens"] == 16384  # 64 x (128 + 64) x 1.25
     assert thinker["parameters"]["ignore_eos"] is talker["parameters"]["ignore_eos"] is True
     assert talker["parameters"]["max_audio_seconds"] == 6.0
     assert config["parameters"]["checkpoint"] == str(tmp_path)
@@ -94,6 +94,7 @@ def test_a_short_run_reports_text_and_audio_per_level(tmp_path):
         assert lv["audio_seconds_per_second"] > 0 and lv["rtf"]["p50"] > 0
         spoken = [a["spoken"] for a in lv["answers"]]
         assert True in spoken and False in spoken  # written and spoken questions both
+        assert lv["by_question"]["spoken"]["first_audio"]["p50"] > 0
         for answer in lv["answers"]:
             # ignore_eos: every answer is --max-tokens tokens and --audio-seconds of speech (the
             # codec's last frame less its 555 lookahead samples, as one whole decode)

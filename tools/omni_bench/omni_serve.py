@@ -141,6 +141,8 @@ class Level:
     audio_seconds_per_second: float
     audio_seconds: dict[str, float]  # per request
     finish_reasons: dict[str, int]
+    # TTFT and first audio p50 / p95 of the written and of the spoken questions apart
+    by_question: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     answers: list[dict[str, Any]] = field(default_factory=list)
 
@@ -162,6 +164,15 @@ def summarize(concurrency: int, answers: list[Answer], wall: float) -> Level:
         audio_seconds_per_second=sum(a.audio_seconds for a in ok) / wall if wall > 0 else 0.0,
         audio_seconds=percentiles([a.audio_seconds for a in ok]),
         finish_reasons=finishes,
+        by_question={
+            kind: {
+                "ttft": percentiles([a.ttft for a in ok if a.spoken is spoken], (50, 95)),
+                "first_audio": percentiles(
+                    [a.first_audio for a in ok if a.spoken is spoken], (50, 95)
+                ),
+            }
+            for kind, spoken in (("written", False), ("spoken", True))
+        },
         errors=sorted({a.error for a in answers if a.error})[:5],
         answers=[asdict(a) for a in sorted(answers, key=lambda a: a.index)],
     )
@@ -276,11 +287,13 @@ def placement_overrides(repo: Path, gpu: bool) -> list[str]:
 
 
 def kv_tokens(args: argparse.Namespace) -> int:
-    """The thinker's pinned KV on the GPU: --kv-tokens, else twice the largest level's
-    requests at a 128-token prompt (a 2 s clip is ~26 rows) plus their answers, in 4096s."""
+    """The thinker's pinned KV on the GPU: --kv-tokens, else the largest level's requests at a
+    128-token prompt (a 2 s clip and its words are ~60) plus their answers, a quarter more, in
+    4096s. Small on purpose: the full-size thinker's ~57 GiB of weights leave ~4 GiB of its 45 %
+    of an H200 for the KV and the workspace (the example's 131072 tokens would need 12 GiB)."""
     if args.kv_tokens is not None:
         return int(args.kv_tokens)
-    need = 2 * max(args.levels) * (128 + args.max_tokens)
+    need = max(args.levels) * (128 + args.max_tokens) * 5 // 4
     return -(-need // 4096) * 4096
 
 
