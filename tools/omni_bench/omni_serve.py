@@ -1,5 +1,6 @@
-"""`omni-bench omni-serve`: Qwen3-Omni (examples/qwen3-omni) served over HTTP, chat with text
-and speech out, loaded closed loop by concurrency.
+"""`omni-bench omni-serve`: Qwen3-Omni served over HTTP, text and speech out, closed loop.
+
+examples/qwen3-omni served, chat with text and speech out, loaded closed loop by concurrency:
 
     omni-bench omni-serve --checkpoint DIR [--size tiny|full] [--gpu] [--concurrency 1,16,64]
         [--max-tokens 64] [--audio-seconds 6] [--rounds 2] [--out DIR] [-- SERVER ARGS]
@@ -428,7 +429,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--repo", type=Path, default=REPO, help=f"the Qwen3-Omni repository ({REPO})")
     p.add_argument(
-        "--checkpoint", type=Path, required=True, help="folder (a random one written if empty)"
+        "--checkpoint",
+        type=Path,
+        required=True,
+        help="the checkpoint folder (a random one written there if it has no config.json)",
     )
     p.add_argument("--size", choices=("tiny", "full"), default="full", help="when written (full)")
     p.add_argument(
