@@ -56,13 +56,9 @@ class ChildServer:
         self._ready_path = ready_path
         self._ready_timeout_s = ready_timeout_s
         self._cwd = cwd
-        # The child's log (kept at `log` when given: a device run's only witness of a failing
-        # server); it must outlive start(), so no `with`: stop() closes it.
-        self._log = (
-            tempfile.TemporaryFile()  # noqa: SIM115
-            if log is None
-            else open(log, "w+b")  # noqa: SIM115
-        )
+        # The child's log (stdout and stderr): at `log`, kept after the run, or a nameless
+        # temporary file. It must outlive start(), so no `with`: stop() closes it.
+        self._log = tempfile.TemporaryFile() if log is None else log.open("w+b")  # noqa: SIM115
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -191,7 +187,8 @@ class ServerLeftovers(RuntimeError):
 
 
 class OmniServer(ChildServer):
-    """`python -m omni_server --repo REPO --port PORT [args]`, ready on /health/ready."""
+    """`python -m omni_server --repo REPO --port PORT [args]`, ready on /health/ready; its log
+    kept at `log` when given."""
 
     def __init__(
         self,
