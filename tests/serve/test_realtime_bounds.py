@@ -105,6 +105,30 @@ async def test_an_item_of_15_mb_is_an_error_event_and_the_session_goes_on(app_cl
     await ws.close()
 
 
+async def test_a_lone_surrogate_is_an_error_event_and_the_session_goes_on(app_client):
+    """Issue 42 item 1: the probe's item (`"Hello \\ud800 there. "`) and the same in the
+    instructions are refused with the event, as HTTP refuses them (400 `invalid_value`), and
+    never reach the thinker; the session answers the next item."""
+    client = await app_client()
+    ws = await _session(client)
+    await ws.send_str(_item("Hello \ud800 there. ", "evt_surrogate"))
+    error = (await _until(ws, "error"))[-1]["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_value")
+    assert error["param"] == "item.content[0].text"
+    assert "unpaired UTF-16 surrogate (U+D800)" in error["message"]
+    update = {"type": "session.update", "session": {"instructions": "Be \udc00 brief."}}
+    await ws.send_str(json.dumps(update))
+    error = (await _until(ws, "error"))[-1]["error"]
+    assert error["param"] == "session.instructions" and "U+DC00" in error["message"]
+    await ws.send_str(_item("hello"))
+    await _until(ws, "conversation.item.done")
+    await ws.send_str(json.dumps({"type": "response.create"}))
+    done = (await _until(ws, "response.done"))[-1]["response"]
+    assert done["status"] == "completed"
+    assert done["output"][0]["content"][0]["transcript"] == "You said: hello"
+    await ws.close()
+
+
 async def test_the_whole_conversation_is_bounded_in_characters(app_client):
     client = await app_client(max_realtime_item_chars=1000, max_realtime_conversation_chars=2500)
     ws = await _session(client)

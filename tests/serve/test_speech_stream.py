@@ -214,6 +214,33 @@ async def test_an_idle_stream_is_closed_with_an_error(app_client):
     assert ws.close_code == 1008  # as ElevenLabs closes an idle socket
 
 
+@pytest.mark.timeout(60)
+async def test_a_lone_surrogate_is_refused_and_the_stream_goes_on(app_client):
+    """Issue 42 item 1: the probe's message is a 400 `invalid_value` naming `text` (as HTTP
+    answers it), the socket stays open, and the stream still speaks and ends whole."""
+    client = await app_client()
+    ws = await client.ws_connect(f"{PATH}?model={MODEL}&voice=hush")
+    await ws.send_str(json.dumps({"text": " "}))
+    await ws.send_str(json.dumps({"text": "Hello \ud800 there. "}))  # the probe's message
+    error = (await ws.receive_json(timeout=30))["error"]
+    assert (error["type"], error["code"], error["param"]) == (
+        "invalid_request_error",
+        "invalid_value",
+        "text",
+    )
+    assert "unpaired UTF-16 surrogate (U+D800)" in error["message"]
+    await ws.send_str(json.dumps({"text": "hello there.", "flush": True}))
+    await ws.send_str(json.dumps({"text": ""}))
+    messages, audio = await _messages_until(ws, lambda e: e.get("isFinal") is True)
+    assert all("error" not in m for m in messages), messages
+    assert audio  # the stand-in's silence: the sentence was spoken
+    assert (await ws.receive(timeout=30)).type in (
+        aiohttp.WSMsgType.CLOSE,
+        aiohttp.WSMsgType.CLOSED,
+    )
+    assert ws.close_code == 1000
+
+
 ELEVENLABS_PATH = speech_stream.ELEVENLABS_PATH.format(voice_id="hush")
 
 

@@ -53,6 +53,7 @@ from omni_server.serve.stream_settings import (
     Settings,
     read_settings,
 )
+from omni_server.serve.validation import check_json_text
 
 log = logging.getLogger(__name__)
 
@@ -178,17 +179,20 @@ class SpeechStream:
             await self._refuse('the text has ended ({"text": ""} was sent)', "stream_ended")
             return
         first, self._first = self._first, False
+        settled = not first
         try:
             if first:
                 settings = read_settings(
                     self.state, self._query, message, default_format=self._default_format
                 )
                 assert settings is not None
-                self.settings = settings
+                self.settings, settled = settings, True
             else:
                 read_settings(self.state, {}, message, only=_SPEAKING)
+            # a lone surrogate is refused here (the message only), never reaches a stage
+            check_json_text(message)
         except ApiError as err:
-            if first:  # a session without valid settings cannot speak: it ends here
+            if not settled:  # a session without valid settings cannot speak: it ends here
                 await self.fail(err)
                 return
             await self._send_error(err)
