@@ -173,6 +173,14 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> None:
         f"({d.max_realtime_sessions})",
     )
     live.add_argument(
+        "--max-speech-stream-sessions",
+        type=int,
+        default=d.max_speech_stream_sessions,
+        metavar="N",
+        help="speech input streams (/v1/audio/speech/stream-input) open at once; more are "
+        f"refused with 429 ({d.max_speech_stream_sessions})",
+    )
+    live.add_argument(
         "--max-realtime-item-chars",
         type=int,
         default=d.max_realtime_item_chars,
@@ -276,6 +284,7 @@ def _serve_options(opts: argparse.Namespace) -> ServeOptions:
             max_queued=opts.max_queued,
             queue_timeout_s=opts.queue_timeout,
             max_realtime_sessions=opts.max_realtime_sessions,
+            max_speech_stream_sessions=opts.max_speech_stream_sessions,
             max_realtime_item_chars=opts.max_realtime_item_chars,
             max_realtime_conversation_chars=opts.max_realtime_conversation_chars,
             header_timeout_s=opts.header_timeout,

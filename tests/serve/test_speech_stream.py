@@ -12,17 +12,22 @@ judged text has enough words that one misheard word stays under its bound. Eleve
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
+import socket
+import struct
 import wave
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pytest
 
 from omni_bench.wer import word_error_rate
 from omni_server.serve import speech_stream
+from omni_server.serve.state import STATE
 from tests.serve.inline import MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -239,6 +244,94 @@ async def test_a_lone_surrogate_is_refused_and_the_stream_goes_on(app_client):
         aiohttp.WSMsgType.CLOSED,
     )
     assert ws.close_code == 1000
+
+
+@pytest.mark.timeout(60)
+async def test_sessions_over_the_bound_are_refused_before_the_upgrade(app_client):
+    """Issue 42 item 3, scaled (the probe opened 200): with the bound at 3, a fourth socket is
+    refused with HTTP 429, OpenAI's error JSON and `Retry-After` before any upgrade, on both
+    paths; a place frees when a session closes."""
+    client = await app_client(max_speech_stream_sessions=3)
+    query = f"?model={MODEL}&voice=hush"
+    open_ = [await client.ws_connect(PATH + query) for _ in range(3)]
+    sessions = client.server.app[STATE].speech_streams
+    assert len(sessions) == 3
+    for path in (PATH, ELEVENLABS_PATH):
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await client.ws_connect(path + query)
+        assert refused.value.status == 429
+        assert refused.value.headers["Retry-After"] == "1"
+    upgrade = {
+        "Connection": "Upgrade",
+        "Upgrade": "websocket",
+        "Sec-WebSocket-Version": "13",
+        "Sec-WebSocket-Key": base64.b64encode(bytes(16)).decode(),
+    }
+    plain = await client.get(PATH + query, headers=upgrade)  # to read the refusal's body
+    assert plain.status == 429
+    error = (await plain.json())["error"]
+    assert (error["type"], error["code"]) == ("requests", "rate_limit_exceeded")
+    assert "--max-speech-stream-sessions" in error["message"]
+    await open_[0].close()
+    while len(sessions) > 2:  # the server lets go of the closed session
+        await asyncio.sleep(0.01)
+    again = await client.ws_connect(PATH + query)
+    await again.send_str(json.dumps({"text": "hello there.", "flush": True}))
+    await again.send_str(json.dumps({"text": ""}))
+    messages, _ = await _messages_until(again, lambda e: e.get("isFinal") is True)
+    assert all("error" not in m for m in messages), messages
+    for ws in (*open_[1:], again):
+        await ws.close()
+    while len(sessions):
+        await asyncio.sleep(0.01)
+
+
+def _masked_text_frame(payload: bytes) -> bytes:
+    """One client text frame (FIN, masked, 64-bit length) as RFC 6455 lays it out."""
+    mask = bytes([0x5A, 0xC3, 0x3C, 0xA5])
+    head = bytes([0x81, 0x80 | 127]) + struct.pack(">Q", len(payload))
+    tiled = np.frombuffer(mask * (len(payload) // 4 + 1), np.uint8)[: len(payload)]
+    return head + mask + (np.frombuffer(payload, np.uint8) ^ tiled).tobytes()
+
+
+def _send_then_read_close(port: int, path: str, frame: bytes) -> tuple[int, bytes]:
+    """A blocking client (as the probe's): upgrade, send the whole frame, then read the
+    server's close frame: (its code, its reason). A reset connection raises."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        key = base64.b64encode(bytes(16)).decode()
+        sock.sendall(
+            f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+            "Sec-WebSocket-Version: 13\r\n\r\n".encode()
+        )
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += sock.recv(4096)
+        assert head.startswith(b"HTTP/1.1 101"), head
+        sock.sendall(frame)  # a reset (the server closing with the frame unread) raises here
+        data = b""
+        while len(data) < 2 or len(data) < 2 + (data[1] & 0x7F):
+            more = sock.recv(4096)
+            if not more:
+                break
+            data += more
+    assert data[0] == 0x88, data[:8]  # FIN + close
+    body = data[2 : 2 + (data[1] & 0x7F)]
+    return struct.unpack(">H", body[:2])[0], body[2:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", [70 << 10, 1 << 20, 16 << 20], ids=["70KiB", "1MiB", "16MiB"])
+async def test_an_oversized_message_closes_with_1009_and_its_reason(app_client, size):
+    """Issue 42 item 5: the probe's sizes. Each closes with 1009 and a reason naming the bound;
+    the 16 MiB frame, which the server refuses at its header while the client is still sending,
+    no longer resets the connection (the close lingers, serve/websocket.py)."""
+    client = await app_client()
+    frame = _masked_text_frame(json.dumps({"text": "x" * size}).encode())
+    path = f"{PATH}?model={MODEL}&voice=hush"
+    code, reason = await asyncio.to_thread(_send_then_read_close, client.server.port, path, frame)
+    assert code == 1009
+    assert reason == f"message too big: at most {speech_stream.MAX_MESSAGE_BYTES} bytes".encode()
 
 
 ELEVENLABS_PATH = speech_stream.ELEVENLABS_PATH.format(voice_id="hush")
