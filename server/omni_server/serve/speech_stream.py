@@ -310,7 +310,10 @@ class SpeechStream:
         )
         inputs = speech_payload(text, speech)
         try:
-            async with admitted(state, model), submitted(state, model, inputs) as handle:
+            async with (
+                admitted(state, model),
+                submitted(state, model, inputs, errors=request_error) as handle,
+            ):
                 try:
                     async for chunk in handle:
                         audio = chunk.get("audio") if isinstance(chunk, dict) else None
