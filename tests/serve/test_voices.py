@@ -28,7 +28,7 @@ from aiohttp import FormData
 from aiohttp.test_utils import TestClient
 from openai import AsyncOpenAI, NotFoundError
 
-from omni_server.audio import decode
+from omni_server.audio import AudioEncoder, decode
 from omni_server.compiler.compiler import compile_repository
 from omni_server.contracts import SpeechOptions, speech_payload
 from omni_server.pipeline import PipelineError, Runtime
@@ -416,6 +416,34 @@ async def test_a_bad_clip_is_refused_naming_file(app_client, data_dir, clip, cod
     error = (await response.json())["error"]
     assert (error["param"], error["code"]) == ("file", code), error
     assert list((data_dir / "voices").iterdir()) == []
+
+
+def ogg_clip(seconds: float = 3.0, rate: int = 48000) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    encoder = AudioEncoder("opus", rate, streaming=False)
+    try:
+        tone = (0.4 * np.sin(2 * np.pi * CLIP_HZ * t)).astype(np.float32)
+        return encoder.encode(tone) + encoder.finish()
+    finally:
+        encoder.close()
+
+
+@pytest.mark.parametrize("cut", ["page", "mid-page"])
+async def test_a_truncated_clip_is_refused_as_transcription_refuses_it(app_client, cut):
+    """Issue 42 item 5: an Ogg clip cut short (at a page boundary: every page whole, the last
+    without end-of-stream; or inside a page) still decodes up to the cut; the upload checks it
+    whole with transcription's check (audio.containers.cut_short): 400 naming the part."""
+    whole = ogg_clip()
+    pages = [i for i in range(len(whole)) if whole.startswith(b"OggS", i)]
+    truncated = whole[: pages[-2]] if cut == "page" else whole[: pages[-2] + 40]
+    client = await app_client()
+    response = await client.post("/v1/audio/voices", data=voice_form(file=truncated))
+    assert response.status == 400
+    error = (await response.json())["error"]
+    assert (error["param"], error["code"]) == ("file", "invalid_audio"), error
+    assert "truncated" in error["message"]
+    accepted = await client.post("/v1/audio/voices", data=voice_form(file=whole))
+    assert accepted.status == 200, await accepted.text()  # the same clip whole is a voice
 
 
 @pytest.mark.parametrize(
