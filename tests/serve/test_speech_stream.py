@@ -16,18 +16,16 @@ import asyncio
 import base64
 import io
 import json
-import socket
-import struct
 import wave
 from typing import Any
 
 import aiohttp
-import numpy as np
 import pytest
 
 from omni_bench.wer import word_error_rate
 from omni_server.serve import speech_stream
 from omni_server.serve.state import STATE
+from tests.helpers.raw_websocket import masked_text_frame, send_then_read_close
 from tests.serve.inline import MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -286,40 +284,6 @@ async def test_sessions_over_the_bound_are_refused_before_the_upgrade(app_client
         await asyncio.sleep(0.01)
 
 
-def _masked_text_frame(payload: bytes) -> bytes:
-    """One client text frame (FIN, masked, 64-bit length) as RFC 6455 lays it out."""
-    mask = bytes([0x5A, 0xC3, 0x3C, 0xA5])
-    head = bytes([0x81, 0x80 | 127]) + struct.pack(">Q", len(payload))
-    tiled = np.frombuffer(mask * (len(payload) // 4 + 1), np.uint8)[: len(payload)]
-    return head + mask + (np.frombuffer(payload, np.uint8) ^ tiled).tobytes()
-
-
-def _send_then_read_close(port: int, path: str, frame: bytes) -> tuple[int, bytes]:
-    """A blocking client (as the probe's): upgrade, send the whole frame, then read the
-    server's close frame: (its code, its reason). A reset connection raises."""
-    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
-        key = base64.b64encode(bytes(16)).decode()
-        sock.sendall(
-            f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
-            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
-            "Sec-WebSocket-Version: 13\r\n\r\n".encode()
-        )
-        head = b""
-        while b"\r\n\r\n" not in head:
-            head += sock.recv(4096)
-        assert head.startswith(b"HTTP/1.1 101"), head
-        sock.sendall(frame)  # a reset (the server closing with the frame unread) raises here
-        data = b""
-        while len(data) < 2 or len(data) < 2 + (data[1] & 0x7F):
-            more = sock.recv(4096)
-            if not more:
-                break
-            data += more
-    assert data[0] == 0x88, data[:8]  # FIN + close
-    body = data[2 : 2 + (data[1] & 0x7F)]
-    return struct.unpack(">H", body[:2])[0], body[2:]
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("size", [70 << 10, 1 << 20, 16 << 20], ids=["70KiB", "1MiB", "16MiB"])
 async def test_an_oversized_message_closes_with_1009_and_its_reason(app_client, size):
@@ -327,9 +291,9 @@ async def test_an_oversized_message_closes_with_1009_and_its_reason(app_client, 
     the 16 MiB frame, which the server refuses at its header while the client is still sending,
     no longer resets the connection (the close lingers, serve/websocket.py)."""
     client = await app_client()
-    frame = _masked_text_frame(json.dumps({"text": "x" * size}).encode())
+    frame = masked_text_frame(json.dumps({"text": "x" * size}).encode())
     path = f"{PATH}?model={MODEL}&voice=hush"
-    code, reason = await asyncio.to_thread(_send_then_read_close, client.server.port, path, frame)
+    code, reason = await asyncio.to_thread(send_then_read_close, client.server.port, path, frame)
     assert code == 1009
     assert reason == f"message too big: at most {speech_stream.MAX_MESSAGE_BYTES} bytes".encode()
 
