@@ -163,7 +163,7 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help=f"longest wait for a place before 429 ({d.queue_timeout_s:g})",
     )
-    live = parser.add_argument_group("realtime (per server, per session)")
+    live = parser.add_argument_group("realtime and speech input streams (per server, per session)")
     live.add_argument(
         "--max-realtime-sessions",
         type=int,
