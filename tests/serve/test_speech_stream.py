@@ -126,6 +126,7 @@ async def test_bad_messages_get_an_error_and_the_stream_goes_on(server, client):
             ('{"text": "hi", "frobnicate": 1}', "unknown_parameter", "frobnicate"),
             ('{"text": "hi", "voice": "joe"}', "unknown_parameter", "voice"),  # first only
             ('{"text": "x", "flush": "yes"}', "invalid_type", "flush"),
+            ('{"text": "Hello \\ud800 there. "}', "invalid_value", "text"),  # issue 42 item 1
         ]
         for raw, code, param in bad:
             await ws.send_str(raw)
