@@ -164,7 +164,7 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help=f"longest wait for a place before 429 ({d.queue_timeout_s:g})",
     )
-    live = parser.add_argument_group("realtime (per server, per session)")
+    live = parser.add_argument_group("realtime and speech input streams (per server, per session)")
     live.add_argument(
         "--max-realtime-sessions",
         type=int,
@@ -172,6 +172,14 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="realtime sessions open at once; more are refused with 429 "
         f"({d.max_realtime_sessions})",
+    )
+    live.add_argument(
+        "--max-speech-stream-sessions",
+        type=int,
+        default=d.max_speech_stream_sessions,
+        metavar="N",
+        help="speech input streams (/v1/audio/speech/stream-input) open at once; more are "
+        f"refused with 429 ({d.max_speech_stream_sessions})",
     )
     live.add_argument(
         "--max-realtime-item-chars",
@@ -277,6 +285,7 @@ def _serve_options(opts: argparse.Namespace) -> ServeOptions:
             max_queued=opts.max_queued,
             queue_timeout_s=opts.queue_timeout,
             max_realtime_sessions=opts.max_realtime_sessions,
+            max_speech_stream_sessions=opts.max_speech_stream_sessions,
             max_realtime_item_chars=opts.max_realtime_item_chars,
             max_realtime_conversation_chars=opts.max_realtime_conversation_chars,
             header_timeout_s=opts.header_timeout,

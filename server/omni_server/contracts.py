@@ -99,6 +99,23 @@ def _check_seed(seed: Any) -> None:
         raise ValueError(f"seed must be an integer in 0..{MAX_SEED} or None; got {seed!r}")
 
 
+def text_problem(text: str) -> str | None:
+    """What makes `text` no text a codec can carry, as the end of a sentence naming it, or None.
+
+    JSON may carry a lone UTF-16 surrogate (`"\\ud800"`); Python decodes it into a `str` that
+    no UTF-8 encoder, tokenizer or phonemizer accepts. The one check of text from a client:
+    the server's edges (serve/validation.py: HTTP bodies, WebSocket messages, realtime
+    events) and the stages that encode text (`backend.checked_text`) word it alike."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (
+            f"has an unpaired UTF-16 surrogate (U+{ord(text[exc.start]):04X}) at character "
+            f"{exc.start}; send valid Unicode text"
+        )
+    return None
+
+
 def _check_text(name: str, value: Any, *, optional: bool = False) -> None:
     if value is None and optional:
         return

@@ -143,6 +143,9 @@ async def test_request_schemas_are_the_models_that_validate_them(
     assert set(served["required"]) == {name for name, f in fields.items() if f.is_required()}
     if path == "/v1/audio/speech":
         assert "voice" in served["required"]  # as at OpenAI, whatever the default_voice
+    if path == "/v1/audio/voices":  # issue 42 item 5: the name, and the clip under either name
+        assert served["required"] == ["name"]
+        assert served["anyOf"] == [{"required": ["audio_sample"]}, {"required": ["file"]}]
     assert served["additionalProperties"] is False
     refs = {ref for ref in json.dumps(served).split('"') if ref.startswith("#/components/")}
     for ref in refs:
