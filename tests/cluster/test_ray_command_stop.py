@@ -161,9 +161,11 @@ def _sigterm_drains_and_leaves_nothing(root: Path, log: Path) -> None:
         mapped = mapped_segments([proc.pid, *family])
         assert run_ids, "no stage process was found under the command"
         proc.send_signal(signal.SIGTERM)
+        signalled_at = time.monotonic()
         refusal = _first_refusal(url, timeout=60)
         listener.join(GRACE_S + 30)
         code = proc.wait(EXIT_TIMEOUT_S)
+        exited_at = time.monotonic()
         deadline = time.monotonic() + LEFT_OVER_WAIT_S
         while any(alive(p) for p in family) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -174,6 +176,12 @@ def _sigterm_drains_and_leaves_nothing(root: Path, log: Path) -> None:
             listener.join(5)
         _kill(proc, family)
     tail = log.read_text(errors="replace")[-4000:]
+    refused_after = (refusal[1] if refusal else signalled_at) - signalled_at
+    print(  # what the stop took here (pytest -s shows it): not asserted, the machine's load is
+        f"SIGTERM -> first refusal {refused_after:.2f} s, "
+        f"-> the stream's end {stream.last_chunk_at - signalled_at:.2f} s, "
+        f"-> exit {exited_at - signalled_at:.2f} s"
+    )
     # the stream in flight at SIGTERM went on to its end, after the drain had begun
     assert stream.completed and not stream.error, (stream, tail)
     assert refusal is not None, f"no request was refused during the stop:\n{tail}"

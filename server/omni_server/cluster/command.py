@@ -41,6 +41,9 @@ APP_NAME = "omni-server"
 # Beyond the replicas' own drain (the grace, then the cancelled requests' wait): their reports'
 # way back to the command on a loaded machine. Past it the command stops them regardless.
 DRAIN_SLACK_S = 10.0
+# After the drain: Serve's graceful stop of each replica (its graceful_shutdown_timeout_s, 20 s
+# by default, then each pipeline's stop), Serve's own shutdown and the local Ray instance's.
+SERVE_STOP_S = 60.0
 
 
 def door_options(options: ServeOptions, host: str) -> ServeOptions:
@@ -102,6 +105,7 @@ def run(
         )
         stop.wait()
         log.info("omni-server stopping")
+        _exit_if_stuck(options.shutdown_grace_s)
         _drain(stop_signal, options.shutdown_grace_s)
         serve.delete(APP_NAME)  # each replica's __del__ stops its pipeline
         if started_cluster:
@@ -115,6 +119,26 @@ def run(
 def _stop_on_signals(stop: threading.Event) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+
+
+def _exit_if_stuck(grace_s: float) -> None:
+    """Exit 1 if the stop outlives its bound instead of hanging: Serve's calls wait forever
+    once Ray's own processes are gone, as when SIGTERM went to the whole process group
+    (systemd's default KillMode=control-group; docs/scaling.md)."""
+    bound = grace_s + CANCEL_WAIT_S + 2 * DRAIN_SLACK_S + SERVE_STOP_S
+
+    def give_up() -> None:
+        log.error(
+            "omni-server ray: the stop did not finish in %g s (were Ray's processes stopped "
+            "too? see docs/scaling.md); exiting",
+            bound,
+        )
+        logging.shutdown()
+        os._exit(1)
+
+    timer = threading.Timer(bound, give_up)
+    timer.daemon = True  # a stop that finishes in time exits as usual
+    timer.start()
 
 
 def _drain(stop_signal: ray.actor.ActorHandle, grace_s: float) -> None:
