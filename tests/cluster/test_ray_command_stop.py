@@ -2,10 +2,11 @@
 
 The real command in a process of its own (its own local Ray instance, Serve's proxy on a free
 port, one pipeline replica of the embedded repository, Ray's temp directory and TMPDIR private
-to the test, as in conftest.py): a streamed speech request is running when SIGTERM arrives. The
-stop is the single-host server's: the stream goes on to its end, a new request meanwhile gets
+to the test, as in conftest.py). A streamed speech request is running when SIGTERM arrives: the
+stop is the single-host server's, the stream goes on to its end, a new request meanwhile gets
 the replica's own 503 (OpenAI's error JSON, Retry-After), the command exits 0, and nothing of it
 is left: no process, no segment of the replica's pipeline, no run directory, the port free.
+SIGTERM while the replica's pipeline is still starting stops it as cleanly.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx2
@@ -83,15 +85,6 @@ def _stream_speech(url: str, out: Stream, first_chunk: threading.Event) -> None:
         first_chunk.set()
 
 
-def _wait_ready(proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while "omni-server ready on" not in log.read_text(errors="replace"):
-        tail = log.read_text(errors="replace")[-4000:]
-        assert proc.poll() is None, f"omni-server ray exited with {proc.returncode}:\n{tail}"
-        assert time.monotonic() < deadline, f"not ready after {READY_TIMEOUT_S} s:\n{tail}"
-        time.sleep(0.5)
-
-
 def _first_refusal(url: str, timeout: float) -> tuple[httpx2.Response, float] | None:
     """A new request, again and again from SIGTERM on, until one is refused: that one, and when."""
     deadline = time.monotonic() + timeout
@@ -114,68 +107,132 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _kill(proc: subprocess.Popen, family: list[int]) -> None:
-    """Teardown whatever the outcome: SIGKILL to what is left of the command."""
-    for pid in [proc.pid, *family]:
-        if alive(pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+def _naming(root: Path) -> list[int]:
+    """The live processes whose command line names `root`."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        pid = int(entry.name)
+        if str(root) in command_of(pid) and alive(pid):
+            found.append(pid)
+    return found
 
 
-def test_sigterm_drains_the_stream_refuses_new_requests_and_leaves_nothing(tmp_path):
-    root = Path(tempfile.mkdtemp(prefix="rb24-", dir="/tmp"))  # short: Ray's socket paths
-    try:
-        _sigterm_drains_and_leaves_nothing(root, tmp_path / "ray.log")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+@dataclass
+class Command:
+    """`omni-server ray` in a process group of its own, with Ray's temp directory and TMPDIR
+    under `root`; `stopped()` is what was left once it exited."""
+
+    proc: subprocess.Popen
+    root: Path
+    log: Path
+    port: int
+    family: list[int] = field(default_factory=list)  # its descendants when it was signalled
+    run_ids: set[str] = field(default_factory=set)  # the runs of its stage processes by then
+    mapped: set[str] = field(default_factory=set)  # the segments its processes mapped by then
+
+    @classmethod
+    def start(cls, root: Path, log: Path) -> Command:
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"TMPDIR": str(root)}
+        port = free_port()
+        command = [sys.executable, "-m", "omni_server", "ray", "--repo", str(REPOSITORY)]
+        command += ["--port", str(port), "--api-key", API_KEY, "--shutdown-grace", str(GRACE_S)]
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [*command, *OVERRIDES],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                env=env,
+                start_new_session=True,  # its own process group: a stray child is still found
+            )
+        return cls(proc, root, log, port)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while "omni-server ready on" not in self.log.read_text(errors="replace"):
+            assert self.proc.poll() is None, f"exited with {self.proc.returncode}:\n{self.tail()}"
+            assert time.monotonic() < deadline, f"not ready in {READY_TIMEOUT_S} s:\n{self.tail()}"
+            time.sleep(0.5)
+
+    def sigterm(self) -> None:
+        """SIGTERM, noting first what it must leave nothing of."""
+        self.family = descendants(self.proc.pid)
+        self.run_ids = worker_run_ids(self.family)
+        self.mapped = mapped_segments([self.proc.pid, *self.family])
+        self.proc.send_signal(signal.SIGTERM)
+
+    def exit_code(self) -> int:
+        return self.proc.wait(EXIT_TIMEOUT_S)
+
+    def left_over(self) -> list[str]:
+        """What outlived the command: processes, segments of its runs, run directories, a
+        listener on its port. Ray's own processes may take a moment to go after it exits."""
+        deadline = time.monotonic() + LEFT_OVER_WAIT_S
+        while any(alive(p) for p in self.family) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [f"process {p}: {command_of(p)}" for p in self.family if alive(p)]
+        # one started after SIGTERM is not in the family: every process of ours names the root
+        # in its command line (the stage processes their run directory, Ray's its session's)
+        left += [
+            f"process {p}: {command_of(p)}" for p in _naming(self.root) if p not in self.family
+        ]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, 0)  # the group outlives its leader while a member lives
+            left.append(f"a process of its group {self.proc.pid}")
+        names = self.mapped.union(*(run_segments(r) for r in self.run_ids))
+        left += [f"/dev/shm/{n}" for n in sorted(names) if (SHM / n).exists()]
+        left += [f"run directory {p}" for p in sorted(self.root.glob("omni-run-*"))]
+        if not _port_free(self.port):
+            left.append(f"a listener on port {self.port}")
+        return left
+
+    def kill(self) -> None:
+        """Teardown whatever the outcome: SIGKILL to what is left of the command."""
+        for pid in [self.proc.pid, *self.family, *descendants(self.proc.pid)]:
+            if alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
 
-def _sigterm_drains_and_leaves_nothing(root: Path, log: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"TMPDIR": str(root)}
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "omni_server", "ray", "--repo", str(REPOSITORY)]
-    command += ["--port", str(port), "--api-key", API_KEY, "--shutdown-grace", str(GRACE_S)]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [*command, *OVERRIDES],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            env=env,
-            start_new_session=True,  # its own process group: a stray child is still found
-        )
-    family: list[int] = []
+@pytest.fixture
+def root() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="rb24-", dir="/tmp"))  # short: Ray's socket paths
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_sigterm_drains_the_stream_refuses_new_requests_and_leaves_nothing(root, tmp_path):
+    command = Command.start(root, tmp_path / "ray.log")
     stream, first_chunk = Stream(), threading.Event()
-    listener = threading.Thread(target=_stream_speech, args=(url, stream, first_chunk))
+    listener = threading.Thread(target=_stream_speech, args=(command.url, stream, first_chunk))
     try:
-        _wait_ready(proc, log)
+        command.wait_ready()
         listener.start()
         assert first_chunk.wait(GRACE_S) and stream.status == 200, stream
-        family = descendants(proc.pid)
-        run_ids = worker_run_ids(family)
-        mapped = mapped_segments([proc.pid, *family])
-        assert run_ids, "no stage process was found under the command"
-        proc.send_signal(signal.SIGTERM)
+        command.sigterm()
+        assert command.run_ids, "no stage process was found under the command"
         signalled_at = time.monotonic()
-        refusal = _first_refusal(url, timeout=60)
+        refusal = _first_refusal(command.url, timeout=60)
         listener.join(GRACE_S + 30)
-        code = proc.wait(EXIT_TIMEOUT_S)
+        code = command.exit_code()
         exited_at = time.monotonic()
-        deadline = time.monotonic() + LEFT_OVER_WAIT_S
-        while any(alive(p) for p in family) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = [(p, command_of(p)) for p in family if alive(p)]
-        group_alive = _group_exists(proc.pid)
+        left = command.left_over()
     finally:
         if listener.is_alive():
             listener.join(5)
-        _kill(proc, family)
-    tail = log.read_text(errors="replace")[-4000:]
+        command.kill()
+    tail = command.tail()
     refused_after = (refusal[1] if refusal else signalled_at) - signalled_at
     print(  # what the stop took here (pytest -s shows it): not asserted, the machine's load is
         f"SIGTERM -> first refusal {refused_after:.2f} s, "
@@ -194,18 +251,26 @@ def _sigterm_drains_and_leaves_nothing(root: Path, log: Path) -> None:
     assert response.headers["X-Omni-Replica"]
     assert code == 0, tail
     assert "omni-server stopped" in tail
-    assert left == [], left
-    assert not group_alive, "a process of the command's group outlived it"
-    names = mapped.union(*(run_segments(r) for r in run_ids))
-    assert sorted(n for n in names if (SHM / n).exists()) == []
-    assert sorted(p.name for p in root.glob("omni-run-*")) == []
-    assert _port_free(port)
+    assert left == []
 
 
-def _group_exists(pgid: int) -> bool:
-    """The group outlives its leader while a member lives."""
+def test_sigterm_while_the_replica_starts_stops_it_and_leaves_nothing(root, tmp_path):
+    """A stop during a start (a rollout that gives up on a pod still loading) is not held up
+    until every replica serves: the replica's start is cancelled and reaped like a running one."""
+    command = Command.start(root, tmp_path / "ray.log")
     try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not worker_run_ids(descendants(command.proc.pid)):  # the pipeline is starting
+            assert command.proc.poll() is None, command.tail()
+            assert time.monotonic() < deadline, f"no stage process started:\n{command.tail()}"
+            time.sleep(0.1)
+        command.sigterm()
+        code = command.exit_code()
+        left = command.left_over()
+    finally:
+        command.kill()
+    tail = command.tail()
+    assert "omni-server ready on" not in tail  # stopped while starting, not waited for
+    assert code == 0, tail
+    assert "omni-server stopped" in tail
+    assert left == []

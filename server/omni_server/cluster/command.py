@@ -26,6 +26,7 @@ from dataclasses import replace
 
 import ray
 from ray import serve
+from ray.serve import Application
 
 from omni_server.cluster.deployment import pipeline_app
 from omni_server.cluster.resources import Scaling, actor_options
@@ -44,6 +45,7 @@ DRAIN_SLACK_S = 10.0
 # After the drain: Serve's graceful stop of each replica (its graceful_shutdown_timeout_s, 20 s
 # by default, then each pipeline's stop), Serve's own shutdown and the local Ray instance's.
 SERVE_STOP_S = 60.0
+DEPLOY_POLL_S = 0.2  # how often the main thread looks whether the deployment has finished
 
 
 def door_options(options: ServeOptions, host: str) -> ServeOptions:
@@ -96,13 +98,16 @@ def run(
         )
         serve.start(http_options={"host": host, "port": port})
         try:
-            serve.run(app, name=APP_NAME, route_prefix="/")
+            if _deployed(app, stop):
+                log.info(
+                    "omni-server ready on http://%s:%d (Ray Serve, %s)",
+                    host,
+                    port,
+                    _replicas(scaling),
+                )
         except RuntimeError as exc:  # a replica that cannot start (Serve's deploy failure)
             log.error("the application failed to deploy: %s", exc)
             return 1
-        log.info(
-            "omni-server ready on http://%s:%d (Ray Serve, %s)", host, port, _replicas(scaling)
-        )
         stop.wait()
         log.info("omni-server stopping")
         _exit_if_stuck(options.shutdown_grace_s)
@@ -119,6 +124,28 @@ def run(
 def _stop_on_signals(stop: threading.Event) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+
+
+def _deployed(app: Application, stop: threading.Event) -> bool:
+    """Deploy `app`: True once every replica serves, False when a stop signal came first (the
+    replicas still starting are then stopped with the others, not awaited for minutes).
+    Raises serve.run's RuntimeError when the deployment fails."""
+    outcome: list[BaseException | None] = []
+
+    def deploy() -> None:
+        try:
+            serve.run(app, name=APP_NAME, route_prefix="/")
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001  handed to the main thread, which raises it
+            outcome.append(exc)
+
+    threading.Thread(target=deploy, name="serve-run", daemon=True).start()
+    while not outcome:
+        if stop.wait(DEPLOY_POLL_S):
+            return False
+    if outcome[0] is not None:
+        raise outcome[0]
+    return True
 
 
 def _exit_if_stuck(grace_s: float) -> None:
