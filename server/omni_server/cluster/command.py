@@ -149,9 +149,9 @@ def _deployed(app: Application, stop: threading.Event) -> bool:
 
 
 def _exit_if_stuck(grace_s: float) -> None:
-    """Exit 1 if the stop outlives its bound instead of hanging: Serve's calls wait forever
-    once Ray's own processes are gone, as when SIGTERM went to the whole process group
-    (systemd's default KillMode=control-group; docs/scaling.md)."""
+    """Exit 1 if the stop outlives its bound instead of hanging: Serve's calls block once Ray's
+    own processes are gone, as when SIGTERM went to the whole process group (systemd's default
+    KillMode=control-group; docs/scaling.md), and a replica may never report drained."""
     bound = grace_s + CANCEL_WAIT_S + 2 * DRAIN_SLACK_S + SERVE_STOP_S
 
     def give_up() -> None:
