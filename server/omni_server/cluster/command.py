@@ -92,7 +92,7 @@ def run(
         ray.init(address=address, logging_level=logging.WARNING)
     _stop_on_signals(stop)  # ray.init replaced our SIGTERM handler with its own
     try:
-        stop_signal = StopSignal.remote()  # type: ignore[attr-defined]
+        stop_signal = StopSignal.remote()
         app = pipeline_app(
             repo, overrides, door_options(options, host), scaling, stop_signal=stop_signal
         )

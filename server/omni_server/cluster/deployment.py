@@ -17,7 +17,6 @@ Serve deletes it afterwards.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -33,6 +32,7 @@ from ray.serve import Application
 from omni_server.cluster.forward import Forwarder
 from omni_server.cluster.private_server import PrivateServer
 from omni_server.cluster.resources import Scaling, deployment_options
+from omni_server.cluster.stop import report_drained, wait_for_stop
 from omni_server.compiler.compiler import compile_repository
 from omni_server.serve.options import ServeOptions
 
@@ -64,9 +64,7 @@ class PipelineReplica:
 
     async def _drain_when_stopped(self, stop_signal: ActorHandle) -> None:
         """Wait for the command's stop; then drain and tell it so (stop.py)."""
-        try:
-            await stop_signal.wait.remote(self.replica_id)
-        except ray.exceptions.RayActorError:
+        if not await wait_for_stop(stop_signal, self.replica_id):
             # the command that deployed this replica is gone: it keeps serving, and Serve's own
             # stop (__del__) still reaps it
             log.warning("omni-server ray's stop signal is gone; serving on")
@@ -76,8 +74,7 @@ class PipelineReplica:
             log.warning(
                 "%d request(s) still running after the grace period were cancelled", cancelled
             )
-        with contextlib.suppress(ray.exceptions.RayActorError):  # the command may be gone
-            await stop_signal.drained.remote(self.replica_id)
+        await report_drained(stop_signal, self.replica_id)
 
     def __serve_build_asgi_app__(self) -> Forwarder:
         return self.forwarder
