@@ -22,6 +22,7 @@ import os
 import signal
 import threading
 from collections.abc import Sequence
+from concurrent import futures
 from dataclasses import replace
 
 import ray
@@ -46,6 +47,7 @@ DRAIN_SLACK_S = 10.0
 # by default, then each pipeline's stop), Serve's own shutdown and the local Ray instance's.
 SERVE_STOP_S = 60.0
 DEPLOY_POLL_S = 0.2  # how often the main thread looks whether the deployment has finished
+DEPLOY_END_S = 10.0  # serve.run's end once its application is deleted (it polls each second)
 
 
 def door_options(options: ServeOptions, host: str) -> ServeOptions:
@@ -97,22 +99,26 @@ def run(
             repo, overrides, door_options(options, host), scaling, stop_signal=stop_signal
         )
         serve.start(http_options={"host": host, "port": port})
-        try:
-            if _deployed(app, stop):
-                log.info(
-                    "omni-server ready on http://%s:%d (Ray Serve, %s)",
-                    host,
-                    port,
-                    _replicas(scaling),
-                )
-        except RuntimeError as exc:  # a replica that cannot start (Serve's deploy failure)
-            log.error("the application failed to deploy: %s", exc)
-            return 1
+        deployment = _deploy(app)
+        while not deployment.done() and not stop.wait(DEPLOY_POLL_S):
+            pass  # a stop signal is not held up until every replica serves
+        if deployment.done():
+            try:
+                deployment.result()
+            except RuntimeError as exc:  # a replica that cannot start (Serve's deploy failure)
+                log.error("the application failed to deploy: %s", exc)
+                return 1
+            log.info(
+                "omni-server ready on http://%s:%d (Ray Serve, %s)", host, port, _replicas(scaling)
+            )
         stop.wait()
         log.info("omni-server stopping")
         _exit_if_stuck(options.shutdown_grace_s)
         _drain(stop_signal, options.shutdown_grace_s)
         serve.delete(APP_NAME)  # each replica's __del__ stops its pipeline
+        # serve.run, if the stop came first, ends once the application is gone: it must not
+        # call into Ray after the shutdown below (Ray's core worker would exit the process)
+        futures.wait([deployment], timeout=DEPLOY_END_S)
         if started_cluster:
             serve.shutdown()
     finally:
@@ -126,26 +132,22 @@ def _stop_on_signals(stop: threading.Event) -> None:
         signal.signal(sig, lambda *_: stop.set())
 
 
-def _deployed(app: Application, stop: threading.Event) -> bool:
-    """Deploy `app`: True once every replica serves, False when a stop signal came first (the
-    replicas still starting are then stopped with the others, not awaited for minutes).
-    Raises serve.run's RuntimeError when the deployment fails."""
-    outcome: list[BaseException | None] = []
+def _deploy(app: Application) -> futures.Future[None]:
+    """serve.run in a thread of its own, so that the main thread can leave the wait for it on
+    a stop signal: done once every replica serves, or with serve.run's RuntimeError when the
+    deployment fails (or the application is deleted before it runs)."""
+    deployment: futures.Future[None] = futures.Future()
 
     def deploy() -> None:
         try:
             serve.run(app, name=APP_NAME, route_prefix="/")
-            outcome.append(None)
-        except BaseException as exc:  # noqa: BLE001  handed to the main thread, which raises it
-            outcome.append(exc)
+        except BaseException as exc:  # noqa: BLE001  the future hands it to the main thread
+            deployment.set_exception(exc)
+        else:
+            deployment.set_result(None)
 
     threading.Thread(target=deploy, name="serve-run", daemon=True).start()
-    while not outcome:
-        if stop.wait(DEPLOY_POLL_S):
-            return False
-    if outcome[0] is not None:
-        raise outcome[0]
-    return True
+    return deployment
 
 
 def _exit_if_stuck(grace_s: float) -> None:
