@@ -44,8 +44,9 @@ APP_NAME = "omni-server"
 # way back to the command on a loaded machine. Past it the command stops them regardless.
 DRAIN_SLACK_S = 10.0
 # After the drain: Serve's graceful stop of each replica (its graceful_shutdown_timeout_s, 20 s
-# by default, then each pipeline's stop), Serve's own shutdown and the local Ray instance's.
-SERVE_STOP_S = 60.0
+# by default, then each pipeline's stop), serve.run's end, Serve's own shutdown and the local
+# Ray instance's, on a machine loaded enough to take 10-20 s for some of them.
+SERVE_STOP_S = 90.0
 DEPLOY_POLL_S = 0.2  # how often the main thread looks whether the deployment has finished
 DEPLOY_END_S = 10.0  # serve.run's end once its application is deleted (it polls each second)
 
