@@ -107,6 +107,19 @@ def _port_free(port: int) -> bool:
     return True
 
 
+def _group(pgid: int) -> list[int]:
+    """The live members of a process group (it outlives its leader while a member lives)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # ended while we looked
+        if int(stat.rsplit(")", 1)[1].split()[2]) == pgid and alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
 def _naming(root: Path) -> list[int]:
     """The live processes whose command line names `root`."""
     found = []
@@ -176,17 +189,17 @@ class Command:
         """What outlived the command: processes, segments of its runs, run directories, a
         listener on its port. Ray's own processes may take a moment to go after it exits."""
         deadline = time.monotonic() + LEFT_OVER_WAIT_S
-        while any(alive(p) for p in self.family) and time.monotonic() < deadline:
+        while time.monotonic() < deadline and (
+            any(alive(p) for p in self.family) or _group(self.proc.pid)
+        ):
             time.sleep(0.2)
         left = [f"process {p}: {command_of(p)}" for p in self.family if alive(p)]
+        left += [f"process {p} of its group: {command_of(p)}" for p in _group(self.proc.pid)]
         # one started after SIGTERM is not in the family: every process of ours names the root
         # in its command line (the stage processes their run directory, Ray's its session's)
         left += [
             f"process {p}: {command_of(p)}" for p in _naming(self.root) if p not in self.family
         ]
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, 0)  # the group outlives its leader while a member lives
-            left.append(f"a process of its group {self.proc.pid}")
         names = self.mapped.union(*(run_segments(r) for r in self.run_ids))
         left += [f"/dev/shm/{n}" for n in sorted(names) if (SHM / n).exists()]
         left += [f"run directory {p}" for p in sorted(self.root.glob("omni-run-*"))]
