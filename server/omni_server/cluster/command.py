@@ -22,12 +22,12 @@ import os
 import signal
 import threading
 from collections.abc import Sequence
-from concurrent import futures
 from dataclasses import replace
 
 import ray
 from ray import serve
 from ray.serve import Application
+from ray.serve.schema import ApplicationStatus
 
 from omni_server.cluster.deployment import pipeline_app
 from omni_server.cluster.resources import Scaling, actor_options
@@ -44,11 +44,10 @@ APP_NAME = "omni-server"
 # way back to the command on a loaded machine. Past it the command stops them regardless.
 DRAIN_SLACK_S = 10.0
 # After the drain: Serve's graceful stop of each replica (its graceful_shutdown_timeout_s, 20 s
-# by default, then each pipeline's stop), serve.run's end, Serve's own shutdown and the local
-# Ray instance's, on a machine loaded enough to take 10-20 s for some of them.
+# by default, then each pipeline's stop), Serve's own shutdown and the local Ray instance's, on
+# a machine loaded enough to take 10-20 s for some of them.
 SERVE_STOP_S = 90.0
-DEPLOY_POLL_S = 0.2  # how often the main thread looks whether the deployment has finished
-DEPLOY_END_S = 10.0  # serve.run's end once its application is deleted (it polls each second)
+DEPLOY_POLL_S = 0.5  # how often the deployment's status is read while it starts
 
 
 def door_options(options: ServeOptions, host: str) -> ServeOptions:
@@ -100,26 +99,22 @@ def run(
             repo, overrides, door_options(options, host), scaling, stop_signal=stop_signal
         )
         serve.start(http_options={"host": host, "port": port})
-        deployment = _deploy(app)
-        while not deployment.done() and not stop.wait(DEPLOY_POLL_S):
-            pass  # a stop signal is not held up until every replica serves
-        if deployment.done():
-            try:
-                deployment.result()
-            except RuntimeError as exc:  # a replica that cannot start (Serve's deploy failure)
-                log.error("the application failed to deploy: %s", exc)
-                return 1
-            log.info(
-                "omni-server ready on http://%s:%d (Ray Serve, %s)", host, port, _replicas(scaling)
-            )
+        try:
+            if _deployed(app, stop):
+                log.info(
+                    "omni-server ready on http://%s:%d (Ray Serve, %s)",
+                    host,
+                    port,
+                    _replicas(scaling),
+                )
+        except RuntimeError as exc:  # a replica that cannot start (Serve's deploy failure)
+            log.error("the application failed to deploy: %s", exc)
+            return 1
         stop.wait()
         log.info("omni-server stopping")
         _exit_if_stuck(options.shutdown_grace_s)
         _drain(stop_signal, options.shutdown_grace_s)
         serve.delete(APP_NAME)  # each replica's __del__ stops its pipeline
-        # serve.run, if the stop came first, ends once the application is gone: it must not
-        # call into Ray after the shutdown below (Ray's core worker would exit the process)
-        futures.wait([deployment], timeout=DEPLOY_END_S)
         if started_cluster:
             serve.shutdown()
     finally:
@@ -133,22 +128,24 @@ def _stop_on_signals(stop: threading.Event) -> None:
         signal.signal(sig, lambda *_: stop.set())
 
 
-def _deploy(app: Application) -> futures.Future[None]:
-    """serve.run in a thread of its own, so that the main thread can leave the wait for it on
-    a stop signal: done once every replica serves, or with serve.run's RuntimeError when the
-    deployment fails (or the application is deleted before it runs)."""
-    deployment: futures.Future[None] = futures.Future()
-
-    def deploy() -> None:
-        try:
-            serve.run(app, name=APP_NAME, route_prefix="/")
-        except BaseException as exc:  # noqa: BLE001  the future hands it to the main thread
-            deployment.set_exception(exc)
-        else:
-            deployment.set_result(None)
-
-    threading.Thread(target=deploy, name="serve-run", daemon=True).start()
-    return deployment
+def _deployed(app: Application, stop: threading.Event) -> bool:
+    """Deploy `app`: True once every replica serves, False when a stop signal comes first (the
+    replicas still starting are then stopped with the others, not awaited for minutes).
+    RuntimeError when the deployment fails, as from serve.run."""
+    # as serve.run, without its wait for the application to run: that wait is ours, on `stop`
+    serve.run_many(
+        [serve.RunTarget(target=app, name=APP_NAME, route_prefix="/")],
+        wait_for_applications_running=False,
+    )
+    while not stop.wait(DEPLOY_POLL_S):
+        application = serve.status().applications.get(APP_NAME)
+        if application is None:
+            continue
+        if application.status == ApplicationStatus.RUNNING:
+            return True
+        if application.status == ApplicationStatus.DEPLOY_FAILED:
+            raise RuntimeError(f"Deploying application {APP_NAME} failed: {application.message}")
+    return False
 
 
 def _exit_if_stuck(grace_s: float) -> None:
