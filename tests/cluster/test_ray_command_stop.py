@@ -6,7 +6,8 @@ to the test, as in conftest.py). A streamed speech request is running when SIGTE
 stop is the single-host server's, the stream goes on to its end, a new request meanwhile gets
 the replica's own 503 (OpenAI's error JSON, Retry-After), the command exits 0, and nothing of it
 is left: no process, no segment of the replica's pipeline, no run directory, the port free.
-SIGTERM while the replica's pipeline is still starting stops it as cleanly.
+SIGTERM while the replica's pipeline is still starting stops it as cleanly, and a deployment
+that fails exits 1, as cleanly.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from tests.helpers.proc import (
     run_segments,
     worker_run_ids,
 )
+from tests.helpers.repo import make_repo, toml
 from tests.helpers.server import ROOT, free_port
 from tests.serve.speech_texts import MANY_SENTENCES
 
@@ -144,14 +146,16 @@ class Command:
     mapped: set[str] = field(default_factory=set)  # the segments its processes mapped by then
 
     @classmethod
-    def start(cls, root: Path, log: Path) -> Command:
+    def start(
+        cls, root: Path, log: Path, repo: Path = REPOSITORY, overrides: tuple[str, ...] = OVERRIDES
+    ) -> Command:
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"TMPDIR": str(root)}
         port = free_port()
-        command = [sys.executable, "-m", "omni_server", "ray", "--repo", str(REPOSITORY)]
+        command = [sys.executable, "-m", "omni_server", "ray", "--repo", str(repo)]
         command += ["--port", str(port), "--api-key", API_KEY, "--shutdown-grace", str(GRACE_S)]
         with log.open("wb") as out:
             proc = subprocess.Popen(
-                [*command, *OVERRIDES],
+                [*command, *overrides],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -286,4 +290,45 @@ def test_sigterm_while_the_replica_starts_stops_it_and_leaves_nothing(root, tmp_
     assert "omni-server ready on" not in tail  # stopped while starting, not waited for
     assert code == 0, tail
     assert "omni-server stopped" in tail
+    assert left == []
+
+
+FAILING_STAGE = """\
+from omni_server.backend import StageBackend
+
+
+class Broken(StageBackend):
+    def initialize(self, context):
+        raise RuntimeError("this stage cannot start")
+
+    def execute(self, requests):
+        return [dict(r.inputs) for r in requests]
+"""
+
+
+def test_a_deployment_that_fails_exits_1_and_leaves_nothing(root, tmp_path):
+    repo = make_repo(
+        tmp_path / "repo",
+        stages={
+            "broken": toml("""
+            backend = "Broken"
+            terminal = true
+            """)
+        },
+        repository=toml("""
+            [models.m]
+            entry = "broken"
+            tasks = ["speech"]
+            """),
+        models={"broken": FAILING_STAGE},
+    )
+    command = Command.start(root, tmp_path / "ray.log", repo, overrides=())
+    try:
+        code = command.proc.wait(READY_TIMEOUT_S)  # Serve tries the replica a few times first
+        left = command.left_over()
+    finally:
+        command.kill()
+    tail = command.tail()
+    assert code == 1, tail
+    assert "the application failed to deploy" in tail and "this stage cannot start" in tail
     assert left == []
