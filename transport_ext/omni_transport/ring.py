@@ -45,6 +45,14 @@ _POLL_BURST_NS = 10_000
 _POLL_FLOOR_NS = 50_000
 _WAIT_CLAMP_NS = 4_000_000
 _WAIT_EWMA_SHIFT = 2  # each wait moves the EWMA by 1/4 of its distance
+# The contention check of the poll (as the C spin's, docs/transport.md "Waking up"): a burst of
+# the poll that came back empty after more than its length plus _HELD_NS lost the core to
+# another task for that long. Then the next waits sleep at once: _SKIP_MIN of them, twice as
+# many each time the poll after them is held again, at most _SKIP_MAX; a burst that ran its
+# length unheld forgets that.
+_HELD_NS = 20_000
+_SKIP_MIN = 4
+_SKIP_MAX = 256
 _INLINE_BUFS = lib.OMNI_RECORD_INLINE_BUFS  # buffers described by the pop call itself
 _INT64_MAX = (1 << 63) - 1
 
@@ -137,6 +145,9 @@ class Ring:
         self._bufs = ffi.new("void *[]", _INLINE_BUFS)  # push's argument arrays, reused
         self._lens = ffi.new("uint64_t[]", _INLINE_BUFS)
         self.spin_us = spin_us
+        self._poll_skip = 0  # waits left whose pop_async sleeps at once (its core is contended)
+        self._poll_backoff = 0
+        self.contention_check = os.environ.get("OMNI_RING_SPIN_CONTENTION", "1") != "0"
         fixed = os.environ.get("OMNI_RING_HOT_SPIN_US")
         self.hot_spin_us = None if fixed is None else float(fixed)
         self.hot_poll_max_us = float(
@@ -196,6 +207,19 @@ class Ring:
             raise ValueError(f"spin_us {value}: give 0 .. 1e6 microseconds")
         self._spin_us = float(value)
         lib.omni_ring_set_spin_ns(self._handle(), int(value * 1000))
+
+    @property
+    def contention_check(self) -> bool:
+        """Whether the blocking spin and pop_async's poll watch for a contended core (the
+        default; OMNI_RING_SPIN_CONTENTION=0 turns it off for new handles)."""
+        return self._contention_check
+
+    @contention_check.setter
+    def contention_check(self, value: bool) -> None:
+        """False: spin and poll as before 2026-12-03, to measure against."""
+        self._contention_check = bool(value)
+        self._poll_skip = self._poll_backoff = 0
+        lib.omni_ring_set_contention_check(self._handle(), int(self._contention_check))
 
     @property
     def hot_spin_us(self) -> float | None:
@@ -307,7 +331,9 @@ class Ring:
             return rec
         began = time.monotonic_ns()
         bound = self._poll_ns(began)
-        if bound:
+        if self._poll_skip:
+            self._poll_skip -= 1
+        elif bound:
             rec = await self._poll_hot(began + bound)
         while rec is None:
             await self._sleep_until_progress()
@@ -317,6 +343,8 @@ class Ring:
 
     def _poll_ns(self, now: int) -> int:
         """The poll before the next sleep, ns (0: none)."""
+        if self._poll_skip:
+            return 0
         fixed = self._hot_spin_ns
         if fixed is not None:
             return fixed if now - self._last_record < _HOT_S * 1e9 else 0
@@ -334,9 +362,20 @@ class Ring:
         loop (its other ready tasks and I/O first); the record, or None when none came."""
         while True:
             await asyncio.sleep(0)
-            rec = self._spin_pop(min(_POLL_BURST_NS, max(deadline - time.monotonic_ns(), 1)))
-            if rec is not None or time.monotonic_ns() >= deadline:
+            start = time.monotonic_ns()
+            burst = min(_POLL_BURST_NS, max(deadline - start, 1))
+            rec = self._spin_pop(burst)
+            now = time.monotonic_ns()
+            if rec is not None:
                 return rec
+            if self._contention_check:
+                if now - start > burst + _HELD_NS:  # the core was taken from us that long
+                    self._poll_backoff = min(max(2 * self._poll_backoff, _SKIP_MIN), _SKIP_MAX)
+                    self._poll_skip = self._poll_backoff
+                    return None
+                self._poll_backoff = 0
+            if now >= deadline:
+                return None
 
     def _spin_pop(self, spin_ns: int) -> Record | None:
         rc = lib.omni_ring_spin_pop(self._handle(), spin_ns, self._rec)
