@@ -101,6 +101,7 @@ class RingMethod(Method):
         self.name = "ring" if reader == "read" else "ring, reader copies out"
         self.spin_us = DEFAULT_SPIN_US
         self.contention_check = contention_check  # False: the spin before 2026-12-03
+        self.ack_waits: dict[str, int] = {}  # the client's waits for acks (Ring.wait_counts)
         from omni_transport import unique_name
 
         self.names = (unique_name("omni-bench-"), unique_name("omni-bench-"))
@@ -143,6 +144,7 @@ class RingMethod(Method):
         self.back.pop().release()
 
     def close(self) -> None:
+        self.ack_waits = self.back.wait_counts
         self.data.close()
         self.back.close()
 
@@ -394,34 +396,45 @@ CONTENTION_ROWS = (
 )
 
 
-def _contention_round(quick: bool) -> dict[str, float]:
-    """One round of every row of CONTENTION_ROWS: {label: 64 B round-trip seconds}."""
+def _contention_round(quick: bool) -> tuple[dict[str, float], dict[str, dict[str, int]]]:
+    """One round of every row of CONTENTION_ROWS: {label: 64 B round-trip seconds}, and for the
+    ring rows what the client's waits for the acknowledgement did (Ring.wait_counts)."""
     tag = uuid.uuid4().hex[:8]
-    out: dict[str, float] = {}
-    for check in (True, False):
-        spins = sorted({spin for _, c, spin in CONTENTION_ROWS if c is check and spin is not None})
-        ring = RingMethod(f"{tag}r{int(check)}", contention_check=check)
-        got = _measure(ring, [64], quick, list(reversed(spins)))
-        for label, c, spin in CONTENTION_ROWS:
-            if c is check:
-                out[label] = got[("rtt", 64, spin)]
-    zmq = CONTENTION_ROWS[-1][0]
-    out[zmq] = _measure(ZmqMethod(tag + "z", copy=True), [64], quick, [None])[("rtt", 64, None)]
-    return out
+    rtt: dict[str, float] = {}
+    waits: dict[str, dict[str, int]] = {}
+    for i, (label, check, spin) in enumerate(CONTENTION_ROWS):
+        if check is None:  # pyzmq
+            got = _measure(ZmqMethod(f"{tag}z{i}", copy=True), [64], quick, [None])
+        else:
+            ring = RingMethod(f"{tag}r{i}", contention_check=check)
+            got = _measure(ring, [64], quick, [spin])
+            waits[label] = ring.ack_waits
+        rtt[label] = got[("rtt", 64, spin)]
+    return rtt, waits
 
 
 def run_contention(quick: bool, runs: int, progress: Callable[[str], None]) -> str:
     """`runs` rounds, each quiet then with one core busy (a process spinning), every row of
     CONTENTION_ROWS in each: the spin policy both ways, against pyzmq, in the same minutes."""
     per: dict[str, list[dict[str, float]]] = {"quiet": [], "busy": []}
+    waits: dict[str, dict[str, dict[str, int]]] = {"quiet": {}, "busy": {}}
+
+    def one(kind: str) -> None:
+        rtt, counts = _contention_round(quick)
+        per[kind].append(rtt)
+        for label, c in counts.items():
+            total = waits[kind].setdefault(label, dict.fromkeys(c, 0))
+            for k, v in c.items():
+                total[k] += v
+
     for run in range(runs):
         progress(f"run {run + 1}/{runs}: quiet ...")
-        per["quiet"].append(_contention_round(quick))
+        one("quiet")
         progress(f"run {run + 1}/{runs}: one core busy ...")
         burner = mp.get_context("spawn").Process(target=_burn, daemon=True)
         burner.start()
         try:
-            per["busy"].append(_contention_round(quick))
+            one("busy")
         finally:
             burner.kill()
             burner.join()
@@ -441,6 +454,24 @@ def run_contention(quick: bool, runs: int, progress: Callable[[str], None]) -> s
             lines.append(
                 f"- {label} / pyzmq, {what}: {statistics.median(ratios):.2f}x{target} [{each}]"
             )
+    lines += [
+        "",
+        "The client's waits for the acknowledgement, all runs (Ring.wait_counts): % that got it "
+        "while spinning (of all: right after a yield that ran the server on the same core), % "
+        "that slept (of all: at once, the core found contended):",
+        "",
+        *tables.header(["method", "quiet", "one core busy"]),
+    ]
+    for label, _, _ in CONTENTION_ROWS[:-1]:
+        cells = []
+        for k in ("quiet", "busy"):
+            c = waits[k][label]
+            n = max(1, sum(c[x] for x in ("spun", "slept")))
+            cells.append(
+                f"spun {100 * c['spun'] / n:.0f}% ({100 * c['handed_over'] / n:.0f}%), "
+                f"slept {100 * c['slept'] / n:.0f}% ({100 * c['slept_at_once'] / n:.0f}%)"
+            )
+        lines.append(tables.row([label, *cells]))
     return "\n".join(lines)
 
 

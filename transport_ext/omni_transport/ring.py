@@ -54,6 +54,13 @@ _HELD_NS = 20_000
 _SKIP_MIN = 4
 _SKIP_MAX = 256
 _INLINE_BUFS = lib.OMNI_RECORD_INLINE_BUFS  # buffers described by the pop call itself
+# Ring.wait_counts' keys, by their index in omni_ring_wait_counts' answer
+_WAIT_COUNT_NAMES = {
+    "spun": lib.OMNI_WAIT_SPUN,
+    "handed_over": lib.OMNI_WAIT_HANDED_OVER,
+    "slept": lib.OMNI_WAIT_SLEPT,
+    "slept_at_once": lib.OMNI_WAIT_SLEPT_AT_ONCE,
+}
 _INT64_MAX = (1 << 63) - 1
 
 
@@ -220,6 +227,16 @@ class Ring:
         self._contention_check = bool(value)
         self._poll_skip = self._poll_backoff = 0
         lib.omni_ring_set_contention_check(self._handle(), int(self._contention_check))
+
+    @property
+    def wait_counts(self) -> dict[str, int]:
+        """What this handle's blocking waits (push waiting for room, pop for a record) did:
+        spun (the event came during the spin), handed_over (of those: right after a yield that
+        ran the peer on this core), slept, slept_at_once (of those: without spinning, the core
+        found contended). pop_async's waits are not counted."""
+        out = ffi.new("uint64_t[]", lib.OMNI_WAIT_COUNTS)
+        lib.omni_ring_wait_counts(self._handle(), out)
+        return {name: int(out[i]) for name, i in _WAIT_COUNT_NAMES.items()}
 
     @property
     def hot_spin_us(self) -> float | None:

@@ -89,6 +89,7 @@ struct omni_ring {
     uint32_t sleep_waits; /* waits left that sleep without spinning (our core is contended) */
     uint32_t backoff;     /* what sleep_waits is set to at the next contended spin / 2 */
     uint32_t held;        /* spins in a row that lost the core for longer than they spin */
+    uint64_t counts[OMNI_WAIT_COUNTS]; /* what blocking waits did (omni_ring_wait_counts) */
     int bell;            /* our doorbell: abstract datagram socket, connected to the peer's */
     int bell_connected;  /* 1 once connected to the peer's doorbell */
     uint64_t peer_id;    /* the peer's identity, once seen attached */
@@ -256,6 +257,10 @@ void omni_ring_set_contention_check(omni_ring *r, int on) {
     r->sleep_waits = r->backoff = r->held = 0;
 }
 
+void omni_ring_wait_counts(const omni_ring *r, uint64_t *out) {
+    memcpy(out, r->counts, sizeof r->counts);
+}
+
 int omni_ring_claim(omni_ring *r, int role) {
     if (role != OMNI_PRODUCER && role != OMNI_CONSUMER)
         return omni_fail(OMNI_EINVAL, "role %d: 0 (producer) or 1 (consumer)", role);
@@ -387,6 +392,7 @@ static int spin_wait(struct omni_ring *r, uint64_t need, int64_t start, int64_t 
     int check = r->contention_check;
     if (check && r->sleep_waits) {
         r->sleep_waits--;
+        r->counts[OMNI_WAIT_SLEPT_AT_ONCE]++;
         return 0;
     }
     int eager = check && r->yield_first;
@@ -416,6 +422,7 @@ static int spin_wait(struct omni_ring *r, uint64_t need, int64_t start, int64_t 
             return ready(r, need);
         }
         if (held >= RAN_NS && ready(r, need)) {
+            r->counts[OMNI_WAIT_HANDED_OVER]++;
             r->yield_first = 1;
             r->backoff = r->held = 0;
             return 1;
@@ -427,9 +434,11 @@ static int wait_ready(struct omni_ring *r, uint64_t need, int64_t timeout_ns) {
     int64_t start = omni_now_ns();
     int64_t deadline = omni_deadline(timeout_ns);
     if (spin_wait(r, need, start, deadline)) {
+        r->counts[OMNI_WAIT_SPUN]++;
         adapt_spin(r, start, 0);
         return OMNI_OK;
     }
+    r->counts[OMNI_WAIT_SLEPT]++;
     uint32_t *sleeping = &r->ctl->side[r->role].sleeping;
     for (int slept = 0;; slept = 1) {
         if (ready(r, need)) {
