@@ -45,11 +45,11 @@ _POLL_BURST_NS = 10_000
 _POLL_FLOOR_NS = 50_000
 _WAIT_CLAMP_NS = 4_000_000
 _WAIT_EWMA_SHIFT = 2  # each wait moves the EWMA by 1/4 of its distance
-# The contention check of the poll (as the C spin's, docs/transport.md "Waking up"): a burst of
-# the poll that came back empty after more than its length plus _HELD_NS lost the core to
-# another task for that long. Then the next waits sleep at once: _SKIP_MIN of them, twice as
-# many each time the poll after them is held again, at most _SKIP_MAX; a burst that ran its
-# length unheld forgets that.
+# The contention check of the adaptive poll (as the C spin's, docs/transport.md "Waking up"): a
+# burst of the poll that came back empty after more than its length plus _HELD_NS lost the core
+# (or the GIL) to another task for that long. Then the next waits sleep at once: _SKIP_MIN of
+# them, twice as many each time the poll after them is held again, at most _SKIP_MAX; a burst
+# that ran its length unheld forgets that. A fixed poll (hot_spin_us) polls as it is told.
 _HELD_NS = 20_000
 _SKIP_MIN = 4
 _SKIP_MAX = 256
@@ -247,6 +247,7 @@ class Ring:
     def hot_spin_us(self, value: float | None) -> None:
         """A fixed poll: pop_async polls this long whenever a record came within 2 ms (0: never
         poll); None: the adaptive poll."""
+        self._poll_skip = self._poll_backoff = 0
         if value is None:
             self._hot_spin_ns = None
             return
@@ -348,10 +349,10 @@ class Ring:
             return rec
         began = time.monotonic_ns()
         bound = self._poll_ns(began)
-        if self._poll_skip:
-            self._poll_skip -= 1
-        elif bound:
+        if bound:
             rec = await self._poll_hot(began + bound)
+        elif self._poll_skip:
+            self._poll_skip -= 1
         while rec is None:
             await self._sleep_until_progress()
             rec = self.try_pop()
@@ -360,11 +361,11 @@ class Ring:
 
     def _poll_ns(self, now: int) -> int:
         """The poll before the next sleep, ns (0: none)."""
-        if self._poll_skip:
-            return 0
         fixed = self._hot_spin_ns
         if fixed is not None:
             return fixed if now - self._last_record < _HOT_S * 1e9 else 0
+        if self._poll_skip:  # its core was found contended
+            return 0
         bound = max(self._wait_ns + (self._wait_ns >> 1), _POLL_FLOOR_NS)
         return bound if bound <= self._poll_max_ns else 0
 
@@ -385,7 +386,7 @@ class Ring:
             now = time.monotonic_ns()
             if rec is not None:
                 return rec
-            if self._contention_check:
+            if self._contention_check and self._hot_spin_ns is None:  # a fixed poll is asked for
                 if now - start > burst + _HELD_NS:  # the core was taken from us that long
                     self._poll_backoff = min(max(2 * self._poll_backoff, _SKIP_MIN), _SKIP_MAX)
                     self._poll_skip = self._poll_backoff
