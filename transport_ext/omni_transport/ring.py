@@ -295,12 +295,18 @@ class Ring:
         h = self._h
         if h is None:
             h = self._handle()
-        tns = _timeout_ns(timeout)
+        tns = -1 if timeout is None else _timeout_ns(timeout)
         if not isinstance(header, bytes):
             header = ffi.from_buffer(header)
         n = len(buffers)
         if not n:
             rc = lib.omni_ring_push(h, header, len(header), ffi.NULL, ffi.NULL, 0, tns)
+        elif n == 1:  # the usual record (one payload): no list of views
+            view = ffi.from_buffer(buffers[0])  # pins the buffer until the call returns
+            bufs, lens = self._bufs, self._lens
+            bufs[0] = view
+            lens[0] = len(view)
+            rc = lib.omni_ring_push(h, header, len(header), bufs, lens, 1, tns)
         else:
             # the views keep the buffers pinned until the call returns
             views = [ffi.from_buffer(b) for b in buffers]
@@ -323,7 +329,8 @@ class Ring:
         h = self._h
         if h is None:
             h = self._handle()
-        rc = lib.omni_ring_pop(h, _timeout_ns(timeout), self._rec)
+        tns = -1 if timeout is None else _timeout_ns(timeout)
+        rc = lib.omni_ring_pop(h, tns, self._rec)
         if rc:
             raise error_for(rc)
         return self._record()
@@ -457,12 +464,16 @@ class Ring:
         hoff = w[_HEADER_OFF]
         header = area[hoff : hoff + w[_HEADER_LEN]]
         n = w[_NBUFS]
-        buffers = []
-        if n <= _INLINE_BUFS:
+        if n == 1:  # the usual record (one payload)
+            off = w[_BUF_OFF]
+            buffers = [area[off : off + w[_BUF_LEN]]]
+        elif n <= _INLINE_BUFS:
+            buffers = []
             for i in range(n):
                 off = w[_BUF_OFF + i]
                 buffers.append(area[off : off + w[_BUF_LEN + i]])
         else:
+            buffers = []
             for i in range(n):
                 self._check(lib.omni_record_buffer(self._h, self._rec, i, self._off, self._len))
                 buffers.append(area[self._off[0] : self._off[0] + self._len[0]])
@@ -477,7 +488,9 @@ class Ring:
         while out and out[0]._released:
             end = out.popleft()._end
         if end is not None and self._h is not None:
-            self._check(lib.omni_ring_release(self._h, end))
+            rc = lib.omni_ring_release(self._h, end)
+            if rc:
+                raise error_for(rc)
 
     @property
     def held(self) -> int:
