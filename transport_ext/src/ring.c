@@ -364,11 +364,14 @@ static void adapt_spin(struct omni_ring *r, int64_t start, int slept) {
  * time (a stage computing) shares it with us, and then spinning cannot pay: each yield hands it
  * the core for a whole time slice (milliseconds), while a task that sleeps is the one the
  * scheduler runs first when it wakes. So the next waits sleep at once: BACKOFF_MIN, then twice
- * as many each time the spin after them (the probe) loses its core again, at most BACKOFF_MAX.
- * A spin that gets its event without losing its core forgets the streak and the backoff. */
+ * as many each time the spin after them (the probe) loses its core again, at most BACKOFF_MAX;
+ * while a backoff is left, one lost spin is enough. A spin that gets its event without losing
+ * its core forgets the streak and halves the backoff (one handed over by the peer on our core,
+ * a shared core, forgets both): a lucky probe does not buy three more lost time slices. */
 static void contended(struct omni_ring *r) {
     r->yield_first = 0;
-    if (++r->held < HELD_STREAK) return;
+    /* after a contended spin, until the backoff has decayed, one lost spin is enough */
+    if (++r->held < HELD_STREAK && !r->backoff) return;
     r->backoff = r->backoff < BACKOFF_MIN ? BACKOFF_MIN
                  : r->backoff < BACKOFF_MAX ? 2 * r->backoff : BACKOFF_MAX;
     r->sleep_waits = r->backoff;
@@ -402,7 +405,8 @@ static int spin_wait(struct omni_ring *r, uint64_t need, int64_t start, int64_t 
     int64_t last = start;
     for (uint64_t i = 0;; i++) {
         if (ready(r, need)) {
-            r->held = r->backoff = 0; /* this spin kept its core */
+            r->held = 0; /* this spin kept its core */
+            r->backoff /= 2;
             return 1;
         }
         if (!eager) {
