@@ -33,7 +33,7 @@
 #define PIDFD_SLICE_MS 1000 /* with a pidfd: its readiness is the death signal, this a backstop */
 #define RNAME(r) ((r)->seg.name + 1) /* without the leading slash */
 /* The contention check of the spin (see spin_wait; docs/transport.md, "Waking up"). */
-#define RAN_NS 1500          /* a sched_yield this long (and 4x the shortest) ran another task */
+#define RAN_NS 1500          /* a sched_yield this long ran another task (alone: ~0.2 us) */
 #define HELD_MIN_NS 20000    /* the core counts as held only when lost this long, at least */
 #define HELD_STREAK 3        /* spins in a row that lost the core: it is contended */
 #define BACKOFF_MIN 4        /* waits that sleep at once after the first contended spin */
@@ -89,7 +89,6 @@ struct omni_ring {
     uint32_t sleep_waits; /* waits left that sleep without spinning (our core is contended) */
     uint32_t backoff;     /* what sleep_waits is set to at the next contended spin / 2 */
     uint32_t held;        /* spins in a row that lost the core for longer than they spin */
-    int64_t yield_min;    /* the shortest sched_yield seen: what one costs with no switch */
     uint64_t counts[OMNI_WAIT_COUNTS]; /* what blocking waits did (omni_ring_wait_counts) */
     int bell;            /* our doorbell: abstract datagram socket, connected to the peer's */
     int bell_connected;  /* 1 once connected to the peer's doorbell */
@@ -206,7 +205,6 @@ static int finish_open(struct omni_ring *r) {
     r->data = r->seg.base + r->seg.data_offset;
     r->spin_ns = r->spin_cur = 20000;
     r->contention_check = 1;
-    r->yield_min = RAN_NS;
     return OMNI_OK;
 }
 
@@ -427,9 +425,11 @@ static int spin_wait(struct omni_ring *r, uint64_t need, int64_t start, int64_t 
             contended(r);
             return ready(r, need);
         }
-        if (held < r->yield_min) r->yield_min = held;
-        /* a host whose every yield is slow (a slow system call) must not read as a shared core */
-        if (held >= RAN_NS && held >= 4 * r->yield_min && ready(r, need)) {
+        /* A host whose yield alone took RAN_NS would read every yield as a handover: the next
+         * wait would yield at each look, a system call per look on a free core (slower, never
+         * wrong). The shortest yield is not a usable yardstick: on a shared core every yield
+         * switches. */
+        if (held >= RAN_NS && ready(r, need)) {
             r->counts[OMNI_WAIT_HANDED_OVER]++;
             r->yield_first = 1;
             r->backoff = r->held = 0;
