@@ -393,7 +393,7 @@ class Ring:
             now = time.monotonic_ns()
             if rec is not None:
                 return rec
-            if self._contention_check and self._hot_spin_ns is None:  # a fixed poll is asked for
+            if self._contention_check and self._hot_spin_ns is None:  # (a fixed poll: as told)
                 if now - start > burst + _HELD_NS:  # the core was taken from us that long
                     self._poll_backoff = min(max(2 * self._poll_backoff, _SKIP_MIN), _SKIP_MAX)
                     self._poll_skip = self._poll_backoff
