@@ -1,7 +1,7 @@
 """Transport benchmark: the shared-memory ring against the usual ways to move bytes between two
 processes on one host, and (with --cuda) a CUDA tensor crossing processes.
 
-    python -m omni_bench.transport [--quick] [--runs N] [--markdown FILE] [--cuda]
+    python -m omni_bench.transport [--quick] [--runs N] [--markdown FILE] [--cuda | --contention]
 
 For each payload size it measures, between two processes:
 - round trip: the payload one way, an 8-byte acknowledgement back (median of many);
@@ -14,6 +14,9 @@ in, send the name, open, copy out, unlink); multiprocessing.Queue with a pickled
 and the floor: one in-process memcpy (np.copyto) of the same size. Everything runs --runs
 times; a cell is the median of the runs and their range. Then the 64 B round trip again with
 one core kept busy (a process spinning: a stage computing), against pyzmq in the same run.
+--contention measures only that 64 B round trip, quiet and with one core busy in each run, for
+the ring at its defaults, the ring without its contention check (the spin before 2026-12-03),
+the ring with no spin, and pyzmq: the spin policy measured both ways in one run.
 """
 
 from __future__ import annotations
@@ -83,13 +86,22 @@ class RingMethod(Method):
     """The ring. reader "read": one read pass over each buffer in place (numpy max), then
     release; "copy": copy each buffer out (bytearray), then release."""
 
-    def __init__(self, tag: str, reader: str = "read", rtt: bool = True, capacity: int = 0):
+    def __init__(
+        self,
+        tag: str,
+        reader: str = "read",
+        rtt: bool = True,
+        capacity: int = 0,
+        contention_check: bool = True,
+    ):
         super().__init__(tag)
         self.capacity = capacity or RUNTIME_RING
         self.reader = reader
         self.rtt = rtt
         self.name = "ring" if reader == "read" else "ring, reader copies out"
         self.spin_us = DEFAULT_SPIN_US
+        self.contention_check = contention_check  # False: the spin before 2026-12-03
+        self.ack_waits: dict[str, int] = {}  # the client's waits for acks (Ring.wait_counts)
         from omni_transport import unique_name
 
         self.names = (unique_name("omni-bench-"), unique_name("omni-bench-"))
@@ -100,6 +112,7 @@ class RingMethod(Method):
         self.data = Ring.create(self.names[0], self.capacity, role="producer")
         self.back = Ring.create(self.names[1], 1 << 20, role="consumer")
         self.set_spin(self.spin_us)
+        self.data.contention_check = self.back.contention_check = self.contention_check
 
     def server_open(self) -> None:
         from omni_transport import Ring
@@ -107,6 +120,7 @@ class RingMethod(Method):
         self.data = Ring.attach(self.names[0], role="consumer")
         self.back = Ring.attach(self.names[1], role="producer")
         self.set_spin(self.spin_us)
+        self.data.contention_check = self.back.contention_check = self.contention_check
 
     def set_spin(self, spin_us: float) -> None:
         self.data.spin_us = self.back.spin_us = spin_us
@@ -130,6 +144,7 @@ class RingMethod(Method):
         self.back.pop().release()
 
     def close(self) -> None:
+        self.ack_waits = self.back.wait_counts
         self.data.close()
         self.back.close()
 
@@ -371,6 +386,95 @@ def run_cpu(sizes: list[int], quick: bool, runs: int, progress: Callable[[str], 
     return _tables(per_run, busy_runs, sizes, runs)
 
 
+# ---- the spin under CPU contention: the 64 B round trip, quiet and one core busy, both policies
+
+CONTENTION_ROWS = (
+    ("ring (default: adaptive spin 20 us, contention check)", True, DEFAULT_SPIN_US),
+    ("ring (adaptive spin 20 us, no contention check: before 2026-12-03)", False, DEFAULT_SPIN_US),
+    ("ring (no spin)", True, 0.0),
+    ("pyzmq ipc copy", None, None),
+)
+
+
+def _contention_round(quick: bool) -> tuple[dict[str, float], dict[str, dict[str, int]]]:
+    """One round of every row of CONTENTION_ROWS: {label: 64 B round-trip seconds}, and for the
+    ring rows what the client's waits for the acknowledgement did (Ring.wait_counts)."""
+    tag = uuid.uuid4().hex[:8]
+    rtt: dict[str, float] = {}
+    waits: dict[str, dict[str, int]] = {}
+    for i, (label, check, spin) in enumerate(CONTENTION_ROWS):
+        if check is None:  # pyzmq
+            got = _measure(ZmqMethod(f"{tag}z{i}", copy=True), [64], quick, [None])
+        else:
+            ring = RingMethod(f"{tag}r{i}", contention_check=check)
+            got = _measure(ring, [64], quick, [spin])
+            waits[label] = ring.ack_waits
+        rtt[label] = got[("rtt", 64, spin)]
+    return rtt, waits
+
+
+def run_contention(quick: bool, runs: int, progress: Callable[[str], None]) -> str:
+    """`runs` rounds, each quiet then with one core busy (a process spinning), every row of
+    CONTENTION_ROWS in each: the spin policy both ways, against pyzmq, in the same minutes."""
+    per: dict[str, list[dict[str, float]]] = {"quiet": [], "busy": []}
+    waits: dict[str, dict[str, dict[str, int]]] = {"quiet": {}, "busy": {}}
+
+    def one(kind: str) -> None:
+        rtt, counts = _contention_round(quick)
+        per[kind].append(rtt)
+        for label, c in counts.items():
+            total = waits[kind].setdefault(label, dict.fromkeys(c, 0))
+            for k, v in c.items():
+                total[k] += v
+
+    for run in range(runs):
+        progress(f"run {run + 1}/{runs}: quiet ...")
+        one("quiet")
+        progress(f"run {run + 1}/{runs}: one core busy ...")
+        burner = mp.get_context("spawn").Process(target=_burn, daemon=True)
+        burner.start()
+        try:
+            one("busy")
+        finally:
+            burner.kill()
+            burner.join()
+    span = f"median of {runs} runs (range)" if runs > 1 else "one run"
+    lines = [f"64 B round trip, microseconds, each run's median; {span}:", ""]
+    lines += tables.header(["method", "quiet", "one core busy"])
+    for label, _, _ in CONTENTION_ROWS:
+        cells = [_cell([r[label] for r in per[k]], 1e6, 1) for k in ("quiet", "busy")]
+        lines.append(tables.row([label, *cells]))
+    zmq = CONTENTION_ROWS[-1][0]
+    lines += ["", "Against pyzmq (median of the runs' ratios; each run's ratio in order):"]
+    for label, _, _ in CONTENTION_ROWS[:-1]:
+        for k, what in (("quiet", "quiet"), ("busy", "one core busy")):
+            ratios = [r[label] / r[zmq] for r in per[k]]
+            each = ", ".join(f"{x:.2f}" for x in ratios)
+            target = " (target <= 0.6)" if k == "busy" and label == CONTENTION_ROWS[0][0] else ""
+            lines.append(
+                f"- {label} / pyzmq, {what}: {statistics.median(ratios):.2f}x{target} [{each}]"
+            )
+    lines += [
+        "",
+        "The client's waits for the acknowledgement, all runs (Ring.wait_counts): % that got it "
+        "while spinning (of all: right after a yield that ran the server on the same core), % "
+        "that slept (of all: at once, the core found contended):",
+        "",
+        *tables.header(["method", "quiet", "one core busy"]),
+    ]
+    for label, _, _ in CONTENTION_ROWS[:-1]:
+        cells = []
+        for k in ("quiet", "busy"):
+            c = waits[k][label]
+            n = max(1, sum(c[x] for x in ("spun", "slept")))
+            cells.append(
+                f"spun {100 * c['spun'] / n:.0f}% ({100 * c['handed_over'] / n:.0f}%), "
+                f"slept {100 * c['slept'] / n:.0f}% ({100 * c['slept_at_once'] / n:.0f}%)"
+            )
+        lines.append(tables.row([label, *cells]))
+    return "\n".join(lines)
+
+
 def _cell(values: list[float], scale: float, digits: int) -> str:
     med = statistics.median(values) * scale
     if len(values) == 1:
@@ -590,6 +694,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", help="comma-separated payload sizes in bytes")
     ap.add_argument("--markdown", help="also write the tables to this file")
     ap.add_argument("--cuda", action="store_true", help="only the CUDA tensor crossing")
+    ap.add_argument(
+        "--contention",
+        action="store_true",
+        help="only the 64 B round trip, quiet and one core busy, the ring's spin with and "
+        "without its contention check, against pyzmq",
+    )
     ap.add_argument("--cuda-iterations", type=int, default=200, help="measured crossings (CUDA)")
     args = ap.parse_args(argv)
 
@@ -602,11 +712,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"omni-bench transport: --sizes {args.sizes!r}: give integers", file=sys.stderr)
         return 2
     header = f"Machine: {machine_line()}\n\n"
-    body = (
-        run_cuda(args.cuda_iterations, progress)
-        if args.cuda
-        else run_cpu(sorted(sizes), args.quick, max(1, args.runs), progress)
-    )
+    if args.cuda and args.contention:
+        print("omni-bench transport: --cuda and --contention: give one", file=sys.stderr)
+        return 2
+    if args.cuda:
+        body = run_cuda(args.cuda_iterations, progress)
+    elif args.contention:
+        body = run_contention(args.quick, max(1, args.runs), progress)
+    else:
+        body = run_cpu(sorted(sizes), args.quick, max(1, args.runs), progress)
     text = header + body
     print(text)
     if args.markdown:

@@ -13,7 +13,7 @@
 
 #define OMNI_API __attribute__((visibility("default")))
 
-#define OMNI_ABI_VERSION 8
+#define OMNI_ABI_VERSION 9
 
 enum {
     OMNI_OK = 0,
@@ -94,6 +94,22 @@ OMNI_API void omni_ring_close_ex(omni_ring *r, int keep_mapping);
 OMNI_API uint64_t omni_ring_capacity(const omni_ring *r);
 /* How long a blocking wait spins before it declares itself asleep (0: never spin). */
 OMNI_API void omni_ring_set_spin_ns(omni_ring *r, uint64_t spin_ns);
+/* 1 (the default): the spin watches whether its core is contended (a yield that ran the peer:
+ * the next wait yields at once; the core held by another task longer than the spin: the next
+ * waits sleep at once, with a backoff). 0: the spin as before ABI 9, for measurements. */
+OMNI_API void omni_ring_set_contention_check(omni_ring *r, int on);
+/* What this handle's blocking waits did so far (push waiting for room, pop for a record), by
+ * index: spun (the event came while it spun), handed over (of those: right after a yield that
+ * ran the peer on our core), slept, slept at once (of those: without spinning, because the core
+ * was found contended). For tests and benchmarks. */
+enum {
+    OMNI_WAIT_SPUN = 0,
+    OMNI_WAIT_HANDED_OVER = 1,
+    OMNI_WAIT_SLEPT = 2,
+    OMNI_WAIT_SLEPT_AT_ONCE = 3,
+    OMNI_WAIT_COUNTS = 4
+};
+OMNI_API void omni_ring_wait_counts(const omni_ring *r, uint64_t *out); /* OMNI_WAIT_COUNTS words */
 /* Takes a side of the ring for this handle; push / pop claim on first use. */
 OMNI_API int omni_ring_claim(omni_ring *r, int role);
 

@@ -45,7 +45,22 @@ _POLL_BURST_NS = 10_000
 _POLL_FLOOR_NS = 50_000
 _WAIT_CLAMP_NS = 4_000_000
 _WAIT_EWMA_SHIFT = 2  # each wait moves the EWMA by 1/4 of its distance
+# The contention check of the adaptive poll (as the C spin's, docs/transport.md "Waking up"): a
+# burst of the poll that came back empty after more than its length plus _HELD_NS lost the core
+# (or the GIL) to another task for that long. Then the next waits sleep at once: _SKIP_MIN of
+# them, twice as many each time the poll after them is held again, at most _SKIP_MAX; a burst
+# that ran its length unheld forgets that. A fixed poll (hot_spin_us) polls as it is told.
+_HELD_NS = 20_000
+_SKIP_MIN = 4
+_SKIP_MAX = 256
 _INLINE_BUFS = lib.OMNI_RECORD_INLINE_BUFS  # buffers described by the pop call itself
+# Ring.wait_counts' keys, by their index in omni_ring_wait_counts' answer
+_WAIT_COUNT_NAMES = {
+    "spun": lib.OMNI_WAIT_SPUN,
+    "handed_over": lib.OMNI_WAIT_HANDED_OVER,
+    "slept": lib.OMNI_WAIT_SLEPT,
+    "slept_at_once": lib.OMNI_WAIT_SLEPT_AT_ONCE,
+}
 _INT64_MAX = (1 << 63) - 1
 
 
@@ -137,6 +152,9 @@ class Ring:
         self._bufs = ffi.new("void *[]", _INLINE_BUFS)  # push's argument arrays, reused
         self._lens = ffi.new("uint64_t[]", _INLINE_BUFS)
         self.spin_us = spin_us
+        self._poll_skip = 0  # waits left whose pop_async sleeps at once (its core is contended)
+        self._poll_backoff = 0
+        self.contention_check = os.environ.get("OMNI_RING_SPIN_CONTENTION", "1") != "0"
         fixed = os.environ.get("OMNI_RING_HOT_SPIN_US")
         self.hot_spin_us = None if fixed is None else float(fixed)
         self.hot_poll_max_us = float(
@@ -198,6 +216,29 @@ class Ring:
         lib.omni_ring_set_spin_ns(self._handle(), int(value * 1000))
 
     @property
+    def contention_check(self) -> bool:
+        """Whether the blocking spin and pop_async's poll watch for a contended core (the
+        default; OMNI_RING_SPIN_CONTENTION=0 turns it off for new handles)."""
+        return self._contention_check
+
+    @contention_check.setter
+    def contention_check(self, value: bool) -> None:
+        """False: spin and poll as before 2026-12-03, to measure against."""
+        self._contention_check = bool(value)
+        self._poll_skip = self._poll_backoff = 0
+        lib.omni_ring_set_contention_check(self._handle(), int(self._contention_check))
+
+    @property
+    def wait_counts(self) -> dict[str, int]:
+        """What this handle's blocking waits (push waiting for room, pop for a record) did:
+        spun (the event came during the spin), handed_over (of those: right after a yield that
+        ran the peer on this core), slept, slept_at_once (of those: without spinning, the core
+        found contended). pop_async's waits are not counted."""
+        out = ffi.new("uint64_t[]", lib.OMNI_WAIT_COUNTS)
+        lib.omni_ring_wait_counts(self._handle(), out)
+        return {name: int(out[i]) for name, i in _WAIT_COUNT_NAMES.items()}
+
+    @property
     def hot_spin_us(self) -> float | None:
         """The fixed poll of pop_async, microseconds (None: the adaptive poll)."""
         return None if self._hot_spin_ns is None else self._hot_spin_ns / 1000
@@ -206,6 +247,7 @@ class Ring:
     def hot_spin_us(self, value: float | None) -> None:
         """A fixed poll: pop_async polls this long whenever a record came within 2 ms (0: never
         poll); None: the adaptive poll."""
+        self._poll_skip = self._poll_backoff = 0
         if value is None:
             self._hot_spin_ns = None
             return
@@ -253,12 +295,18 @@ class Ring:
         h = self._h
         if h is None:
             h = self._handle()
-        tns = _timeout_ns(timeout)
+        tns = -1 if timeout is None else _timeout_ns(timeout)
         if not isinstance(header, bytes):
             header = ffi.from_buffer(header)
         n = len(buffers)
         if not n:
             rc = lib.omni_ring_push(h, header, len(header), ffi.NULL, ffi.NULL, 0, tns)
+        elif n == 1:  # the usual record (one payload): no list of views
+            view = ffi.from_buffer(buffers[0])  # pins the buffer until the call returns
+            bufs, lens = self._bufs, self._lens
+            bufs[0] = view
+            lens[0] = len(view)
+            rc = lib.omni_ring_push(h, header, len(header), bufs, lens, 1, tns)
         else:
             # the views keep the buffers pinned until the call returns
             views = [ffi.from_buffer(b) for b in buffers]
@@ -281,7 +329,8 @@ class Ring:
         h = self._h
         if h is None:
             h = self._handle()
-        rc = lib.omni_ring_pop(h, _timeout_ns(timeout), self._rec)
+        tns = -1 if timeout is None else _timeout_ns(timeout)
+        rc = lib.omni_ring_pop(h, tns, self._rec)
         if rc:
             raise error_for(rc)
         return self._record()
@@ -309,6 +358,8 @@ class Ring:
         bound = self._poll_ns(began)
         if bound:
             rec = await self._poll_hot(began + bound)
+        elif self._poll_skip:
+            self._poll_skip -= 1
         while rec is None:
             await self._sleep_until_progress()
             rec = self.try_pop()
@@ -320,6 +371,8 @@ class Ring:
         fixed = self._hot_spin_ns
         if fixed is not None:
             return fixed if now - self._last_record < _HOT_S * 1e9 else 0
+        if self._poll_skip:  # its core was found contended
+            return 0
         bound = max(self._wait_ns + (self._wait_ns >> 1), _POLL_FLOOR_NS)
         return bound if bound <= self._poll_max_ns else 0
 
@@ -334,9 +387,20 @@ class Ring:
         loop (its other ready tasks and I/O first); the record, or None when none came."""
         while True:
             await asyncio.sleep(0)
-            rec = self._spin_pop(min(_POLL_BURST_NS, max(deadline - time.monotonic_ns(), 1)))
-            if rec is not None or time.monotonic_ns() >= deadline:
+            start = time.monotonic_ns()
+            burst = min(_POLL_BURST_NS, max(deadline - start, 1))
+            rec = self._spin_pop(burst)
+            now = time.monotonic_ns()
+            if rec is not None:
                 return rec
+            if self._contention_check and self._hot_spin_ns is None:  # (a fixed poll: as told)
+                if now - start > burst + _HELD_NS:  # the core was taken from us that long
+                    self._poll_backoff = min(max(2 * self._poll_backoff, _SKIP_MIN), _SKIP_MAX)
+                    self._poll_skip = self._poll_backoff
+                    return None
+                self._poll_backoff = 0
+            if now >= deadline:
+                return None
 
     def _spin_pop(self, spin_ns: int) -> Record | None:
         rc = lib.omni_ring_spin_pop(self._handle(), spin_ns, self._rec)
@@ -400,12 +464,16 @@ class Ring:
         hoff = w[_HEADER_OFF]
         header = area[hoff : hoff + w[_HEADER_LEN]]
         n = w[_NBUFS]
-        buffers = []
-        if n <= _INLINE_BUFS:
+        if n == 1:  # the usual record (one payload)
+            off = w[_BUF_OFF]
+            buffers = [area[off : off + w[_BUF_LEN]]]
+        elif n <= _INLINE_BUFS:
+            buffers = []
             for i in range(n):
                 off = w[_BUF_OFF + i]
                 buffers.append(area[off : off + w[_BUF_LEN + i]])
         else:
+            buffers = []
             for i in range(n):
                 self._check(lib.omni_record_buffer(self._h, self._rec, i, self._off, self._len))
                 buffers.append(area[self._off[0] : self._off[0] + self._len[0]])
@@ -420,7 +488,9 @@ class Ring:
         while out and out[0]._released:
             end = out.popleft()._end
         if end is not None and self._h is not None:
-            self._check(lib.omni_ring_release(self._h, end))
+            rc = lib.omni_ring_release(self._h, end)
+            if rc:
+                raise error_for(rc)
 
     @property
     def held(self) -> int:

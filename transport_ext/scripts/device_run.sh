@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine (the lent H200): build the library with CMake, run the transport
-# tests (CUDA ones included), then the CUDA crossing and CPU benchmarks. Writes under $OUT when
+# tests (CUDA ones included), then the CUDA crossing and CPU benchmarks, and the spin under
+# contention (on every core, and on two). Writes under $OUT when
 # set. Needs python3 with torch (CUDA build), numpy, cffi, pyzmq, pytest on the path.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,5 +17,11 @@ python3 -m pytest -p no:cacheprovider -q -rs ${TESTS:-tests/transport} 2>&1 | te
   | tail -25 || true
 python3 -m omni_bench.transport --cuda --cuda-iterations 500 --markdown "$OUT/cuda.md" 2>&1 | tail -12
 python3 -m omni_bench.transport --runs ${RUNS:-3} --markdown "$OUT/cpu.md" 2>&1 | tail -40
+# the spin under contention, both ways (docs/transport.md): on every core, then confined to two
+# (a quiet 2-core machine with one core kept busy: the benchmark's processes inherit the mask)
+python3 -m omni_bench.transport --contention --runs ${RUNS:-3} --markdown "$OUT/contention.md" \
+  2>&1 | tail -22
+taskset -c 0,1 python3 -m omni_bench.transport --contention --runs ${RUNS:-3} \
+  --markdown "$OUT/contention-2cores.md" 2>&1 | tail -22
 ls /dev/shm | grep -c '^omni-' || true
 ls /tmp | grep -c 'omni-bench' || true  # socket files left behind (expect 0)

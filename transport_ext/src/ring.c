@@ -32,6 +32,12 @@
 #define SLICE_MS 50       /* longest sleep between liveness checks while the peer has no pidfd */
 #define PIDFD_SLICE_MS 1000 /* with a pidfd: its readiness is the death signal, this a backstop */
 #define RNAME(r) ((r)->seg.name + 1) /* without the leading slash */
+/* The contention check of the spin (see spin_wait; docs/transport.md, "Waking up"). */
+#define RAN_NS 1500          /* a sched_yield this long ran another task (alone: ~0.2 us) */
+#define HELD_MIN_NS 20000    /* the core counts as held only when lost this long, at least */
+#define HELD_STREAK 3        /* spins in a row that lost the core: it is contended */
+#define BACKOFF_MIN 4        /* waits that sleep at once after the first contended spin */
+#define BACKOFF_MAX 256      /* ... doubling each time the probe after them is contended again */
 
 /* One cache line per side, written only by that side's process: `owner` by CAS at claim,
  * `bell` before `state` becomes ATTACHED (release), `state` at claim and close, `pos` on every
@@ -78,6 +84,12 @@ struct omni_ring {
     uint64_t peer_cache; /* producer: last tail seen; consumer: last head seen */
     uint64_t spin_ns;    /* the most a wait spins (set by the caller) */
     uint64_t spin_cur;   /* adaptive budget <= spin_ns (see adapt_spin) */
+    int contention_check; /* 0: the spin as before 2026-12-03 (for measurements) */
+    int yield_first;      /* the last event came in a yield that ran the peer on our core */
+    uint32_t sleep_waits; /* waits left that sleep without spinning (our core is contended) */
+    uint32_t backoff;     /* what sleep_waits is set to at the next contended spin / 2 */
+    uint32_t held;        /* spins in a row that lost the core for longer than they spin */
+    uint64_t counts[OMNI_WAIT_COUNTS]; /* what blocking waits did (omni_ring_wait_counts) */
     int bell;            /* our doorbell: abstract datagram socket, connected to the peer's */
     int bell_connected;  /* 1 once connected to the peer's doorbell */
     uint64_t peer_id;    /* the peer's identity, once seen attached */
@@ -192,6 +204,7 @@ static int finish_open(struct omni_ring *r) {
     r->mask = cap - 1;
     r->data = r->seg.base + r->seg.data_offset;
     r->spin_ns = r->spin_cur = 20000;
+    r->contention_check = 1;
     return OMNI_OK;
 }
 
@@ -236,6 +249,16 @@ uint64_t omni_ring_capacity(const omni_ring *r) { return r->capacity; }
 void omni_ring_set_spin_ns(omni_ring *r, uint64_t spin_ns) {
     if (spin_ns > 1000000000ULL) spin_ns = 1000000000ULL; /* a second: more is a mistake */
     r->spin_ns = r->spin_cur = spin_ns;
+}
+
+void omni_ring_set_contention_check(omni_ring *r, int on) {
+    r->contention_check = on != 0;
+    r->yield_first = 0;
+    r->sleep_waits = r->backoff = r->held = 0;
+}
+
+void omni_ring_wait_counts(const omni_ring *r, uint64_t *out) {
+    memcpy(out, r->counts, sizeof r->counts);
 }
 
 int omni_ring_claim(omni_ring *r, int role) {
@@ -334,24 +357,96 @@ static void adapt_spin(struct omni_ring *r, int64_t start, int slept) {
         r->spin_cur = r->spin_cur / 2 < 1000 ? 1000 : r->spin_cur / 2;
 }
 
+/* This spin lost its core to another task for longer than it would spin. Once in a while that
+ * is a stranger's burst; HELD_STREAK spins in a row mean a task that wants the core all the
+ * time (a stage computing) shares it with us, and then spinning cannot pay: each yield hands it
+ * the core for a whole time slice (milliseconds), while a task that sleeps is the one the
+ * scheduler runs first when it wakes. So the next waits sleep at once: BACKOFF_MIN, then twice
+ * as many each time the spin after them (the probe) loses its core again, at most BACKOFF_MAX;
+ * while a backoff is left, one lost spin is enough. A spin that gets its event without losing
+ * its core forgets the streak and halves the backoff (one handed over by the peer on our core,
+ * a shared core, forgets both): a lucky probe does not buy three more lost time slices. */
+static void contended(struct omni_ring *r) {
+    r->yield_first = 0;
+    /* after a contended spin, until the backoff has decayed, one lost spin is enough */
+    if (++r->held < HELD_STREAK && !r->backoff) return;
+    r->backoff = r->backoff < BACKOFF_MIN ? BACKOFF_MIN
+                 : r->backoff < BACKOFF_MAX ? 2 * r->backoff : BACKOFF_MAX;
+    r->sleep_waits = r->backoff;
+}
+
+/* The spin of a blocking wait: 1 when the counter became ready, 0 to go to sleep. It yields the
+ * CPU every 64 pauses (a runnable peer waiting for this core gets it; on an idle core
+ * sched_yield returns at once), and it watches what the yields and the clock say about the core
+ * (unless the check is off: then only the budget ends it, as before 2026-12-03):
+ * - a yield that took RAN_NS or more and after which the record (or room) was there ran the
+ *   peer on our core: the two share it (the usual state of a ping-pong on a machine with one
+ *   free core), and the next wait yields at its first look instead of pausing 64 times first:
+ *   the handoff is then one context switch (~1 us);
+ * - a gap between two looks (a yield, or a preemption between pauses) longer than the budget
+ *   and than HELD_MIN_NS: another task held our core for longer than we would spin
+ *   (contended()). Both kinds of evidence are only about when to sleep: the sleep itself, and
+ *   what makes it safe (the Dekker handshake in wait_ready), are unchanged. */
+static int spin_wait(struct omni_ring *r, uint64_t need, int64_t start, int64_t deadline) {
+    int64_t budget = (int64_t)r->spin_cur;
+    if (!r->spin_ns || !budget) return 0;
+    /* a short budget (a stream whose events come late) is overrun by 64 pauses alone */
+    int64_t held_max = budget > HELD_MIN_NS ? budget : HELD_MIN_NS;
+    int check = r->contention_check;
+    if (check && r->sleep_waits) {
+        r->sleep_waits--;
+        r->counts[OMNI_WAIT_SLEPT_AT_ONCE]++;
+        return 0;
+    }
+    int eager = check && r->yield_first;
+    r->yield_first = 0;
+    int64_t last = start;
+    for (uint64_t i = 0;; i++) {
+        if (ready(r, need)) {
+            r->held = 0; /* this spin kept its core */
+            r->backoff /= 2;
+            return 1;
+        }
+        if (!eager) {
+            cpu_relax();
+            if ((i & 63) != 63) continue;
+        }
+        int64_t now = omni_now_ns();
+        if (check && now - last > held_max) { /* preempted between two looks */
+            contended(r);
+            return ready(r, need);
+        }
+        if (now - start >= budget || now >= deadline) return 0;
+        sched_yield();
+        if (!check) continue;
+        last = omni_now_ns();
+        int64_t held = last - now;
+        if (held > held_max) {
+            contended(r);
+            return ready(r, need);
+        }
+        /* A host whose yield alone took RAN_NS would read every yield as a handover: the next
+         * wait would yield at each look, a system call per look on a free core (slower, never
+         * wrong). The shortest yield is not a usable yardstick: on a shared core every yield
+         * switches. */
+        if (held >= RAN_NS && ready(r, need)) {
+            r->counts[OMNI_WAIT_HANDED_OVER]++;
+            r->yield_first = 1;
+            r->backoff = r->held = 0;
+            return 1;
+        }
+    }
+}
+
 static int wait_ready(struct omni_ring *r, uint64_t need, int64_t timeout_ns) {
     int64_t start = omni_now_ns();
     int64_t deadline = omni_deadline(timeout_ns);
-    /* The spin yields the CPU every few microseconds: a runnable peer waiting for this CPU
-     * gets it (on an idle CPU sched_yield returns at once); without it an oversubscribed host
-     * spends each spin starving the peer it waits for. */
-    for (uint64_t i = 0; r->spin_ns; i++) {
-        if (ready(r, need)) {
-            adapt_spin(r, start, 0);
-            return OMNI_OK;
-        }
-        cpu_relax();
-        if ((i & 63) == 63) {
-            int64_t now = omni_now_ns();
-            if (now - start >= (int64_t)r->spin_cur || now >= deadline) break;
-            sched_yield();
-        }
+    if (spin_wait(r, need, start, deadline)) {
+        r->counts[OMNI_WAIT_SPUN]++;
+        adapt_spin(r, start, 0);
+        return OMNI_OK;
     }
+    r->counts[OMNI_WAIT_SLEPT]++;
     uint32_t *sleeping = &r->ctl->side[r->role].sleeping;
     for (int slept = 0;; slept = 1) {
         if (ready(r, need)) {
