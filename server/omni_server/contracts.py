@@ -13,6 +13,9 @@ its default and checked in one place, this module.
     "chat"        ChatInput         chat, realtime                the thinker
     "options"     AsrOptions        transcription, chat (audio    the recognizer (asr_whisper),
                                     in), realtime                 beside "file"
+    "timing"      SpeechTiming      a voice's acoustic stage      its encoder (passed on with
+                                    (Piper: its durations) or a   the bytes), then the server's
+                                    forced-alignment stage        transports (alignment, words)
 
 Across processes a contract is pickled as its constructor call (`__reduce__`): decoding runs
 `__post_init__` again, so what a stage reads from shared memory is checked as the server's
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, cast
 
@@ -186,6 +189,139 @@ class SpeechOptions(Contract):
             raise ValueError(
                 f"temperature must lie in 0..{MAX_SPEECH_TEMPERATURE:g}; got {self.temperature!r}"
             )
+
+
+# -- speech timing (which word is playing) ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WordTiming(Contract):
+    """One spoken word: its text, when it plays, and where it lies in its SpeechTiming's
+    `characters` ([char_start, char_end), so `timing.text[char_start:char_end] == text`)."""
+
+    KEY: ClassVar[str] = "word"
+
+    text: str
+    start_s: float
+    end_s: float
+    char_start: int
+    char_end: int
+
+    def __post_init__(self) -> None:
+        _check_text("word.text", self.text)
+        if not (_number(self.start_s) and _number(self.end_s) and 0 <= self.start_s <= self.end_s):
+            raise ValueError(
+                f"word {self.text!r}: 0 <= start_s <= end_s; got {self.start_s!r}, {self.end_s!r}"
+            )
+        if not (
+            _integer(self.char_start) and _integer(self.char_end) and self.char_start >= 0
+        ) or self.char_end - self.char_start != len(self.text):
+            raise ValueError(
+                f"word {self.text!r}: [char_start, char_end) must span its text; "
+                f"got [{self.char_start!r}, {self.char_end!r})"
+            )
+
+
+@dataclass(frozen=True)
+class SpeechTiming(Contract):
+    """When each character and word of spoken text plays: rides, under "timing", with the
+    audio chunk whose audio speaks it (a voice's acoustic stage emits it; any voice stage, or
+    a forced-alignment stage after one, may).
+
+    The character arrays are ElevenLabs' `alignment` (`characters`,
+    `character_start_times_seconds`, `character_end_times_seconds`, parallel): the text the
+    voice spoke (after the frontend's normalization), the spaces and punctuation between words
+    included (they take the gap between the words around them, or none). `words` are the
+    spoken words in order, each a span of `characters`.
+
+    Times are seconds from the first sample of the request's audio (the utterance), at the
+    rate the voice produced it (resampling the audio does not move them), through `speed`:
+    a chunk's timing need not start at 0, and a transport that wants chunk-relative times
+    (ElevenLabs' WebSocket) subtracts the chunk's own start (`shifted`). A chunk carries the
+    words whose audio starts in it; a chunk without timing carries no words."""
+
+    KEY: ClassVar[str] = "timing"
+
+    characters: tuple[str, ...]
+    character_start_times_seconds: tuple[float, ...]
+    character_end_times_seconds: tuple[float, ...]
+    words: tuple[WordTiming, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.characters)
+        if not all(isinstance(c, str) and len(c) == 1 for c in self.characters):
+            raise ValueError("characters must be a tuple of single characters")
+        starts, ends = self.character_start_times_seconds, self.character_end_times_seconds
+        if not (isinstance(starts, tuple) and isinstance(ends, tuple)) or not (
+            len(starts) == len(ends) == n
+        ):
+            raise ValueError(
+                f"character start and end times must be tuples of {n} numbers (one per character)"
+            )
+        for i, (start, end) in enumerate(zip(starts, ends, strict=True)):
+            if not (_number(start) and _number(end) and 0 <= start <= end):
+                raise ValueError(f"characters[{i}]: 0 <= start <= end; got {start!r}, {end!r}")
+        text = self.text
+        last = 0
+        for i, word in enumerate(self.words):
+            if not isinstance(word, WordTiming):
+                raise ValueError(f"words[{i}] must be a WordTiming; got {type(word).__name__}")
+            if word.char_start < last or text[word.char_start : word.char_end] != word.text:
+                raise ValueError(
+                    f"words[{i}] {word.text!r} must be the characters [{word.char_start}, "
+                    f"{word.char_end}) of the timing's text, after the word before it"
+                )
+            last = word.char_end
+
+    @property
+    def text(self) -> str:
+        return "".join(self.characters)
+
+    @property
+    def start_s(self) -> float:
+        """When its first character starts (0.0 when it has none)."""
+        return self.character_start_times_seconds[0] if self.characters else 0.0
+
+    def shifted(self, seconds: float) -> SpeechTiming:
+        """The same timing `seconds` later (negative: earlier; never before 0)."""
+
+        def move(t: float) -> float:
+            return max(0.0, t + seconds)
+
+        return SpeechTiming(
+            characters=self.characters,
+            character_start_times_seconds=tuple(map(move, self.character_start_times_seconds)),
+            character_end_times_seconds=tuple(map(move, self.character_end_times_seconds)),
+            words=tuple(
+                dataclasses.replace(w, start_s=move(w.start_s), end_s=move(w.end_s))
+                for w in self.words
+            ),
+        )
+
+    @classmethod
+    def joined(cls, timings: Sequence[SpeechTiming]) -> SpeechTiming:
+        """One timing for consecutive chunks' timings (a whole response's): the characters in
+        order, each word's span re-indexed into them."""
+        words: list[WordTiming] = []
+        offset = 0
+        for timing in timings:
+            words.extend(
+                dataclasses.replace(
+                    w, char_start=w.char_start + offset, char_end=w.char_end + offset
+                )
+                for w in timing.words
+            )
+            offset += len(timing.characters)
+        return cls(
+            characters=tuple(c for t in timings for c in t.characters),
+            character_start_times_seconds=tuple(
+                s for t in timings for s in t.character_start_times_seconds
+            ),
+            character_end_times_seconds=tuple(
+                e for t in timings for e in t.character_end_times_seconds
+            ),
+            words=tuple(words),
+        )
 
 
 # -- chat (the thinker) ------------------------------------------------------------------------
