@@ -78,6 +78,12 @@ def split_timing(timing: SpeechTiming, at_s: float) -> tuple[SpeechTiming, Speec
         WordTiming(w.text, w.start_s, w.end_s, w.char_start - cut, w.char_end - cut) for w in later
     )
     starts, ends = timing.character_start_times_seconds, timing.character_end_times_seconds
-    head = SpeechTiming(timing.characters[:cut], starts[:cut], ends[:cut], head_words)
+    # the gap before the first later word straddles the cut: its head share ends there
+    head = SpeechTiming(
+        timing.characters[:cut],
+        tuple(min(t, at_s) for t in starts[:cut]),
+        tuple(min(t, at_s) for t in ends[:cut]),
+        head_words,
+    )
     rest = SpeechTiming(timing.characters[cut:], starts[cut:], ends[cut:], rest_words)
     return head, rest
