@@ -26,6 +26,11 @@ length scale, rounded up as Piper does (speed 1 is Piper's audio, bit for bit), 
 rounded so that every id *ends* at its nearest frame (`scaled_durations`): the sentence lasts
 1 / speed of its frames within one frame (11.6 ms).
 
+Word timing comes from the same durations: the frames of each phoneme id, times the hop (the
+samples the decoder made per frame) over the rate, mapped to the frontend's words (its `text`
+and `words`) as the `contracts.SpeechTiming` each audio chunk carries under "timing", in
+seconds from the request's first sample (docs/voice.md "Word timing").
+
 A sentence the frontend marked with a `cut` (a request's first) leaves as two chunks: the
 graph runs once up to its decoder, and the decoder runs on the frames before the cut, then on
 the rest, each with context frames past the cut (CutSentence): the whole sentence's audio,
@@ -438,7 +443,7 @@ class CutSentence:
         return _scaled(rest, gains)
 
 
-def timing(
+def sentence_timing(
     sentence: Payload, durations: np.ndarray | None, samples: int, rate: int, start_s: float
 ) -> SpeechTiming | None:
     """When each word of a sentence plays: its phoneme ids' frames (VITS's durations at the
@@ -608,7 +613,7 @@ class Acoustic(StageBackend):
         rest waits in playback order while the first chunk plays.
 
         With each chunk, the timing of the words it speaks (`elapsed`: when the sentence
-        starts), from VITS's frames per phoneme id (`timing`)."""
+        starts), from VITS's frames per phoneme id (`sentence_timing`)."""
         ids, speed = sentence["phoneme_ids"], options.speed
         first = sentence["chunk"] == 0 and options.seed is None  # may take idle cores
         cut_at = sentence.get("cut")
@@ -622,12 +627,14 @@ class Acoustic(StageBackend):
                 cut = voice.cut(ids, int(cut_at), speed=speed, rng=rng, wide=wide)
             if cut is None:
                 audio, durations = voice.synthesize_timed(ids, speed=speed, rng=rng, wide=wide)
-                timed = timing(sentence, durations, len(audio), voice.sample_rate, elapsed)
+                timed = sentence_timing(sentence, durations, len(audio), voice.sample_rate, elapsed)
                 yield audio, timed
                 return
             head = cut.head(wide=wide)
         samples = cut.latents.frames * len(head) // cut.frame  # the whole sentence's
-        timed = timing(sentence, cut.latents.durations, samples, voice.sample_rate, elapsed)
+        timed = sentence_timing(
+            sentence, cut.latents.durations, samples, voice.sample_rate, elapsed
+        )
         if timed is None:
             head_timing = rest_timing = None
         else:

@@ -25,6 +25,10 @@ Three steps per text, all cheap next to synthesis (about 1 ms a sentence):
    huge VITS call (its attention is phonemes x frames) and the first audio is never far off.
 3. phoneme ids with the voice's own id map (BOS, PAD between phonemes, EOS).
 
+Each sentence chunk also carries its words for the acoustic stage's timing (docs/voice.md
+"Word timing"): `text`, its characters, and `words`, [char_start, char_end, id_start, id_stop]
+per word (omni_server/audio/spoken_words.py matches the text's words to espeak-ng's).
+
 A request's first sentence also carries `cut`: the index in its phoneme ids of the word gap
 where its first audio chunk may end (`first_piece`, `first_chunk_words`); the acoustic stage
 then sends that sentence as two audio chunks (docs/voice.md "First chunk").

@@ -109,7 +109,7 @@ async def _answer(
     if speech.stream_format is None and speech.timestamps:
         return web.json_response(
             _with_timestamps(bytes(whole + tail), SpeechTiming.joined(timings)),
-            headers={**_headers(speech, handle), "Content-Type": "application/json"},
+            headers={k: v for k, v in _headers(speech, handle).items() if k != "Content-Type"},
         )
     if speech.stream_format is None:
         return web.Response(body=bytes(whole + tail), headers=_headers(speech, handle))

@@ -289,7 +289,9 @@ class SpeechStream:
             sample_rate=settings.output.rate,
             reference=settings.voice.reference,
         )
-        inputs = speech_payload(text, speech)
+        # a space after the sentence: its timing's characters end with it, so the alignments
+        # of a session's sentences, joined, are its text
+        inputs = speech_payload(text if text[-1:].isspace() else text + " ", speech)
         try:
             async with admitted(state, model), submitted(state, model, inputs) as handle:
                 try:
