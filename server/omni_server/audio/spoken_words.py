@@ -2,12 +2,13 @@
 back to the characters the caller wrote, so a voice's durations can time each word.
 
 A phonemizer (espeak-ng) does not map its output to its input: it merges words ("of the" ->
-one phoneme word, "I am" too), splits them ("42" -> two: forty two) and drops some ("-"). So the
-text's words are matched to the phoneme words by a small dynamic program: each text word is
-phonemized alone once (how many phoneme words and how many phonemes it makes), and groups of
-up to MAX_GROUP text words are matched to groups of up to MAX_GROUP phoneme words at the least
-cost (words made against words found, phonemes made against phonemes found). Inside a group
-the phonemes are shared by the text words in proportion to the phonemes each makes alone.
+one phoneme word, "I am" too), splits them ("42" -> two: forty two) and drops some ("-"). So
+each text word is phonemized alone once (how many phoneme words, which sounds), and the words
+are matched one by one where a word sounds alone as it does in the sentence (most do); the
+stretches between go to a small dynamic program that matches groups of up to MAX_GROUP text
+words to groups of up to MAX_GROUP phoneme words at the least cost (sounds made against sounds
+found, then word counts). Inside a group the phonemes are shared by the text words in
+proportion to the phonemes each makes alone.
 
 `TextWords` consumes its text sentence by sentence, in order: `match(phonemes)` takes the next
 sentence's phoneme symbols (words separated by " ") and returns its `SpokenWord`s, each the
@@ -109,7 +110,7 @@ class TextWords:
         """The next sentence's words: the text words its phoneme symbols speak."""
         found = phoneme_words(symbols)
         window = self._words[self._next : self._next + WINDOW * len(found) + MAX_GROUP]
-        groups = _align(window, found)
+        groups = _anchored(window, found)
         spoken: list[SpokenWord] = []
         for (a0, a1), (b0, b1) in groups:
             text_words = window[a0:a1]
@@ -174,12 +175,53 @@ def _cost(text_words: list[_TextWord], spoken: list[_PhonemeWord]) -> float:
     return 2.0 * sounds + 0.3 * words + 0.1 * (len(text_words) + len(spoken) - 2)
 
 
-def _align(
-    text_words: list[_TextWord], spoken: list[_PhonemeWord]
-) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-    """The least-cost grouping of all of `spoken` with a prefix of `text_words`: groups of
-    1..MAX_GROUP text words with 1..MAX_GROUP phoneme words (or a phoneme word with none,
-    at a high cost, so a match always exists)."""
+Groups = list[tuple[tuple[int, int], tuple[int, int]]]  # ((text a0, a1), (phonemes b0, b1))
+MAX_SKIP = 8  # how far past a mismatch the next exact match is looked for
+
+
+def _exact(text_words: list[_TextWord], a: int, spoken: list[_PhonemeWord], b: int) -> bool:
+    """Whether text word `a` alone sounds as the phoneme words from `b` (most words do)."""
+    if a >= len(text_words):
+        return False
+    word = text_words[a]
+    group = spoken[b : b + word.words]
+    return len(group) == word.words and "".join(p.sounds for p in group) == word.sounds
+
+
+def _anchored(text_words: list[_TextWord], spoken: list[_PhonemeWord]) -> Groups:
+    """`_align`'s grouping, found fast: words that sound alone as they do in the sentence
+    match one by one; only the stretches between (merges, splits, words said otherwise in
+    context) go through the dynamic program, each up to the next exact match."""
+    groups: Groups = []
+    a = b = 0
+    while b < len(spoken):
+        if _exact(text_words, a, spoken, b):
+            step = text_words[a].words
+            groups.append(((a, a + 1), (b, b + step)))
+            a, b = a + 1, b + step
+            continue
+        anchor = next(
+            (
+                (a + k, b + skip - k)
+                for skip in range(2, 2 * MAX_SKIP + 1)
+                for k in range(1, skip)
+                if b + skip - k < len(spoken) and _exact(text_words, a + k, spoken, b + skip - k)
+            ),
+            None,
+        )
+        if anchor is None:  # the rest of the sentence, against what text is left
+            rest = _align(text_words[a:], spoken[b:], whole=False)
+            return groups + [((a + a0, a + a1), (b + b0, b + b1)) for (a0, a1), (b0, b1) in rest]
+        stretch = _align(text_words[a : anchor[0]], spoken[b : anchor[1]], whole=True)
+        groups += [((a + a0, a + a1), (b + b0, b + b1)) for (a0, a1), (b0, b1) in stretch]
+        a, b = anchor
+    return groups
+
+
+def _align(text_words: list[_TextWord], spoken: list[_PhonemeWord], *, whole: bool) -> Groups:
+    """The least-cost grouping of all of `spoken` with all of `text_words` (`whole`) or a
+    prefix of them: groups of 1..MAX_GROUP text words with 1..MAX_GROUP phoneme words (or a
+    word of either with none, at a high cost, so a match always exists)."""
     n, m = len(text_words), len(spoken)
     inf = float("inf")
     cost = [[inf] * (m + 1) for _ in range(n + 1)]
@@ -192,6 +234,8 @@ def _align(
                 continue
             if b < m and here + 3.0 < cost[a][b + 1]:  # a phoneme word of no text word
                 cost[a][b + 1], back[a][b + 1] = here + 3.0, (a, b)
+            if whole and a < n and here + 3.0 < cost[a + 1][b]:  # a text word not spoken
+                cost[a + 1][b], back[a + 1][b] = here + 3.0, (a, b)
             for da in range(1, MAX_GROUP + 1):
                 for db in range(1, MAX_GROUP + 1):
                     if a + da > n or b + db > m:
@@ -199,8 +243,8 @@ def _align(
                     total = here + _cost(text_words[a : a + da], spoken[b : b + db])
                     if total < cost[a + da][b + db]:
                         cost[a + da][b + db], back[a + da][b + db] = total, (a, b)
-    end = min(range(n + 1), key=lambda a: cost[a][m])
-    groups: list[tuple[tuple[int, int], tuple[int, int]]] = []
+    end = n if whole else min(range(n + 1), key=lambda a: cost[a][m])
+    groups: Groups = []
     a, b = end, m
     while (a, b) != (0, 0):
         prev = back[a][b]
