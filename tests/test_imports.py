@@ -169,7 +169,7 @@ ENDPOINTS = {
     "transcription": ("transcription", "transcription_request", "transcription_format"),
     "voices": ("voices",),
     "speech_stream": ("speech_stream", "stream_settings"),
-    "realtime": ("realtime", "realtime_sessions"),
+    "realtime": ("realtime",),
     "repository_api": ("repository_api",),
     "health": ("health",),
 }

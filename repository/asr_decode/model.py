@@ -22,7 +22,7 @@ import av
 import numpy as np
 
 from omni_server.audio.budget import BudgetedSamples, BudgetExhausted, SampleBudget
-from omni_server.audio.containers import plain_wav, truncation
+from omni_server.audio.containers import cut_short, plain_wav
 from omni_server.audio.resample import StreamResampler
 from omni_server.backend import (
     InvalidRequest,
@@ -34,10 +34,6 @@ from omni_server.backend import (
 )
 
 RATE = 16_000
-# A container that declares a duration but decodes to much less was cut short (a truncated
-# wav, flac, m4a or webm decodes without an error up to the cut).
-TRUNCATED_FRACTION = 0.9
-TRUNCATED_SLACK_S = 0.2
 FIRST_CAPACITY_S = 120.0  # the buffer's first size when the container declares no duration
 RESAMPLER_SLACK = RATE  # the resampler's tail may add a few samples past the input's length
 
@@ -113,15 +109,10 @@ class DecodeUpload(StageBackend):
                 f"the uploaded file could not be decoded as audio ({_reason(err)}); "
                 "send wav, mp3, ogg/opus, flac, m4a/aac or webm"
             ) from None
-        seconds = audio.size / RATE
-        if declared is not None and seconds < declared * TRUNCATED_FRACTION - TRUNCATED_SLACK_S:
-            raise Rejected(
-                f"the uploaded file is truncated or corrupt: it declares {declared:.2f} s "
-                f"of audio but only {seconds:.2f} s could be decoded"
-            )
-        cut = truncation(data, name)
+        # the one completeness check of uploads (a voice's clip is checked alike)
+        cut = cut_short(data, name, declared, audio.size / RATE)
         if cut is not None:
-            raise Rejected(f"the uploaded file is truncated: {cut}")
+            raise Rejected(f"the uploaded file is truncated or corrupt: {cut}")
         return audio
 
     def _pcm16(self, pcm: np.ndarray, rate: int) -> np.ndarray:

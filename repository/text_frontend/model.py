@@ -52,7 +52,15 @@ from piper.phonemize_espeak import ESPEAK_DATA_DIR, _merge_known_vowel_clusters
 
 from omni_server.audio.resources import package_file
 from omni_server.audio.spoken_words import SpokenWord, TextWords
-from omni_server.backend import Payload, Request, StageBackend, StageConfigError, StageContext
+from omni_server.backend import (
+    InvalidRequest,
+    Payload,
+    Request,
+    StageBackend,
+    StageConfigError,
+    StageContext,
+    checked_text,
+)
 from omni_server.contracts import SpeechOptions
 
 MAX_STREAMED_CHARS = 65536  # a streamed answer longer than this fails (bounded work and memory)
@@ -345,8 +353,12 @@ class TextFrontend(StageBackend):
                 text = request.inputs["text"]
                 if not isinstance(text, str) or not text.strip():
                     raise ValueError("text must be a non-empty string")
+            except InvalidRequest:
+                raise  # the caller's to fix: a 400
             except (ValueError, KeyError, TypeError) as err:  # this request's input, alone
                 raise ValueError(f"bad speech request: {err}") from err
+            # espeak-ng encodes the text: a lone surrogate is the caller's fault (a 400)
+            text = checked_text(text, "input")
             said: Iterator[Said] = iter([(text, self.sentences(options.voice, text))])
         else:  # text streamed by an upstream stage (the omni model's thinker)
             stream = request.stream()
@@ -357,6 +369,8 @@ class TextFrontend(StageBackend):
                 return  # a text-only request of a model with a voice: nothing to say
             try:
                 options = self.options(first)
+            except InvalidRequest:
+                raise
             except (ValueError, TypeError) as err:
                 raise ValueError(f"bad speech options: {err}") from err
             said = self._streamed(options.voice, first, stream)
@@ -367,7 +381,13 @@ class TextFrontend(StageBackend):
         this stage's voices."""
         options = SpeechOptions.of(payload)
         if options.voice not in self.voices:
-            raise ValueError(f"unknown voice {options.voice!r}; valid: {', '.join(self.voices)}")
+            # the server checks the voice first; one that reaches here is a custom voice
+            # deleted since (docs/voices.md), or a model swapped under the request: a 400
+            raise InvalidRequest(
+                f"unknown voice {options.voice[:80]!r}; valid: {', '.join(self.voices)}",
+                code="voice_not_found",
+                param="voice",
+            )
         return options
 
     def sentences(self, voice: str, text: str) -> list[list[str]]:
@@ -384,6 +404,7 @@ class TextFrontend(StageBackend):
             text = chunk.get("text", "")
             if not isinstance(text, str):
                 raise ValueError(f"a streamed text chunk's text must be a string; got {text!r}")
+            checked_text(text, "text")
             received += len(text)
             if received > MAX_STREAMED_CHARS:
                 raise ValueError(f"the streamed text exceeds {MAX_STREAMED_CHARS} characters")

@@ -25,6 +25,7 @@ from omni_server.backend import (
     StageConfigError,
     StageContext,
     StepOutput,
+    checked_text,
 )
 from omni_server.contracts import ChatInput, Sampling, SpeechOptions
 from omni_server.engine import (
@@ -114,7 +115,8 @@ class Thinker(StageBackend):
                 code="context_length_exceeded",
                 param="messages",
             )
-        prompt = tokenizer.encode(text)
+        # the tokenizer refuses a lone surrogate (TypeError): the caller's fault, a 400
+        prompt = tokenizer.encode(checked_text(text, "messages"))
         params = _sampling(chat.sampling, self._ignore_eos)
         engine_id = f"r{next(self._ids)}"
         try:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_server.compiler.plan import ModelSpec
+from omni_server.contracts import text_problem
 from omni_server.envelope import Payload
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "StageConfigError",
     "StageContext",
     "StepOutput",
+    "checked_text",
 ]
 
 
@@ -71,6 +73,16 @@ class InvalidRequest(ValueError):
 
 def _invalid_request(message: str, code: str | None, param: str | None) -> InvalidRequest:
     return InvalidRequest(message, code=code, param=param)
+
+
+def checked_text(text: str, param: str) -> str:
+    """`text` when a codec can encode it, else InvalidRequest naming `param` (a 400): a stage
+    that encodes a request's text (a tokenizer, a phonemizer) checks it with this first, so
+    text the server's edges let through is still the caller's fault, never a 500."""
+    problem = text_problem(text)
+    if problem is not None:
+        raise InvalidRequest(f"'{param}' {problem}", code="invalid_value", param=param)
+    return text
 
 
 class RequestAborted(Exception):

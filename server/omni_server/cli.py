@@ -29,6 +29,7 @@ from omni_server.compiler.errors import RepositoryError
 from omni_server.compiler.plan import Plan
 from omni_server.compiler.render import config_json, config_toml, topology_text
 from omni_server.gpu.devices import discover
+from omni_server.serve.access import loopback_hosts
 from omni_server.serve.options import ServeOptions
 from omni_server.serve.voice_store import DataDirError, default_data_dir, prepare_dir
 
@@ -97,8 +98,8 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> None:
         default="none",
         help="none: serve every model for the server's life (default); explicit: load the "
         "--load-model models, then load / reload / unload on POST /v2/repository/models/"
-        "NAME/load|unload; poll: reload what changed in the repository every "
-        "--repository-poll-secs (for development)",
+        "NAME/load|unload (on a non-loopback --host only with --api-key); poll: reload what "
+        "changed in the repository every --repository-poll-secs (for development)",
     )
     control.add_argument(
         "--load-model",
@@ -163,7 +164,7 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help=f"longest wait for a place before 429 ({d.queue_timeout_s:g})",
     )
-    live = parser.add_argument_group("realtime (per server, per session)")
+    live = parser.add_argument_group("realtime and speech input streams (per server, per session)")
     live.add_argument(
         "--max-realtime-sessions",
         type=int,
@@ -171,6 +172,14 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="realtime sessions open at once; more are refused with 429 "
         f"({d.max_realtime_sessions})",
+    )
+    live.add_argument(
+        "--max-speech-stream-sessions",
+        type=int,
+        default=d.max_speech_stream_sessions,
+        metavar="N",
+        help="speech input streams (/v1/audio/speech/stream-input) open at once; more are "
+        f"refused with 429 ({d.max_speech_stream_sessions})",
     )
     live.add_argument(
         "--max-realtime-item-chars",
@@ -276,6 +285,7 @@ def _serve_options(opts: argparse.Namespace) -> ServeOptions:
             max_queued=opts.max_queued,
             queue_timeout_s=opts.queue_timeout,
             max_realtime_sessions=opts.max_realtime_sessions,
+            max_speech_stream_sessions=opts.max_speech_stream_sessions,
             max_realtime_item_chars=opts.max_realtime_item_chars,
             max_realtime_conversation_chars=opts.max_realtime_conversation_chars,
             header_timeout_s=opts.header_timeout,
@@ -434,6 +444,7 @@ def _serve(args: list[str]) -> int:
     opts, overrides = _serve_parser().parse_known_args(args)
     options = _serve_options(opts)
     _check_control(opts)
+    _check_control_access(opts, options)
     # the machine is asked once: the plan is compiled for it (device = "auto") and the runtime
     # places stages on it
     machine = discover(os.environ)
@@ -464,6 +475,20 @@ def _check_control(opts: argparse.Namespace) -> None:
         parser.error("--load-model '*' loads every model and must be the only --load-model")
     if not opts.repository_poll_secs > 0:
         parser.error(f"--repository-poll-secs must be above 0; got {opts.repository_poll_secs:g}")
+
+
+def _check_control_access(opts: argparse.Namespace, options: ServeOptions) -> None:
+    """Who may load and unload models: with an API key, whoever holds it; without one, only
+    this host's users, so explicit mode on a non-loopback address without a key exits 2 (a
+    load forks processes and replaces what serves: not for anyone who can reach the port)."""
+    exposed = opts.model_control_mode == "explicit" and options.repository_api
+    if exposed and options.api_key is None and loopback_hosts(opts.host) is None:
+        _serve_parser().error(
+            f"--model-control-mode explicit on --host {opts.host} (not a loopback address) "
+            "would let anyone who reaches the port load and unload models: set an API key "
+            f"(--api-key or ${API_KEY_ENV}), bind a loopback address, or add "
+            "--disable-repository-api"
+        )
 
 
 def _start_server(

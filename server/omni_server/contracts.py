@@ -48,6 +48,23 @@ def _check_seed(seed: Any) -> None:
         raise ValueError(f"seed must be an integer in 0..{MAX_SEED} or None; got {seed!r}")
 
 
+def text_problem(text: str) -> str | None:
+    """What makes `text` no text a codec can carry, as the end of a sentence naming it, or None.
+
+    JSON may carry a lone UTF-16 surrogate (`"\\ud800"`); Python decodes it into a `str` that
+    no UTF-8 encoder, tokenizer or phonemizer accepts. The one check of text from a client:
+    the server's edges (serve/validation.py: HTTP bodies, WebSocket messages, realtime
+    events) and the stages that encode text (`backend.checked_text`) word it alike."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (
+            f"has an unpaired UTF-16 surrogate (U+{ord(text[exc.start]):04X}) at character "
+            f"{exc.start}; send valid Unicode text"
+        )
+    return None
+
+
 # -- speech ------------------------------------------------------------------------------------
 
 
@@ -163,21 +180,15 @@ class WordTiming(Contract):
 
 @dataclass(frozen=True)
 class SpeechTiming(Contract):
-    """When each character and word of spoken text plays: rides, under "timing", with the
-    audio chunk whose audio speaks it (a voice's acoustic stage emits it; any voice stage, or
-    a forced-alignment stage after one, may).
+    """When each character and word of spoken text plays; rides under "timing" with the audio
+    chunk that speaks it (sent by a voice's acoustic stage, or a forced-alignment stage).
 
-    The character arrays are ElevenLabs' `alignment` (`characters`,
-    `character_start_times_seconds`, `character_end_times_seconds`, parallel): the text the
-    voice spoke (after the frontend's normalization), the spaces and punctuation between words
-    included (they take the gap between the words around them, or none). `words` are the
-    spoken words in order, each a span of `characters`.
-
-    Times are seconds from the first sample of the request's audio (the utterance), at the
-    rate the voice produced it (resampling the audio does not move them), through `speed`:
-    a chunk's timing need not start at 0, and a transport that wants chunk-relative times
-    (ElevenLabs' WebSocket) subtracts the chunk's own start (`shifted`). A chunk carries the
-    words whose audio starts in it; a chunk without timing carries no words."""
+    The character arrays are ElevenLabs' `alignment`: the text the voice spoke (normalized),
+    the spaces and punctuation between words included (they share the pause around them).
+    `words`: the spoken words in order, spans of `characters`. Times are seconds from the
+    first sample of the request's audio, through `speed` (resampling moves none): a chunk's
+    timing need not start at 0 (`shifted` moves it). A chunk carries the words whose audio
+    starts in it."""
 
     KEY: ClassVar[str] = "timing"
 

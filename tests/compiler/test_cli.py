@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import re
 import subprocess
 import sys
@@ -157,6 +158,20 @@ def test_invalid_exits_2_with_one_line(
     lines = captured.err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("omni-server: ")
     assert fragment in lines[0]
+
+
+def test_more_replicas_than_cores_exit_2_naming_the_field(
+    repo: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Issue 42.2: the command line compiles for this machine's facts (gpu.discover), so a
+    process with more replicas than the cores is refused, as through the control route."""
+    too_many = len(os.sched_getaffinity(0)) + 1
+    argv = ["--processes.encoder.num_replicas", str(too_many)]
+    for command in (["config", "resolve"], []):  # resolving and serving refuse it alike
+        assert main([*command, "--repo", str(repo), *argv]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and "field 'processes.encoder.num_replicas'" in err[0], err
+        assert f"{too_many} OS processes" in err[0] and "CPU core" in err[0]
 
 
 def test_serve_refuses_invalid_repository_before_serving(

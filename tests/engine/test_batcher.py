@@ -321,3 +321,26 @@ def test_a_row_not_ready_sits_the_step_out_and_a_waiting_one_is_not_admitted() -
     batch = batcher.next_batch()
     assert batch is not None and batch.decodes == [seqs[0]]
     assert [p.seq for p in batch.prefills] == [seqs[1]]
+
+
+def test_a_prompt_token_left_alone_is_a_prefill_chunk_never_a_decode() -> None:
+    """A prompt whose chunks leave its last token alone prefills it as a chunk of one row: a
+    decode row is always an output position (a head builds a decode's input from what the
+    request generated: Higgs' frames, the talker's codes). On the H200 a Higgs prompt chunked
+    so broke the decode graph's inputs (KeyError in fill_graph_inputs, the replica down)."""
+    # a budget of 16 tokens of prefill a step: a 17-token prompt leaves one behind
+    config = EngineConfig(max_total_tokens=64 * 16, max_batch_size=4, max_step_tokens=16)
+    batcher = Batcher(config, BlockAllocator(64, 16), StepCost(10**9), 8)
+    seq = Sequence(GenerationRequest("a", _prompt(17), _params(8)), 8, None, arrival=0)
+    batcher.add(seq)
+    first = batcher.next_batch()
+    assert first is not None and [(p.start, p.length) for p in first.prefills] == [(0, 16)]
+    seq.num_computed = 16
+    assert not seq.decodes_next and seq.prefills_next
+    second = batcher.next_batch()
+    assert second is not None and second.decodes == []
+    assert [(p.start, p.length) for p in second.prefills] == [(16, 1)]
+    seq.num_computed, seq.token_ids = 17, [*seq.token_ids, 9]  # its first output token
+    assert seq.decodes_next and not seq.prefills_next
+    third = batcher.next_batch()
+    assert third is not None and third.decodes == [seq] and third.prefills == []

@@ -18,6 +18,7 @@ from omni_server.engine.memory import (
     KVBudget,
     MemoryBudgetError,
     MiB,
+    check_host_kv,
     check_pinned,
     fmt_bytes,
     margin_bytes,
@@ -261,3 +262,22 @@ def test_a_budget_larger_than_the_free_memory_is_a_start_error() -> None:
         "stage thinker: gpu_memory_fraction 0.5 of cuda:0 is 70.0 GiB, but only 12.3 GiB is free"
     )
     assert cuda.caps == {}  # nothing capped: the stage does not start
+
+
+def test_a_cpu_kv_cache_the_host_cannot_hold_is_refused(make_tiny_engine) -> None:
+    """Issue 42.2: `engine.max_total_tokens` is a count a load's config can raise; on the CPU
+    its cache is host memory, zeroed at once, so one past what the host has available is
+    refused at start (the stage fails to start, the old version serves) instead of taking the
+    machine's memory from every process on it."""
+    with pytest.raises(MemoryBudgetError) as caught:
+        make_tiny_engine(max_total_tokens=1 << 40)
+    message = str(caught.value)
+    assert message.startswith(f"engine.max_total_tokens {1 << 40} needs ")
+    assert "host memory" in message and "tokens fit" in message
+    assert make_tiny_engine(max_total_tokens=1024).cache.capacity_tokens >= 1024  # what fits
+
+
+def test_host_kv_arithmetic() -> None:
+    check_host_kv(1000, 1024, 1000 * 1024)  # exactly fits
+    with pytest.raises(MemoryBudgetError, match=r"at most 999 tokens fit"):
+        check_host_kv(1000, 1024, 999 * 1024 + 5)

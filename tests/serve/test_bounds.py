@@ -74,6 +74,26 @@ async def test_lone_surrogate_is_400(app_client):
     assert error["param"] == "input" and "surrogate (U+D800)" in error["message"]
 
 
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b'{"model": "quiet\\udc00", "voice": "hush", "input": "hi"}', "model"),
+        (b'{"model": "quiet", "voice": {"id": "\\ud800"}, "input": "hi"}', "voice.id"),
+        (b'{"model": "quiet", "voice": "hush", "input": "hi", "\\ud800": 1}', None),
+    ],
+    ids=["model", "nested", "key"],
+)
+async def test_a_lone_surrogate_anywhere_in_a_body_is_400_naming_its_place(app_client, body, param):
+    """Issue 42 item 1: every string of a JSON body is checked as it is parsed (one check for
+    every edge), so no field, nested value or key carries a surrogate past the door."""
+    client = await app_client()
+    response = await client.post("/v1/audio/speech", data=body, headers=JSON)
+    assert response.status == 400
+    error = await error_of(response)
+    assert (error["code"], error["param"]) == ("invalid_value", param)
+    assert "unpaired UTF-16 surrogate" in error["message"]
+
+
 async def test_deeply_nested_json_is_400_invalid_json(app_client):
     client = await app_client()
     for depth in (1000, 100_000):

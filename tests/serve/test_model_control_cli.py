@@ -3,6 +3,7 @@ stage process starts."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -54,3 +55,31 @@ def test_help_names_the_flags():
         "--disable-repository-api",
     ):
         assert flag in done.stdout
+
+
+def _exit_line(*flags: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "OMNI_SERVER_API_KEY"}
+    return subprocess.run(
+        [sys.executable, "-m", "omni_server", "--repo", str(EMBEDDED_REPO), "--port", "0", *flags],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def test_explicit_control_on_a_public_address_needs_a_key():
+    """Issue 42.2: without a key the control routes are for this host's users only (a loopback
+    bind, whose Host check also stops DNS rebinding); on any other address a key is required
+    to start at all."""
+    done = _exit_line("--model-control-mode", "explicit", "--host", "0.0.0.0")
+    assert done.returncode == 2, done.stderr
+    assert "not a loopback address" in done.stderr and "--api-key" in done.stderr
+    assert "Traceback" not in done.stderr
+    # with a key (or the API off) the check passes: the next check, an unknown model, speaks
+    for extra in (["--api-key", "k" * 24], ["--disable-repository-api"]):
+        done = _exit_line(
+            "--model-control-mode", "explicit", "--host", "0.0.0.0", "--load-model", "nope", *extra
+        )
+        assert done.returncode == 2 and "no model 'nope'" in done.stderr, done.stderr

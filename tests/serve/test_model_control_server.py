@@ -9,6 +9,8 @@ that crossed a swap would show two values.
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import re
 import subprocess
 import sys
@@ -301,6 +303,96 @@ def test_unload_lets_running_streams_finish_then_leaves_nothing(tmp_path):
         assert _speak(client) == 100
 
 
+def _models_of(run_dir: Path) -> set[str]:
+    """The models a generation serves: its run directory holds its pickled plan."""
+    with (run_dir / "plan.pkl").open("rb") as f:
+        return set(pickle.load(f).models)
+
+
+def _left_of(workers: dict[int, tuple[Path, str]], pids: list[int]) -> list[str]:
+    """What of these workers' generations still exists: live processes, run directories,
+    shared-memory segments."""
+    left = []
+    for pid in pids:
+        run_dir, run_id = workers[pid]
+        left += [f"process {pid}"] if alive(pid) else []
+        left += [str(run_dir)] if run_dir.exists() else []
+        left += [s for s in run_segments(run_id) if (SHM / s).exists()]
+    return left
+
+
+def test_control_answers_after_clean_up_and_a_loading_model_is_503(tmp_path):
+    """Issue 42.4, the probe's input: a reload of one model and an unload of another at once,
+    under streamed load. Each answers only once what it replaced is gone: checked at the
+    answer, no wait, no process, run directory or segment of the old generations is left.
+    Then a model whose load is under way answers 503 `model_loading` with Retry-After (not
+    404) and the index says LOADING, until it serves."""
+    root = _repo(tmp_path / "repo")
+    with ServerProcess.start(
+        root, tmp_path / "server.log", "--model-control-mode", "explicit", "--load-model", "*"
+    ) as server:
+        old = _workers(server)
+        serves = {pid: _models_of(run_dir) for pid, (run_dir, _) in old.items()}
+        replaced = {
+            "load": [p for p, models in serves.items() if "speaker" in models],
+            "unload": [p for p, models in serves.items() if "quiet" in models],
+        }
+        assert all(len(pids) == 1 for pids in replaced.values()), serves
+        answers: dict[str, tuple] = {}
+
+        def call(name: str, path: str) -> None:
+            status, body = _post(server, path)
+            answers[name] = (status, body, _left_of(old, replaced[name]))  # at the answer
+
+        with Load(server.url, 3) as load:
+            load.wait_for(3)  # streams run on the old voice while it is replaced
+            (root / "voice" / "stage.toml").write_text(_voice(200))
+            calls = [
+                threading.Thread(target=call, args=("load", "/v2/repository/models/speaker/load")),
+                threading.Thread(
+                    target=call, args=("unload", "/v2/repository/models/quiet/unload")
+                ),
+            ]
+            for thread in calls:
+                thread.start()
+            for thread in calls:
+                thread.join(120)
+            load.wait_for(len(load.results) + 2)
+        assert load.failures() == [], load.failures()[:3]
+        assert answers["load"] == (200, None, []), answers
+        assert answers["unload"] == (200, None, []), answers
+        index = _index(server)
+        assert (index["speaker"]["state"], index["quiet"]["state"]) == ("READY", "UNAVAILABLE")
+
+        # a slow load (its initialize takes 3 s): the model is coming, not missing
+        slow = {"parameters": {"config": {"stages.other.parameters.initialize_s": 3}}}
+        loader = threading.Thread(
+            target=lambda: answers.update(
+                reload=_post(server, "/v2/repository/models/quiet/load", slow)
+            )
+        )
+        loader.start()
+        deadline = time.monotonic() + 60
+        while _index(server)["quiet"]["state"] != "LOADING":
+            assert time.monotonic() < deadline and loader.is_alive(), _index(server)
+            time.sleep(0.05)
+        speech = {"model": "quiet", "input": "x", "voice": "v", "response_format": "pcm"}
+        request = urllib.request.Request(
+            server.url + "/v1/audio/speech",
+            data=json.dumps(speech).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 503
+        assert int(refused.value.headers["Retry-After"]) > 0
+        assert json.loads(refused.value.read())["error"]["code"] == "model_loading"
+        loader.join(120)
+        assert answers["reload"] == (200, None)
+        client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        assert _speak(client, "quiet") == 5
+
+
 def test_explicit_mode_starts_with_the_named_models_and_guards_the_api(tmp_path):
     root = _repo(tmp_path / "repo")
     key = "k-" + "x" * 20
@@ -336,6 +428,21 @@ def test_explicit_mode_starts_with_the_named_models_and_guards_the_api(tmp_path)
         )
         assert status == 200, body
         assert _speak(client) == 42  # the load's config overrode the file
+        # issue 42.2: one call may not fork more processes than this machine has cores
+        workers = _workers(server)
+        too_many = len(os.sched_getaffinity(0)) + 1
+        status, body = _post(
+            server,
+            "/v2/repository/models/speaker/load",
+            {"parameters": {"config": {"processes.voice.num_replicas": too_many}}},
+            key=key,
+        )
+        assert status == 400, body
+        assert body["error"]["code"] == "invalid_repository"
+        assert "field 'processes.voice.num_replicas'" in body["error"]["message"]
+        assert "CPU core" in body["error"]["message"]
+        assert _workers(server) == workers  # nothing was started or stopped
+        assert _speak(client) == 42  # the loaded version serves on
         listed = subprocess.run(
             [
                 sys.executable,

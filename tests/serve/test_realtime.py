@@ -215,6 +215,18 @@ async def test_bad_events_get_error_events_and_the_session_goes_on(server):
             json.dumps({"type": "response.cancel"}),
             json.dumps({"type": "input_audio_buffer.commit"}),
             json.dumps({"type": "conversation.item.delete", "item_id": "item_none"}),
+            # issue 42 item 1: the probe's item, refused with the event (it never reaches the
+            # thinker, whose tokenizer would fail on it)
+            json.dumps(
+                {
+                    "type": "conversation.item.create",
+                    "item": {
+                        "type": "message",
+                        "role": "user",
+                        "content": [{"type": "input_text", "text": "Hello \ud800 there. "}],
+                    },
+                }
+            ),
         ]
         errors = []
         for text in sent:
@@ -229,7 +241,9 @@ async def test_bad_events_get_error_events_and_the_session_goes_on(server):
         "response_cancel_not_active",
         "input_audio_buffer_commit_empty",
         "item_not_found",
+        "invalid_value",
     ]
+    assert errors[-1]["error"]["param"] == "item.content[0].text"
     assert errors[1]["error"]["event_id"] == "e1"
     assert updated["type"] == "session.updated" and updated["session"]["instructions"] == "Hi"
 

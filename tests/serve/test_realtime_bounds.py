@@ -30,8 +30,10 @@ from omni_server.pipeline import Runtime
 from omni_server.serve import create_app
 from omni_server.serve.options import ServeOptions
 from omni_server.serve.realtime.input_audio import MAX_BUFFER_S, VAD_RATE, InputAudio
+from omni_server.serve.realtime.protocol import MAX_EVENT_BYTES
 from omni_server.serve.state import STATE
 from tests.fixtures import FIXTURES
+from tests.helpers.raw_websocket import masked_text_frame, send_then_read_close
 from tests.helpers.repo import make_repo
 from tests.serve.test_realtime_admission import MODEL, MODELS, STAGES
 
@@ -103,6 +105,42 @@ async def test_an_item_of_15_mb_is_an_error_event_and_the_session_goes_on(app_cl
     assert done["status"] == "completed"
     assert done["output"][0]["content"][0]["transcript"] == "You said: hello"
     await ws.close()
+
+
+async def test_a_lone_surrogate_is_an_error_event_and_the_session_goes_on(app_client):
+    """Issue 42 item 1: the probe's item (`"Hello \\ud800 there. "`) and the same in the
+    instructions are refused with the event, as HTTP refuses them (400 `invalid_value`), and
+    never reach the thinker; the session answers the next item."""
+    client = await app_client()
+    ws = await _session(client)
+    await ws.send_str(_item("Hello \ud800 there. ", "evt_surrogate"))
+    error = (await _until(ws, "error"))[-1]["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_value")
+    assert error["param"] == "item.content[0].text"
+    assert "unpaired UTF-16 surrogate (U+D800)" in error["message"]
+    update = {"type": "session.update", "session": {"instructions": "Be \udc00 brief."}}
+    await ws.send_str(json.dumps(update))
+    error = (await _until(ws, "error"))[-1]["error"]
+    assert error["param"] == "session.instructions" and "U+DC00" in error["message"]
+    await ws.send_str(_item("hello"))
+    await _until(ws, "conversation.item.done")
+    await ws.send_str(json.dumps({"type": "response.create"}))
+    done = (await _until(ws, "response.done"))[-1]["response"]
+    assert done["status"] == "completed"
+    assert done["output"][0]["content"][0]["transcript"] == "You said: hello"
+    await ws.close()
+
+
+async def test_an_event_over_16_mib_closes_with_1009_and_its_reason(app_client):
+    """Issue 42 item 5 on realtime's socket: an event past its bound closes with 1009 and a
+    reason naming it, read by a client that sends the whole frame first (no reset: 1006)."""
+    client = await app_client()
+    event = json.dumps({"type": "input_audio_buffer.append", "audio": "A" * (17 << 20)})
+    frame = masked_text_frame(event.encode())
+    path = f"/v1/realtime?model={MODEL}"
+    code, reason = await asyncio.to_thread(send_then_read_close, client.server.port, path, frame)
+    assert code == 1009
+    assert reason == f"message too big: at most {MAX_EVENT_BYTES} bytes".encode()
 
 
 async def test_the_whole_conversation_is_bounded_in_characters(app_client):

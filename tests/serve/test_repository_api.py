@@ -93,6 +93,17 @@ async def test_index_load_unload_round_trip(control, aiohttp_client):
         ("/v2/repository/index", b"{not json", 400, None),
         ("/v2/repository/index", b'{"ready": "yes"}', 400, "ready"),
         ("/v2/repository/index", b'{"repository_name": "other"}', 404, "repository_name"),
+        # the probe's null (issue 42.5): no repository name, not the field left out
+        ("/v2/repository/index", b'{"repository_name": null}', 400, "repository_name"),
+        ("/v2/repository/index", b'{"repository_name": 0}', 400, "repository_name"),
+        ("/v2/repository/index", b'{"ready": null}', 400, "ready"),
+        ("/v2/repository/models/first/load", b'{"parameters": null}', 400, "parameters"),
+        (
+            "/v2/repository/models/first/unload",
+            b'{"parameters": {"unload_dependents": null}}',
+            400,
+            "parameters.unload_dependents",
+        ),
         (
             "/v2/repository/models/first/load",
             b'{"parameters": {"config": "{"}}',
@@ -168,3 +179,106 @@ async def test_a_loads_config_lasts_until_the_models_next_load(control, aiohttp_
     assert (await client.post("/v2/repository/models/first/load")).status == 200
     assert control.plan.stages["a"].parameters == {}  # the files again
     assert control.generations()["first"] > version
+
+
+class GatedRuntime(Runtime):
+    """A real inline runtime whose start first waits for the test's gate: it holds a model in
+    LOADING as long as the test needs (the stand-in for a slow `initialize`)."""
+
+    def __init__(self, plan, gate):
+        super().__init__(plan, inline=True)
+        self._gate = gate
+
+    async def start(self) -> None:
+        await self._gate.wait()
+        await super().start()
+
+
+async def test_a_loading_model_answers_503_with_retry_after_on_its_routes(control, aiohttp_client):
+    """Issue 42.4: requests naming a model whose load is under way got 404 model_not_found;
+    the model exists and is coming, so every route naming it says 503 `model_loading` with
+    Retry-After, and the index says LOADING, until the load answers and it serves."""
+    import asyncio
+
+    gate = asyncio.Event()
+
+    def runtime(plan):
+        return GatedRuntime(plan, gate) if "second" in plan.models else Runtime(plan, inline=True)
+
+    loading = ModelControl(
+        control.repository, mode=ControlMode.EXPLICIT, load=["first"], runtime=runtime
+    )
+    await loading.start()
+    try:
+        client = await aiohttp_client(create_app(loading))
+        call = asyncio.ensure_future(client.post("/v2/repository/models/second/load"))
+        for _ in range(200):  # until the load has compiled and started the generation
+            index = {e["name"]: e for e in loading.index()}
+            if index["second"]["state"] == "LOADING":
+                break
+            await asyncio.sleep(0.01)
+        assert index["second"]["state"] == "LOADING", index
+        speech = {"model": "second", "input": "hello", "voice": "v", "response_format": "pcm"}
+        chat = {"model": "second", "messages": [{"role": "user", "content": "hi"}]}
+        answers = [
+            await client.post("/v1/audio/speech", json=speech),
+            await client.post("/v1/chat/completions", json=chat),
+            await client.get("/v1/models/second"),
+            await client.get("/v1/audio/voices", params={"model": "second"}),
+            await client.get("/v1/realtime", params={"model": "second"}),
+        ]
+        for response in answers:
+            assert response.status == 503, (response.url, await response.text())
+            assert int(response.headers["Retry-After"]) > 0
+            error = (await response.json())["error"]
+            assert (error["code"], error["param"]) == ("model_loading", "model"), error
+            assert "loading" in error["message"]
+        listed = await (await client.get("/v1/models")).json()
+        assert [m["id"] for m in listed["data"]] == ["first"]  # what serves now
+        gone = await client.post("/v1/audio/speech", json={**speech, "model": "nope"})
+        assert gone.status == 404  # a name that is no model is still a 404
+
+        gate.set()
+        assert (await call).status == 200
+        assert {e["name"]: e["state"] for e in loading.index()}["second"] == "READY"
+        response = await client.post("/v1/audio/speech", json=speech)
+        assert response.status == 200 and len(await response.read()) == 3 * 480
+    finally:
+        gate.set()
+        await loading.stop()
+
+
+async def test_a_load_may_not_fork_more_processes_than_the_machine_has_cores(
+    control, aiohttp_client
+):
+    """Issue 42.2, the probe's body: `processes.<p>.num_replicas: 6` on a machine of two cores
+    is the compiler's 400 naming the file and field; nothing starts, the old version serves."""
+    from omni_server.compiler.compiler import compile_repository
+    from omni_server.compiler.plan import MachineFacts
+
+    machine = MachineFacts(cpus=2, memory_bytes=8 << 30)
+    bounded = ModelControl(
+        control.repository,
+        plan=compile_repository(control.repository, machine=machine),
+        mode=ControlMode.EXPLICIT,
+        load=["first"],
+        runtime=lambda plan: Runtime(plan, inline=True),
+    )
+    await bounded.start()
+    try:
+        client = await aiohttp_client(create_app(bounded))
+        version = bounded.generations()["first"]
+        body = {"parameters": {"config": {"processes.a.num_replicas": 6}}}
+        response = await client.post("/v2/repository/models/first/load", json=body)
+        assert response.status == 400
+        error = (await response.json())["error"]
+        assert error["code"] == "invalid_repository"
+        assert "repository.toml, field 'processes.a.num_replicas'" in error["message"]
+        assert "2 CPU cores" in error["message"] and "at most 2 replicas" in error["message"]
+        assert bounded.generations() == {"first": version}  # nothing was started
+        assert bounded.plan.processes["a"].num_replicas == 1
+        body = {"parameters": {"config": {"processes.a.num_replicas": 2}}}  # what fits
+        assert (await client.post("/v2/repository/models/first/load", json=body)).status == 200
+        assert bounded.plan.processes["a"].num_replicas == 2
+    finally:
+        await bounded.stop()

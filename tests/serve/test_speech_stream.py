@@ -12,6 +12,7 @@ judged text has enough words that one misheard word stays under its bound. Eleve
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -23,6 +24,8 @@ import pytest
 
 from omni_bench.wer import word_error_rate
 from omni_server.serve import speech_stream
+from omni_server.serve.state import STATE
+from tests.helpers.raw_websocket import masked_text_frame, send_then_read_close
 from tests.serve.inline import MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -123,6 +126,7 @@ async def test_bad_messages_get_an_error_and_the_stream_goes_on(server, client):
             ('{"text": "hi", "frobnicate": 1}', "unknown_parameter", "frobnicate"),
             ('{"text": "hi", "voice": "joe"}', "unknown_parameter", "voice"),  # first only
             ('{"text": "x", "flush": "yes"}', "invalid_type", "flush"),
+            ('{"text": "Hello \\ud800 there. "}', "invalid_value", "text"),  # issue 42 item 1
         ]
         for raw, code, param in bad:
             await ws.send_str(raw)
@@ -212,6 +216,87 @@ async def test_an_idle_stream_is_closed_with_an_error(app_client):
         aiohttp.WSMsgType.CLOSED,
     )
     assert ws.close_code == 1008  # as ElevenLabs closes an idle socket
+
+
+@pytest.mark.timeout(60)
+async def test_a_lone_surrogate_is_refused_and_the_stream_goes_on(app_client):
+    """Issue 42 item 1: the probe's message is a 400 `invalid_value` naming `text` (as HTTP
+    answers it), the socket stays open, and the stream still speaks and ends whole."""
+    client = await app_client()
+    ws = await client.ws_connect(f"{PATH}?model={MODEL}&voice=hush")
+    await ws.send_str(json.dumps({"text": " "}))
+    await ws.send_str(json.dumps({"text": "Hello \ud800 there. "}))  # the probe's message
+    error = (await ws.receive_json(timeout=30))["error"]
+    assert (error["type"], error["code"], error["param"]) == (
+        "invalid_request_error",
+        "invalid_value",
+        "text",
+    )
+    assert "unpaired UTF-16 surrogate (U+D800)" in error["message"]
+    await ws.send_str(json.dumps({"text": "hello there.", "flush": True}))
+    await ws.send_str(json.dumps({"text": ""}))
+    messages, audio = await _messages_until(ws, lambda e: e.get("isFinal") is True)
+    assert all("error" not in m for m in messages), messages
+    assert audio  # the stand-in's silence: the sentence was spoken
+    assert (await ws.receive(timeout=30)).type in (
+        aiohttp.WSMsgType.CLOSE,
+        aiohttp.WSMsgType.CLOSED,
+    )
+    assert ws.close_code == 1000
+
+
+@pytest.mark.timeout(60)
+async def test_sessions_over_the_bound_are_refused_before_the_upgrade(app_client):
+    """Issue 42 item 3, scaled (the probe opened 200): with the bound at 3, a fourth socket is
+    refused with HTTP 429, OpenAI's error JSON and `Retry-After` before any upgrade, on both
+    paths; a place frees when a session closes."""
+    client = await app_client(max_speech_stream_sessions=3)
+    query = f"?model={MODEL}&voice=hush"
+    open_ = [await client.ws_connect(PATH + query) for _ in range(3)]
+    sessions = client.server.app[STATE].speech_streams
+    assert len(sessions) == 3
+    for path in (PATH, ELEVENLABS_PATH):
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await client.ws_connect(path + query)
+        assert refused.value.status == 429
+        assert refused.value.headers["Retry-After"] == "1"
+    upgrade = {
+        "Connection": "Upgrade",
+        "Upgrade": "websocket",
+        "Sec-WebSocket-Version": "13",
+        "Sec-WebSocket-Key": base64.b64encode(bytes(16)).decode(),
+    }
+    plain = await client.get(PATH + query, headers=upgrade)  # to read the refusal's body
+    assert plain.status == 429
+    error = (await plain.json())["error"]
+    assert (error["type"], error["code"]) == ("requests", "rate_limit_exceeded")
+    assert "--max-speech-stream-sessions" in error["message"]
+    await open_[0].close()
+    while len(sessions) > 2:  # the server lets go of the closed session
+        await asyncio.sleep(0.01)
+    again = await client.ws_connect(PATH + query)
+    await again.send_str(json.dumps({"text": "hello there.", "flush": True}))
+    await again.send_str(json.dumps({"text": ""}))
+    messages, _ = await _messages_until(again, lambda e: e.get("isFinal") is True)
+    assert all("error" not in m for m in messages), messages
+    for ws in (*open_[1:], again):
+        await ws.close()
+    while len(sessions):
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", [70 << 10, 1 << 20, 16 << 20], ids=["70KiB", "1MiB", "16MiB"])
+async def test_an_oversized_message_closes_with_1009_and_its_reason(app_client, size):
+    """Issue 42 item 5: the probe's sizes. Each closes with 1009 and a reason naming the bound;
+    the 16 MiB frame, which the server refuses at its header while the client is still sending,
+    no longer resets the connection (the close lingers, serve/websocket.py)."""
+    client = await app_client()
+    frame = masked_text_frame(json.dumps({"text": "x" * size}).encode())
+    path = f"{PATH}?model={MODEL}&voice=hush"
+    code, reason = await asyncio.to_thread(send_then_read_close, client.server.port, path, frame)
+    assert code == 1009
+    assert reason == f"message too big: at most {speech_stream.MAX_MESSAGE_BYTES} bytes".encode()
 
 
 ELEVENLABS_PATH = speech_stream.ELEVENLABS_PATH.format(voice_id="hush")

@@ -11,6 +11,7 @@ with its middlewares, a real data directory, aiohttp's test client for HTTP and 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -27,11 +28,13 @@ from aiohttp import FormData
 from aiohttp.test_utils import TestClient
 from openai import AsyncOpenAI, NotFoundError
 
-from omni_server.audio import decode
+from omni_server.audio import AudioEncoder, decode
 from omni_server.compiler.compiler import compile_repository
-from omni_server.pipeline import Runtime
+from omni_server.contracts import SpeechOptions, speech_payload
+from omni_server.pipeline import PipelineError, Runtime
 from omni_server.serve import create_app
 from omni_server.serve.options import ServeOptions
+from omni_server.serve.pipeline_call import request_error, submitted
 from omni_server.serve.state import STATE
 from omni_server.serve.voice_store import DataDirError, VoiceStore
 from tests.fixtures import FIXTURES
@@ -311,6 +314,90 @@ async def test_custom_voices_survive_a_restart_and_delete_removes_them(app_clien
     assert "declared by the repository" in (await declared.json())["error"]["message"]
 
 
+async def test_a_request_running_in_a_voice_deleted_meanwhile_finishes(app_client, data_dir):
+    """Issue 42 item 5: DELETE while a request in the voice runs. The running request keeps
+    the clip (it finishes, in the clip's tone); the voice is gone at once for everything else
+    (a later request is a 400 `voice_not_found`, never a 500); the clip goes when the request
+    ends."""
+    client = await app_client()
+    voice = (await _add(client))["id"]
+    store = client.app[STATE].voices.store
+    clip = data_dir / "voices" / f"{voice}.wav"
+    body = {
+        "model": "clone-omni",
+        "messages": [{"role": "user", "content": "SLOW 20 words to say"}],  # 2 s of words
+        "modalities": ["text", "audio"],
+        "audio": {"voice": voice, "format": "wav"},
+    }
+    running = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+    while store.holds(voice) == 0:  # admitted: its request holds the clip
+        assert not running.done(), await (await running).text()
+        await asyncio.sleep(0.01)
+    deleted = await client.delete(f"/v1/audio/voices/{voice}")
+    assert deleted.status == 200
+    assert clip.exists()  # held by the running request
+    listing = await (await client.get("/v1/audio/voices?model=clone-tts")).json()
+    assert voice not in [v["id"] for v in listing["data"]]
+    later = await _speak(client, voice)
+    assert later.status == 400
+    assert (await later.json())["error"]["param"] == "voice"
+
+    answer = await running
+    assert answer.status == 200, await answer.text()
+    audio = (await answer.json())["choices"][0]["message"]["audio"]["data"]
+    samples, rate = decode(base64.b64decode(audio))
+    assert abs(dominant_hz(samples, rate) - CLIP_HZ) < 5  # spoken from the kept clip
+    assert store.holds(voice) == 0 and not clip.exists()  # gone with the last request
+    assert list((data_dir / "voices").iterdir()) == []
+
+
+async def test_a_request_naming_a_gone_voice_is_a_400_at_admission(app_client, data_dir):
+    """The voice is deleted between the request's voice check and its submit (the window the
+    probe hit): the submit finds it gone and answers 400 `voice_not_found`, nothing runs."""
+    client = await app_client()
+    voice = (await _add(client))["id"]
+    state = client.app[STATE]
+    model = state.plan.models["clone-tts"]
+    choice = state.voices.resolve(model, voice)  # what the endpoint checked
+    assert choice is not None and choice.reference is not None
+    assert state.voices.store.delete(voice)
+    inputs = speech_payload("hello", SpeechOptions(choice.name, reference=choice.reference))
+    with pytest.raises(PipelineError) as gone:
+        async with submitted(state, model, inputs):
+            pass
+    assert gone.value.code == "invalid_request"
+    assert (gone.value.error_code, gone.value.param) == ("voice_not_found", "voice")
+    error = request_error(gone.value)
+    assert (error.status, error.code) == (400, "voice_not_found")
+
+
+async def test_a_realtime_session_whose_voice_is_deleted_fails_its_next_response(app_client):
+    client = await app_client()
+    voice = (await _add(client))["id"]
+    ws = await client.ws_connect("/v1/realtime?model=clone-omni")
+    assert (await ws.receive_json())["type"] == "session.created"
+    update = {"type": "realtime", "audio": {"output": {"voice": voice}}}
+    await ws.send_str(json.dumps({"type": "session.update", "session": update}))
+    assert (await ws.receive_json())["type"] == "session.updated"
+    assert (await client.delete(f"/v1/audio/voices/{voice}")).status == 200
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}
+    await ws.send_str(json.dumps({"type": "conversation.item.create", "item": item}))
+    await ws.send_str(json.dumps({"type": "response.create"}))
+    errors = []
+    while True:
+        event = await ws.receive_json()
+        if event["type"] == "error":
+            errors.append(event["error"])
+        if event["type"] == "response.done":
+            break
+    assert event["response"]["status"] == "failed"
+    assert [(e["type"], e["code"]) for e in errors] == [
+        ("invalid_request_error", "voice_not_found")
+    ]
+    assert errors[0]["param"] == "session.audio.output.voice"
+    await ws.close()
+
+
 @pytest.mark.parametrize(
     ("clip", "code"),
     [
@@ -329,6 +416,34 @@ async def test_a_bad_clip_is_refused_naming_file(app_client, data_dir, clip, cod
     error = (await response.json())["error"]
     assert (error["param"], error["code"]) == ("file", code), error
     assert list((data_dir / "voices").iterdir()) == []
+
+
+def ogg_clip(seconds: float = 3.0, rate: int = 48000) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    encoder = AudioEncoder("opus", rate, streaming=False)
+    try:
+        tone = (0.4 * np.sin(2 * np.pi * CLIP_HZ * t)).astype(np.float32)
+        return encoder.encode(tone) + encoder.finish()
+    finally:
+        encoder.close()
+
+
+@pytest.mark.parametrize("cut", ["page", "mid-page"])
+async def test_a_truncated_clip_is_refused_as_transcription_refuses_it(app_client, cut):
+    """Issue 42 item 5: an Ogg clip cut short (at a page boundary: every page whole, the last
+    without end-of-stream; or inside a page) still decodes up to the cut; the upload checks it
+    whole with transcription's check (audio.containers.cut_short): 400 naming the part."""
+    whole = ogg_clip()
+    pages = [i for i in range(len(whole)) if whole.startswith(b"OggS", i)]
+    truncated = whole[: pages[-2]] if cut == "page" else whole[: pages[-2] + 40]
+    client = await app_client()
+    response = await client.post("/v1/audio/voices", data=voice_form(file=truncated))
+    assert response.status == 400
+    error = (await response.json())["error"]
+    assert (error["param"], error["code"]) == ("file", "invalid_audio"), error
+    assert "truncated" in error["message"]
+    accepted = await client.post("/v1/audio/voices", data=voice_form(file=whole))
+    assert accepted.status == 200, await accepted.text()  # the same clip whole is a voice
 
 
 @pytest.mark.parametrize(

@@ -94,6 +94,19 @@ async def test_a_prompt_over_the_context_is_the_callers_fault(runtime):
     assert text.strip()
 
 
+async def test_text_the_tokenizer_cannot_encode_is_the_callers_fault(runtime):
+    """Issue 42 item 1: a lone surrogate (the server's edges refuse it first) is refused by the
+    thinker in its own process as the caller's fault (a 400 across processes), not the
+    tokenizer's TypeError (a 500); the stage goes on."""
+    with pytest.raises(PipelineError) as err:
+        await _answer(runtime, _inputs("Hello \ud800 there. "))
+    assert err.value.code == "invalid_request"
+    assert (err.value.error_code, err.value.param) == ("invalid_value", "messages")
+    assert "unpaired UTF-16 surrogate (U+D800)" in err.value.message
+    text, _ = await _answer(runtime, _inputs(QUESTIONS[2], temperature=0))
+    assert text.strip()
+
+
 async def test_speech_options_ride_the_first_chunk(runtime):
     speech = SpeechOptions("joe", speed=1.0, seed=1, response_format="pcm", stream=True)
     handle = runtime.submit(

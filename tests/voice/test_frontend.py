@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from omni_bench.inprocess import load_stage
-from omni_server.backend import Request, StageConfigError
+from omni_server.backend import InvalidRequest, Request, StageConfigError
 from omni_server.contracts import SpeechOptions, speech_payload
 
 pytestmark = pytest.mark.timeout(120)
@@ -109,9 +109,29 @@ def test_bad_request_fails_with_a_clear_message(frontend, change, message):
     with pytest.raises(ValueError) as failed:
         chunks(frontend, speech(**{**good, **change}))
     assert message in str(failed.value)
-    if "text" in change or "voice" in change:  # the stage's checks name the request
+    if "text" in change:  # the stage's checks name the request
         assert "bad speech request" in str(failed.value)
+    if "voice" in change:  # a voice gone since the server checked it: the caller's (a 400)
+        assert isinstance(failed.value, InvalidRequest)
+        assert (failed.value.code, failed.value.param) == ("voice_not_found", "voice")
     assert len(chunks(frontend, speech(**good))) == 1
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_text_espeak_cannot_encode_is_the_callers_fault(frontend, streamed):
+    """Issue 42 item 1: a lone surrogate (which the server's edges refuse first) is an
+    InvalidRequest naming the text, a 400, not espeak-ng's UnicodeEncodeError (a 500)."""
+    text = "Hello \ud800 there. "
+    if streamed:
+        first = {"text": text, SpeechOptions.KEY: SpeechOptions("joe")}
+        request = Request("r", {}, _stream=iter([first]))
+    else:
+        request = Request("r", speech(text))
+    with pytest.raises(InvalidRequest) as refused:
+        list(frontend.generate(request))
+    assert refused.value.code == "invalid_value"
+    assert refused.value.param == ("text" if streamed else "input")
+    assert "unpaired UTF-16 surrogate (U+D800)" in refused.value.message
 
 
 def test_config_error_says_what_was_required_and_found(plan):

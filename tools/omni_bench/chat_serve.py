@@ -16,7 +16,7 @@ have no end worth waiting for), greedy, from the same questions in the same orde
 Per level: time to first token (request sent -> first content delta) p50/p95, each request's
 decode rate after its first token ((tokens - 1) / (last delta - first delta)) p50, all tokens
 generated over the level's wall time (tokens/s), requests/s, failures. Tables to stdout and
-`OUT/chat_serve.md`, everything in `OUT/chat_serve.json`.
+`OUT/chat_serve.md`, everything in `OUT/chat_serve.json`, the server's log in `OUT/server.log`.
 """
 
 from __future__ import annotations
@@ -153,7 +153,10 @@ def serve_args(args: argparse.Namespace) -> list[str]:
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    server = OmniServer(args.repo, serve_args(args), ready_timeout_s=args.ready_timeout)
+    args.out.mkdir(parents=True, exist_ok=True)
+    server = OmniServer(
+        args.repo, serve_args(args), ready_timeout_s=args.ready_timeout, log=args.out / "server.log"
+    )
     await server.start()
     try:
         await run_level(server.url, 1, args.warmup, args.max_tokens)  # unmeasured

@@ -18,6 +18,7 @@
     omni-bench gpu-moe      Qwen3-Omni's MoE experts: plain loop vs fused Triton vs the HBM floor
     omni-bench reload       a model reload's time to serving and extra memory (omni_bench.reload)
     omni-bench chat-serve   the thinker over HTTP: TTFT and tokens/s by concurrency
+    omni-bench omni-serve   Qwen3-Omni over HTTP, text and audio out: TTFT, first audio, RTF
 
 Each subcommand module exposes `main(argv) -> int`; modules load only when their subcommand
 runs, so one benchmark's heavy imports never slow another.
@@ -51,6 +52,7 @@ SUBCOMMANDS = {
     "higgs-serve": ("omni_bench.higgs_serve", "Higgs Audio v2 served: TTFA, underrun, replicas"),
     "chat-serve": ("omni_bench.chat_serve", "the thinker over HTTP: TTFT, tokens/s by concurrency"),
     "ar-fanout": ("omni_bench.ar_fanout", "an ar stage's chunks across processes, no model"),
+    "omni-serve": ("omni_bench.omni_serve", "Qwen3-Omni served: TTFT, first audio, RTF, req/s"),
 }
 
 

@@ -24,7 +24,8 @@ earlier ones have ended, as a service's users send them (`--concurrency ""`: ope
 only). Per level: TTFA p50/p95, RTF, audio seconds per second, requests per second, the share
 of streams that underrun (a listener who starts at the first byte runs out of audio); per
 server: the GPU's memory in use (nvidia-smi, peak while loaded). Tables to stdout and
-`OUT/higgs_serve.md`, everything in `OUT/higgs_serve.json` (each level's speech.json beside it).
+`OUT/higgs_serve.md`, everything in `OUT/higgs_serve.json` (each level's speech.json beside it;
+each server's log in `OUT/server-rN.log`).
 """
 
 from __future__ import annotations
@@ -33,15 +34,13 @@ import argparse
 import asyncio
 import json
 import re
-import shutil
-import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from omni_bench import speech
 from omni_bench.harness import tables
+from omni_bench.harness.gpu import GpuMemory
 from omni_bench.harness.server import OmniServer
 from omni_server.compiler import DeviceRequest, MachineFacts, compile_repository
 
@@ -134,42 +133,6 @@ def max_in_flight(args: argparse.Namespace) -> int:
     return max(64, closed, *(open_loop_requests(args, r) for r in args.rates))
 
 
-class GpuMemory:
-    """The GPU's memory in use (MiB, nvidia-smi), sampled every half second: the peak."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @staticmethod
-    def now() -> int:
-        if shutil.which("nvidia-smi") is None:
-            return 0
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.split()
-        return int(out[0]) if out else 0
-
-    def __enter__(self) -> GpuMemory:
-        def sample() -> None:
-            while not self._stop.wait(0.5):
-                self.peak = max(self.peak, self.now())
-
-        self.peak = self.now()
-        self._thread = threading.Thread(target=sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-
 def _level(args: argparse.Namespace, url: str, load: speech.Level, out: Path) -> dict[str, Any]:
     """One closed-loop (`load.concurrency`) or open-loop (`load.rate`) level of `speech`."""
     if load.rate is None:
@@ -192,7 +155,13 @@ def _level(args: argparse.Namespace, url: str, load: speech.Level, out: Path) ->
 
 
 def _serve(args: argparse.Namespace, replicas: str) -> dict[str, Any]:
-    server = OmniServer(args.repo, serve_args(args, replicas), ready_timeout_s=args.ready_timeout)
+    args.out.mkdir(parents=True, exist_ok=True)
+    server = OmniServer(
+        args.repo,
+        serve_args(args, replicas),
+        ready_timeout_s=args.ready_timeout,
+        log=args.out / f"server-r{replicas}.log",
+    )
     gpu = GpuMemory()
     with gpu:
         asyncio.run(server.start())

@@ -8,9 +8,10 @@ For each model: copies the embedded repository to a temporary folder, starts omn
 round edits the group's stage code (a comment appended to its model.py: the fingerprint changes,
 the plan does not) and calls `POST /v2/repository/models/MODEL/load`. Measured per round:
 the time from the call to its answer (the new version serving: every new process ready, traffic
-moved), the stage processes' resident memory before the call and at its peak while both versions
-run (sampled every 50 ms from /proc), and the time until the old version's processes are gone
-(the drain; no request is in flight here, so it is the stop itself). Prints one table.
+moved; and, as a call answers after its clean-up, the old version stopped), the stage processes'
+resident memory before the call and at its peak while both versions run (sampled every 50 ms
+from /proc), and the time until the old version's processes are gone (the drain; no request is
+in flight here, so it is the stop itself). Prints one table.
 """
 
 from __future__ import annotations

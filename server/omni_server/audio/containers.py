@@ -30,6 +30,27 @@ EBML_MAGIC = b"\x1a\x45\xdf\xa3"
 MATROSKA_SEGMENT = b"\x18\x53\x80\x67"
 
 
+# A container that declares a duration but decodes to much less was cut short (a truncated
+# wav, flac, m4a or webm decodes without an error up to the cut).
+TRUNCATED_FRACTION = 0.9
+TRUNCATED_SLACK_S = 0.2
+
+
+def cut_short(
+    data: bytes, container: str, declared_s: float | None, decoded_s: float
+) -> str | None:
+    """Why a file FFmpeg decoded to `decoded_s` seconds is incomplete, or None: its container
+    declared `declared_s` (None: no duration) and it decoded to much less, or it ends before
+    its container says it does (`truncation`). The one check of every upload that must be
+    whole: transcription's (repository/asr_decode) and a custom voice's clip (serve/voices.py).
+    """
+    if declared_s is not None and decoded_s < declared_s * TRUNCATED_FRACTION - TRUNCATED_SLACK_S:
+        return (
+            f"it declares {declared_s:.2f} s of audio but only {decoded_s:.2f} s could be decoded"
+        )
+    return truncation(data, container)
+
+
 def truncation(data: bytes, container: str) -> str | None:
     """Why `data` (a file FFmpeg named `container`, e.g. "ogg", "wav", "matroska,webm") ends
     before its container says it does, or None."""

@@ -16,6 +16,8 @@ from typing import NamedTuple
 import av
 import numpy as np
 
+from omni_server.audio.containers import cut_short
+
 PCM_SAMPLE_RATE = 24_000  # OpenAI's `pcm`: s16le mono at 24 kHz
 PCM_SCALE = 32768.0
 
@@ -41,18 +43,25 @@ class TooLong(ValueError):
     """The audio runs past the `max_seconds` its decoder was given."""
 
 
+class Truncated(ValueError):
+    """The body decodes, but ends before its container says it does (`containers.cut_short`)."""
+
+
 def decode(
     body: bytes,
     response_format: str | None = None,
     *,
     pcm_rate: int = PCM_SAMPLE_RATE,
     max_seconds: float | None = None,
+    whole: bool = False,
 ) -> Clip:
     """A whole body of OpenAI `response_format` (None: any container FFmpeg recognizes) as one
     clip; raw `pcm` carries no rate, so it is `pcm_rate`. Channels are mixed down to mono.
     Raises ValueError for a body that is no audio of that format, TooLong (a ValueError) as
     soon as the decoded audio passes `max_seconds`: a small, highly compressed body can hold
-    hours, and decoding stops there instead of filling memory."""
+    hours, and decoding stops there instead of filling memory. `whole`: a body cut short (its
+    container promises more than it holds, `containers.cut_short`) raises Truncated (a
+    ValueError) instead of giving the audio up to the cut."""
     if response_format == "pcm":
         return pcm_to_clip(body, pcm_rate)
     try:
@@ -69,10 +78,16 @@ def decode(
                 if limit is not None and decoded > limit:
                     raise TooLong(f"the audio is longer than {max_seconds:g} s")
             parts.extend(f.to_ndarray().reshape(-1) for f in resampler.resample(None))
+            container_format = str(container.format.name)
+            declared = container.duration / 1e6 if container.duration else None
     except (av.error.FFmpegError, IndexError) as err:
         what = response_format or "audio"
         raise ValueError(f"cannot decode a {what} body of {len(body)} bytes: {err}") from err
     samples = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+    if whole:
+        cut = cut_short(body, container_format, declared, len(samples) / rate)
+        if cut is not None:
+            raise Truncated(f"the audio is truncated or corrupt: {cut}")
     return Clip(samples.astype(np.float32, copy=False), int(rate))
 
 

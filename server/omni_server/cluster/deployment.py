@@ -8,11 +8,15 @@ plan's stage processes on the node Ray placed it on (`PrivateServer`: the single
 runtime and aiohttp app on a private Unix socket) and forwards everything Serve's proxy sends it
 (`Forwarder`). Serve's health check asks the pipeline's own health; a replica whose pipeline
 has no live replica of some process is replaced. Serve's graceful stop (`__del__`) drains the
-replica's requests and reaps its processes as SIGTERM does for `omni-server`.
+replica's requests and reaps its processes as SIGTERM does for `omni-server`. A replica that
+`omni-server ray` deployed also waits on the command's `StopSignal` (stop.py): when the command
+stops, the replica drains first (503 to new requests, the grace period to those in flight), and
+Serve deletes it afterwards.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -22,11 +26,13 @@ from typing import Any
 
 import ray
 from ray import serve
+from ray.actor import ActorHandle
 from ray.serve import Application
 
 from omni_server.cluster.forward import Forwarder
 from omni_server.cluster.private_server import PrivateServer
 from omni_server.cluster.resources import Scaling, deployment_options
+from omni_server.cluster.stop import report_drained, wait_for_stop
 from omni_server.compiler.compiler import compile_repository
 from omni_server.serve.options import ServeOptions
 
@@ -40,16 +46,35 @@ API_KEY_ENV = "OMNI_SERVER_API_KEY"
 @serve.ingress()  # the app is this replica's Forwarder, built once its server listens
 class PipelineReplica:
     async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
-        self, repo: str, overrides: Sequence[str] = (), options: ServeOptions | None = None
+        self,
+        repo: str,
+        overrides: Sequence[str] = (),
+        options: ServeOptions | None = None,
+        stop_signal: ActorHandle | None = None,
     ) -> None:
         plan = compile_repository(repo, list(overrides))
         self.server = PrivateServer(plan, options or ServeOptions())
         await self.server.start()
-        self.forwarder = Forwarder(
-            serve.get_replica_context().replica_id.unique_id,
-            ray.get_runtime_context().get_node_id(),
-        )
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.forwarder = Forwarder(self.replica_id, ray.get_runtime_context().get_node_id())
         self.forwarder.open(str(self.server.socket_path))
+        self._drain_on_stop: asyncio.Task[None] | None = None
+        if stop_signal is not None:  # on this replica's loop, which serves its requests
+            self._drain_on_stop = asyncio.ensure_future(self._drain_when_stopped(stop_signal))
+
+    async def _drain_when_stopped(self, stop_signal: ActorHandle) -> None:
+        """Wait for the command's stop; then drain and tell it so (stop.py)."""
+        if not await wait_for_stop(stop_signal, self.replica_id):
+            # the command that deployed this replica is gone: it keeps serving, and Serve's own
+            # stop (__del__) still reaps it
+            log.warning("omni-server ray's stop signal is gone; serving on")
+            return
+        cancelled = await self.server.drain()
+        if cancelled:
+            log.warning(
+                "%d request(s) still running after the grace period were cancelled", cancelled
+            )
+        await report_drained(stop_signal, self.replica_id)
 
     def __serve_build_asgi_app__(self) -> Forwarder:
         return self.forwarder
@@ -63,6 +88,9 @@ class PipelineReplica:
     async def __del__(self) -> None:
         # Serve calls this on a graceful stop (scale-down, redeploy, serve.delete); a replica
         # killed with its node never gets here, and its processes die with it (PDEATHSIG)
+        drain = getattr(self, "_drain_on_stop", None)
+        if drain is not None:
+            drain.cancel()  # Serve's stop without the command's: stop() drains by itself
         if hasattr(self, "forwarder"):
             await self.forwarder.close()
         if hasattr(self, "server"):
@@ -74,16 +102,19 @@ def pipeline_app(
     overrides: Sequence[str] = (),
     options: ServeOptions | None = None,
     scaling: Scaling | None = None,
+    *,
+    stop_signal: ActorHandle | None = None,
     **extra: Any,
 ) -> Application:
     """The Serve application of a repository: options from its plan (resources, capacity)
     and `scaling`; `extra` goes to `Deployment.options()` as is (e.g. `max_replicas_per_node`,
-    `health_check_period_s`). Compiling here raises `RepositoryError` before Ray sees anything."""
+    `health_check_period_s`). Compiling here raises `RepositoryError` before Ray sees anything.
+    `stop_signal`: the `StopSignal` of `omni-server ray` (stop.py), which its replicas wait on."""
     options = options or ServeOptions()
     plan = compile_repository(repo, list(overrides))
     settings = deployment_options(plan, options, scaling or Scaling()) | extra
     return PipelineReplica.options(**settings).bind(  # type: ignore[attr-defined]
-        str(Path(repo).resolve()), tuple(overrides), options
+        str(Path(repo).resolve()), tuple(overrides), options, stop_signal
     )
 
 

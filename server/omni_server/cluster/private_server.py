@@ -72,9 +72,18 @@ class PrivateServer:
         status, detail = self.runtime.health()
         return detail if status == "unavailable" else None
 
+    async def drain(self) -> int:
+        """The first half of a stop, with the socket still open: new requests get 503 (OpenAI's
+        error JSON, Retry-After), those in flight get the grace period and the rest are
+        cancelled. Returns how many were cancelled. Serve's proxy may route here until the
+        replica is deleted, and the 503 is then this server's answer, not a refused connection.
+        """
+        return await self._app[STATE].lifecycle.drain(self.options.shutdown_grace_s)
+
     async def stop(self) -> None:
         """As `omni-server` on SIGTERM: no new connections, in-flight requests get the grace
-        period, then the pipeline stops and its processes and segments are reaped."""
+        period (none left after `drain()`), then the pipeline stops and its processes and
+        segments are reaped."""
         try:
             if self._runner is not None:
                 for site in list(self._runner.sites):

@@ -136,6 +136,7 @@ def _compile(raw: RawRepository, machine: MachineFacts, gpu_stages: list[str]) -
     instances = placement.build_instances(processes, stages)
     placement.check_memory(instances, stages, processes, server, files, raw.file)
     placement.check_weight_share(instances, stages, processes, server, files, raw.file)
+    placement.check_machine(processes, stages, instances, machine, files, raw.file)
     return Plan(
         repository=raw.root,
         server=server,

@@ -11,7 +11,12 @@ Rules (from the reference design's topology and placement documents):
   hosts more than one OS process and on every GPU stage placed by `replica_devices`; the
   declared fractions on each GPU sum to at most `gpu_memory_limit`;
 - weight sharing needs, per process whose replicas repeat a GPU, exactly one engine stage
-  with tp_size 1 and a pinned max_total_tokens.
+  with tp_size 1 and a pinned max_total_tokens;
+- the plan fits the machine it is compiled for (`check_machine`, where its facts are known):
+  a logical process runs at most one OS process (replica x TP rank) per CPU core, and every
+  stage process together needs at least `PROCESS_MEMORY_FLOOR` each of the machine's memory.
+  A load's config (model control) goes through the same compile, so one call cannot fork
+  more processes than the machine holds.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from omni_server.compiler.plan import (
     DeviceRequest,
     Edge,
     FrozenMap,
+    MachineFacts,
     ProcessInstance,
     ProcessSpec,
     ServerOptions,
@@ -36,6 +42,9 @@ from omni_server.compiler.schema import PROCESS_FIELDS, check_fields, field_valu
 
 # Sums of declared fractions are compared with this much slack (0.1 + 0.2 must fit 0.3).
 EPSILON = 1e-9
+# The least memory a stage process holds before any model: the interpreter, numpy and the
+# stage host (42 MiB resident measured for `omni_server.stage.worker` alone), rounded up.
+PROCESS_MEMORY_FLOOR = 64 << 20
 
 
 def build_processes(
@@ -319,3 +328,56 @@ def check_weight_share(
                 stage=engine.name,
                 field="engine.max_total_tokens",
             )
+
+
+def check_machine(
+    processes: Mapping[str, ProcessSpec],
+    stages: Mapping[str, StageSpec],
+    instances: tuple[ProcessInstance, ...],
+    machine: MachineFacts,
+    files: Mapping[str, Path],
+    repository_file: Path,
+) -> None:
+    """The plan's stage processes fit `machine` (a fact not known is not checked).
+
+    Cores: a replica (each of its TP ranks) is an OS process that needs a core to make
+    progress; more of one logical process than the cores only take turns on the same cores,
+    each holding its memory, so they are refused. Memory: every stage process together holds
+    at least PROCESS_MEMORY_FLOOR each."""
+    for proc in processes.values():
+        count = proc.num_replicas * proc.tp_size
+        if machine.cpus is None or count <= machine.cpus:
+            continue
+        replicas = f"{proc.num_replicas} replica{'s' if proc.num_replicas > 1 else ''}"
+        what = replicas + (f" x tp_size {proc.tp_size}" if proc.tp_size > 1 else "")
+        most = max(machine.cpus // proc.tp_size, 0)
+        message = (
+            f"process '{proc.name}' would run {count} OS processes ({what}) on a machine with "
+            f"{machine.cpus} CPU core{'s' if machine.cpus > 1 else ''}; each needs a core of "
+            "its own (more only take turns on the same cores, each holding its memory)"
+        )
+        if proc.num_replicas > 1 or proc.tp_size == 1:
+            raise RepositoryError(
+                f"{message}: at most {most} replicas here",
+                file=repository_file,
+                field=f"processes.{proc.name}.num_replicas",
+            )
+        tp = next(s for s in proc.stages if stages[s].tp_size == proc.tp_size)
+        raise RepositoryError(
+            f"{message}: at most tp_size {machine.cpus} here",
+            file=files[tp],
+            stage=tp,
+            field="tp_size",
+        )
+    need = len(instances) * PROCESS_MEMORY_FLOOR
+    if machine.memory_bytes is not None and need > machine.memory_bytes:
+        counts = {p.name: p.num_replicas * p.tp_size for p in processes.values()}
+        largest = max(counts, key=lambda name: counts[name])
+        raise RepositoryError(
+            f"the plan starts {len(instances)} stage processes, which hold at least "
+            f"{need >> 20} MiB ({PROCESS_MEMORY_FLOOR >> 20} MiB each before any model) of "
+            f"the {machine.memory_bytes >> 20} MiB this machine has; process '{largest}' "
+            f"runs {counts[largest]} of them",
+            file=repository_file,
+            field=f"processes.{largest}.num_replicas",
+        )

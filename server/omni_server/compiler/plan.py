@@ -89,6 +89,11 @@ class MachineFacts:
     is a machine without a GPU."""
 
     gpus: int = 0  # CUDA GPUs visible to a program started from the server's environment
+    # the CPU cores this server may run on (affinity and cgroup quota) and the memory it may
+    # use (physical, or the cgroup's limit): what bounds the stage processes a plan may start
+    # (placement.check_machine); None: not known (a caller that did not ask), no bound
+    cpus: int | None = None
+    memory_bytes: int | None = None
 
     def has_gpus(self, ids: tuple[int, ...]) -> bool:
         return bool(ids) and max(ids) < self.gpus

@@ -82,7 +82,7 @@ class Batcher:
         budget = self.config.max_step_tokens - decode_units
         if decodes:  # a running stream's step at most about doubles while prompts prefill
             budget = min(budget, max(self.prefill_beside_decodes, decode_units))
-        prompts = [s for s in self.running if s.num_tokens - s.num_computed > 1]
+        prompts = [s for s in self.running if s.prefills_next]
         head = [self.waiting[0]] if self.waiting else []
         first = min([*prompts, *head], key=lambda s: s.arrival, default=None)
         # playing streams' listeners bound the step's time (prefill_budget.py); 0: none now
@@ -180,8 +180,8 @@ class Batcher:
         within what the playing streams' listeners allow (prefill_budget.py)."""
         if len(self.running) + len(self.waiting) > self.config.max_batch_size:
             return False
-        decoding = [s for s in self.running if s.num_tokens - s.num_computed == 1]
-        prompts = [s for s in (*self.running, *self.waiting) if s.num_tokens - s.num_computed > 1]
+        decoding = [s for s in self.running if s.decodes_next]
+        prompts = [s for s in (*self.running, *self.waiting) if s.prefills_next]
         blocks = sum(
             self.allocator.new_blocks(s.block_table, s.num_tokens)
             for s in (*decoding, *self.waiting)
@@ -202,7 +202,7 @@ class Batcher:
     def _decodes(self) -> list[Sequence]:
         decodes: list[Sequence] = []
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING or seq.num_tokens - seq.num_computed != 1:
+            if seq.status is not Status.RUNNING or not seq.decodes_next:
                 continue  # preempted in this loop, or still prefilling
             if not self.ready(seq):
                 continue  # its next input is not in yet: it runs in a later step

@@ -10,6 +10,7 @@ disagreement is one CheckpointError naming the folder and the first problems fou
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,14 +33,24 @@ class Checkpoint(ModelSource):
     files: dict[str, Path]  # tensor name -> the safetensors file holding it
 
     def fill(self, model: FamilyModel) -> None:
-        """The family's load: tensors read one at a time, renamed, placed."""
-        self.family.load(model, self.tensor, self.spec)
-
-    def tensor(self, name: str) -> torch.Tensor:
+        """The family's load: tensors read one at a time, renamed, placed; each file opened once
+        for the whole load (opening one parses its header: ~3 ms for a thousand tensors, paid
+        per tensor before, 1-2 minutes of a 30B MoE checkpoint's ~19k expert matrices)."""
         from safetensors import safe_open
 
-        with safe_open(str(self.files[name]), framework="pt", device="cpu") as f:
-            return f.get_tensor(name)
+        with contextlib.ExitStack() as stack:
+            opened: dict[Path, Any] = {}
+
+            def tensor(name: str) -> torch.Tensor:
+                path = self.files[name]
+                f = opened.get(path)
+                if f is None:
+                    f = opened[path] = stack.enter_context(
+                        safe_open(str(path), framework="pt", device="cpu")
+                    )
+                return f.get_tensor(name)
+
+            self.family.load(model, tensor, self.spec)
 
     def tokenizer(self) -> HFTokenizer | None:
         """The folder's tokenizer (None without tokenizer.json: token ids only). A completion

@@ -114,7 +114,7 @@ def ordered_batch(batcher: BatcherView, now: float, margin_s: float) -> StepBatc
         if id(seq) in preempted:
             continue
         urgent = rank(seq, now, margin_s)[0] == 0
-        if seq.status is Status.RUNNING and seq.num_tokens - seq.num_computed == 1:
+        if seq.status is Status.RUNNING and seq.decodes_next:
             step_cost = cost.decode(seq.num_computed)
             if not urgent and step_cost > budget:
                 continue  # sits out: its lead covers this step
@@ -163,13 +163,11 @@ def _absorbable(batcher: BatcherView, order: list[Sequence], now: float, margin_
     """The prefill cost units the step may hold before the tightest started stream's listener
     runs out (prefill_budget.py), its decodes counted as the first max_batch_size requests in
     `order` that decode (at most what the step will hold); inf-like: no stream has started."""
-    decoding = [
-        s for s in order if s.status is Status.RUNNING and s.num_tokens - s.num_computed == 1
-    ]
+    decoding = [s for s in order if s.status is Status.RUNNING and s.decodes_next]
     decode_units = sum(
         batcher.cost.decode(s.num_computed) for s in decoding[: batcher.config.max_batch_size]
     )
-    first = next((s for s in order if s.num_tokens - s.num_computed > 1), None)
+    first = next((s for s in order if s.prefills_next), None)
     ceiling = float(batcher.config.max_step_tokens) - decode_units
     return batcher.deadline_budget(now, margin_s, decode_units, ceiling, first)
 

@@ -132,3 +132,16 @@ def check_pinned(budget: KVBudget, max_total_tokens: int) -> None:
             + budget._overdrawn(f"leaves {fmt_bytes(budget.kv_bytes)}")
             + f" (at most {budget.max_tokens} tokens fit)"
         )
+
+
+def check_host_kv(max_total_tokens: int, token_bytes: int, available: int) -> None:
+    """On the CPU the KV cache is host memory, allocated and zeroed at once: a cache of
+    `max_total_tokens` that the memory the machine has available cannot hold is refused
+    (MemoryBudgetError) rather than the host running out of memory with every process on it."""
+    need = max_total_tokens * token_bytes
+    if need > available:
+        raise MemoryBudgetError(
+            f"engine.max_total_tokens {max_total_tokens} needs {fmt_bytes(need)} of KV cache in "
+            f"host memory, but this machine has {fmt_bytes(available)} available (at most "
+            f"{available // max(token_bytes, 1)} tokens fit)"
+        )

@@ -130,6 +130,23 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def decodes_next(self) -> bool:
+        """Its next step is a decode row: one position left, and that position an output token's.
+
+        The last token of a prompt whose chunks left it alone is a prefill chunk of one row,
+        never a decode: a head may build a decode row's input from what the request generated
+        (Higgs' frames, the talker's summed codes), which a prompt position has none of (a
+        Higgs prompt chunked to leave its last token alone broke the decode graph's inputs)."""
+        return (
+            self.num_tokens - self.num_computed == 1 and self.num_computed >= self.num_prompt_tokens
+        )
+
+    @property
+    def prefills_next(self) -> bool:
+        """Its next step is a prefill chunk: positions left that are not one decode row."""
+        return self.num_computed < self.num_tokens and not self.decodes_next
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 

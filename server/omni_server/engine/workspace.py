@@ -24,6 +24,7 @@ On the CPU the forwards run (tests) and every peak reads 0.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,7 @@ from omni_server.engine.config import DEFAULT_MAX_TOTAL_TOKENS, EngineConfig
 from omni_server.engine.cuda_graphs import batch_buckets, context_buckets
 from omni_server.engine.head import StepModel
 from omni_server.engine.kv_cache import KVCache
-from omni_server.engine.memory import KVBudget, check_pinned, size_kv_cache
+from omni_server.engine.memory import KVBudget, check_host_kv, check_pinned, size_kv_cache
 from omni_server.engine.paged_decode import use_paged
 
 log = logging.getLogger("omni_server.engine")
@@ -62,9 +63,14 @@ def plan_kv_cache(
 
     On a GPU with a memory fraction: sized from it, or a pinned max_total_tokens checked
     against it (MemoryBudgetError when the budget cannot hold it). Elsewhere: max_total_tokens,
-    or DEFAULT_MAX_TOTAL_TOKENS."""
+    or DEFAULT_MAX_TOTAL_TOKENS; on the CPU checked against the host memory available."""
     device = next(model.parameters()).device
     fraction = config.gpu_memory_fraction
+    if device.type == "cpu":
+        tokens = config.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS
+        token_bytes = KVCache.token_bytes(model.local_shape, config.torch_dtype)
+        check_host_kv(tokens, token_bytes, available_host_bytes())
+        return tokens, None
     if device.type != "cuda" or fraction is None:
         return config.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS, None
     pinned = config.max_total_tokens
@@ -92,6 +98,19 @@ def plan_kv_cache(
     check_pinned(budget, pinned)
     log.info("KV cache pinned at %d tokens, within %s", pinned, budget.describe())
     return pinned, budget
+
+
+def available_host_bytes() -> int:
+    """Memory the host can give without swapping (MemAvailable: free plus reclaimable cache);
+    free pages where /proc/meminfo is unreadable."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def measure_workspace(model: StepModel, config: EngineConfig, max_seq_len: int) -> Workspace:

@@ -17,10 +17,11 @@ from __future__ import annotations
 import shutil
 import subprocess
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from omni_server.compiler.plan import MachineFacts, Plan
 from omni_server.errors import PipelineError
+from omni_server.gpu import host
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
 _SMI_TIMEOUT_S = 10.0
@@ -37,18 +38,24 @@ class Machine:
     gpus: tuple[Gpu, ...] = ()
     why_no_gpu: str = ""  # when `gpus` is empty: what discovery found (for the error line)
     mps_control: str | None = None  # path of nvidia-cuda-mps-control, None where absent
+    cpus: int | None = None  # cores this server may use (gpu/host.py); None: not asked
+    memory_bytes: int | None = None  # memory this server may use; None: not asked
 
     def gpu(self, index: int) -> Gpu | None:
         return self.gpus[index] if 0 <= index < len(self.gpus) else None
 
     def facts(self) -> MachineFacts:
         """What the compiler needs of this machine (it resolves `device = "auto"` with it)."""
-        return MachineFacts(gpus=len(self.gpus))
+        return MachineFacts(gpus=len(self.gpus), cpus=self.cpus, memory_bytes=self.memory_bytes)
 
 
 def discover(environ: Mapping[str, str]) -> Machine:
-    """The GPUs visible from `environ` (its CUDA_VISIBLE_DEVICES applied) and the MPS
-    control program on its PATH."""
+    """The GPUs visible from `environ` (its CUDA_VISIBLE_DEVICES applied), the MPS control
+    program on its PATH, and the CPU cores and memory this server may use."""
+    return replace(_gpus(environ), cpus=host.cpus(), memory_bytes=host.memory_bytes())
+
+
+def _gpus(environ: Mapping[str, str]) -> Machine:
     mps_control = shutil.which(MPS_CONTROL, path=environ.get("PATH"))
     smi = shutil.which("nvidia-smi", path=environ.get("PATH"))
     if smi is None:

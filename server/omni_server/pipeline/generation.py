@@ -11,6 +11,7 @@ handle belongs to that generation's coordinator.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omni_server.compiler.plan import FrozenMap, ModelSpec, Plan, ServerOptions
+from omni_server.compiler.plan import EMPTY, FrozenMap, ModelSpec, Plan, ServerOptions
 
 from .runtime import Runtime
 
@@ -79,9 +80,30 @@ class Generation:
         return left
 
 
-def served_plan(repository: Path, serving: Mapping[str, Generation]) -> Plan:
+@dataclass(frozen=True)
+class ServedPlan(Plan):
+    """The plan the serving layer reads under model control: the served models, and beside
+    them the models being loaded now (not served yet), so that a request naming one is told
+    to come back (503 with Retry-After) rather than that it does not exist (404)."""
+
+    loading: Mapping[str, ModelSpec] = EMPTY
+
+    def loading_model(self, name: str) -> ModelSpec | None:
+        """The model being loaded that is called `name` (its id or an alias), or None."""
+        for spec in self.loading.values():
+            if name == spec.id or name in spec.aliases:
+                return spec
+        return None
+
+
+def served_plan(
+    repository: Path,
+    serving: Mapping[str, Generation],
+    loading: Mapping[str, ModelSpec] | None = None,
+) -> ServedPlan:
     """One read-only plan of the served models (what /v1/models, the endpoints and the
-    OpenAPI document read): each served model with its generation's stages and processes."""
+    OpenAPI document read): each served model with its generation's stages and processes,
+    and `loading`: models not served yet whose load is under way."""
     stages: dict[str, Any] = {}
     processes: dict[str, Any] = {}
     models: dict[str, ModelSpec] = {}
@@ -96,7 +118,7 @@ def served_plan(repository: Path, serving: Mapping[str, Generation]) -> Plan:
         server = server or gen.plan.server
     for model, gen in serving.items():
         models[model] = gen.plan.models[model]
-    return Plan(
+    return ServedPlan(
         repository=repository,
         server=server or ServerOptions(),
         stages=FrozenMap(stages),
@@ -104,4 +126,25 @@ def served_plan(repository: Path, serving: Mapping[str, Generation]) -> Plan:
         processes=FrozenMap(processes),
         instances=tuple(instances),
         edges=tuple(edges),
+        loading=FrozenMap({m: spec for m, spec in (loading or {}).items() if m not in models}),
     )
+
+
+async def cleaned_up(drains: list[asyncio.Task[int]]) -> None:
+    """Until every drain of `drains` has ended: its generation's processes exited and its run
+    directory and segments removed. `asyncio.wait`, not `gather`: a control call cancelled
+    (by `stop()`) must not cancel a drain half way through stopping processes; `stop()` waits
+    for the drains itself."""
+    if drains:
+        await asyncio.wait(drains)
+
+
+def config_overrides(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """A load's `config` ({"stages.acoustic.parameters.length_scale": 1.2}) as the command
+    line's dotted overrides; strings as written, other JSON values as JSON (the override
+    parser reads lists, numbers and booleans in that form)."""
+    out = []
+    for path, value in config.items():
+        text = value if isinstance(value, str) else json.dumps(value)
+        out.append(f"--{path}={text}")
+    return tuple(out)

@@ -17,16 +17,24 @@ generation drains (`Generation.drain`). A group that did not change keeps its ge
 failure (a compile error, an `initialize` that raises, a process that dies while starting)
 changes nothing that serves: the old generation keeps its models and the index shows why.
 
+A call answers only once it is done, clean-up included: a load or reload once the new version
+serves and every generation it replaced has drained and stopped (its processes exited, its run
+directory and shared-memory segments gone); an unload once the same holds for what it unloaded.
+A model being loaded is in the served plan's `loading` (`generation.ServedPlan`): requests
+naming it are told to retry (503), not that it does not exist.
+
 Invariant: `_serving` maps each served model to the one generation new requests of it go to;
 it is replaced whole (never edited in place while a start is awaited), so a request admitted
-in any loop turn sees one consistent set. Control calls run one at a time (`_lock`).
+in any loop turn sees one consistent set. Control calls run one at a time (`_lock`). A
+generation is drained by one task at most (`_drains`): a second call that finds it draining
+waits for that task rather than stopping it again (a second `Runtime.stop()` returns at once,
+before the first has reaped the processes).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,7 +50,7 @@ from omni_server.envelope import Payload
 from omni_server.errors import PipelineError
 
 from .coordinator import RequestHandle, StageObserver
-from .generation import Generation, served_plan
+from .generation import Generation, cleaned_up, config_overrides, served_plan
 from .runtime import Health, Runtime
 
 log = logging.getLogger(__name__)
@@ -110,7 +118,7 @@ class ModelControl:
         self._serving: dict[str, Generation] = {}
         self._status: dict[str, ModelStatus] = {}
         self._live: list[Generation] = []  # serving or draining
-        self._draining: set[asyncio.Task[int]] = set()
+        self._drains: dict[Generation, asyncio.Task[int]] = {}  # one per draining generation
         self._lock = asyncio.Lock()
         self._poller: asyncio.Task[None] | None = None
         self._calls: set[asyncio.Future[None]] = set()  # load / unload calls under way
@@ -263,8 +271,7 @@ class ModelControl:
             for m in gone:
                 self._status[m] = ModelStatus(ModelState.UNLOADING, "draining")
             serving = {m: g for m, g in self._serving.items() if m not in gone}
-            drained = self._install(serving)
-            await asyncio.gather(*drained)
+            await cleaned_up(self._install(serving))
             for m in gone:
                 self._status[m] = ModelStatus(ModelState.UNAVAILABLE, "unloaded")
 
@@ -279,7 +286,7 @@ class ModelControl:
         self._serving = {}
         self.plan = served_plan(self.repository, {})
         await asyncio.gather(*(gen.runtime.stop() for gen in self._live), return_exceptions=True)
-        await asyncio.gather(*self._draining, return_exceptions=True)
+        await asyncio.gather(*self._drains.values(), return_exceptions=True)
         self._live.clear()
 
     # ---- inside ----------------------------------------------------------------------------
@@ -348,8 +355,9 @@ class ModelControl:
         for model, gen in serving.items():
             reason = self._status[model].reason if model in failures else ""
             self._status[model] = ModelStatus(ModelState.READY, reason, gen.number)
-        for task in drained:  # the drains run on after the call (the old answer the last)
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        # the call answers once the replaced generations are gone (their streams finished
+        # there, up to the drain's bound), not while their processes and segments remain
+        await cleaned_up(drained)
         return failures
 
     def _reusable(
@@ -379,6 +387,7 @@ class ModelControl:
             old = self._status[m]
             if m not in self._serving:
                 self._status[m] = ModelStatus(ModelState.LOADING, "", old.version)
+        self._publish()  # requests naming a loading model: 503, come back
         log.info("generation %d (%s): starting", gen.number, ", ".join(sorted(models)))
         try:
             await gen.start()
@@ -388,6 +397,7 @@ class ModelControl:
                 failures[m] = f"version {gen.number} failed to start: {exc}"
                 if m not in self._serving:
                     self._status[m] = ModelStatus(ModelState.UNAVAILABLE, failures[m])
+            self._publish()
             return None
         self._live.append(gen)
         gen.runtime.stage_observers.append(self._stage_observed)
@@ -401,16 +411,35 @@ class ModelControl:
         order = list(self._repo_plan.models) if self._repo_plan is not None else []
         serving = dict(sorted(serving.items(), key=lambda mg: _position(order, mg[0])))
         self._serving = serving
-        self.plan = served_plan(self.repository, serving)
+        self._publish()
         tasks = []
-        for gen in [g for g in self._live if g not in used and g.runtime.ready]:
-            task = asyncio.get_running_loop().create_task(
-                gen.drain(self._drain_timeout_s, on_stopped=functools.partial(self._gone, gen))
-            )
-            self._draining.add(task)
-            task.add_done_callback(self._draining.discard)
-            tasks.append(task)
+        for gen in [g for g in self._live if g not in used]:
+            task = self._drains.get(gen)
+            if task is None and gen.runtime.ready:
+                task = asyncio.get_running_loop().create_task(
+                    gen.drain(self._drain_timeout_s, on_stopped=functools.partial(self._gone, gen))
+                )
+                self._drains[gen] = task
+                task.add_done_callback(functools.partial(self._drained, gen))
+            if task is not None:
+                tasks.append(task)
         return tasks
+
+    def _drained(self, gen: Generation, task: asyncio.Task[int]) -> None:
+        del self._drains[gen]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("generation %d failed to stop", gen.number, exc_info=task.exception())
+
+    def _publish(self) -> None:
+        """The served plan for the serving layer: the models served now and, beside them,
+        those whose load is under way (`ServedPlan.loading`)."""
+        known = self._repo_plan.models if self._repo_plan is not None else {}
+        loading = {
+            m: known[m]
+            for m, status in self._status.items()
+            if status.state is ModelState.LOADING and m in known and m not in self._serving
+        }
+        self.plan = served_plan(self.repository, self._serving, loading)
 
     def _gone(self, gen: Generation) -> None:
         if gen in self._live:
@@ -427,7 +456,7 @@ class ModelControl:
             async with self._lock:
                 try:
                     plan = await asyncio.to_thread(
-                        compile_repository, self.repository, self._overrides
+                        compile_repository, self.repository, self._overrides, self._machine
                     )
                 except RepositoryError as exc:
                     log.error("repository poll: %s", exc)
@@ -461,17 +490,6 @@ def check_model(plan: Plan | None, name: str, *, control: bool = False) -> str:
     if control:
         raise ControlError(message, 404, "model_not_found")
     raise RepositoryError(message, field="--load-model")
-
-
-def config_overrides(config: Mapping[str, Any]) -> tuple[str, ...]:
-    """A load's `config` ({"stages.acoustic.parameters.length_scale": 1.2}) as the command
-    line's dotted overrides; strings as written, other JSON values as JSON (the override
-    parser reads lists, numbers and booleans in that form)."""
-    out = []
-    for path, value in config.items():
-        text = value if isinstance(value, str) else json.dumps(value)
-        out.append(f"--{path}={text}")
-    return tuple(out)
 
 
 def _position(order: list[str], model: str) -> int:

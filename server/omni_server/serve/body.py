@@ -9,7 +9,8 @@
   mid-upload is `ClientGone`.
 - `read_json`: the body as a JSON value; a body not sent as JSON (`Content-Type` other than
   `application/json` or `*/*+json`: a form, `text/plain`, none) is a 415 before it is read;
-  invalid JSON, or JSON nested deeper than Python's parser recurses, is a 400 `invalid_json`.
+  invalid JSON, or JSON nested deeper than Python's parser recurses, is a 400 `invalid_json`;
+  a string no codec can carry (a lone UTF-16 surrogate), a 400 `invalid_value` naming its place.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from omni_server.serve.errors import ApiError, Handler, error_response
 from omni_server.serve.state import STATE
+from omni_server.serve.validation import check_json_text
 
 DECODED_ENCODINGS = frozenset({"identity", "gzip", "x-gzip", "deflate"})
 JSON_MEDIA = "application/json"
@@ -127,11 +129,14 @@ def require_json(request: web.Request) -> None:
 
 def parse_json(raw: bytes) -> Any:
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
     except RecursionError:
         message = "the request body is JSON nested too deeply"
     except UnicodeDecodeError:
         message = "the request body is not UTF-8 text"
     except ValueError as exc:  # JSONDecodeError: the position, never the text
         message = f"the request body is not valid JSON: {exc}"
+    else:
+        check_json_text(value)  # a lone surrogate anywhere: 400 naming its place
+        return value
     raise ApiError(400, message, code="invalid_json")

@@ -4,7 +4,8 @@ Each entry is OpenAI's model object (`id`, `object`, `created`, `owned_by`) plus
 this server needs to know: the API tasks the model serves, the other ids it answers to, its
 voices, and its sampling defaults. A lookup by alias answers with the model it names.
 `resolve_model` is the same lookup for the API endpoints: the model a request names, and that it
-serves the endpoint's task.
+serves the endpoint's task. A model that model control is loading now is not served yet: a
+request naming it gets 503 `model_loading` with Retry-After (come back), never 404 (it exists).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from omni_server.compiler.plan import ModelSpec, Plan
+from omni_server.pipeline.generation import ServedPlan
 from omni_server.serve.errors import ApiError, invalid_field
 from omni_server.serve.state import STATE, ServerState
 
@@ -36,12 +38,36 @@ async def retrieve_model(request: web.Request) -> web.Response:
 
 
 def model_not_found(plan: Plan, name: str) -> ApiError:
+    """The error for a request naming `name`, which `plan` does not serve: 503 while model
+    control loads it (`model_loading`), else 404."""
+    loading = model_loading(plan, name)
+    if loading is not None:
+        return loading
     return ApiError(
         404,
         f"The model '{name}' does not exist. Served models: {describe_models(plan)}",
         param="model",
         code="model_not_found",
     )
+
+
+def model_loading(plan: Plan, name: str) -> ApiError | None:
+    """503 `model_loading` (with Retry-After, as every 503) when `name` is a model being
+    loaded, else None."""
+    spec = plan.loading_model(name) if isinstance(plan, ServedPlan) else None
+    if spec is None:
+        return None
+    return ApiError(
+        503,
+        f"The model '{spec.id}' is loading; retry shortly (its state: /v2/repository/index)",
+        param="model",
+        code="model_loading",
+    )
+
+
+def loading_models(plan: Plan) -> list[ModelSpec]:
+    """The models model control is loading now (none for a fixed plan)."""
+    return list(plan.loading.values()) if isinstance(plan, ServedPlan) else []
 
 
 def resolve_model(plan: Plan, name: str, *, task: str) -> ModelSpec:

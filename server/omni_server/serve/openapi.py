@@ -81,8 +81,10 @@ def document(state: ServerState) -> Schema:
         "/": {"get": _get("the playground page", {"text/html": {"schema": _TEXT}}, 404)},
         "/openapi.json": {"get": _get("this document", _media({"type": "object"}))},
     }
+    repository_schemas: Schema = {}
     if options.repository_api:
         paths.update(repository_api.openapi_paths())  # Triton's repository API
+        repository_schemas = repository_api.openapi_schemas()  # its bodies' nested objects
     for path, operations in paths.items():
         for operation in operations.values():
             if path in OPEN_PATHS:
@@ -99,7 +101,7 @@ def document(state: ServerState) -> Schema:
         },
         "paths": paths,
         "components": {
-            "schemas": {"Error": _ERROR, **copy.deepcopy(_NESTED)},
+            "schemas": {"Error": _ERROR, **copy.deepcopy(_NESTED), **repository_schemas},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }

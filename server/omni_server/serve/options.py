@@ -28,6 +28,10 @@ MAX_AUDIO_SECONDS = MAX_INPUT_CHARS / ESTIMATE_CHARS_PER_SECOND
 # over 32768 characters cannot fit the embedded thinker's 8192-token context anyway (about 4
 # characters a token in English); the conversation keeps 8 such items.
 MAX_REALTIME_SESSIONS = 16
+# The speech input stream (docs/stream_input.md): a session holds a socket and little else, but
+# each speaks through its model's admission places; 32 open at once is what the default
+# admission (8 in the pipeline, 32 waiting) can serve when all speak together.
+MAX_SPEECH_STREAM_SESSIONS = 32
 MAX_REALTIME_ITEM_CHARS = 32_768
 MAX_REALTIME_CONVERSATION_CHARS = 262_144
 
@@ -55,6 +59,9 @@ class ServeOptions:
     max_realtime_sessions: int = MAX_REALTIME_SESSIONS
     max_realtime_item_chars: int = MAX_REALTIME_ITEM_CHARS
     max_realtime_conversation_chars: int = MAX_REALTIME_CONVERSATION_CHARS
+    # the speech input stream: sessions open at once (more are refused with 429 before the
+    # upgrade)
+    max_speech_stream_sessions: int = MAX_SPEECH_STREAM_SESSIONS
     # connections
     header_timeout_s: float = 10.0  # from a connection's first byte of a request to its blank line
     body_timeout_s: float = 30.0  # to read a whole request body
@@ -84,6 +91,7 @@ class ServeOptions:
             "max_realtime_sessions",
             "max_realtime_item_chars",
             "max_realtime_conversation_chars",
+            "max_speech_stream_sessions",
             "max_custom_voices",
         ):
             if getattr(self, name) < 1:

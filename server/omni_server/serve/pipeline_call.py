@@ -87,16 +87,20 @@ async def submitted(
     errors: Callable[[PipelineError], ApiError] | None = None,
 ) -> AsyncIterator[RequestHandle]:
     """Submit one request of `model` (inside `admitted`). A submit the runtime refuses raises
-    its PipelineError, or `errors(exc)` when given. Leaving the block before the request
+    its PipelineError, or `errors(exc)` when given; so does a request in a custom voice deleted
+    since it named it (`invalid_request`, `voice_not_found`: a 400). The custom voice's clip is
+    held until the request ends (`VoiceCatalog.held_for`). Leaving the block before the request
     finished (a client gone, a failure, a cancel, server shutdown) aborts it in every stage."""
-    try:
-        handle = state.runtime.submit(model, inputs, request_id)
-    except PipelineError as exc:
-        if errors is None:
-            raise
-        raise errors(exc) from exc
-    async with handle:
-        yield handle
+    with contextlib.ExitStack() as voice:
+        try:
+            voice.enter_context(state.voices.held_for(inputs))
+            handle = state.runtime.submit(model, inputs, request_id)
+        except PipelineError as exc:
+            if errors is None:
+                raise
+            raise errors(exc) from exc
+        async with handle:
+            yield handle
 
 
 def pipeline_error(exc: PipelineError, request_id: str | None = None) -> ApiError:
@@ -147,7 +151,7 @@ class ApiCall:
         inputs: dict[str, Any],
         *,
         request_id: str | None = None,
-        errors: Callable[[PipelineError], ApiError] = pipeline_error,
+        errors: Callable[[PipelineError], ApiError] = request_error,
     ) -> AsyncIterator[RequestHandle]:
         """`admitted` + `submitted`: a submit the runtime refuses is `errors(exc)`, an
         ApiError. A failure of the running request is the endpoint's to map: it may already be

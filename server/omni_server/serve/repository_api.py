@@ -23,12 +23,12 @@ import json
 from typing import Any, TypeVar
 
 from aiohttp import web
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from omni_server.pipeline import ControlError, ModelControl
 from omni_server.serve.errors import ApiError
 from omni_server.serve.state import STATE, ServerState
-from omni_server.serve.validation import RequestModel, parse
+from omni_server.serve.validation import RequestModel, api_error
 
 Body = TypeVar("Body", bound=RequestModel)
 
@@ -36,6 +36,8 @@ INDEX = "/v2/repository/index"
 LOAD = "/v2/repository/models/{model}/load"
 UNLOAD = "/v2/repository/models/{model}/unload"
 MAX_CONTROL_BODY_BYTES = 64 << 10  # a load's config overrides: a few lines of JSON
+# where the bodies' nested objects live in /openapi.json (`openapi_schemas()` supplies them)
+_REF = "#/components/schemas/{model}"
 
 
 class IndexBody(RequestModel):
@@ -138,6 +140,21 @@ def openapi_paths() -> dict[str, Any]:
     }
 
 
+def openapi_schemas() -> dict[str, Any]:
+    """The bodies' nested objects (`LoadParameters`, `UnloadParameters`), for the document's
+    `components.schemas`, where the bodies' `$ref`s point."""
+    schemas: dict[str, Any] = {}
+    for body in (IndexBody, LoadBody, UnloadBody):
+        schemas.update(body.model_json_schema(ref_template=_REF).get("$defs", {}))
+    return schemas
+
+
+def _body_schema(body: type[RequestModel]) -> dict[str, Any]:
+    schema = body.model_json_schema(ref_template=_REF)
+    schema.pop("$defs", None)  # in components.schemas (openapi_schemas)
+    return schema
+
+
 def _operation(
     summary: str, body: type[RequestModel], answer: dict[str, Any] | None, errors: dict[str, str]
 ) -> dict[str, Any]:
@@ -158,7 +175,7 @@ def _operation(
         "tags": ["model repository (Triton)"],
         "requestBody": {
             "required": False,
-            "content": {"application/json": {"schema": body.model_json_schema()}},
+            "content": {"application/json": {"schema": _body_schema(body)}},
         },
         "responses": responses,
     }
@@ -173,7 +190,10 @@ def _operation(
 
 
 async def _body(request: web.Request, model: type[Body]) -> Body:
-    """The optional JSON body (empty: every default)."""
+    """The optional JSON body (empty: every default). A JSON null is refused like any wrong
+    type where the field is not nullable (`repository_name: null` is no repository name), not
+    read as the field left out as `validation.parse` reads OpenAI's bodies: Triton's clients
+    leave a field out, and a null there is a caller's mistake worth a 400."""
     raw = await request.read()
     if not raw.strip():
         return model()
@@ -183,7 +203,10 @@ async def _body(request: web.Request, model: type[Body]) -> Body:
         raise ApiError(400, "the body is not JSON", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the body must be a JSON object, got {type(data).__name__}")
-    return parse(model, data)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise api_error(exc.errors(include_url=False)) from None
 
 
 def _control(state: ServerState) -> ModelControl:

@@ -24,7 +24,9 @@ Each complete sentence is one speech request of the model through the one reques
 (serve/pipeline_call.py: admission, submit, abort on leaving), spoken in order; the next
 sentence's request starts as soon as the previous one's audio has all been sent. Bounded:
 message size, buffered text, characters per session, time without a client message, the
-session's length, and each write to a client that does not read.
+session's length, each write to a client that does not read, and the sessions open at once
+(`--max-speech-stream-sessions`: one more is refused with 429 and `Retry-After` before the
+upgrade, as realtime refuses one).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ from omni_server.serve.stream_settings import (
     read_settings,
 )
 from omni_server.serve.timing_formats import chunk_timing, ws_alignment
+from omni_server.serve.validation import check_json_text
+from omni_server.serve.websocket import BoundedWebSocket
 
 log = logging.getLogger(__name__)
 
@@ -91,21 +95,34 @@ async def stream_input(request: web.Request) -> web.WebSocketResponse:
     assert settings is not None
     if not state.runtime.ready:
         raise ApiError(503, "the pipeline is not ready", code="unavailable")
-    ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES, heartbeat=30.0)
+    ws = BoundedWebSocket(max_msg_size=MAX_MESSAGE_BYTES, heartbeat=30.0)
     if not ws.can_prepare(request).ok:
         raise ApiError(
             400, f"{request.path} is a WebSocket: send an upgrade request", code="invalid_request"
         )
-    await ws.prepare(request)
+    # the place is taken before the upgrade: a client over the bound costs no socket held for
+    # a session (no await between the check and the add: two connects cannot both take the
+    # last place)
+    sessions = state.speech_streams
+    sessions.check_room(
+        state.options.max_speech_stream_sessions,
+        what="speech input streams",
+        flag="--max-speech-stream-sessions",
+    )
     session = SpeechStream(state, ws, settings, query, elevenlabs=elevenlabs)
+    sessions.add(session)
     try:
-        await asyncio.wait_for(session.run(), MAX_SESSION_S)
-    except TimeoutError:
-        await session.fail(
-            ApiError(408, f"the session ran past {MAX_SESSION_S:g} s", code="session_expired")
-        )
+        await ws.prepare(request)
+        try:
+            await asyncio.wait_for(session.run(), MAX_SESSION_S)
+        except TimeoutError:
+            await session.fail(
+                ApiError(408, f"the session ran past {MAX_SESSION_S:g} s", code="session_expired")
+            )
+        finally:
+            await session.close()
     finally:
-        await session.close()
+        sessions.discard(session)
     return ws
 
 
@@ -179,17 +196,20 @@ class SpeechStream:
             await self._refuse('the text has ended ({"text": ""} was sent)', "stream_ended")
             return
         first, self._first = self._first, False
+        settled = not first
         try:
             if first:
                 settings = read_settings(
                     self.state, self._query, message, default_format=self._default_format
                 )
                 assert settings is not None
-                self.settings = settings
+                self.settings, settled = settings, True
             else:
                 read_settings(self.state, {}, message, only=_SPEAKING)
+            # a lone surrogate is refused here (the message only), never reaches a stage
+            check_json_text(message)
         except ApiError as err:
-            if first:  # a session without valid settings cannot speak: it ends here
+            if not settled:  # a session without valid settings cannot speak: it ends here
                 await self.fail(err)
                 return
             await self._send_error(err)
@@ -293,7 +313,10 @@ class SpeechStream:
         # of a session's sentences, joined, are its text
         inputs = speech_payload(text if text[-1:].isspace() else text + " ", speech)
         try:
-            async with admitted(state, model), submitted(state, model, inputs) as handle:
+            async with (
+                admitted(state, model),
+                submitted(state, model, inputs, errors=request_error) as handle,
+            ):
                 try:
                     await self._relay(handle, bytes_per_s=2 * settings.output.rate)
                     await handle.result()

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from omni_server.compiler.plan import Plan
+from omni_server.serve.open_sessions import OpenSessions
 from omni_server.serve.options import ServeOptions
-from omni_server.serve.realtime_sessions import OpenSessions
 
 if TYPE_CHECKING:
     from omni_server.pipeline import ModelControl, Runtime
@@ -35,6 +35,8 @@ class ServerState:
     body_limits: dict[str, int] = field(default_factory=dict)
     # the realtime sessions open now (bounded by options.max_realtime_sessions)
     realtime_sessions: OpenSessions = field(default_factory=OpenSessions)
+    # the speech input streams open now (bounded by options.max_speech_stream_sessions)
+    speech_streams: OpenSessions = field(default_factory=OpenSessions)
 
     @property
     def plan(self) -> Plan:

@@ -37,6 +37,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails, PydanticCustomError, core_schema
 
+from omni_server.contracts import text_problem
 from omni_server.serve.errors import ApiError, invalid_field
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -159,20 +160,40 @@ Integer = Annotated[int, BeforeValidator(_exact_integer)]
 
 
 def _valid_unicode(value: str) -> str:
-    """JSON may carry a lone UTF-16 surrogate (\\ud800); no text codec or tokenizer can."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise PydanticCustomError(
-            "invalid_value",
-            "has an unpaired UTF-16 surrogate (U+{code}) at character {at}; send valid "
-            "Unicode text",
-            {"code": f"{ord(value[exc.start]):04X}", "at": exc.start},
-        ) from None
+    problem = text_problem(value)
+    if problem is not None:
+        raise PydanticCustomError("invalid_value", problem)
     return value
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+def check_json_text(value: Any, param: str = "") -> None:
+    """400 naming the place (`item.content[0].text`, as `param` is spelled) of the first string
+    in a JSON value, key or value, that no codec can carry (`contracts.text_problem`): the one
+    check of client text at every edge that parses JSON (HTTP bodies, the speech input
+    stream's messages, realtime events), so a lone surrogate never reaches a stage. A loop,
+    not recursion: JSON may nest as deep as the parser allowed."""
+    pending: list[tuple[str, Any]] = [(param, value)]
+    while pending:
+        place, item = pending.pop()
+        if isinstance(item, str):
+            problem = text_problem(item)
+            if problem is not None:
+                raise _bad_text(place, f"'{place}'" if place else "the body", problem)
+        elif isinstance(item, dict):
+            for key in item:
+                problem = text_problem(key)
+                if problem is not None:  # named by where it is: the key itself cannot be sent
+                    raise _bad_text(place, f"a key of '{place}'" if place else "a key", problem)
+            pending += reversed([(f"{place}.{k}" if place else k, v) for k, v in item.items()])
+        elif isinstance(item, list):
+            pending += reversed([(f"{place}[{i}]", inner) for i, inner in enumerate(item)])
+
+
+def _bad_text(place: str, what: str, problem: str) -> ApiError:
+    return ApiError(400, f"{what} {problem}", param=place or None, code="invalid_value")
 
 
 @dataclass(frozen=True)

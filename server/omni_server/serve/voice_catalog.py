@@ -14,17 +14,19 @@ is every speaking endpoint's one check of it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 from pydantic import Discriminator
 
 from omni_server.compiler.plan import ModelSpec, Plan
-from omni_server.contracts import VoiceReference
+from omni_server.contracts import ChatInput, SpeechOptions, VoiceReference
+from omni_server.errors import PipelineError
 from omni_server.serve.errors import invalid_field
 from omni_server.serve.validation import RequestModel, names, tag
-from omni_server.serve.voice_store import StoredVoice, VoiceStore
+from omni_server.serve.voice_store import StoredVoice, VoiceGone, VoiceStore
 
 SPEAKING_TASKS = frozenset({"speech", "chat", "realtime"})
 
@@ -96,6 +98,29 @@ class VoiceCatalog:
             language=voice.language,
         )
 
+    @contextlib.contextmanager
+    def held_for(self, inputs: Mapping[str, Any]) -> Iterator[None]:
+        """Keep the clip of the custom voice a request's inputs speak in (the speech contract's
+        `reference`, whole or inside the thinker's) on disk for the block: the request was
+        admitted in it, so it finishes even if the voice is deleted meanwhile. A voice
+        deleted since the request named it is PipelineError `invalid_request` (a 400,
+        `voice_not_found`): the request never starts."""
+        reference = voice_reference(inputs)
+        if reference is None or self.store is None:
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(self.store.held(reference.id))
+            except VoiceGone:
+                raise PipelineError(
+                    f"the custom voice '{reference.id}' was deleted; choose another voice",
+                    code="invalid_request",
+                    error_code="voice_not_found",
+                    param="voice",
+                ) from None
+            yield
+
     def names(self, model: ModelSpec) -> list[str]:
         """Every name a request may use for `model`: for error messages and session checks."""
         return [*model.voices, *model.voice_aliases, *(v.id for v in self.custom(model))]
@@ -117,6 +142,14 @@ class VoiceCatalog:
         ]
         entries += [custom_entry(v, model.id) for v in self.custom(model)]
         return entries
+
+
+def voice_reference(inputs: Mapping[str, Any]) -> VoiceReference | None:
+    """The custom voice's clip a request's inputs carry: a speech entry's `speech`, or the
+    thinker's `chat` with the voice's options (None: a declared voice, or no speech)."""
+    chat = inputs.get(ChatInput.KEY)
+    speech = chat.speech if isinstance(chat, ChatInput) else inputs.get(SpeechOptions.KEY)
+    return speech.reference if isinstance(speech, SpeechOptions) else None
 
 
 class VoiceId(RequestModel):

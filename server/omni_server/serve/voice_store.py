@@ -29,6 +29,7 @@ import stat
 import threading
 import time
 import wave
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -47,6 +48,10 @@ class DataDirError(ValueError):
 
 class StoreFull(Exception):
     """The store holds its limit of voices already."""
+
+
+class VoiceGone(Exception):
+    """The voice was deleted (or never stored): a request naming it cannot be admitted."""
 
 
 @dataclass(frozen=True)
@@ -102,8 +107,12 @@ class VoiceStore:
         self.root = prepare_dir(data_dir)
         self.voices_dir = prepare_dir(self.root / "voices")
         self._voices: dict[str, StoredVoice] = {}
-        self._lock = threading.Lock()  # add() runs on worker threads: the count check and the
-        # insertion are one step
+        # requests holding a voice's clip (`held`), and the voices deleted while held: their
+        # clip goes with the last hold. Invariant: _deleted <= _holds.keys()
+        self._holds: dict[str, int] = {}
+        self._deleted: set[str] = set()
+        self._lock = threading.Lock()  # add() and delete() run on worker threads: a check and
+        # the change it guards are one step
         self._load()
 
     def __len__(self) -> int:
@@ -177,14 +186,51 @@ class VoiceStore:
         return voice
 
     def delete(self, voice_id: str) -> bool:
+        """Remove a voice: no request may name it from here on. Its clip stays on disk while
+        requests admitted in it still run (`held`), and goes with the last of them."""
         with self._lock:
             if self._voices.pop(voice_id, None) is None:
                 return False
+            in_use = voice_id in self._holds
+            if in_use:
+                self._deleted.add(voice_id)
         with contextlib.suppress(FileNotFoundError):
             self._metadata_path(voice_id).unlink()  # first: the voice is gone from here on
+        if not in_use:
+            self._remove_clip(voice_id)
+        return True
+
+    @contextlib.contextmanager
+    def held(self, voice_id: str) -> Iterator[None]:
+        """Keep the voice's clip on disk for the block: a request admitted in the voice runs
+        to its end even if the voice is deleted meanwhile (docs/voices.md). Raises VoiceGone
+        when the voice is deleted already. Any thread; cheap (no I/O unless the block ends
+        the last hold of a deleted voice)."""
+        with self._lock:
+            if voice_id not in self._voices:
+                raise VoiceGone(voice_id)
+            self._holds[voice_id] = self._holds.get(voice_id, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self._holds.pop(voice_id) - 1
+                if left:
+                    self._holds[voice_id] = left
+                last_of_deleted = not left and voice_id in self._deleted
+                if last_of_deleted:
+                    self._deleted.discard(voice_id)
+            if last_of_deleted:
+                self._remove_clip(voice_id)
+
+    def holds(self, voice_id: str) -> int:
+        """How many requests hold the voice's clip now (for tests and operators)."""
+        with self._lock:
+            return self._holds.get(voice_id, 0)
+
+    def _remove_clip(self, voice_id: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.clip_path(voice_id).unlink()
-        return True
 
     def _metadata_path(self, voice_id: str) -> Path:
         return self.voices_dir / f"{voice_id}.json"

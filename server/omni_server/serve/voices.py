@@ -13,7 +13,8 @@ other model answers 400 `voice_cloning_unsupported`. Left out, `model` is the cl
 when all of the server's cloning models share one cloning stage, and `transcript` (what the
 clip says, which a cloning stage speaks from) is heard by the server's transcription model.
 The clip is bounded before it is decoded (bytes), while it is decoded (seconds: decoding stops
-at the limit) and after (sample rate, shortest length, not silent); it is stored mono PCM16 at
+at the limit) and after (whole: not cut short, checked as transcription checks an upload;
+sample rate, shortest length, not silent); it is stored mono PCM16 at
 its own rate (serve/voice_store.py) and usable at once in speech, chat audio and realtime under
 its id (`voice_<hex>`). Answers are OpenAI's objects (`audio.voice`, `audio.voice.deleted`),
 the created one with this server's listing fields added.
@@ -30,7 +31,7 @@ from aiohttp import web
 from pydantic import AfterValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
-from omni_server.audio.decode import TooLong, decode
+from omni_server.audio.decode import TooLong, Truncated, decode
 from omni_server.compiler.plan import ModelSpec
 from omni_server.contracts import AsrOptions
 from omni_server.pipeline import PipelineError
@@ -81,9 +82,13 @@ def _sample_type(value: str) -> str:
 
 
 class VoiceForm(RequestModel):
-    """The multipart form of `POST /v1/audio/voices`: OpenAI's parts, then this server's."""
+    """The multipart form of `POST /v1/audio/voices`: OpenAI's parts, then this server's.
+    Required: `name`, and the clip under one of its two names (the schema's `anyOf`, so the
+    OpenAPI document says so; `create_voice` refuses a form without it by the first name)."""
 
-    model_config = ConfigDict(strict=False)
+    model_config = ConfigDict(
+        strict=False, json_schema_extra={"anyOf": [{"required": [part]} for part in CLIP_PARTS]}
+    )
 
     audio_sample: bytes | None = Field(
         None,
@@ -272,11 +277,14 @@ async def _heard(state: ServerState, clip: bytes, part: str) -> str:
 def _checked_clip(file: bytes, part: str) -> tuple[np.ndarray, int]:
     """The clip decoded and checked (see the module docstring); 400 naming its `part` if not."""
     try:
-        samples, rate = decode(file, max_seconds=MAX_CLIP_SECONDS)
+        # whole: a clip cut short is refused as transcription refuses it (containers.cut_short)
+        samples, rate = decode(file, max_seconds=MAX_CLIP_SECONDS, whole=True)
     except TooLong:
         raise _bad_clip(
             part, f"the clip is longer than {MAX_CLIP_SECONDS:g} s", "audio_too_long"
         ) from None
+    except Truncated as cut:
+        raise _bad_clip(part, f"the clip is no whole file: {cut}", "invalid_audio") from None
     except ValueError:
         raise _bad_clip(
             part, "the file is no audio this server can decode", "invalid_audio"

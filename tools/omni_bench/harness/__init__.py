@@ -7,4 +7,5 @@ it measures:
     timing   closed-loop load, percentiles (one definition for every table), the machine
     tables   markdown table lines: a header, rows (printed as they come, or joined)
     plots    figures against concurrency, written as PNG
+    gpu      the GPU's memory in use (nvidia-smi): now, and a run's peak
 """

@@ -47,6 +47,7 @@ class ChildServer:
         *,
         ready_timeout_s: float = 180.0,
         cwd: Path | None = None,
+        log: Path | None = None,
     ) -> None:
         self.name = name
         self.port = free_port()
@@ -55,8 +56,9 @@ class ChildServer:
         self._ready_path = ready_path
         self._ready_timeout_s = ready_timeout_s
         self._cwd = cwd
-        # The child's log; it must outlive start(), so no `with`: stop() closes it.
-        self._log = tempfile.TemporaryFile()  # noqa: SIM115
+        # The child's log (stdout and stderr): at `log`, kept after the run, or a nameless
+        # temporary file. It must outlive start(), so no `with`: stop() closes it.
+        self._log = tempfile.TemporaryFile() if log is None else log.open("w+b")  # noqa: SIM115
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -185,15 +187,24 @@ class ServerLeftovers(RuntimeError):
 
 
 class OmniServer(ChildServer):
-    """`python -m omni_server --repo REPO --port PORT [args]`, ready on /health/ready."""
+    """`python -m omni_server --repo REPO --port PORT [args]`, ready on /health/ready; its log
+    kept at `log` when given."""
 
-    def __init__(self, repo: Path, args: Sequence[str] = (), *, ready_timeout_s: float = 180.0):
+    def __init__(
+        self,
+        repo: Path,
+        args: Sequence[str] = (),
+        *,
+        ready_timeout_s: float = 180.0,
+        log: Path | None = None,
+    ):
         command = [sys.executable, "-m", "omni_server", "--repo", str(repo)]
         super().__init__(
             "omni-server",
             lambda port: [*command, "--port", str(port), *args],
             "/health/ready",
             ready_timeout_s=ready_timeout_s,
+            log=log,
         )
         self.stages: dict[int, StageProcess] = {}  # pid -> every stage process seen
         self.left = Leftovers()

@@ -190,12 +190,20 @@ class ResponseRun:
         speech = None
         if self.audio:
             # the voice resamples once, to the session's rate (24 kHz PCM16, 8 kHz G.711)
-            # a custom voice's clip is read now: a voice deleted since session.update fails
-            # this response in its stage, not the session
+            # a custom voice is looked up now: one deleted since session.update fails this
+            # response (a 400-class error event), not the session
             choice = self.state.voices.resolve(self.model, config.voice)
+            if choice is None:  # session.update checked it: a custom voice deleted since
+                raise PipelineError(
+                    f"the session's voice '{config.voice[:80]}' was deleted; choose another "
+                    "with session.update",
+                    code="invalid_request",
+                    error_code="voice_not_found",
+                    param="session.audio.output.voice",
+                )
             speech = SpeechOptions(
-                config.voice,
-                reference=choice.reference if choice is not None else None,
+                choice.name,
+                reference=choice.reference,
                 response_format="pcm",
                 stream=True,
                 speed=config.speed,

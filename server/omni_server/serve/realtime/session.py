@@ -32,6 +32,7 @@ from aiohttp import WSMsgType, web
 from omni_server.audio.vad import SpeechStarted, Utterance
 from omni_server.compiler.plan import ModelSpec, Plan
 from omni_server.serve.errors import ApiError
+from omni_server.serve.models import loading_models, model_loading
 from omni_server.serve.realtime.config import SessionConfig, check_no_tools
 from omni_server.serve.realtime.conversation import Conversation, Item, item_from_client
 from omni_server.serve.realtime.events import ServerEvents
@@ -39,8 +40,9 @@ from omni_server.serve.realtime.input_audio import VAD_RATE, InputAudio, clip_se
 from omni_server.serve.realtime.protocol import MAX_EVENT_BYTES, ProtocolError
 from omni_server.serve.realtime.response_run import ResponseRun
 from omni_server.serve.realtime.transcripts import transcribe
-from omni_server.serve.realtime_sessions import RETRY_AFTER_S
 from omni_server.serve.state import STATE, ServerState
+from omni_server.serve.validation import check_json_text
+from omni_server.serve.websocket import BoundedWebSocket
 
 # Events (or their audio) longer than this are parsed and decoded on a worker thread: about
 # 1.3 s of PCM16 at 24 kHz in base64, a few milliseconds of the loop's time.
@@ -57,21 +59,15 @@ async def realtime(request: web.Request) -> web.WebSocketResponse:
     if not state.runtime.ready:
         raise ApiError(503, "the pipeline is not ready", code="unavailable")
     # "realtime": browsers offer it beside the key subprotocol, and need one echoed back
-    ws = web.WebSocketResponse(
-        max_msg_size=MAX_EVENT_BYTES, heartbeat=30.0, protocols=("realtime",)
-    )
+    ws = BoundedWebSocket(max_msg_size=MAX_EVENT_BYTES, heartbeat=30.0, protocols=("realtime",))
     # the place is taken before the upgrade: a client over the bound costs no session (no
     # await between the check and the add, so two connects cannot both take the last place)
-    limit, sessions = state.options.max_realtime_sessions, state.realtime_sessions
-    if len(sessions) >= limit:
-        raise ApiError(
-            429,
-            f"{limit} realtime sessions are open, the most this server holds at once "
-            f"(--max-realtime-sessions); retry after {RETRY_AFTER_S} s",
-            code="rate_limit_exceeded",
-            type="requests",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        )
+    sessions = state.realtime_sessions
+    sessions.check_room(
+        state.options.max_realtime_sessions,
+        what="realtime sessions",
+        flag="--max-realtime-sessions",
+    )
     beta = request.headers.get("OpenAI-Beta", "").startswith("realtime")
     session = Session(state, model, ws, beta=beta)
     sessions.add(session)
@@ -86,9 +82,22 @@ async def realtime(request: web.Request) -> web.WebSocketResponse:
     return ws
 
 
+def _parsed(data: str) -> Any:
+    """A client event as JSON, every string in it text a codec can carry: a lone surrogate in
+    an item, the instructions or any session field is refused with the event (ApiError 400,
+    naming its place), as HTTP refuses it, never failing a response later in a stage."""
+    event = json.loads(data)
+    check_json_text(event)
+    return event
+
+
 def _realtime_model(plan: Plan, name: str | None) -> ModelSpec:
     models = [m for m in plan.models.values() if "realtime" in m.tasks]
+    if not models and name is None:  # the default model may be one being loaded
+        name = next((m.id for m in loading_models(plan) if "realtime" in m.tasks), None)
     if not models:
+        if name is not None and (loading := model_loading(plan, name)) is not None:
+            raise loading
         raise ApiError(
             404, "no model of this repository serves the realtime task", code="not_found"
         )
@@ -97,6 +106,8 @@ def _realtime_model(plan: Plan, name: str | None) -> ModelSpec:
     for model in models:
         if name == model.id or name in model.aliases:
             return model
+    if (loading := model_loading(plan, name)) is not None:
+        raise loading
     raise ApiError(
         404,
         f"no realtime model {name!r}; realtime models: {', '.join(m.id for m in models)}",
@@ -173,14 +184,17 @@ class Session:
             # a big event (up to 16 MiB) is parsed off the event loop: other sessions and
             # HTTP requests go on meanwhile; this session's events stay in order (one at a time)
             event = (
-                await asyncio.to_thread(json.loads, data)
+                await asyncio.to_thread(_parsed, data)
                 if len(data) > OFF_LOOP_CHARS
-                else (json.loads(data))
+                else _parsed(data)
             )
         except (json.JSONDecodeError, RecursionError):
             await self.events.send(
                 ProtocolError("the event is not valid JSON", code="invalid_json").event()
             )
+            return
+        except ApiError as err:  # text no codec can carry (a lone surrogate): refused whole
+            await self.events.send(ProtocolError(err.message, param=err.param).event())
             return
         event_id = event.get("event_id") if isinstance(event, dict) else None
         kind = event.get("type") if isinstance(event, dict) else None
