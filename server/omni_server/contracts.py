@@ -13,85 +13,34 @@ its default and checked in one place, this module.
     "chat"        ChatInput         chat, realtime                the thinker
     "options"     AsrOptions        transcription, chat (audio    the recognizer (asr_whisper),
                                     in), realtime                 beside "file"
+    "timing"      SpeechTiming      a voice's acoustic stage      its encoder (passed on with
+                                    (Piper: its durations) or a   the bytes), then the server's
+                                    forced-alignment stage        transports (alignment, words)
 
 Across processes a contract is pickled as its constructor call (`__reduce__`): decoding runs
 `__post_init__` again, so what a stage reads from shared memory is checked as the server's
 value was (docs/transport.md, "Nothing read from shared memory is trusted").
 
-A leaf module: it imports the plan's `SamplingSpec` and the audio formats, nothing of serve/,
-pipeline/ or stage/ (tests/test_imports.py).
+A leaf module: it imports the plan's `SamplingSpec`, the audio formats and its base
+(`contract_base`: `Contract` and the checks its fields share), nothing of serve/, pipeline/ or
+stage/ (tests/test_imports.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar, cast
+from typing import Any, ClassVar
 
 from omni_server.audio.encode import FORMATS, check_sample_rate
 from omni_server.compiler.plan import NO_SAMPLING, SamplingSpec
+from omni_server.contract_base import Contract, _check_text, _integer, _number
 
 MIN_SPEED, MAX_SPEED = 0.25, 4.0
 MAX_SEED = 2**63 - 1
 MAX_SPEECH_TEMPERATURE = 2.0
 ROLES = ("system", "user", "assistant")
-
-C = TypeVar("C", bound="Contract")
-
-
-class Contract:
-    """The base of every contract: a frozen dataclass whose `__post_init__` checks it."""
-
-    KEY: ClassVar[str]  # where a payload holds it
-    # True: it crosses between stages only (a stream_to edge); a terminal stage's chunks reach
-    # the caller without it (stage/node.py), as Qwen3-Omni's thinker -> talker contracts
-    STAGES_ONLY: ClassVar[bool] = False
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        # pickled as a constructor call, never as a bare __dict__: decoding re-checks
-        values = tuple(getattr(self, name) for name in _names(self))
-        return (type(self), values)
-
-    @classmethod
-    def of(cls: type[C], payload: Mapping[str, Any]) -> C:
-        """The contract a payload holds under `KEY`; TypeError naming the key otherwise (a
-        stage wired to the wrong upstream, or a payload built by hand)."""
-        value = payload.get(cls.KEY)
-        if not isinstance(value, cls):
-            raise TypeError(
-                f"payload[{cls.KEY!r}] must be an omni_server.contracts.{cls.__name__}; "
-                f"found {type(value).__name__}"
-            )
-        return value
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain values (JSON's types): for logs, tests and the docs."""
-        return _plain(self)
-
-
-def _names(contract: Contract) -> list[str]:
-    """A contract's field names, in declaration order (every contract is a dataclass)."""
-    return [f.name for f in dataclasses.fields(cast(Any, contract))]
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Contract):
-        if type(value).to_dict is not Contract.to_dict:  # its own plain form (no raw bytes)
-            return value.to_dict()
-        return {name: _plain(getattr(value, name)) for name in _names(value)}
-    if isinstance(value, tuple | list):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _integer(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check_seed(seed: Any) -> None:
@@ -114,13 +63,6 @@ def text_problem(text: str) -> str | None:
             f"{exc.start}; send valid Unicode text"
         )
     return None
-
-
-def _check_text(name: str, value: Any, *, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not isinstance(value, str):
-        raise ValueError(f"{name} must be a string; got {type(value).__name__}")
 
 
 # -- speech ------------------------------------------------------------------------------------
@@ -203,6 +145,133 @@ class SpeechOptions(Contract):
             raise ValueError(
                 f"temperature must lie in 0..{MAX_SPEECH_TEMPERATURE:g}; got {self.temperature!r}"
             )
+
+
+# -- speech timing (which word is playing) ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WordTiming(Contract):
+    """One spoken word: its text, when it plays, and where it lies in its SpeechTiming's
+    `characters` ([char_start, char_end), so `timing.text[char_start:char_end] == text`)."""
+
+    KEY: ClassVar[str] = "word"
+
+    text: str
+    start_s: float
+    end_s: float
+    char_start: int
+    char_end: int
+
+    def __post_init__(self) -> None:
+        _check_text("word.text", self.text)
+        if not (_number(self.start_s) and _number(self.end_s) and 0 <= self.start_s <= self.end_s):
+            raise ValueError(
+                f"word {self.text!r}: 0 <= start_s <= end_s; got {self.start_s!r}, {self.end_s!r}"
+            )
+        if not (
+            _integer(self.char_start) and _integer(self.char_end) and self.char_start >= 0
+        ) or self.char_end - self.char_start != len(self.text):
+            raise ValueError(
+                f"word {self.text!r}: [char_start, char_end) must span its text; "
+                f"got [{self.char_start!r}, {self.char_end!r})"
+            )
+
+
+@dataclass(frozen=True)
+class SpeechTiming(Contract):
+    """When each character and word of spoken text plays; rides under "timing" with the audio
+    chunk that speaks it (sent by a voice's acoustic stage, or a forced-alignment stage).
+
+    The character arrays are ElevenLabs' `alignment`: the text the voice spoke (normalized),
+    the spaces and punctuation between words included (they share the pause around them).
+    `words`: the spoken words in order, spans of `characters`. Times are seconds from the
+    first sample of the request's audio, through `speed` (resampling moves none): a chunk's
+    timing need not start at 0 (`shifted` moves it). A chunk carries the words whose audio
+    starts in it."""
+
+    KEY: ClassVar[str] = "timing"
+
+    characters: tuple[str, ...]
+    character_start_times_seconds: tuple[float, ...]
+    character_end_times_seconds: tuple[float, ...]
+    words: tuple[WordTiming, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.characters)
+        if not all(isinstance(c, str) and len(c) == 1 for c in self.characters):
+            raise ValueError("characters must be a tuple of single characters")
+        starts, ends = self.character_start_times_seconds, self.character_end_times_seconds
+        if not (isinstance(starts, tuple) and isinstance(ends, tuple)) or not (
+            len(starts) == len(ends) == n
+        ):
+            raise ValueError(
+                f"character start and end times must be tuples of {n} numbers (one per character)"
+            )
+        for i, (start, end) in enumerate(zip(starts, ends, strict=True)):
+            if not (_number(start) and _number(end) and 0 <= start <= end):
+                raise ValueError(f"characters[{i}]: 0 <= start <= end; got {start!r}, {end!r}")
+        text = self.text
+        last = 0
+        for i, word in enumerate(self.words):
+            if not isinstance(word, WordTiming):
+                raise ValueError(f"words[{i}] must be a WordTiming; got {type(word).__name__}")
+            if word.char_start < last or text[word.char_start : word.char_end] != word.text:
+                raise ValueError(
+                    f"words[{i}] {word.text!r} must be the characters [{word.char_start}, "
+                    f"{word.char_end}) of the timing's text, after the word before it"
+                )
+            last = word.char_end
+
+    @property
+    def text(self) -> str:
+        return "".join(self.characters)
+
+    @property
+    def start_s(self) -> float:
+        """When its first character starts (0.0 when it has none)."""
+        return self.character_start_times_seconds[0] if self.characters else 0.0
+
+    def shifted(self, seconds: float) -> SpeechTiming:
+        """The same timing `seconds` later (negative: earlier; never before 0)."""
+
+        def move(t: float) -> float:
+            return max(0.0, t + seconds)
+
+        return SpeechTiming(
+            characters=self.characters,
+            character_start_times_seconds=tuple(map(move, self.character_start_times_seconds)),
+            character_end_times_seconds=tuple(map(move, self.character_end_times_seconds)),
+            words=tuple(
+                dataclasses.replace(w, start_s=move(w.start_s), end_s=move(w.end_s))
+                for w in self.words
+            ),
+        )
+
+    @classmethod
+    def joined(cls, timings: Sequence[SpeechTiming]) -> SpeechTiming:
+        """One timing for consecutive chunks' timings (a whole response's): the characters in
+        order, each word's span re-indexed into them."""
+        words: list[WordTiming] = []
+        offset = 0
+        for timing in timings:
+            words.extend(
+                dataclasses.replace(
+                    w, char_start=w.char_start + offset, char_end=w.char_end + offset
+                )
+                for w in timing.words
+            )
+            offset += len(timing.characters)
+        return cls(
+            characters=tuple(c for t in timings for c in t.characters),
+            character_start_times_seconds=tuple(
+                s for t in timings for s in t.character_start_times_seconds
+            ),
+            character_end_times_seconds=tuple(
+                e for t in timings for e in t.character_end_times_seconds
+            ),
+            words=tuple(words),
+        )
 
 
 # -- chat (the thinker) ------------------------------------------------------------------------

@@ -60,6 +60,25 @@ def test_stream_writes_the_same_pcm_as_a_whole_request(server_url: str) -> None:
     assert result.stdout == whole
 
 
+def test_words_are_printed_as_they_play(server_url: str, tmp_path: Path) -> None:
+    """`--words`: each word at its start (seconds from the first audio), paced as it plays;
+    the audio to -o as WAV, or, with --stream, PCM to stdout and the words to stderr."""
+    text = "Hello there, my good friend."
+    out = tmp_path / "hello.wav"
+    result = omni_client(
+        "speak", "--words", text, "-o", str(out), "--seed", "2", "--url", server_url
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.decode().splitlines()
+    assert [line.split()[1] for line in lines] == ["Hello", "there", "my", "good", "friend"]
+    starts = [float(line.split()[0]) for line in lines]
+    assert starts == sorted(starts) and starts[-1] < decode(out.read_bytes()).seconds
+    streamed = omni_client("speak", "--words", "--stream", text, "--seed", "2", "--url", server_url)
+    assert streamed.returncode == 0, streamed.stderr
+    assert streamed.stderr.decode().splitlines() == lines
+    assert len(streamed.stdout) > 24000  # PCM16 at 24 kHz: over half a second
+
+
 def test_text_from_stdin_to_stdout(server_url: str) -> None:
     result = omni_client(
         "speak", "-", "--format", "wav", "--url", server_url, stdin=b"Read from standard input."

@@ -17,7 +17,9 @@ from omni_server.contracts import (
     Message,
     Sampling,
     SpeechOptions,
+    SpeechTiming,
     VoiceReference,
+    WordTiming,
     seed_of,
     speech_payload,
     with_seed,
@@ -137,3 +139,56 @@ def test_the_docs_example_runs():
     section = doc.split("## What the server hands a pipeline: typed contracts", 1)[1]
     example = section.split("```python\n", 1)[1].split("```", 1)[0]
     exec(compile(example, "docs/backends.md", "exec"), {})
+
+
+def _hello_timing() -> SpeechTiming:
+    # "hi you": "hi" plays 0.10..0.30 s, the space takes the gap, "you" 0.35..0.60 s
+    return SpeechTiming(
+        characters=tuple("hi you"),
+        character_start_times_seconds=(0.1, 0.2, 0.3, 0.35, 0.43, 0.52),
+        character_end_times_seconds=(0.2, 0.3, 0.35, 0.43, 0.52, 0.6),
+        words=(WordTiming("hi", 0.1, 0.3, 0, 2), WordTiming("you", 0.35, 0.6, 3, 6)),
+    )
+
+
+def test_speech_timing_crosses_processes_and_is_checked_again():
+    timing = _hello_timing()
+    header, buffers = encode({SpeechTiming.KEY: timing})
+    assert SpeechTiming.of(decode(header, buffers)) == timing
+    with pytest.raises(ValueError, match="words\\[0\\] 'ho' must be the characters"):
+        replace(timing, words=(WordTiming("ho", 0.1, 0.3, 0, 2),))  # not the text's span
+    forged = _hello_timing()
+    object.__setattr__(forged, "characters", tuple("ho you"))  # bypasses the check, as bytes may
+    with pytest.raises(ValueError, match="words\\[0\\] 'hi' must be the characters"):
+        pickle.loads(pickle.dumps(forged))
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: WordTiming("hi", 0.3, 0.1, 0, 2), "0 <= start_s <= end_s"),
+        (lambda: WordTiming("hi", 0.1, 0.3, 0, 3), "must span its text"),
+        (lambda: SpeechTiming(("a",), (0.0,), ()), "tuples of 1 numbers"),
+        (lambda: SpeechTiming(("ab",), (0.0,), (0.1,)), "single characters"),
+        (lambda: SpeechTiming(("a",), (0.2,), (0.1,)), "0 <= start <= end"),
+    ],
+)
+def test_timing_contracts_refuse_bad_fields(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_speech_timings_shift_and_join_with_words_reindexed():
+    first = _hello_timing()
+    second = first.shifted(1.0)
+    assert second.words[1].start_s == pytest.approx(1.35)
+    assert first.shifted(-0.2).start_s == 0.0  # never before the audio
+    both = SpeechTiming.joined([first, second])
+    assert both.text == "hi youhi you"
+    assert [(w.text, w.char_start) for w in both.words] == [
+        ("hi", 0),
+        ("you", 3),
+        ("hi", 6),
+        ("you", 9),
+    ]
+    assert both.character_start_times_seconds[6] == pytest.approx(1.1)

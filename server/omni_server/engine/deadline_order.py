@@ -163,9 +163,7 @@ def _absorbable(batcher: BatcherView, order: list[Sequence], now: float, margin_
     """The prefill cost units the step may hold before the tightest started stream's listener
     runs out (prefill_budget.py), its decodes counted as the first max_batch_size requests in
     `order` that decode (at most what the step will hold); inf-like: no stream has started."""
-    decoding = [
-        s for s in order if s.status is Status.RUNNING and s.decodes_next
-    ]
+    decoding = [s for s in order if s.status is Status.RUNNING and s.decodes_next]
     decode_units = sum(
         batcher.cost.decode(s.num_computed) for s in decoding[: batcher.config.max_batch_size]
     )

@@ -173,6 +173,7 @@ def _speech(plan: Plan, max_chars: int) -> Schema:
     audio = {"schema": {"type": "string", "contentEncoding": "binary"}}
     content = {t: audio for t in ("audio/mpeg", "audio/ogg", "audio/aac", "audio/flac")}
     content |= {"audio/wav": audio, "audio/pcm": audio, "text/event-stream": {"schema": _TEXT}}
+    content["application/json"] = {"schema": {"type": "object"}}  # `timestamps`, no stream
     return _post("text to speech", "application/json", body, content)
 
 
