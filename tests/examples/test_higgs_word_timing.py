@@ -65,10 +65,10 @@ async def spoken(repo: Path, checkpoint: Path) -> tuple[list[dict[str, Any]], An
 
     plan = compile_repository(repo, ["--parameters.checkpoint", str(checkpoint)])
     options = SpeechOptions("higgs", response_format="pcm", temperature=1.0, seed=3)
-    async with running(plan) as runtime:
-        async with runtime.submit(plan.models[MODEL], speech_payload(TEXT, options)) as handle:
-            chunks = [chunk async for chunk in handle]
-            result = await handle.result()
+    payload = speech_payload(TEXT, options)
+    async with running(plan) as runtime, runtime.submit(plan.models[MODEL], payload) as handle:
+        chunks = [chunk async for chunk in handle]
+        result = await handle.result()
     return chunks, result
 
 
