@@ -17,6 +17,8 @@ import importlib.metadata
 import json
 import os
 import sys
+import time
+import wave
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--stream",
         action="store_true",
         help="write raw s16le mono PCM to stdout as it is synthesized",
+    )
+    speak.add_argument(
+        "--words",
+        action="store_true",
+        help="print each word as it plays (its start in seconds, then the word; to stderr "
+        "with --stream); with -o FILE the audio goes there as WAV",
     )
     speak.add_argument("--file", type=Path, help="batch: one clip per non-blank line of FILE")
     speak.add_argument("--out-dir", type=Path, help="batch: folder for the clips (NNNN.FORMAT)")
@@ -275,6 +283,8 @@ def run_speak(args: argparse.Namespace) -> int:
         return _speak_batch(args, options)
     text = sys.stdin.read() if args.text == "-" else args.text
     with _client(args) as client:
+        if args.words:
+            return _speak_words(client.stream_words(text, **options), args)
         if args.stream:
             return _write_stream(client.stream_pcm(text, **options))
         to_stdout = args.output in (None, "-")
@@ -409,6 +419,8 @@ def _check_speak_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
         parser.error("--out-dir is for batches (--file)")
     if args.stream and (args.output is not None or args.format not in (None, "pcm")):
         parser.error("--stream always writes raw PCM to stdout; drop -o / --format")
+    if args.words and (args.file is not None or args.format not in (None, "wav")):
+        parser.error("--words speaks one TEXT as PCM (-o FILE: WAV); drop --file / --format")
 
 
 def _speech_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -510,6 +522,36 @@ def _connection(args: argparse.Namespace) -> dict[str, Any]:
 
 def _client(args: argparse.Namespace) -> OmniClient:
     return OmniClient(**_connection(args))
+
+
+def _speak_words(events: Any, args: argparse.Namespace) -> int:
+    """Each word printed when it plays: at its start, counted from the first audio's arrival
+    (as a player that starts then hears it); the audio to stdout (--stream) or -o FILE."""
+    shown = sys.stderr if args.stream else sys.stdout
+    pcm = bytearray()
+    started: float | None = None
+    for event in events:
+        if isinstance(event, bytes):
+            started = time.monotonic() if started is None else started
+            if args.stream:
+                sys.stdout.buffer.write(event)
+                sys.stdout.buffer.flush()
+            else:
+                pcm += event
+            continue
+        wait = event["start"] - (time.monotonic() - (started or time.monotonic()))
+        if wait > 0:
+            time.sleep(wait)
+        shown.write(f"{event['start']:7.2f}  {event['word']}\n")
+        shown.flush()
+    if args.output not in (None, "-"):
+        rate = args.sample_rate or protocol.PCM_SAMPLE_RATE
+        with wave.open(args.output, "wb") as out:
+            out.setnchannels(1)
+            out.setsampwidth(2)
+            out.setframerate(rate)
+            out.writeframes(bytes(pcm))
+    return 0
 
 
 def _write_stream(chunks: Any) -> int:

@@ -115,9 +115,12 @@ def speech_request(
     instructions: str | None,
     sample_rate: int | None,
     stream: bool,
+    timestamps: bool = False,
 ) -> Request:
     """`POST /v1/audio/speech`. Values are checked by the server, not here, so that every
-    client gets the same error messages; options left at None are not sent."""
+    client gets the same error messages; options left at None are not sent. `timestamps`
+    with `stream`: server-sent events, the audio's deltas and a `speech.audio.word` event per
+    word (the server's extension)."""
     body: dict[str, Any] = {
         "model": model,
         "input": text,
@@ -134,11 +137,18 @@ def speech_request(
         body["sample_rate"] = sample_rate
     # Said explicitly either way (OpenAI streams by default): a stream of raw body bytes as they
     # are synthesized, or one whole body with a Content-Length, whose failure is a proper 5xx.
+    if timestamps:
+        body["timestamps"] = True
     if stream:
-        body["stream_format"] = "audio"
+        body["stream_format"] = "sse" if timestamps else "audio"
     else:
         body["stream"] = False
     return Request("POST", "/v1/audio/speech", body)
+
+
+WORD_EVENT = "speech.audio.word"  # the server's extension: {"word", "start", "end"} (seconds)
+AUDIO_DELTA = "speech.audio.delta"
+AUDIO_DONE = "speech.audio.done"
 
 
 AudioFile = str | os.PathLike[str] | bytes | IO[bytes]

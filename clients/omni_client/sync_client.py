@@ -6,6 +6,7 @@ requests are built and answers decoded by `protocol`, errors translated by `erro
 
 from __future__ import annotations
 
+import base64
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -123,6 +124,52 @@ class OmniClient:
             for data in response.iter_bytes():  # no chunk_size: each read as it came
                 if chunk := aligner.feed(data):
                     yield chunk
+        aligner.finish()
+
+    def stream_words(
+        self,
+        text: str,
+        *,
+        model: str = protocol.DEFAULT_MODEL,
+        voice: str = protocol.DEFAULT_VOICE,
+        speed: float | None = None,
+        seed: int | None = None,
+        instructions: str | None = None,
+        sample_rate: int | None = None,
+    ) -> Iterator[bytes | dict[str, Any]]:
+        """Raw s16le mono PCM chunks (bytes, as `stream_pcm`) and, after the chunk that speaks
+        them, the words: `{"word", "start", "end"}`, seconds from the audio's start (the
+        server's `timestamps` extension; a voice that times nothing sends none). A stream cut
+        before its done event raises (`OmniError`)."""
+        request = protocol.speech_request(
+            text,
+            model=model,
+            voice=voice,
+            format="pcm",
+            speed=speed,
+            seed=seed,
+            instructions=instructions,
+            sample_rate=sample_rate,
+            stream=True,
+            timestamps=True,
+        )
+        aligner = protocol.SampleAligner()
+        with self._send(request) as response:
+            url = str(response.request.url)
+            events = protocol.SseEvents(url)
+            done = False
+            for data in response.iter_bytes():
+                for event in events.feed(data):
+                    if event["type"] == protocol.AUDIO_DELTA:
+                        if chunk := aligner.feed(base64.b64decode(event["audio"])):
+                            yield chunk
+                    elif event["type"] == protocol.WORD_EVENT:
+                        yield {k: event[k] for k in ("word", "start", "end")}
+                    elif event["type"] == protocol.AUDIO_DONE:
+                        done = True
+            events.finish()
+            if not done:
+                raise errors.OmniError(f"{url}: the stream ended before {protocol.AUDIO_DONE}")
         aligner.finish()
 
     # -- transcription -------------------------------------------------------------------------

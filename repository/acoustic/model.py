@@ -51,8 +51,9 @@ import onnx.utils
 import onnxruntime as ort
 
 from omni_server.audio.resources import package_file
+from omni_server.audio.word_timing import frames_to_spans, speech_timing, split_timing
 from omni_server.backend import Payload, Request, StageBackend, StageConfigError, StageContext
-from omni_server.contracts import SpeechOptions
+from omni_server.contracts import SpeechOptions, SpeechTiming
 
 log = logging.getLogger(__name__)
 
@@ -177,11 +178,19 @@ class SeededVits:
     ) -> np.ndarray:
         """Run the graph on `feeds` (its declared inputs); returns the first graph output.
         `speed` scales the durations (a graph without its one Ceil: only its feeds do)."""
+        return self.timed(feeds, rng, speed)[0]
+
+    def timed(
+        self, feeds: dict[str, np.ndarray], rng: np.random.Generator, speed: float = 1.0
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """`__call__`'s output and the frames of each phoneme id ([ids] float, at `speed`;
+        None for a graph without its one Ceil)."""
         if not self.splittable:
             env = self._run(self.segments, dict(feeds), rng, speed)
-            return env[self.output_names[0]]
+            out = self.duration_output
+            return env[self.output_names[0]], None if out is None else env[out].reshape(-1)
         latents = self.latents(feeds, rng, speed)
-        return self.decode(latents, 0, latents.frames)
+        return self.decode(latents, 0, latents.frames), latents.durations
 
     def latents(
         self, feeds: dict[str, np.ndarray], rng: np.random.Generator, speed: float = 1.0
@@ -311,11 +320,19 @@ class PiperVoice:
         """One sentence: phoneme ids [n] -> float32 mono audio [samples] at sample_rate, peak 1.
 
         `wide`: on the session with more threads (the same audio, bit for bit)."""
+        return self.synthesize_timed(phoneme_ids, speed=speed, rng=rng, wide=wide)[0]
+
+    def synthesize_timed(
+        self, phoneme_ids: np.ndarray, *, speed: float, rng: np.random.Generator, wide: bool = False
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """`synthesize`'s audio and the frames of each phoneme id ([ids], None when the graph
+        gives none)."""
         model = self.graph(wide)
-        audio = model(self._feeds(phoneme_ids, speed), rng, speed).reshape(-1)  # [samples]
+        audio, durations = model.timed(self._feeds(phoneme_ids, speed), rng, speed)
+        audio = audio.reshape(-1)  # [samples]
         # Piper's default (normalize_audio): each sentence peaks at full scale.
         peak = float(np.max(np.abs(audio))) if audio.size else 0.0
-        return _scaled(audio, 1.0 / peak if peak >= 1e-8 else 0.0)
+        return _scaled(audio, 1.0 / peak if peak >= 1e-8 else 0.0), durations
 
     def cut(
         self,
@@ -419,6 +436,24 @@ class CutSentence:
         steps = min(int(GAIN_RAMP_S * self.voice.sample_rate), len(rest))
         gains[:steps] = np.linspace(self.gain, 1.0 / peak, steps, dtype=np.float32)
         return _scaled(rest, gains)
+
+
+def timing(
+    sentence: Payload, durations: np.ndarray | None, samples: int, rate: int, start_s: float
+) -> SpeechTiming | None:
+    """When each word of a sentence plays: its phoneme ids' frames (VITS's durations at the
+    request's speed, the frames the decoder made: `samples` / their sum is the hop) to seconds
+    from `start_s`, mapped to the frontend's words ([char_start, char_end, id_start, id_stop]
+    of its `text`). None without durations or words (a frontend that sends none)."""
+    text, words = sentence.get("text"), sentence.get("words")
+    if durations is None or not isinstance(text, str) or words is None:
+        return None
+    frames = float(np.sum(durations))
+    if frames <= 0:
+        return None
+    frame_s = samples / frames / rate
+    spans = frames_to_spans(words, durations, frame_s, start_s)
+    return speech_timing(text, spans, start_s, start_s + samples / rate)
 
 
 def session_options(intra_op_threads: int) -> ort.SessionOptions:
@@ -528,6 +563,7 @@ class Acoustic(StageBackend):
     def generate(self, request: Request) -> Iterator[Payload]:
         """Reads the frontend's sentence chunks from the stream, as they come (its only input)."""
         unseeded: np.random.Generator | None = None
+        elapsed = 0.0  # seconds of audio sent so far: where the next chunk's timing starts
         for sentence in request.stream():
             request.check_aborted()
             options = SpeechOptions.of(sentence)
@@ -551,8 +587,12 @@ class Acoustic(StageBackend):
                 rng = unseeded
             else:
                 rng = sentence_rng(int(seed), int(sentence["chunk"]))
-            for audio in self._speak(voice, sentence, options, rng, request):
-                yield {**chunk, "audio": audio}  # audio: [samples] float32
+            for audio, timing in self._speak(voice, sentence, options, rng, request, elapsed):
+                out = {**chunk, "audio": audio}  # audio: [samples] float32
+                if timing is not None:
+                    out[SpeechTiming.KEY] = timing
+                yield out
+                elapsed += len(audio) / voice.sample_rate
 
     def _speak(
         self,
@@ -561,10 +601,14 @@ class Acoustic(StageBackend):
         options: SpeechOptions,
         rng: np.random.Generator,
         request: Request,
-    ) -> Iterator[np.ndarray]:
+        elapsed: float,
+    ) -> Iterator[tuple[np.ndarray, SpeechTiming | None]]:
         """A sentence's audio: one chunk, or two when the frontend marked a cut (the request's
         first sentence; CutSentence). Each chunk is one step of the stream scheduler, so the
-        rest waits in playback order while the first chunk plays."""
+        rest waits in playback order while the first chunk plays.
+
+        With each chunk, the timing of the words it speaks (`elapsed`: when the sentence
+        starts), from VITS's frames per phoneme id (`timing`)."""
         ids, speed = sentence["phoneme_ids"], options.speed
         first = sentence["chunk"] == 0 and options.seed is None  # may take idle cores
         cut_at = sentence.get("cut")
@@ -577,15 +621,23 @@ class Acoustic(StageBackend):
             if cut_at is not None:
                 cut = voice.cut(ids, int(cut_at), speed=speed, rng=rng, wide=wide)
             if cut is None:
-                audio = voice.synthesize(ids, speed=speed, rng=rng, wide=wide)
-            else:
-                audio = cut.head(wide=wide)
-        yield audio
-        if cut is not None:
-            request.check_aborted()
-            with self._cores(False):
-                rest = cut.rest()
-            yield rest
+                audio, durations = voice.synthesize_timed(ids, speed=speed, rng=rng, wide=wide)
+                timed = timing(sentence, durations, len(audio), voice.sample_rate, elapsed)
+                yield audio, timed
+                return
+            head = cut.head(wide=wide)
+        samples = cut.latents.frames * len(head) // cut.frame  # the whole sentence's
+        timed = timing(sentence, cut.latents.durations, samples, voice.sample_rate, elapsed)
+        if timed is None:
+            head_timing = rest_timing = None
+        else:
+            at_s = elapsed + len(head) / voice.sample_rate
+            head_timing, rest_timing = split_timing(timed, at_s)
+        yield head, head_timing
+        request.check_aborted()
+        with self._cores(False):
+            rest = cut.rest()
+        yield rest, rest_timing
 
     @contextlib.contextmanager
     def _cores(self, first: bool) -> Iterator[bool]:

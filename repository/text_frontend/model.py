@@ -38,13 +38,16 @@ import re
 import threading
 import unicodedata
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 from piper import espeakbridge
+from piper.const import BOS, PAD
 from piper.phoneme_ids import phonemes_to_ids
 from piper.phonemize_espeak import ESPEAK_DATA_DIR, _merge_known_vowel_clusters
 
 from omni_server.audio.resources import package_file
+from omni_server.audio.spoken_words import SpokenWord, TextWords
 from omni_server.backend import Payload, Request, StageBackend, StageConfigError, StageContext
 from omni_server.contracts import SpeechOptions
 
@@ -187,6 +190,44 @@ def first_piece(phonemes: list[str], target: int) -> list[list[str]] | None:
     return [phonemes[:cut], phonemes[cut + 1 :]]  # the space itself is dropped
 
 
+Said = tuple[str, list[list[str]]]  # a text and its sentences of phonemes
+WORD_CACHE = 4096  # words phonemized alone, kept per process (cleared when full)
+
+
+@dataclass(frozen=True)
+class SpokenText:
+    """A sentence's characters (its words, and the spaces and punctuation up to the next
+    sentence's first word) and its words, from `TextWords.match`."""
+
+    text: str
+    words: list[SpokenWord]
+    offset: int  # where `text` starts in the text the words' characters index
+
+    def word_ids(self, phonemes: list[str], id_map: Mapping[str, list[int]]) -> list[list[int]]:
+        """[char_start, char_end, id_start, id_stop] per word: its characters in `text`, its
+        phoneme ids (Piper's layout: BOS PAD, then each phoneme's ids and a PAD, then EOS; a
+        word's ids end with its last phoneme's PAD)."""
+        starts = [0] * (len(phonemes) + 1)  # the id index of each phoneme
+        position = len(id_map[BOS]) + len(id_map[PAD])
+        for index, phoneme in enumerate(phonemes):
+            starts[index] = position
+            if phoneme in id_map:  # phonemes_to_ids skips what the map lacks
+                position += len(id_map[phoneme]) + len(id_map[PAD])
+        starts[len(phonemes)] = position
+        return [
+            [
+                w.char_start - self.offset,
+                w.char_end - self.offset,
+                starts[w.phoneme_start],
+                starts[w.phoneme_stop] - len(id_map[PAD]),  # its last PAD left out
+            ]
+            for w in self.words
+        ]
+
+
+Sentence = tuple[list[str], SpokenText]  # a sentence's phonemes and its words
+
+
 class _VoiceText:
     """What the frontend needs of a voice: its espeak voice and phoneme id map."""
 
@@ -221,6 +262,7 @@ class SentenceStream:
     def __init__(self, sentences: Callable[[str], list[list[str]]]) -> None:
         self._sentences = sentences  # raw text -> sentences of phonemes
         self._pending = ""
+        self.said = ""  # the text of the sentences push() or finish() returned last
 
     def push(self, piece: str) -> list[list[str]]:
         """Add the next piece of text; returns the sentences it completed (often none)."""
@@ -242,14 +284,14 @@ class SentenceStream:
                 continue
             if self._sentences(self._pending[cut:]) != whole[len(head) :]:
                 continue
-            self._pending = self._pending[cut:]
+            self.said, self._pending = self._pending[:cut], self._pending[cut:]
             return head
         return []
 
     def finish(self) -> list[list[str]]:
         """The end of the text: the sentences still pending."""
-        rest, self._pending = self._pending, ""
-        return self._sentences(rest)
+        self.said, self._pending = self._pending, ""
+        return self._sentences(self.said)
 
 
 class TextFrontend(StageBackend):
@@ -280,6 +322,7 @@ class TextFrontend(StageBackend):
             )
         self.first_chunk_words = first
         self.voices: dict[str, _VoiceText] = {}
+        self._word_cache: dict[tuple[str, str], str] = {}
         for name, package in voices.items():
             try:
                 self.voices[name] = _VoiceText(package)
@@ -299,7 +342,7 @@ class TextFrontend(StageBackend):
                     raise ValueError("text must be a non-empty string")
             except (ValueError, KeyError, TypeError) as err:  # this request's input, alone
                 raise ValueError(f"bad speech request: {err}") from err
-            sentences: Iterator[list[str]] = iter(self.sentences(options.voice, text))
+            said: Iterator[Said] = iter([(text, self.sentences(options.voice, text))])
         else:  # text streamed by an upstream stage (the omni model's thinker)
             stream = request.stream()
             first = next(stream, None)
@@ -311,8 +354,8 @@ class TextFrontend(StageBackend):
                 options = self.options(first)
             except (ValueError, TypeError) as err:
                 raise ValueError(f"bad speech options: {err}") from err
-            sentences = self._streamed(options.voice, first, stream)
-        yield from self._chunks(options, sentences)
+            said = self._streamed(options.voice, first, stream)
+        yield from self._chunks(options, self._with_words(options.voice, said))
 
     def options(self, payload: Payload) -> SpeechOptions:
         """The request's speech options (typed and checked where they were built), in one of
@@ -327,10 +370,9 @@ class TextFrontend(StageBackend):
         normalized = normalize_text(text)
         return self.phonemize(self.voices[voice], normalized) if normalized else []
 
-    def _streamed(
-        self, voice: str, first: Payload, stream: Iterator[Payload]
-    ) -> Iterator[list[str]]:
-        """Sentences of streamed text chunks, each as soon as it is complete."""
+    def _streamed(self, voice: str, first: Payload, stream: Iterator[Payload]) -> Iterator[Said]:
+        """Sentences of streamed text chunks, each as soon as it is complete, with the text
+        they came from."""
         pending = SentenceStream(lambda text: self.sentences(voice, text))
         received = 0
         for chunk in itertools.chain([first], stream):
@@ -340,17 +382,52 @@ class TextFrontend(StageBackend):
             received += len(text)
             if received > MAX_STREAMED_CHARS:
                 raise ValueError(f"the streamed text exceeds {MAX_STREAMED_CHARS} characters")
-            yield from pending.push(text)
-        yield from pending.finish()
+            done = pending.push(text)
+            if done:
+                yield pending.said, done
+        yield pending.said, pending.finish()
 
-    def _chunks(self, options: SpeechOptions, sentences: Iterator[list[str]]) -> Iterator[Payload]:
+    def _with_words(self, voice: str, said: Iterator[Said]) -> Iterator[Sentence]:
+        """Each sentence with its words: the characters of its text (`SpokenText`) and which
+        phonemes speak each word (audio.spoken_words), for the acoustic stage's timing."""
+        for raw, sentences in said:
+            text = normalize_text(raw)
+            gap = " " if raw[-1:].isspace() else ""  # the space before the next text's words
+            words = TextWords(text, lambda word: self.word_phonemes(voice, word))
+            start = 0
+            for index, phonemes in enumerate(sentences):
+                spoken = words.match(phonemes)
+                end = words.chunk_end()
+                last = index == len(sentences) - 1
+                chunk_text = text[start:end] + (gap if last else "")
+                yield phonemes, SpokenText(chunk_text, spoken, start)
+                start = end
+
+    def word_phonemes(self, voice: str, word: str) -> str:
+        """One word's phonemes alone (espeak-ng's words, spaces between), for matching the
+        sentence's words; cached: a text repeats its words."""
+        key = (voice, word)
+        found = self._word_cache.get(key)
+        if found is None:
+            with _ESPEAK_LOCK:
+                espeakbridge.set_voice(self.voices[voice].espeak_voice)
+                clauses = espeakbridge.get_phonemes(word)
+            spoken = " ".join(re.sub(r"\([^)]+\)", "", p) for p, _, _ in clauses)
+            found = unicodedata.normalize("NFD", spoken)  # as the sentences' phonemes are
+            if len(self._word_cache) >= WORD_CACHE:
+                self._word_cache.clear()
+            self._word_cache[key] = found
+        return found
+
+    def _chunks(self, options: SpeechOptions, sentences: Iterator[Sentence]) -> Iterator[Payload]:
         """One chunk per sentence; the first carries where its audio may be cut (`first_piece`)
         for a sooner first chunk; text with nothing speakable gives one chunk of no sentence
         (it still carries the encoding, so the encoder can write a valid empty body)."""
         voice = self.voices[options.voice]
         chunk = 0
-        for sentence, phonemes in enumerate(sentences):
+        for sentence, (phonemes, spoken) in enumerate(sentences):
             pieces = first_piece(phonemes, self.first_chunk_words) if sentence == 0 else None
+            ids = phonemes_to_ids(phonemes, voice.id_map)
             yield {
                 "sentence": sentence,
                 "chunk": chunk,  # what the acoustic stage keys its seeded noise on
@@ -360,7 +437,11 @@ class TextFrontend(StageBackend):
                 if pieces is None
                 else len(phonemes_to_ids(pieces[0], voice.id_map)) - 1,
                 "phonemes": "".join(phonemes),
-                "phoneme_ids": np.asarray(phonemes_to_ids(phonemes, voice.id_map)),  # int64 [n]
+                "phoneme_ids": np.asarray(ids),  # int64 [n]
+                # the sentence's characters, and each word's [char_start, char_end) in them
+                # and [id_start, id_stop) in phoneme_ids: the acoustic stage times them
+                "text": spoken.text,
+                "words": spoken.word_ids(phonemes, voice.id_map),
                 SpeechOptions.KEY: options,
             }
             chunk += 1
@@ -371,6 +452,8 @@ class TextFrontend(StageBackend):
                 "cut": None,
                 "phonemes": "",
                 "phoneme_ids": np.zeros(0, np.int64),
+                "text": "",
+                "words": [],
                 SpeechOptions.KEY: options,
             }
 

@@ -5,6 +5,9 @@ Three ways to answer (the request's `stream_format`, and our `stream` extension)
            default: a request without `stream_format` gets it; `"stream": true` too)
   "sse"    `speech.audio.delta` events (base64 of the same bytes), then `speech.audio.done`
   `"stream": false`  one response with a Content-Length once all audio is ready
+Our `timestamps` extension adds the voice's word timings (serve/timing_formats.py): a
+`speech.audio.word` event per word after the delta that speaks it, or, without a stream, one
+JSON body (ElevenLabs' `with-timestamps`: `audio_base64`, `alignment`, plus `words`).
 
 Streams are prepared lazily at the first chunk, so a pipeline that fails before any audio still
 gets a 500 with the stage's message. A stream that fails later is cut (the connection closed,
@@ -23,6 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
+from omni_server.contracts import SpeechTiming
 from omni_server.pipeline import PipelineError, RequestHandle
 from omni_server.serve.body import read_json
 from omni_server.serve.errors import STREAM_STARTED, ApiError
@@ -35,6 +39,7 @@ from omni_server.serve.speech_request import (
     parse_speech_request,
     speech_model,
 )
+from omni_server.serve.timing_formats import chunk_timing, rest_alignment, words
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +65,14 @@ async def _answer(
     whole = bytearray()
     response: web.StreamResponse | None = None
     chunks = 0
+    timings: list[SpeechTiming] = []  # the words of a whole response with timestamps
     try:
         async for chunk in handle:
             chunks += 1
             audio = _chunk_audio(chunk)
+            timing = chunk_timing(chunk) if speech.timestamps else None
+            if timing is not None and speech.stream_format is None:
+                timings.append(timing)
             if not audio:
                 continue
             track.first_audio()
@@ -73,6 +82,8 @@ async def _answer(
             if response is None:
                 response = await _start_stream(request, speech, handle)
             await write_within(request, response, _encode_chunk(speech, audio))
+            if timing is not None:  # sse: each word after the audio delta that speaks it
+                await write_within(request, response, _word_events(timing))
         result = await handle.result()
         # A terminal stage that does not stream (scheduler single / batch) hands the whole body
         # over in its result; one that streams reports what it sent (`audio_seconds`).
@@ -95,6 +106,11 @@ async def _answer(
     track.audio_seconds = _audio_seconds(result)
     if tail:
         track.first_audio()
+    if speech.stream_format is None and speech.timestamps:
+        return web.json_response(
+            _with_timestamps(bytes(whole + tail), SpeechTiming.joined(timings)),
+            headers={**_headers(speech, handle), "Content-Type": "application/json"},
+        )
     if speech.stream_format is None:
         return web.Response(body=bytes(whole + tail), headers=_headers(speech, handle))
     if response is None:  # no chunk: a non-streaming terminal
@@ -136,6 +152,25 @@ def _encode_chunk(speech: SpeechRequest, audio: bytes) -> bytes:
         delta = base64.b64encode(audio).decode("ascii")
         return _sse({"type": "speech.audio.delta", "audio": delta})
     return audio
+
+
+def _word_events(timing: SpeechTiming) -> bytes:
+    """`speech.audio.word` events (our extension): a word, when it starts and ends (seconds
+    from the audio's start), in speaking order."""
+    return b"".join(_sse({"type": "speech.audio.word", **word}) for word in words(timing))
+
+
+def _with_timestamps(audio: bytes, timing: SpeechTiming) -> dict[str, Any]:
+    """The whole response with its timing, as ElevenLabs' `with-timestamps` answers (their
+    `alignment` and `normalized_alignment`: the voice's text is the one it spoke, normalized),
+    and the words."""
+    alignment = rest_alignment(timing)
+    return {
+        "audio_base64": base64.b64encode(audio).decode("ascii"),
+        "alignment": alignment,
+        "normalized_alignment": alignment,
+        "words": words(timing),
+    }
 
 
 def _sse(event: dict[str, Any]) -> bytes:

@@ -84,6 +84,12 @@ class SpeechBody(RequestModel):
     sample_rate: Annotated[Integer, Between(1, 2**31 - 1)] | None = extension(
         "the output sample rate; the format must support it"
     )
+    timestamps: bool | None = extension(
+        "true: when each word and character plays. With stream_format sse: a "
+        "speech.audio.word event per word; without stream_format (or with stream false): one "
+        "JSON body, the audio in base64 with its alignment and words (ElevenLabs' "
+        "with-timestamps). Not with stream_format audio (raw bytes carry no timing)"
+    )
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,7 @@ class SpeechRequest:
     text: str
     stream_format: str | None  # None: one whole response with a Content-Length ("stream": false)
     options: SpeechOptions  # what the voice reads (the speech contract)
+    timestamps: bool = False  # word timings: sse events, or the whole JSON form
 
     @property
     def response_format(self) -> str:
@@ -131,10 +138,20 @@ def parse_speech_request(
     _check_audio_estimate(text, fields.speed, options.max_audio_seconds)
     voice = choose_voice(fields.voice, model, voices, "voice")
     stream_format = _stream_format(fields)
+    timestamps = bool(fields.timestamps)
+    if timestamps and stream_format == "audio":
+        if "stream_format" in fields.model_fields_set or fields.stream:
+            raise invalid_field(
+                "timestamps",
+                "'timestamps': true needs stream_format 'sse' (a word event each) or no "
+                "stream_format (one JSON body): raw audio bytes carry no timing",
+            )
+        stream_format = None  # the whole JSON form
     return SpeechRequest(
         model=model,
         text=text,
         stream_format=stream_format,
+        timestamps=timestamps,
         options=SpeechOptions(
             voice=voice.name,
             reference=voice.reference,

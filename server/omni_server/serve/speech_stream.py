@@ -40,7 +40,7 @@ from typing import Any
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from omni_server.compiler.plan import ModelSpec
-from omni_server.contracts import SpeechOptions, speech_payload
+from omni_server.contracts import SpeechOptions, SpeechTiming, speech_payload
 from omni_server.pipeline import PipelineError
 from omni_server.serve.errors import ApiError
 from omni_server.serve.pipeline_call import admitted, request_error, submitted
@@ -53,6 +53,7 @@ from omni_server.serve.stream_settings import (
     Settings,
     read_settings,
 )
+from omni_server.serve.timing_formats import chunk_timing, ws_alignment
 
 log = logging.getLogger(__name__)
 
@@ -292,12 +293,7 @@ class SpeechStream:
         try:
             async with admitted(state, model), submitted(state, model, inputs) as handle:
                 try:
-                    async for chunk in handle:
-                        audio = chunk.get("audio") if isinstance(chunk, dict) else None
-                        if isinstance(audio, bytes | bytearray) and audio:
-                            encoded = self._encoded(bytes(audio))
-                            if encoded:
-                                await self._audio(encoded)
+                    await self._relay(handle, bytes_per_s=2 * settings.output.rate)
                     await handle.result()
                 except PipelineError as exc:
                     log.warning("speech stream sentence %s failed: %s", handle.id, exc.message)
@@ -307,22 +303,44 @@ class SpeechStream:
             await self.fail(err)
             raise _Closed from err
 
+    async def _relay(self, handle: Any, *, bytes_per_s: int) -> None:
+        """One sentence's audio to the client, each message with the alignment of the words
+        timed since the last (ElevenLabs': milliseconds from that chunk's start; an encoder
+        that holds samples back, MP3's, sends them with the next message)."""
+        sent_s = 0.0  # the sentence's PCM seconds before this chunk
+        timings: list[SpeechTiming] = []
+        async for chunk in handle:
+            audio = chunk.get("audio") if isinstance(chunk, dict) else None
+            timing = chunk_timing(chunk)
+            if timing is not None:
+                timings.append(timing)
+            if isinstance(audio, bytes | bytearray) and audio:
+                encoded = self._encoded(bytes(audio))
+                if encoded:
+                    alignment = None
+                    if timings:
+                        alignment = ws_alignment(SpeechTiming.joined(timings), sent_s)
+                        timings.clear()
+                    await self._audio(encoded, alignment)
+                sent_s += len(audio) / bytes_per_s
+
     def _encoded(self, pcm16: bytes) -> bytes:
         """The voice's PCM16 in the session's format; one encoder for the whole session."""
         if self._encoder is None:
             self._encoder = StreamEncoder(self.settings.output)
         return self._encoder.encode(pcm16)
 
-    async def _audio(self, data: bytes) -> None:
-        if self.settings.binary:
+    async def _audio(self, data: bytes, alignment: dict[str, Any] | None = None) -> None:
+        if self.settings.binary:  # a binary frame has no room for the alignment
             await self._write(self.ws.send_bytes(data))
         else:
+            # the voice's text is what it spoke, normalized: both alignments show it
             await self._send(
                 {
                     "audio": base64.b64encode(data).decode("ascii"),
                     "isFinal": False,
-                    "normalizedAlignment": None,
-                    "alignment": None,
+                    "normalizedAlignment": alignment,
+                    "alignment": alignment,
                 }
             )
 

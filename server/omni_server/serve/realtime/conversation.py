@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_server.audio.resample import resample
-from omni_server.contracts import AudioPart
+from omni_server.contracts import AudioPart, WordTiming
 from omni_server.serve.realtime import audio
 from omni_server.serve.realtime.audio import AudioFormat
 from omni_server.serve.realtime.input_audio import (
@@ -50,6 +50,9 @@ class Item:
     content: list[dict[str, Any]] = field(default_factory=list)  # GA content parts
     status: str = "completed"
     audio_ms: float = 0.0  # assistant audio sent so far (truncate cuts the transcript with it)
+    # when each spoken word of an assistant item plays (the voice's timing; empty for a voice
+    # that times nothing): truncate cuts the transcript after the word playing at its time
+    words: list[WordTiming] = field(default_factory=list)
     # a spoken user turn, as a model that hears audio hears it (16 kHz mono PCM16 WAV); None
     # for other items, other models, and turns past the clip bound (never shown to the client)
     clip: bytes | None = None
@@ -155,8 +158,12 @@ class Conversation:
             )
         part = item.content[content_index]
         text = str(part.get("transcript") or "")
-        keep = round(len(text) * audio_end_ms / item.audio_ms) if item.audio_ms else 0
-        part["transcript"] = text[:keep]
+        heard = heard_transcript(text, item.words, audio_end_ms)
+        if heard is None:  # no word timings: the share of the text that the audio's share is
+            keep = round(len(text) * audio_end_ms / item.audio_ms) if item.audio_ms else 0
+            heard = text[:keep]
+        part["transcript"] = heard
+        item.words = [w for w in item.words if w.start_s * 1000 < audio_end_ms]
         item.audio_ms = float(audio_end_ms)
 
     def messages(self, instructions: str) -> list[dict[str, Any]]:
@@ -269,3 +276,25 @@ def _heard_clip(raw: Any, fmt: AudioFormat, param: str) -> bytes:
             param=param,
         )
     return wav(heard)
+
+
+def heard_transcript(text: str, words: list[WordTiming], audio_end_ms: float) -> str | None:
+    """`text` up to the end of the word playing at `audio_end_ms` (or the last word before,
+    in a pause), with the punctuation after it; None without word timings.
+
+    The spoken words are the voice's (its text normalized: "$5" spoken "5 dollars"): each is
+    found in the transcript after the one before it; a word the transcript does not hold
+    leaves the cut at the last one found."""
+    if not words:
+        return None
+    cursor = cut = 0
+    for word in words:
+        if word.start_s * 1000 >= audio_end_ms:
+            break
+        found = text.find(word.text, cursor)
+        if found < 0:
+            continue
+        cursor = cut = found + len(word.text)
+    while cut < len(text) and not text[cut].isspace() and not text[cut].isalnum():
+        cut += 1  # "world," keeps its comma
+    return text[:cut]

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from omni_server.compiler.plan import ModelSpec
-from omni_server.contracts import ChatInput, Message, Sampling, SpeechOptions
+from omni_server.contracts import ChatInput, Message, Sampling, SpeechOptions, SpeechTiming
 from omni_server.pipeline import PipelineError, RequestHandle
 from omni_server.serve.errors import ApiError
 from omni_server.serve.pipeline_call import admitted, submitted
@@ -28,6 +28,7 @@ from omni_server.serve.realtime.config import SessionConfig
 from omni_server.serve.realtime.conversation import Conversation, Item
 from omni_server.serve.realtime.events import ServerEvents
 from omni_server.serve.state import ServerState
+from omni_server.serve.timing_formats import chunk_timing, words_ms
 
 Outcome = tuple[str, dict[str, Any] | None]  # the response's status and its status_details
 
@@ -236,6 +237,9 @@ class ResponseRun:
                     await self.events.send({"type": kind, **where, "delta": chunk["text"]})
                 if self.audio and chunk.get("audio"):
                     await self._audio(encoder.encode(bytes(chunk["audio"])))
+                timing = chunk_timing(chunk) if self.audio else None
+                if timing is not None and timing.words:
+                    await self._words(timing)
             if self.audio:
                 await self._audio(encoder.flush())
             result = await handle.result()
@@ -257,6 +261,20 @@ class ResponseRun:
                 "type": "response.output_audio.delta",
                 **self._where,
                 "delta": base64.b64encode(data).decode(),
+            }
+        )
+
+    async def _words(self, timing: SpeechTiming) -> None:
+        """The voice's word timings (our extension): an empty transcript delta whose `words`
+        say when each word plays, in ms of this item's audio (`audio_end_ms`'s clock); kept
+        on the item, so a truncate cuts the transcript at the word then playing."""
+        self.item.words.extend(timing.words)
+        await self.events.send(
+            {
+                "type": "response.output_audio_transcript.delta",
+                **self._where,
+                "delta": "",
+                "words": words_ms(timing),
             }
         )
 
