@@ -52,17 +52,19 @@ def normalized(word: str) -> str:
 
 
 def _substitution(a: str, b: str) -> float:
-    """0 for the same word, up to 1 for unrelated ones (a misheard word is still a match)."""
+    """0 for the same word, less than 1 for a near spelling (a misheard word), 1 otherwise
+    (as Levenshtein's: a word's mere letters in common are no evidence)."""
     if a == b:
         return 0.0
-    return 1.0 - SequenceMatcher(None, a, b).ratio()
+    similarity = SequenceMatcher(None, a, b).ratio()
+    return 1.0 - similarity if similarity >= 0.5 else 1.0
 
 
 def covered_words(reference: Sequence[str], hypothesis: Sequence[str]) -> int:
     """How many words at the start of `reference` the recognized `hypothesis` speaks.
 
-    Levenshtein over words (insertions and deletions cost 1, a substitution its spelling
-    distance), the whole hypothesis against a prefix of the reference of any length: the
+    Levenshtein over words (insertions and deletions cost 1, a substitution 1 or less for a
+    near spelling), the whole hypothesis against a prefix of the reference of any length: the
     prefix that costs least (the longer one on a tie). Both are normalized words."""
     n, m = len(hypothesis), len(reference)
     if n == 0 or m == 0:

@@ -218,7 +218,7 @@ class StreamAligner:
             self.align_seconds += time.perf_counter() - began
             return None
         words = rest[:count]
-        times = self._place(self.aligner.force(encoded, self.text, words), offset, cut)
+        times = self._place(self.aligner.force(encoded, self.text, words), offset, audio)
         self.next_word += count
         end_char = (
             self.words[self.next_word].char_start
@@ -234,40 +234,73 @@ class StreamAligner:
     def _aligned(self, audio: np.ndarray, words: Sequence[Word]) -> list[tuple[float, float]]:
         began = time.perf_counter()
         encoded = self.aligner.encode(audio)
-        times = self._place(self.aligner.force(encoded, self.text, words), self.offset_s,
-                            len(audio))  # fmt: skip
+        times = self._place(self.aligner.force(encoded, self.text, words), self.offset_s, audio)
         self.align_seconds += time.perf_counter() - began
         return times
 
     def _place(
-        self, times: Sequence[tuple[float, float]], offset: float, samples: int
+        self, times: Sequence[tuple[float, float]], offset: float, audio: np.ndarray
     ) -> list[tuple[float, float]]:
-        """Segment times -> utterance times, inside the segment, after the words before."""
-        limit = samples / WHISPER_RATE
-        placed = [(offset + s, offset + e) for s, e in monotonic(times, limit)]
+        """Segment times -> utterance times: each start moved past the silence it lies in,
+        inside the segment, after the words before."""
+        limit = len(audio) / WHISPER_RATE
+        onsets = self._onsets(monotonic(times, limit), audio)
+        placed = [(offset + s, offset + e) for s, e in monotonic(onsets, limit)]
         if placed:
             self.last_end_s = placed[-1][1]
         return placed
 
+    def _onsets(
+        self, times: Sequence[tuple[float, float]], audio: np.ndarray
+    ) -> list[tuple[float, float]]:
+        """Each word's start moved to the first 10 ms of sound at or after it, inside the
+        word. Whisper's alignment runs a word after a pause from inside the pause (its
+        attention spreads over the silence before a sound): on the tuning texts the median
+        start error went 67 -> 55 ms, the 95th percentile 228 -> 195 ms (docs/models.md)."""
+        hop = WHISPER_RATE // 100
+        frames = len(audio) // hop
+        if frames == 0:
+            return list(times)
+        rms = np.sqrt(np.mean(audio[: frames * hop].reshape(frames, hop) ** 2, axis=1))
+        loudest = max(self.loudest, float(rms.max()))
+        sound = rms > loudest * 10 ** (self.segmenting.silence_db / 20)
+        out = []
+        for start, end in times:
+            f, last = int(start * 100), min(int(end * 100), frames)
+            while f < last and not sound[f]:
+                f += 1
+            out.append((max(start, f / 100) if f < last else start, end))
+        return out
+
     def _cut(self) -> int | None:
-        """Where to cut the buffer (in samples), or None: not yet."""
+        """Where to cut the buffer (in samples), or None: not yet.
+
+        The same audio is cut at the same places however it is chunked: frames are read in
+        order, each judged against the loudest frame up to itself, and a pause is cut half
+        `min_pause_s` into it (a pause still growing at the buffer's end cuts where a whole
+        one would)."""
         seg = self.segmenting
         frames = len(self.buffer) // FRAME
         if frames == 0:
             return None
         rms = np.sqrt(np.mean(self.buffer[: frames * FRAME].reshape(frames, FRAME) ** 2, axis=1))
-        self.loudest = max(self.loudest, float(rms.max()))
-        silent = rms <= self.loudest * 10 ** (seg.silence_db / 20)
+        level = np.maximum.accumulate(np.maximum(rms, self.loudest))  # [frames]
+        silent = rms <= level * 10 ** (seg.silence_db / 20)
         first = int(seg.min_segment_s * 50)  # the earliest frame a cut may fall on
-        pause = int(seg.min_pause_s * 50)
+        pause = max(1, int(seg.min_pause_s * 50))
         run = 0
         for f in range(frames):
             run = run + 1 if silent[f] else 0
-            middle = f - run // 2
-            if run >= pause and middle >= first:
-                return middle * FRAME
+            at = f - run + 1 + pause // 2  # half min_pause_s into the pause
+            if run >= pause and at >= first:
+                return self._consumed(level, at)
         longest = int(seg.max_segment_s * 50)
         if frames < longest:
             return None
         search = int(0.6 * longest)  # the quietest frame of the window's last 40 %
-        return (search + int(np.argmin(rms[search:longest]))) * FRAME
+        return self._consumed(level, search + int(np.argmin(rms[search:longest])))
+
+    def _consumed(self, level: np.ndarray, frame: int) -> int:
+        """The cut at `frame`, in samples; the loudest level heard up to it is kept."""
+        self.loudest = float(level[frame - 1]) if frame > 0 else self.loudest
+        return frame * FRAME
