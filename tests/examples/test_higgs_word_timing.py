@@ -9,6 +9,7 @@ times; tests/audio/test_forced_alignment.py measures those on the embedded voice
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +21,6 @@ from omni_server.audio import decode
 from omni_server.audio.align_text import spoken_words
 from omni_server.contracts import SpeechOptions, SpeechTiming, speech_payload
 from tests.helpers.server import ROOT
-
-pytestmark = pytest.mark.slow
 
 REPO = ROOT / "examples" / "higgs-audio-v2"
 MODEL = "higgs-audio-v2"
@@ -72,6 +71,26 @@ async def spoken(repo: Path, checkpoint: Path) -> tuple[list[dict[str, Any]], An
     return chunks, result
 
 
+def test_the_example_resolves_with_word_timing_after_the_vocoder(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`omni-server config resolve`: word_timing is the model's terminal stage, fed by the
+    vocoder's stream (which sends its samples), in the vocoder's process, on the CPU."""
+    from omni_server.cli import main
+
+    argv = ["config", "resolve", "--repo", str(REPO), "--parameters.checkpoint", "/models/higgs",
+            "--show", "config", "--format", "json"]  # fmt: skip
+    assert main(argv) == 0
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    assert stages["vocoder"]["stream_to"] == ["word_timing"]
+    assert stages["vocoder"]["parameters"]["stream_samples"] is True
+    assert not stages["vocoder"].get("terminal")
+    timing = stages["word_timing"]
+    assert timing["terminal"] is True and timing["process"] == "vocoder"
+    assert timing["scheduler"]["kind"] == "stream"
+
+
+@pytest.mark.slow
 async def test_word_timing_passes_the_audio_and_times_every_word(
     checkpoint: Path, undeclared: Path
 ) -> None:
