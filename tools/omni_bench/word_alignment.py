@@ -9,7 +9,8 @@ held-out texts, never used to tune the aligner; `sentences.txt` was) is spoken i
 each speed, and its audio timed without those durations two ways:
 
   forced      the word_timing stage's aligner (omni_server.audio.forced_alignment), fed the
-              voice's chunks as they come: segments at pauses, Whisper's alignment of the text
+              audio in 640 ms pieces as they come (the Higgs vocoder's steady chunk;
+              `--piece-ms`): segments at pauses, Whisper's alignment of the text
   transcribe  faster-whisper's own word timestamps on the whole clip (beam 5), its words matched
               to the text's by edit distance; a text word it did not hear takes the time
               between its neighbours'
@@ -34,7 +35,7 @@ from omni_bench.inprocess import InProcessVoice
 from omni_bench.speech import load_dataset
 from omni_server.audio.align_text import normalized, spoken_words
 from omni_server.audio.decode import decode
-from omni_server.audio.forced_alignment import StreamAligner, WhisperAligner
+from omni_server.audio.forced_alignment import Segmenting, StreamAligner, WhisperAligner
 from omni_server.audio.resample import resample
 from omni_server.audio.whisper import WHISPER_RATE
 from omni_server.backend import Request
@@ -77,11 +78,17 @@ def speak(voice: InProcessVoice, text: str, speed: float, seed: int) -> Spoken:
     return Spoken(chunks, SpeechTiming.joined(timings))
 
 
-def forced(aligner: WhisperAligner, spoken: Spoken, errors: Errors) -> list[tuple[float, float]]:
-    stream = StreamAligner(aligner, spoken.timing.text, RATE)
+def forced(
+    aligner: WhisperAligner, spoken: Spoken, errors: Errors, segmenting: Segmenting, piece: int
+) -> list[tuple[float, float]]:
+    """The aligner fed `piece` samples at a time (0: the voice's own chunks, a sentence or a
+    first clause each)."""
+    stream = StreamAligner(aligner, spoken.timing.text, RATE, segmenting)
     timed: list[SpeechTiming] = []
     produced = 0.0
-    for samples in spoken.chunks:
+    audio = np.concatenate(spoken.chunks)
+    pieces = [audio[i : i + piece] for i in range(0, len(audio), piece)] if piece else spoken.chunks
+    for samples in pieces:
         produced += len(samples) / RATE
         got = stream.push(samples)
         if got is not None:
@@ -176,8 +183,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speeds", default="1,0.5,2", help="comma-separated speeds")
     p.add_argument("--methods", default="forced,transcribe", help="forced and/or transcribe")
     p.add_argument("--limit", type=int, default=0, help="at most this many utterances (0: all)")
+    p.add_argument("--min-segment", type=float, default=Segmenting.min_segment_s,
+                   help="the aligner's min_segment_s (a word_timing parameter)")  # fmt: skip
+    p.add_argument("--piece-ms", type=float, default=640.0,
+                   help="audio pushed at a time (the Higgs vocoder's steady chunk; 0: the "
+                        "voice's own chunks, a sentence each)")  # fmt: skip
     p.add_argument("--repo", type=Path, default=REPOSITORY, help="the voice's repository")
     args = p.parse_args(argv)
+    segmenting = Segmenting(min_segment_s=args.min_segment)
+    piece = int(args.piece_ms * RATE / 1000)
     texts = load_dataset(args.dataset)
     groups = [" ".join(texts[i : i + args.group]) for i in range(0, len(texts), args.group)]
     groups = groups[: args.limit] if args.limit else groups
@@ -194,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             errors = Errors()
             for one in spoken:
                 check_words(one.timing)
-                times = forced(aligner, one, errors) if method == "forced" else (
+                times = forced(aligner, one, errors, segmenting, piece) if method == "forced" else (
                     transcribed(aligner, one))  # fmt: skip
                 score(errors, one, times)
             lag = [

@@ -74,8 +74,8 @@ class Segmenting:
 class WhisperAligner:
     """Whisper tiny.en for alignment: encode a segment once, recognize it, force-align text.
 
-    One instance may serve one thread at a time (CTranslate2 calls are thread-safe, the
-    instance keeps no per-call state)."""
+    It keeps no per-utterance state (a StreamAligner does), so one serves every stream of a
+    stage; the word_timing stage calls it from its one compute thread."""
 
     def __init__(self, model: Any | None = None, *, cpu_threads: int = 1) -> None:
         from faster_whisper.tokenizer import Tokenizer  # heavy: only where an aligner is made
@@ -181,6 +181,8 @@ class StreamAligner:
         self.segments = 0
 
     def push(self, samples: np.ndarray) -> SpeechTiming | None:
+        if self.next_word >= len(self.words):  # every word timed: the rest is not needed
+            return None
         self.buffer = np.concatenate([self.buffer, self.resampler.push(samples)])
         timings = []
         while self.next_word < len(self.words) and (cut := self._cut()) is not None:
@@ -191,8 +193,9 @@ class StreamAligner:
 
     def finish(self) -> SpeechTiming | None:
         """The words left, aligned to the audio left, and the text to its end."""
-        self.buffer = np.concatenate([self.buffer, self.resampler.flush()])
         words = self.words[self.next_word :]
+        if words:
+            self.buffer = np.concatenate([self.buffer, self.resampler.flush()])
         times: list[tuple[float, float]] = []
         if words and len(self.buffer) >= FRAME:
             times = self._aligned(self.buffer[: int(MAX_WINDOW_S * WHISPER_RATE)], words)
