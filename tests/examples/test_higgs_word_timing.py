@@ -87,7 +87,7 @@ def test_the_example_resolves_with_word_timing_after_the_vocoder(
     assert not stages["vocoder"].get("terminal")
     timing = stages["word_timing"]
     assert timing["terminal"] is True and timing["process"] == "vocoder"
-    assert timing["scheduler"]["kind"] == "stream"
+    assert timing["scheduler"]["kind"] == "ar"
 
 
 @pytest.mark.slow

@@ -15,8 +15,8 @@ segment speaks is not known in advance, so a segment is recognized first (greedy
 encoder output) and its hypothesis matched against the text's next words
 (`align_text.covered_words`); those words are then forced-aligned to it. At the end, the
 words left are forced-aligned to the audio left. A segment's words are therefore known once
-the pause after it has been produced, plus one encoder pass, one greedy decode and one
-alignment pass (about 0.1-0.3 s for a few seconds of speech on one CPU core, docs/models.md).
+the pause after it has been produced, plus one encoder pass (over Whisper's whole 30 s window:
+most of the cost), one greedy decode and one alignment pass (docs/models.md measures them).
 
 Times are seconds from the utterance's first sample at the rate the audio is pushed in
 (after speed and resampling: the listener's time).
@@ -75,12 +75,16 @@ class WhisperAligner:
     """Whisper tiny.en for alignment: encode a segment once, recognize it, force-align text.
 
     It keeps no per-utterance state (a StreamAligner does), so one serves every stream of a
-    stage; the word_timing stage calls it from its one compute thread."""
+    stage; calls from up to `workers` threads run at once (the word_timing stage's pool).
+    A segment costs one encoder pass over Whisper's whole 30 s window (most of the cost,
+    whatever the segment's length), one greedy decode and one alignment pass."""
 
-    def __init__(self, model: Any | None = None, *, cpu_threads: int = 1) -> None:
+    def __init__(self, model: Any | None = None, *, cpu_threads: int = 1, workers: int = 1) -> None:
         from faster_whisper.tokenizer import Tokenizer  # heavy: only where an aligner is made
 
-        self.model = model if model is not None else load_whisper(cpu_threads=cpu_threads)
+        if model is None:
+            model = load_whisper(cpu_threads=cpu_threads, workers=workers)
+        self.model = model
         self.tokenizer = Tokenizer(
             self.model.hf_tokenizer, self.model.model.is_multilingual, task="transcribe",
             language="en",
