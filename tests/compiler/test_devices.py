@@ -42,6 +42,7 @@ def test_higgs_on_a_machine_without_a_gpu_runs_on_the_cpu_in_fp32() -> None:
         'audio_encoder : cpu  (device = "auto": no GPU found)',
         'tts_engine    : cpu float32  (device = "auto": no GPU found)',
         'vocoder       : cpu  (device = "auto": no GPU found)',
+        "word_timing   : cpu  (no device declared)",
     ]
 
 
@@ -53,6 +54,7 @@ def test_higgs_on_a_machine_with_a_gpu_runs_on_cuda0_in_bf16_under_mps() -> None
         "audio_encoder": ((0,), 0.05),
         "tts_engine": ((0,), 0.55),
         "vocoder": ((0,), 0.1),
+        "word_timing": ((), None),  # the aligner runs on the CPU, in the vocoder's process
     }
     engine = plan.stages["tts_engine"]
     assert engine.device is DeviceRequest.AUTO and engine.on_gpu_applied

@@ -738,5 +738,5 @@ def test_repository_resolves_with_its_topology() -> None:
     assert plan.parameters == {"checkpoint": "/models/higgs"}
     text = topology_text(plan)
     for line in ("tts_frontend : preprocessing, audio_encoder", "pipeline     : tts_engine",
-                 "vocoder      : vocoder"):  # fmt: skip
+                 "vocoder      : vocoder, word_timing"):  # fmt: skip
         assert line in text

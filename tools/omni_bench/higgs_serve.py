@@ -110,7 +110,7 @@ def serve_args(args: argparse.Namespace, text: str) -> list[str]:
     if vocoders:
         # not a replicated `vocoder` process: weight sharing makes every process replicated on
         # one GPU a sharing group, which needs an engine stage (compiler/placement.py)
-        out += ["--stages.vocoder.process", "pipeline"]
+        out += ["--stages.vocoder.process", "pipeline", "--stages.word_timing.process", "pipeline"]
     if args.gpu and layout.mps:
         out += ["--server.mps", "on"]  # the example's "auto" would fall back without MPS
     if layout.eager:

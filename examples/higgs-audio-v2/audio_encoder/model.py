@@ -84,6 +84,7 @@ class AudioEncoder(StageBackend):
             "audio_codes": frames,
             "sampling": inputs["sampling"],
             "encoding": inputs["encoding"],
+            "text": inputs["text"],
             "voice": voice["name"],
         }
 

@@ -104,6 +104,7 @@ class Preprocessing(StageBackend):
         except ChatTemplateError as err:
             raise InvalidRequest(str(err), param="input") from err
         return {
+            "text": text,  # what is spoken: a word_timing stage after the vocoder times it
             "conversation": conversation,
             "prompt_text": prompt_text,
             "voice": {

@@ -77,6 +77,7 @@ class TTSEngine(StageBackend):
         self._requests: dict[str, Request] = {}  # engine id -> request
         self._first: set[str] = set()  # engine ids whose first chunk is still to go
         self._encoding: dict[str, Any] = {}
+        self._text: dict[str, str] = {}  # engine id -> the text spoken, sent with the first frames
 
     def _warm_graphs(self, tokens: int) -> None:
         """Capture the decode graphs of every batch bucket at the contexts up to `tokens` now,
@@ -118,6 +119,7 @@ class TTSEngine(StageBackend):
         self._requests[engine_id] = request
         self._first.add(engine_id)
         self._encoding[engine_id] = inputs["encoding"]
+        self._text[engine_id] = inputs["text"]
 
     def sampling(self, asked: dict[str, Any], max_frames: int) -> SamplingParams:
         temperature = asked.get("temperature")
@@ -151,6 +153,7 @@ class TTSEngine(StageBackend):
             if event.request_id in self._first:
                 self._first.discard(event.request_id)
                 chunk["encoding"] = self._encoding.pop(event.request_id)
+                chunk["text"] = self._text.pop(event.request_id)
             output = StepOutput(request)
             if event.finished:
                 del self._requests[event.request_id]
@@ -171,6 +174,7 @@ class TTSEngine(StageBackend):
                 del self._requests[engine_id]
                 self._first.discard(engine_id)
                 self._encoding.pop(engine_id, None)
+                self._text.pop(engine_id, None)
                 self.engine.abort(engine_id)
                 allocator = self.engine.cache.allocator
                 log.info("tts_engine: aborted %s; KV blocks free %d/%d",

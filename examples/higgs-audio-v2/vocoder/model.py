@@ -23,6 +23,11 @@ audio/decode_graphs.py), captured at start.
 Speed: FFmpeg's `atempo` (PyAV), which keeps the pitch. Formats: the server's encoder. Result:
 {"sample_rate", "audio_seconds", "format", "frames", "finish_reason"}, and "generated" (the
 frames as the engine emitted them) when the stage parameter `return_frames` is true.
+
+`stream_samples = true` (the example sets it: its `word_timing` stage comes after this one):
+each chunk also carries the float32 samples of its audio as the listener hears them
+("samples", at "sample_rate", after speed and resampling), the first the text spoken ("text"),
+and the last this stage's result ("result"), which the stage after it returns as its own.
 """
 
 from __future__ import annotations
@@ -85,6 +90,8 @@ class Stream:
     ready: list[np.ndarray] = field(default_factory=list)  # decoded, not yet sent
     generated: list[list[int]] = field(default_factory=list)
     finish_reason: str | None = None
+    text: str | None = None  # the text spoken (stream_samples: sent with the first chunk)
+    sent: int = 0  # chunks sent
 
 
 class Vocoder(StageBackend):
@@ -115,6 +122,12 @@ class Vocoder(StageBackend):
         self.context, self.lookahead = sizes["context_frames"], sizes["lookahead_frames"]
         self.first_lookahead = sizes["first_lookahead_frames"]
         self.return_frames = bool(params.get("return_frames", False))
+        samples = params.get("stream_samples", False)
+        if not isinstance(samples, bool):
+            raise StageConfigError(
+                f"parameters.stream_samples must be true or false; got {samples!r}"
+            )
+        self.stream_samples = samples
         grow = params.get("grow_chunks", True)
         if not isinstance(grow, bool):
             raise StageConfigError(f"parameters.grow_chunks must be true or false; got {grow!r}")
@@ -206,6 +219,7 @@ class Vocoder(StageBackend):
         for chunk in chunks:
             if stream is None:
                 stream = self._streams[key] = self._open(request, chunk["encoding"])
+                stream.text = chunk.get("text")
             for frame in chunk["frames"]:
                 stream.undelay.push(frame)
             if self.return_frames:
@@ -219,8 +233,13 @@ class Vocoder(StageBackend):
 
     def _output(self, stream: Stream, ends: bool) -> StepOutput:
         """The stream's decoded audio as its next chunk; at its end, its tail and result too."""
-        audio = self._send(stream, last=ends)
-        chunk = {"audio": audio} if audio else None
+        audio, samples = self._send(stream, last=ends)
+        chunk: dict[str, Any] | None = {"audio": audio} if audio else None
+        if self.stream_samples:  # every step's audio, and the end, reach the stage after
+            chunk = {"audio": audio, "samples": samples, "sample_rate": stream.encoder.sample_rate}
+            if stream.sent == 0:
+                chunk["text"] = stream.text or ""
+        stream.sent += 1
         if not ends:
             return StepOutput(stream.request, chunk=chunk)
         result: dict[str, Any] = {
@@ -232,6 +251,8 @@ class Vocoder(StageBackend):
         }
         if self.return_frames:
             result["generated"] = stream.generated
+        if chunk is not None and self.stream_samples:
+            chunk["result"] = result
         return StepOutput(stream.request, chunk=chunk, finished=True, result=result)
 
     def _drop(self, key: int) -> None:
@@ -347,8 +368,9 @@ class Vocoder(StageBackend):
     def _decode_codes(self, codes: torch.Tensor) -> torch.Tensor:  # [B, K, L] -> [B, 1, S]
         return self.codec.decode(codes)
 
-    def _send(self, stream: Stream, last: bool = False) -> bytes:
-        """The stream's decoded audio, at its speed and rate, as the next body bytes."""
+    def _send(self, stream: Stream, last: bool = False) -> tuple[bytes, np.ndarray]:
+        """The stream's decoded audio, at its speed and rate, as the next body bytes (and
+        the samples they encode)."""
         samples = np.concatenate(stream.ready) if stream.ready else np.zeros(0, np.float32)
         stream.ready.clear()
         if stream.tempo is not None:
@@ -357,7 +379,7 @@ class Vocoder(StageBackend):
         if last:
             samples = np.concatenate([samples, stream.resampler.flush()])
         data = stream.encoder.encode(samples)
-        return data + stream.encoder.finish() if last else data
+        return (data + stream.encoder.finish() if last else data), samples
 
 
 class Tempo:

@@ -60,8 +60,10 @@ def whisper_model_dir() -> Path:
     return path
 
 
-def load_whisper(*, cpu_threads: int = 2, compute_type: str = "int8") -> Any:
-    """A faster_whisper.WhisperModel for the bundled tiny.en, on CPU (no hub access)."""
+def load_whisper(*, cpu_threads: int = 2, compute_type: str = "int8", workers: int = 1) -> Any:
+    """A faster_whisper.WhisperModel for the bundled tiny.en, on CPU (no hub access).
+    `workers`: calls from that many threads run at once (CTranslate2's inter_threads), each
+    on `cpu_threads`."""
     from faster_whisper import WhisperModel  # heavy import: only where a recognizer is wanted
 
     return WhisperModel(
@@ -69,6 +71,7 @@ def load_whisper(*, cpu_threads: int = 2, compute_type: str = "int8") -> Any:
         device="cpu",
         compute_type=compute_type,
         cpu_threads=cpu_threads,
+        num_workers=workers,
         local_files_only=True,
     )
 
