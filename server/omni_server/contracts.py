@@ -21,9 +21,8 @@ Across processes a contract is pickled as its constructor call (`__reduce__`): d
 `__post_init__` again, so what a stage reads from shared memory is checked as the server's
 value was (docs/transport.md, "Nothing read from shared memory is trusted").
 
-A leaf module: it imports the plan's `SamplingSpec`, the audio formats and its base
-(`contract_base`: `Contract` and the checks its fields share), nothing of serve/, pipeline/ or
-stage/ (tests/test_imports.py).
+A leaf module: it imports the plan's `SamplingSpec`, the audio formats and its base (`Contract`
+and shared checks), nothing of serve/, pipeline/ or stage/ (tests/test_imports.py).
 """
 
 from __future__ import annotations
@@ -98,11 +97,11 @@ class SpeechOptions(Contract):
     """How a voice speaks one request: every endpoint that speaks builds one (speech, chat with
     audio out, realtime, the speech input stream) and the voice's entry stage reads it.
 
-    `voice` is canonical (an alias resolved by the server): a declared voice, or a custom
-    voice's id with its `reference`. `stream`: the audio may be encoded progressively (False:
-    one whole file). `sample_rate` None: the format's default. `instructions` and `temperature`
-    (the speech endpoint's) reach a voice that can act on them; the embedded Piper voice
-    ignores both."""
+    `voice` is canonical (an alias resolved by the server): a declared voice, or a custom voice's
+    id with its `reference`. `stream`: the audio may be encoded progressively (False: one whole
+    file). `sample_rate` None: the format's default. `instructions` and `temperature` (the
+    speech endpoint's) reach a voice that can act on them; the embedded Piper voice ignores
+    both. `timing`: the caller shows word timings (the speech stream, realtime, `timestamps`)."""
 
     KEY: ClassVar[str] = "speech"
 
@@ -115,6 +114,7 @@ class SpeechOptions(Contract):
     reference: VoiceReference | None = None
     instructions: str | None = None
     temperature: float | None = None
+    timing: bool = False  # a voice whose timing costs (forced alignment) makes it only then
 
     def __post_init__(self) -> None:
         if not isinstance(self.voice, str) or not self.voice:
@@ -123,8 +123,9 @@ class SpeechOptions(Contract):
             raise ValueError(
                 f"response_format must be one of {', '.join(FORMATS)}; got {self.response_format!r}"
             )
-        if not isinstance(self.stream, bool):
-            raise ValueError(f"stream must be true or false; got {self.stream!r}")
+        for flag in ("stream", "timing"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be true or false; got {getattr(self, flag)!r}")
         if not (_number(self.speed) and MIN_SPEED <= self.speed <= MAX_SPEED):
             raise ValueError(f"speed must lie in {MIN_SPEED}..{MAX_SPEED}; got {self.speed!r}")
         _check_seed(self.seed)

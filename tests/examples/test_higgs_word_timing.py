@@ -58,12 +58,14 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_higgs_audio_v2(folder / "higgs", "tiny", seed=0, audio_eos_scale=0.6)
 
 
-async def spoken(repo: Path, checkpoint: Path) -> tuple[list[dict[str, Any]], Any]:
+async def spoken(
+    repo: Path, checkpoint: Path, timing: bool = True
+) -> tuple[list[dict[str, Any]], Any]:
     from omni_server.compiler import compile_repository
     from tests.helpers.runtime import running
 
     plan = compile_repository(repo, ["--parameters.checkpoint", str(checkpoint)])
-    options = SpeechOptions("higgs", response_format="pcm", temperature=1.0, seed=3)
+    options = SpeechOptions("higgs", response_format="pcm", temperature=1.0, seed=3, timing=timing)
     payload = speech_payload(TEXT, options)
     async with running(plan) as runtime, runtime.submit(plan.models[MODEL], payload) as handle:
         chunks = [chunk async for chunk in handle]
@@ -96,10 +98,13 @@ async def test_word_timing_passes_the_audio_and_times_every_word(
 ) -> None:
     timed, result = await spoken(REPO, checkpoint)
     plain, plain_result = await spoken(undeclared, checkpoint)
+    # a caller that shows no timing (SpeechOptions.timing false) pays no alignment
+    untimed, untimed_result = await spoken(REPO, checkpoint, timing=False)
     body = b"".join(c["audio"] for c in timed)
     assert body == b"".join(c["audio"] for c in plain) and body
-    assert result == plain_result
-    assert all(SpeechTiming.KEY not in c for c in plain)
+    assert body == b"".join(c["audio"] for c in untimed)
+    assert result == plain_result == untimed_result
+    assert all(SpeechTiming.KEY not in c for c in (*plain, *untimed))
     timing = SpeechTiming.joined([c[SpeechTiming.KEY] for c in timed if SpeechTiming.KEY in c])
     assert timing.text == TEXT
     assert [w.text for w in timing.words] == [w.text for w in spoken_words(TEXT)]

@@ -104,7 +104,9 @@ class Preprocessing(StageBackend):
         except ChatTemplateError as err:
             raise InvalidRequest(str(err), param="input") from err
         return {
-            "text": text,  # what is spoken: a word_timing stage after the vocoder times it
+            # what is spoken, for a word_timing stage after the vocoder to align the audio to;
+            # None when the caller shows no timing (the alignment costs a Whisper pass)
+            "text": text if speech.timing else None,
             "conversation": conversation,
             "prompt_text": prompt_text,
             "voice": {

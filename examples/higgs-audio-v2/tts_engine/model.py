@@ -77,7 +77,7 @@ class TTSEngine(StageBackend):
         self._requests: dict[str, Request] = {}  # engine id -> request
         self._first: set[str] = set()  # engine ids whose first chunk is still to go
         self._encoding: dict[str, Any] = {}
-        self._text: dict[str, str] = {}  # engine id -> the text spoken, sent with the first frames
+        self._text: dict[str, str | None] = {}  # engine id -> the text spoken (None: no timing)
 
     def _warm_graphs(self, tokens: int) -> None:
         """Capture the decode graphs of every batch bucket at the contexts up to `tokens` now,

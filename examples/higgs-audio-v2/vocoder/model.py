@@ -238,7 +238,7 @@ class Vocoder(StageBackend):
         if self.stream_samples:  # every step's audio, and the end, reach the stage after
             chunk = {"audio": audio, "samples": samples, "sample_rate": stream.encoder.sample_rate}
             if stream.sent == 0:
-                chunk["text"] = stream.text or ""
+                chunk["text"] = stream.text  # None: no timing asked for
         stream.sent += 1
         if not ends:
             return StepOutput(stream.request, chunk=chunk)

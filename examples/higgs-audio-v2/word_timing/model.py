@@ -2,9 +2,11 @@
 to its text as it streams.
 
 Reads the vocoder's chunks ({"audio": body bytes, "samples": float32, "sample_rate"}, the first
-with "text", the last with "result"). A step sends every stream's new bytes on at once, with,
-under "timing" (`SpeechTiming`), the words placed since its last chunk
-(omni_server.audio.forced_alignment: a segment's words once the pause after it is there).
+with "text", the last with "result"). A request whose caller shows no timing (its
+SpeechOptions.timing false: "text" None) passes through untouched: no alignment, no wait. A
+step sends every stream's new bytes on at once, with, under "timing" (`SpeechTiming`), the
+words placed since its last chunk (omni_server.audio.forced_alignment: a segment's words once
+the pause after it is there).
 Times are the utterance's (seconds from its first sample, after speed and resampling), so a
 chunk's timing may be of words whose audio went out in earlier chunks.
 
@@ -58,6 +60,7 @@ class Timed:
     finished: bool = False  # the worker has aligned the end
     error: BaseException | None = None
     ended: bool = False  # the vocoder's last chunk came (compute thread only)
+    plain: bool = False  # no timing asked for: the audio passes through (compute thread only)
     held: bytearray = field(default_factory=bytearray)  # the last bytes, until finished
     result: dict[str, Any] = field(default_factory=dict)
 
@@ -124,14 +127,26 @@ class WordTiming(StageBackend):
         chunks, ended = timed.request.take_stream()
         audio = bytearray()
         for chunk in chunks:
-            if timed.aligner is None:
+            if timed.aligner is None and not timed.plain:
                 text, rate = chunk["text"], int(chunk["sample_rate"])
-                timed.aligner = StreamAligner(self.aligner, text, rate, self.segmenting)
+                if text is None:
+                    timed.plain = True
+                else:
+                    timed.aligner = StreamAligner(self.aligner, text, rate, self.segmenting)
             audio += chunk["audio"]
+            if timed.plain:
+                if "result" in chunk:
+                    timed.result, ended = chunk["result"], True
+                continue
             self._queue(timed, chunk["samples"])
             if "result" in chunk:
                 timed.result = chunk["result"]
                 ended = True
+        if timed.plain:
+            if ended:
+                return StepOutput(timed.request, chunk={"audio": bytes(audio)}, finished=True,
+                                  result=timed.result)  # fmt: skip
+            return StepOutput(timed.request, chunk={"audio": bytes(audio)}) if audio else None
         if ended and not timed.ended:
             if timed.aligner is None:
                 raise RuntimeError("the vocoder sent no audio")

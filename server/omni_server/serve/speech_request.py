@@ -158,6 +158,7 @@ def parse_speech_request(
             response_format=fields.response_format,
             stream=stream_format is not None,
             speed=fields.speed,
+            timing=timestamps,
             seed=fields.seed,
             sample_rate=_sample_rate(fields.sample_rate, fields.response_format),
             instructions=fields.instructions,

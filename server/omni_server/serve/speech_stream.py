@@ -308,6 +308,7 @@ class SpeechStream:
             seed=settings.seed,
             sample_rate=settings.output.rate,
             reference=settings.voice.reference,
+            timing=True,  # alignment rides with every audio message
         )
         # a space after the sentence: its timing's characters end with it, so the alignments
         # of a session's sentences, joined, are its text

@@ -209,6 +209,7 @@ class ResponseRun:
                 speed=config.speed,
                 seed=config.seed,
                 sample_rate=config.output_format.rate,
+                timing=True,  # word timings: transcript deltas and truncation
             )
         if messages and messages[-1]["role"] == "assistant":
             messages = messages[:-1]
