@@ -5,12 +5,14 @@ transcription, chat, omni, realtime sessions: the embedded repository's models) 
 or for `--duration-s`, while a chaos loop SIGKILLs or SIGSTOPs a random stage process every few
 seconds (a SIGSTOPped one stays frozen: the supervisor's heartbeats must find and kill it).
 Reported: requests by kind, status and error code; per fault, its kind, its victim and the time
-until /health said "ok" again; every process's RSS slope (MB/min, psutil, one series per
+until /health said "ok" again, and the median and max of those per kind of victim process
+(thinker, voice, asr) and fault; every process's RSS slope (MB/min, psutil, one series per
 process: a restarted one starts a new one); and processes, /dev/shm segments, descriptors and
 run directories of the server's run before and after, and what of it is left once it stopped.
 
     omni-bench soak [--repo repository] [--requests 1000 | --duration-s 1800] [--concurrency 8]
                     [--faults 10] [--mix speech,transcription,chat,omni,realtime]
+                    [--victims thinker,voice,asr]
 """
 
 from __future__ import annotations
@@ -112,7 +114,10 @@ async def _chaos(
             stages = server.see_stage_processes()
             if not stages:
                 continue
-            victim = rng.choice(stages)
+            targets = [p for p in stages if _process(names[p.instance]) in args.victims]
+            if not targets:
+                continue
+            victim = rng.choice(targets)
             kind = rng.choice(("SIGKILL", "SIGSTOP"))
             fault = Fault(kind, names[victim.instance], time.monotonic())
             os.kill(victim.pid, signal.SIGKILL if kind == "SIGKILL" else signal.SIGSTOP)
@@ -218,6 +223,8 @@ async def run(args) -> str:
         f"{statistics.median(recovered) if recovered else nan:.2f} s, max "
         f"{max(recovered) if recovered else nan:.2f} s",
         "",
+        *_recovery_by_kind(faults),
+        "",
         *tables.header(["resource", "before", "after the faults", "after stop"], "lrrr"),
         tables.row(
             ["stage processes", before.stage_processes, after.stage_processes, len(left.processes)]
@@ -239,6 +246,40 @@ async def run(args) -> str:
     return "\n".join(lines)
 
 
+def _process(instance: str) -> str:
+    """An instance's process name: `thinker@r0` -> `thinker` (the kind of stage process)."""
+    return instance.split("@", 1)[0]
+
+
+def _recovery_by_kind(faults: list[Fault]) -> list[str]:
+    """Recovery per kind of victim process and fault: a SIGKILL is seen at once (the process's
+    exit), a SIGSTOP after the heartbeat timeout; what follows is the successor's start."""
+    groups: dict[tuple[str, str], list[Fault]] = collections.defaultdict(list)
+    for fault in faults:
+        groups[(_process(fault.victim), fault.kind)].append(fault)
+    lines = tables.header(
+        ["process", "fault", "faults", "recovered", "median s", "max s", "median detected s"],
+        "llrrrrr",
+    )
+    for (process, kind), group in sorted(groups.items()):
+        times = [f.recovered_s for f in group if f.recovered_s is not None]
+        detected = [f.detected_s for f in group if f.detected_s is not None]
+        lines.append(
+            tables.row(
+                [
+                    process,
+                    kind,
+                    len(group),
+                    len(times),
+                    _s(statistics.median(times) if times else None),
+                    _s(max(times) if times else None),
+                    _s(statistics.median(detected) if detected else None),
+                ]
+            )
+        )
+    return lines
+
+
 def _slope(mb_per_min: float | None) -> str:
     return "- (under a minute)" if mb_per_min is None else f"{mb_per_min:+.2f}"
 
@@ -255,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--faults", type=int, default=10)
     parser.add_argument("--fault-interval", type=float, default=3.0, help="seconds between faults")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--victims",
+        default="",
+        help="comma-separated process names the faults hit (e.g. thinker; default: every one)",
+    )
     parser.add_argument(
         "--duration-s",
         type=float,
@@ -274,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.requests < 1 or args.concurrency < 1 or args.faults < 0 or args.duration_s < 0:
         parser.error("--requests and --concurrency must be >= 1, --faults and --duration-s >= 0")
     args.mix = [k.strip() for k in args.mix.split(",") if k.strip()]
+    processes = sorted({_process(i.name) for i in compile_repository(args.repo).instances})
+    args.victims = [v.strip() for v in args.victims.split(",") if v.strip()] or processes
+    if set(args.victims) - set(processes):
+        parser.error(f"--victims: unknown process(es); the repository's: {', '.join(processes)}")
     unknown = [k for k in args.mix if k not in mix.REQUESTS]
     if unknown or not args.mix:
         parser.error(f"--mix: unknown kind(s) {unknown}; kinds: {', '.join(mix.REQUESTS)}")
