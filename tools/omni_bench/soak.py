@@ -3,12 +3,14 @@
 A server on the repository takes requests at concurrency C, taken in turn from the mix (speech,
 transcription, chat, omni, realtime sessions: the embedded repository's models) for N requests
 or for `--duration-s`, while a chaos loop SIGKILLs or SIGSTOPs a random stage process every few
-seconds (a SIGSTOPped one stays frozen: the supervisor's heartbeats must find and kill it).
-Reported: requests by kind, status and error code; per fault, its kind, its victim and the time
-until /health said "ok" again, and the median and max of those per kind of victim process
-(thinker, voice, asr) and fault; every process's RSS slope (MB/min, psutil, one series per
-process: a restarted one starts a new one); and processes, /dev/shm segments, descriptors and
-run directories of the server's run before and after, and what of it is left once it stopped.
+seconds (a SIGSTOPped one stays frozen: the supervisor's heartbeats must find and kill it), each
+fault waited out (every instance up again, at most --recovery-timeout) before the next.
+Reported: requests by kind, status and error code; per fault, its kind, its victim, when
+/health first named the victim down and when it no longer did (its successor up), and the
+median and max of those per kind of victim process (thinker, voice, asr) and fault; every
+process's RSS slope (MB/min, psutil, one series per process: a restarted one starts a new
+one); and processes, /dev/shm segments, descriptors and run directories of the server's run
+before and after, and what of it is left once it stopped.
 
     omni-bench soak [--repo repository] [--requests 1000 | --duration-s 1800] [--concurrency 8]
                     [--faults 10] [--mix speech,transcription,chat,omni,realtime]
@@ -23,6 +25,7 @@ import collections
 import itertools
 import os
 import random
+import re
 import signal
 import statistics
 import sys
@@ -38,16 +41,14 @@ from omni_bench.harness.server import OmniServer, run_segments
 from omni_bench.rss import RssSampler
 from omni_server.compiler import compile_repository
 
-RECOVERY_TIMEOUT_S = 60.0
-
 
 @dataclass
 class Fault:
     kind: str  # SIGKILL | SIGSTOP
     victim: str  # instance name
     at: float
-    detected_s: float | None = None  # /health left "ok" (a frozen process: its heartbeats)
-    recovered_s: float | None = None  # /health said "ok" again
+    detected_s: float | None = None  # /health named the victim down (frozen: its heartbeats)
+    recovered_s: float | None = None  # /health no longer named it (its successor is up)
 
 
 @dataclass
@@ -122,23 +123,42 @@ async def _chaos(
             fault = Fault(kind, names[victim.instance], time.monotonic())
             os.kill(victim.pid, signal.SIGKILL if kind == "SIGKILL" else signal.SIGSTOP)
             faults.append(fault)
-            # detected: /health leaves "ok"; recovered: it says "ok" again (every instance up)
-            while time.monotonic() - fault.at < RECOVERY_TIMEOUT_S:
-                ok = await _health_ok(http, server.url)
-                if fault.detected_s is None and not ok:
-                    fault.detected_s = time.monotonic() - fault.at
-                elif fault.detected_s is not None and ok:
-                    fault.recovered_s = time.monotonic() - fault.at
+            # detected: /health names the victim down; recovered: it no longer does (its
+            # successor is up). Then every instance must be up before the next fault, so one
+            # fault's recovery is never another's.
+            while time.monotonic() - fault.at < args.recovery_timeout:
+                down = await _down(http, server.url)
+                now = time.monotonic() - fault.at
+                if down is None:  # no answer: nothing learnt
+                    pass
+                elif fault.detected_s is None and fault.victim in down:
+                    fault.detected_s = now
+                elif fault.detected_s is not None and fault.victim not in down:
+                    fault.recovered_s = fault.recovered_s or now
+                if fault.recovered_s is not None and down == set():
                     break
                 await asyncio.sleep(0.05)
 
 
-async def _health_ok(http: aiohttp.ClientSession, url: str) -> bool:
+_DOWN = re.compile(r"([A-Za-z0-9_.-]+@r\d+) (?:restarting|failed)")
+
+
+async def _down(http: aiohttp.ClientSession, url: str) -> set[str] | None:
+    """The instances /health names down (restarting or failed; empty: "ok"), or None when it
+    did not answer."""
     try:
         async with http.get(f"{url}/health") as r:
-            return r.status == 200 and (await r.json())["status"] == "ok"
-    except (aiohttp.ClientError, TimeoutError):
-        return False
+            body = await r.json()
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
+    return named_down(body)
+
+
+def named_down(health: dict) -> set[str]:
+    """The instances a /health body names restarting or failed (none when it says "ok")."""
+    if health.get("status") == "ok":
+        return set()
+    return set(_DOWN.findall(str(health.get("detail", ""))))
 
 
 async def run(args) -> str:
@@ -223,7 +243,7 @@ async def run(args) -> str:
         f"{statistics.median(recovered) if recovered else nan:.2f} s, max "
         f"{max(recovered) if recovered else nan:.2f} s",
         "",
-        *_recovery_by_kind(faults),
+        *recovery_by_kind(faults),
         "",
         *tables.header(["resource", "before", "after the faults", "after stop"], "lrrr"),
         tables.row(
@@ -251,7 +271,7 @@ def _process(instance: str) -> str:
     return instance.split("@", 1)[0]
 
 
-def _recovery_by_kind(faults: list[Fault]) -> list[str]:
+def recovery_by_kind(faults: list[Fault]) -> list[str]:
     """Recovery per kind of victim process and fault: a SIGKILL is seen at once (the process's
     exit), a SIGSTOP after the heartbeat timeout; what follows is the successor's start."""
     groups: dict[tuple[str, str], list[Fault]] = collections.defaultdict(list)
@@ -316,6 +336,13 @@ def main(argv: list[str] | None = None) -> int:
         "--rss-interval", type=float, default=5.0, help="seconds between RSS readings"
     )
     parser.add_argument("--timeout-s", type=float, default=3600, help="bound on the whole load")
+    parser.add_argument(
+        "--recovery-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a fault is waited out before the next one (a victim not back by then "
+        "counts as not recovered)",
+    )
     args = parser.parse_args(argv)
     if args.requests < 1 or args.concurrency < 1 or args.faults < 0 or args.duration_s < 0:
         parser.error("--requests and --concurrency must be >= 1, --faults and --duration-s >= 0")
