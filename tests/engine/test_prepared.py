@@ -58,8 +58,8 @@ def _answer(engine: Engine) -> list[int]:
 
 
 def _outcomes(caplog: pytest.LogCaptureFixture) -> list[str]:
-    """What each load did with the prepared file, in order: written, mapped, refused."""
-    words = ("written", "mapped", "refused")
+    """What each load did with the prepared file, in order: written, mapped, copied, refused."""
+    words = ("written", "mapped", "copied", "refused")
     return [
         next(w for w in words if w in r.getMessage())
         for r in caplog.records
@@ -98,6 +98,21 @@ def test_a_second_load_maps_the_prepared_file_read_only(
         assert torch.equal(param, ones[name]) and param.stride() == ones[name].stride(), name
         assert any(low <= param.data_ptr() < high for low, high in ranges), name
     assert any(not p.is_contiguous() for p in second.model.parameters())  # by columns
+    assert _answer(second) == _answer(first)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_prepared_weights_are_copied_in(
+    gguf: Path, directory: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, LOGGER)
+    config = EngineConfig.from_table({**CONFIG, "device": "cuda:0"})
+    first = Engine.from_gguf(config, path=gguf, prepared=directory)
+    second = Engine.from_gguf(config, path=gguf, prepared=directory)
+    assert _outcomes(caplog) == ["written", "copied"]
+    ones = dict(first.model.named_parameters())
+    for name, param in second.model.named_parameters():
+        assert param.device.type == "cuda" and torch.equal(param, ones[name]), name
     assert _answer(second) == _answer(first)
 
 
