@@ -3,8 +3,9 @@
 The first process to load a GGUF with a `prepared` directory reads the GGUF, dequantizes it,
 places the weights, and writes them (and the GGUF's header: shape, tokenizer) as the prepared
 file. A process after it (a restart after a crash or a freeze, another replica started later)
-finds the file, checks it, and copies the weights from the read-only mapping into its module:
-it reads neither the GGUF's header nor its quantized blocks. A stale or refused file is
+finds the file, checks it, and takes its weights from the read-only mapping (on the CPU the
+mapping is the module's parameters; a GPU copies them in): it reads neither the GGUF's header
+nor its quantized blocks. A stale or refused file is
 prepared again and replaced. Replicas that start together each prepare (the last rename wins;
 the contents are the same).
 
@@ -67,7 +68,10 @@ def _reopened(path: Path, header: Any) -> GGUFFile:
     family = FAMILIES.get(str(metadata.get("general.architecture")))
     if family is None or family.gguf_architecture is None:
         raise prepared.PreparedError("its source header is not a GGUF header this engine reads")
-    return GGUFFile(family, path, metadata, tied)
+    try:
+        return GGUFFile(family, path, metadata, tied)
+    except ValueError as err:  # its header no longer reads as a shape (GGUFFormatError)
+        raise prepared.PreparedError(str(err)) from None
 
 
 class MappedWeights(ModelSource):
