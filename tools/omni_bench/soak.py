@@ -314,7 +314,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--faults", type=int, default=10)
-    parser.add_argument("--fault-interval", type=float, default=3.0, help="seconds between faults")
+    parser.add_argument(
+        "--fault-interval",
+        type=float,
+        default=3.0,
+        help="seconds between a recovery and the next fault (aimed at one process, faults "
+        "closer than ~12 s apart reach the crash-loop limit: 5 deaths in 60 s)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--victims",
