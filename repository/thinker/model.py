@@ -72,12 +72,20 @@ class Thinker(StageBackend):
         # tp_size > 1: this rank keeps its share of the heads and the MLP (engine/parallel.py)
         tp = TensorParallel(context.tp_rank, context.tp_size, context.process_group)
         try:
-            # one copy of the weights per device when replicas share them (weight_share = "on")
+            # one copy of the weights per device when replicas share them (weight_share = "on");
+            # a GGUF's dequantized weights kept in the run for a restarted process to map
+            # (engine/prepared.py: a restart under load in seconds, not a minute)
             if checkpoint is None:
-                self.engine = Engine.from_gguf(config, weights=context.shared_weights, tp=tp)
+                self.engine = Engine.from_gguf(
+                    config, weights=context.shared_weights, tp=tp, prepared=context.prepared_dir
+                )
             else:
                 self.engine = Engine.from_checkpoint(
-                    checkpoint, config, tp=tp, weights=context.shared_weights
+                    checkpoint,
+                    config,
+                    tp=tp,
+                    weights=context.shared_weights,
+                    prepared=context.prepared_dir,
                 )
         except CheckpointError as err:  # names the folder and what it lacks
             raise StageConfigError(str(err)) from err

@@ -112,6 +112,11 @@ class StageContext:
     models: Mapping[str, ModelSpec] = field(default_factory=dict)
     # the runtime's weight sharing (gpu/weights.py); None: every replica loads its own
     weight_sharing: Any = field(default=None, repr=False, compare=False)
+    # A private directory of this server run (mode 0700, removed with the run) where a backend
+    # keeps what it prepared once for the processes after it: a replica restarted after a crash
+    # or a freeze, another replica (the thinker's prepared weights, engine/prepared.py). None:
+    # no such place (a backend driven outside a server).
+    prepared_dir: Path | None = None
 
     def shared_weights(self, key: str, load: Callable[[], Mapping[str, Any]]) -> dict[str, Any]:
         """The tensors `load()` returns ({name: tensor} on this stage's device), loaded once

@@ -31,9 +31,11 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -219,7 +221,7 @@ def build(args: argparse.Namespace) -> tuple[Engine, list[int]]:
         cpu_weight_order=args.cpu_weight_order,
     )
     if args.random_shape is None and not args.thin:
-        engine = Engine.from_gguf(config)
+        engine = _prepared_engine(config) if args.prepared else Engine.from_gguf(config)
         assert engine.tokenizer is not None
         prompt = engine.tokenizer.encode_chat([{"role": "user", "content": QUESTIONS[0]}])
         return engine, prompt
@@ -227,6 +229,15 @@ def build(args: argparse.Namespace) -> tuple[Engine, list[int]]:
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(1, shape.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
     return Engine.from_random(shape, config), prompt
+
+
+def _prepared_engine(config: EngineConfig) -> Engine:
+    """The embedded GGUF as a restarted thinker runs it: on the weights a first load prepared,
+    mapped read-only from the prepared file (engine/prepared.py) instead of its own copy in
+    huge pages. The file is removed at once; the mapping keeps it until the engine goes."""
+    with tempfile.TemporaryDirectory() as directory:
+        Engine.from_gguf(config, prepared=Path(directory))  # prepares and writes the file
+        return Engine.from_gguf(config, prepared=Path(directory))  # maps it
 
 
 def table(result: Result) -> str:
@@ -280,6 +291,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default="columns",
         help="the engine's weight layout (the embedded thinker's: columns; EngineConfig)",
     )
+    p.add_argument(
+        "--prepared",
+        action="store_true",
+        help="the embedded GGUF's weights mapped from a prepared file, as a restarted thinker "
+        "runs on them (file pages), instead of the engine's own huge-page copy",
+    )
     p.add_argument("--prompt-tokens", type=int, default=40, help="random-weight prompts only")
     p.add_argument("--no-peer", action="store_true", help="the engine alone (no transformers)")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS", help="profile STEPS steps")
@@ -289,6 +306,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("--rounds and --threads must be >= 1, --new-tokens >= 3, --profile >= 0")
     if args.thin and args.random_shape:
         p.error("--thin and --random-shape are exclusive")
+    if args.prepared and (args.thin or args.random_shape):
+        p.error("--prepared is of the embedded GGUF: not with --thin or --random-shape")
     return args
 
 

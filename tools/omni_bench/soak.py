@@ -3,14 +3,18 @@
 A server on the repository takes requests at concurrency C, taken in turn from the mix (speech,
 transcription, chat, omni, realtime sessions: the embedded repository's models) for N requests
 or for `--duration-s`, while a chaos loop SIGKILLs or SIGSTOPs a random stage process every few
-seconds (a SIGSTOPped one stays frozen: the supervisor's heartbeats must find and kill it).
-Reported: requests by kind, status and error code; per fault, its kind, its victim and the time
-until /health said "ok" again; every process's RSS slope (MB/min, psutil, one series per
-process: a restarted one starts a new one); and processes, /dev/shm segments, descriptors and
-run directories of the server's run before and after, and what of it is left once it stopped.
+seconds (a SIGSTOPped one stays frozen: the supervisor's heartbeats must find and kill it), each
+fault waited out (every instance up again, at most --recovery-timeout) before the next.
+Reported: requests by kind, status and error code; per fault, its kind, its victim, when
+/health first named the victim down and when it no longer did (its successor up), and the
+median and max of those per kind of victim process (thinker, voice, asr) and fault; every
+process's RSS slope (MB/min, psutil, one series per process: a restarted one starts a new
+one); and processes, /dev/shm segments, descriptors and run directories of the server's run
+before and after, and what of it is left once it stopped.
 
     omni-bench soak [--repo repository] [--requests 1000 | --duration-s 1800] [--concurrency 8]
                     [--faults 10] [--mix speech,transcription,chat,omni,realtime]
+                    [--victims thinker,voice,asr]
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import collections
 import itertools
 import os
 import random
+import re
 import signal
 import statistics
 import sys
@@ -36,16 +41,14 @@ from omni_bench.harness.server import OmniServer, run_segments
 from omni_bench.rss import RssSampler
 from omni_server.compiler import compile_repository
 
-RECOVERY_TIMEOUT_S = 60.0
-
 
 @dataclass
 class Fault:
     kind: str  # SIGKILL | SIGSTOP
     victim: str  # instance name
     at: float
-    detected_s: float | None = None  # /health left "ok" (a frozen process: its heartbeats)
-    recovered_s: float | None = None  # /health said "ok" again
+    detected_s: float | None = None  # /health named the victim down (frozen: its heartbeats)
+    recovered_s: float | None = None  # /health no longer named it (its successor is up)
 
 
 @dataclass
@@ -112,28 +115,50 @@ async def _chaos(
             stages = server.see_stage_processes()
             if not stages:
                 continue
-            victim = rng.choice(stages)
+            targets = [p for p in stages if _process(names[p.instance]) in args.victims]
+            if not targets:
+                continue
+            victim = rng.choice(targets)
             kind = rng.choice(("SIGKILL", "SIGSTOP"))
             fault = Fault(kind, names[victim.instance], time.monotonic())
             os.kill(victim.pid, signal.SIGKILL if kind == "SIGKILL" else signal.SIGSTOP)
             faults.append(fault)
-            # detected: /health leaves "ok"; recovered: it says "ok" again (every instance up)
-            while time.monotonic() - fault.at < RECOVERY_TIMEOUT_S:
-                ok = await _health_ok(http, server.url)
-                if fault.detected_s is None and not ok:
-                    fault.detected_s = time.monotonic() - fault.at
-                elif fault.detected_s is not None and ok:
-                    fault.recovered_s = time.monotonic() - fault.at
+            # detected: /health names the victim down; recovered: it no longer does (its
+            # successor is up). Then every instance must be up before the next fault, so one
+            # fault's recovery is never another's.
+            while time.monotonic() - fault.at < args.recovery_timeout:
+                down = await _down(http, server.url)
+                now = time.monotonic() - fault.at
+                if down is None:  # no answer: nothing learnt
+                    pass
+                elif fault.detected_s is None and fault.victim in down:
+                    fault.detected_s = now
+                elif fault.detected_s is not None and fault.victim not in down:
+                    fault.recovered_s = fault.recovered_s or now
+                if fault.recovered_s is not None and down == set():
                     break
                 await asyncio.sleep(0.05)
 
 
-async def _health_ok(http: aiohttp.ClientSession, url: str) -> bool:
+_DOWN = re.compile(r"([A-Za-z0-9_.-]+@r\d+) (?:restarting|failed)")
+
+
+async def _down(http: aiohttp.ClientSession, url: str) -> set[str] | None:
+    """The instances /health names down (restarting or failed; empty: "ok"), or None when it
+    did not answer."""
     try:
         async with http.get(f"{url}/health") as r:
-            return r.status == 200 and (await r.json())["status"] == "ok"
-    except (aiohttp.ClientError, TimeoutError):
-        return False
+            body = await r.json()
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
+    return named_down(body)
+
+
+def named_down(health: dict) -> set[str]:
+    """The instances a /health body names restarting or failed (none when it says "ok")."""
+    if health.get("status") == "ok":
+        return set()
+    return set(_DOWN.findall(str(health.get("detail", ""))))
 
 
 async def run(args) -> str:
@@ -218,6 +243,8 @@ async def run(args) -> str:
         f"{statistics.median(recovered) if recovered else nan:.2f} s, max "
         f"{max(recovered) if recovered else nan:.2f} s",
         "",
+        *recovery_by_kind(faults),
+        "",
         *tables.header(["resource", "before", "after the faults", "after stop"], "lrrr"),
         tables.row(
             ["stage processes", before.stage_processes, after.stage_processes, len(left.processes)]
@@ -239,6 +266,40 @@ async def run(args) -> str:
     return "\n".join(lines)
 
 
+def _process(instance: str) -> str:
+    """An instance's process name: `thinker@r0` -> `thinker` (the kind of stage process)."""
+    return instance.split("@", 1)[0]
+
+
+def recovery_by_kind(faults: list[Fault]) -> list[str]:
+    """Recovery per kind of victim process and fault: a SIGKILL is seen at once (the process's
+    exit), a SIGSTOP after the heartbeat timeout; what follows is the successor's start."""
+    groups: dict[tuple[str, str], list[Fault]] = collections.defaultdict(list)
+    for fault in faults:
+        groups[(_process(fault.victim), fault.kind)].append(fault)
+    lines = tables.header(
+        ["process", "fault", "faults", "recovered", "median s", "max s", "median detected s"],
+        "llrrrrr",
+    )
+    for (process, kind), group in sorted(groups.items()):
+        times = [f.recovered_s for f in group if f.recovered_s is not None]
+        detected = [f.detected_s for f in group if f.detected_s is not None]
+        lines.append(
+            tables.row(
+                [
+                    process,
+                    kind,
+                    len(group),
+                    len(times),
+                    _s(statistics.median(times) if times else None),
+                    _s(max(times) if times else None),
+                    _s(statistics.median(detected) if detected else None),
+                ]
+            )
+        )
+    return lines
+
+
 def _slope(mb_per_min: float | None) -> str:
     return "- (under a minute)" if mb_per_min is None else f"{mb_per_min:+.2f}"
 
@@ -253,8 +314,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--faults", type=int, default=10)
-    parser.add_argument("--fault-interval", type=float, default=3.0, help="seconds between faults")
+    parser.add_argument(
+        "--fault-interval",
+        type=float,
+        default=3.0,
+        help="seconds between a recovery and the next fault (aimed at one process, faults "
+        "closer than ~12 s apart reach the crash-loop limit: 5 deaths in 60 s)",
+    )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--victims",
+        default="",
+        help="comma-separated process names the faults hit (e.g. thinker; default: every one)",
+    )
     parser.add_argument(
         "--duration-s",
         type=float,
@@ -270,10 +342,21 @@ def main(argv: list[str] | None = None) -> int:
         "--rss-interval", type=float, default=5.0, help="seconds between RSS readings"
     )
     parser.add_argument("--timeout-s", type=float, default=3600, help="bound on the whole load")
+    parser.add_argument(
+        "--recovery-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a fault is waited out before the next one (a victim not back by then "
+        "counts as not recovered)",
+    )
     args = parser.parse_args(argv)
     if args.requests < 1 or args.concurrency < 1 or args.faults < 0 or args.duration_s < 0:
         parser.error("--requests and --concurrency must be >= 1, --faults and --duration-s >= 0")
     args.mix = [k.strip() for k in args.mix.split(",") if k.strip()]
+    processes = sorted({_process(i.name) for i in compile_repository(args.repo).instances})
+    args.victims = [v.strip() for v in args.victims.split(",") if v.strip()] or processes
+    if set(args.victims) - set(processes):
+        parser.error(f"--victims: unknown process(es); the repository's: {', '.join(processes)}")
     unknown = [k for k in args.mix if k not in mix.REQUESTS]
     if unknown or not args.mix:
         parser.error(f"--mix: unknown kind(s) {unknown}; kinds: {', '.join(mix.REQUESTS)}")

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from omni_server.engine.paged_decode import paged_decode_attention
 
@@ -165,6 +164,10 @@ def prefill_attention(
     if ctx == n:  # the first chunk: top-left and bottom-right alignment agree
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
     else:
+        # imported at first use: torch.nn.attention.bias imports torch._dynamo, 2-3 s of a
+        # stage process's start on a loaded machine (docs/runtime.md, "Recovery")
+        from torch.nn.attention.bias import causal_lower_right
+
         bias = causal_lower_right(n, ctx)
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, enable_gqa=True)
     return o[0].transpose(0, 1)  # [n, H, D]

@@ -111,6 +111,7 @@ class Engine:
         config: EngineConfig | None = None,
         tp: TensorParallel = SINGLE,
         weights: SharedWeights | None = None,
+        prepared: Path | None = None,
     ) -> Engine:
         """A model as published: a Hugging Face checkpoint folder (config.json's `model_type`
         picks the family (families/), the safetensors its weights, its tokenizer.json
@@ -122,8 +123,11 @@ class Engine:
         placed on the device before those checks pass. With `tp`, this rank keeps its slice
         of the weights (parallel.py; ValueError when tp.size does not divide the heads). With
         `weights` (a stage's `context.shared_weights`), the placed weights come through it: a
-        sharing follower reads only the header and aliases its leader's tensors."""
-        return cls._load(open_model(path), config or EngineConfig(), tp, weights)
+        sharing follower reads only the header and aliases its leader's tensors. With
+        `prepared` (a stage's `context.prepared_dir`), a GGUF's placed weights are written
+        there once and the processes after this one map them (prepared_gguf.py)."""
+        config = config or EngineConfig()
+        return cls._load(open_model(path, prepared, config, tp), config, tp, weights)
 
     @classmethod
     def from_gguf(
@@ -132,9 +136,11 @@ class Engine:
         path: Path | str | None = None,
         tp: TensorParallel = SINGLE,
         weights: SharedWeights | None = None,
+        prepared: Path | None = None,
     ) -> Engine:
         """`from_checkpoint` of a GGUF file (default: the embedded SmolLM2-135M)."""
-        return cls._load(open_model(path), config or EngineConfig(), tp, weights)
+        config = config or EngineConfig()
+        return cls._load(open_model(path, prepared, config, tp), config, tp, weights)
 
     @classmethod
     def from_random(

@@ -33,13 +33,25 @@ SharedWeights = Callable[
 ]
 
 
-def open_model(path: Path | str | None) -> ModelSource:
+def open_model(
+    path: Path | str | None,
+    prepared: Path | None = None,
+    config: EngineConfig | None = None,
+    tp: TensorParallel = SINGLE,
+) -> ModelSource:
     """A checkpoint folder (engine/checkpoint.py) or a GGUF file (families: by its
-    general.architecture); None: the embedded SmolLM2-135M GGUF. Nothing is placed."""
+    general.architecture); None: the embedded SmolLM2-135M GGUF. Nothing is placed. With a
+    `prepared` directory a GGUF's placed weights (for `config` and `tp`) are kept there as a
+    file for the processes after this one, or taken from it (prepared_gguf.py); a checkpoint
+    folder is safetensors already and is read as it is."""
     from omni_server.engine.checkpoint import open_checkpoint
 
     path = Path(path) if path is not None else smollm2_gguf_path()
     if path.is_file():  # a checkpoint is a folder; a GGUF, one file
+        if prepared is not None and config is not None:
+            from omni_server.engine.prepared_gguf import open_prepared_gguf
+
+            return open_prepared_gguf(path, prepared, config, tp)
         return open_gguf(path)
     return open_checkpoint(path)
 
@@ -89,6 +101,9 @@ def _built(source: ModelSource, config: EngineConfig, tp: TensorParallel) -> Fam
 
 def _placed(source: ModelSource, config: EngineConfig, tp: TensorParallel) -> FamilyModel:
     model = _built(source, config, tp)
+    ready = source.ready_weights(model, torch.device(config.device))
+    if ready is not None:  # prepared weights mapped from a file: taken as they are
+        return adopted(model, config, ready)
     model = model.place(config.device, config.torch_dtype, config.cpu_weight_order)
     source.fill(model)
     return model
@@ -100,25 +115,32 @@ def _with_weights(
     tp: TensorParallel,
     weights: Mapping[str, torch.Tensor],
 ) -> FamilyModel:
-    """A module whose parameters are `weights` themselves (no copy: a sharing follower's
-    tensors alias its leader's memory), after checking they are exactly the module's: the same
-    names, shapes, dtype and device."""
-    model = _built(source, config, tp)  # nothing allocated: every parameter is replaced below
+    """The source's module around a sharing leader's `weights` (adopted)."""
+    return adopted(_built(source, config, tp), config, weights)
+
+
+def adopted(
+    model: FamilyModel, config: EngineConfig, weights: Mapping[str, torch.Tensor]
+) -> FamilyModel:
+    """`model` (built on the meta device: nothing allocated) with `weights` themselves as its
+    parameters (no copy: a sharing follower's tensors alias its leader's memory, a restarted
+    process's its prepared file's mapping), after checking they are exactly the module's: the
+    same names, shapes, dtype and device."""
     device = torch.device(config.device)
     expected = dict(model.named_parameters())
     if set(weights) != set(expected):
         missing, extra = set(expected) - set(weights), set(weights) - set(expected)
-        raise ValueError(f"shared weights: missing {sorted(missing)}, unexpected {sorted(extra)}")
+        raise ValueError(f"weights: missing {sorted(missing)}, unexpected {sorted(extra)}")
     for name, param in expected.items():
         value = weights[name]
         if value.shape != param.shape or value.dtype != config.torch_dtype:
             raise ValueError(
-                f"shared weight {name}: {tuple(value.shape)} {value.dtype}, the model needs "
+                f"weight {name}: {tuple(value.shape)} {value.dtype}, the model needs "
                 f"{tuple(param.shape)} {config.torch_dtype}"
             )
         if value.device.type != device.type or (
             device.index is not None and value.device.index != device.index
         ):
-            raise ValueError(f"shared weight {name} is on {value.device}, not {device}")
+            raise ValueError(f"weight {name} is on {value.device}, not {device}")
     model.adopt(weights, device)
     return model

@@ -14,6 +14,7 @@ import concurrent.futures
 import logging
 import sys
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 from omni_server.backend import StageConfigError, StageContext
@@ -69,9 +70,11 @@ class StageHost:
         process_group: Any = None,
         calls_factory: CallsFactory = StageCalls,
         weight_sharing: Any = None,
+        prepared_dir: Path | None = None,
     ) -> None:
         """`weight_sharing`: the process's `runtime.weights.WeightSharing`, if it is in a
-        sharing group (the worker makes it); the host closes it after finalize."""
+        sharing group (the worker makes it); the host closes it after finalize.
+        `prepared_dir`: the run's directory for prepared weights (StageContext.prepared_dir)."""
         self.plan = plan
         self.index = index
         self.instance = plan.instances[index]
@@ -81,6 +84,7 @@ class StageHost:
         self.shutdown_requested = asyncio.Event()
         self._process_group = process_group
         self._weight_sharing = weight_sharing
+        self._prepared_dir = prepared_dir
         self._calls_factory = calls_factory
         self._backends: dict[str, Any] = {}
         self._executors: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
@@ -135,6 +139,7 @@ class StageHost:
             repository_parameters=dict(self.plan.parameters),
             models=self.plan.models_through(spec.name),
             weight_sharing=self._weight_sharing,
+            prepared_dir=self._prepared_dir,
         )
 
         def create() -> Any:

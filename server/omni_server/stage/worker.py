@@ -16,6 +16,7 @@ import logging
 import os
 import pickle
 import signal
+import stat
 import sys
 import threading
 from pathlib import Path
@@ -37,6 +38,7 @@ log = logging.getLogger("omni_server.worker")
 _PR_SET_PDEATHSIG = 1
 # how long closing the endpoint may spend delivering StartFailed before the process exits
 _LAST_WORD_S = 2.0
+PREPARED_DIR = "prepared"  # in the run directory: StageContext.prepared_dir
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -83,7 +85,15 @@ async def serve(
         if sharing.active:  # this replica leads or follows a weight-sharing group
             kwargs["weight_sharing"] = sharing
         links = ChannelLinks(endpoint, name=names.__getitem__)
-        host = StageHost(plan, index, links, routes=routes, process_group=group, **kwargs)
+        host = StageHost(
+            plan,
+            index,
+            links,
+            routes=routes,
+            process_group=group,
+            prepared_dir=prepared_dir(run_dir),
+            **kwargs,
+        )
         try:
             await host.start()
         except StageStartError as exc:
@@ -176,6 +186,23 @@ async def _serve_tp_peer(
     if not done.done():  # told to stop: give the leader's finalize a moment to reach us
         await asyncio.wait([done], timeout=2.0)
     return 0
+
+
+def prepared_dir(run_dir: Path) -> Path | None:
+    """The run's directory for prepared weights (StageContext.prepared_dir), `prepared/` in
+    the run directory, made private on first use. It is trusted only if it is a directory of
+    this user with mode 0700 (not a link): else None, with a warning (loads prepare afresh)."""
+    path = run_dir / PREPARED_DIR
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        st = path.lstat()
+    except OSError as exc:
+        log.warning("no prepared weights: %s: %s", path, exc)
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        log.warning("no prepared weights: %s is not a private directory of this user", path)
+        return None
+    return path
 
 
 def _ring_capacity() -> int:

@@ -118,6 +118,14 @@ class ModelSource(abc.ABC):
     def fill(self, model: FamilyModel) -> None:
         """Give the placed module its weights."""
 
+    def ready_weights(
+        self, model: FamilyModel, device: torch.device
+    ) -> Mapping[str, torch.Tensor] | None:
+        """Weights `model` (built, not yet placed) takes as they are on `device`, no copy (a
+        prepared file's read-only mapping, engine/prepared_gguf.py); None, the default: the
+        module is placed and `fill` gives it its weights."""
+        return None
+
     @abc.abstractmethod
     def tokenizer(self) -> TextTokenizer | None:
         """The model's tokenizer (None: token ids only)."""

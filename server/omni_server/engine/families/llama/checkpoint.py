@@ -194,4 +194,4 @@ class LlamaFamily(Family):
     def open_gguf(self, path: Path, reader: GGUFReader, metadata: dict[str, Any]) -> ModelSource:
         from omni_server.engine.families.llama.gguf import GGUFFile
 
-        return GGUFFile(self, path, reader, metadata)
+        return GGUFFile.read(self, path, reader, metadata)

@@ -162,17 +162,28 @@ def load_gguf(path: Path | str | None = None) -> GGUFModel:
 
 class GGUFFile(ModelSource):
     """A llama GGUF opened: its shape and tokenizer from the header; its weights dequantized
-    only when the placed module asks for them (a sharing follower never does)."""
+    only when the placed module asks for them (a sharing follower never does). `header()` is
+    all it takes to open it again without reading the file (a prepared file keeps it)."""
 
-    def __init__(
-        self, family: Family, path: Path, reader: GGUFReader, metadata: dict[str, Any]
-    ) -> None:
+    def __init__(self, family: Family, path: Path, metadata: dict[str, Any], tied: bool) -> None:
         self.family = family
         self.path = path
         self.metadata = metadata
+        self.tied = tied
         shape = shape_from_metadata(metadata, path)
-        tied = all(_engine_name(t.name) != "lm_head" for t in reader.tensors)
         self.spec = Architecture(LlamaShape(**{**shape.__dict__, "tie_word_embeddings": tied}))
+
+    @classmethod
+    def read(
+        cls, family: Family, path: Path, reader: GGUFReader, metadata: dict[str, Any]
+    ) -> GGUFFile:
+        """The file as its reader sees it (the head is tied when it has no `output` tensor)."""
+        tied = all(_engine_name(t.name) != "lm_head" for t in reader.tensors)
+        return cls(family, path, metadata, tied)
+
+    def header(self) -> dict[str, Any]:
+        """The header's key/values and whether the head is tied (JSON values)."""
+        return {"metadata": self.metadata, "tied": self.tied}
 
     def fill(self, model: FamilyModel) -> None:
         model.load_weights(load_gguf(self.path).weights)
