@@ -33,7 +33,7 @@
 #define PIDFD_SLICE_MS 1000 /* with a pidfd: its readiness is the death signal, this a backstop */
 #define RNAME(r) ((r)->seg.name + 1) /* without the leading slash */
 /* The contention check of the spin (see spin_wait; docs/transport.md, "Waking up"). */
-#define RAN_NS 1500          /* a sched_yield this long ran another task (alone: ~0.2 us) */
+#define RAN_NS 2500          /* a sched_yield this long ran another task (alone: ~0.2 us) */
 #define HELD_MIN_NS 20000    /* the core counts as held only when lost this long, at least */
 #define HELD_STREAK 3        /* spins in a row that lost the core: it is contended */
 #define BACKOFF_MIN 4        /* waits that sleep at once after the first contended spin */
