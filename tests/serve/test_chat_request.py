@@ -232,6 +232,7 @@ def test_audio_out_resolves_the_voice_and_the_encoder_format():
         "reference": None,
         "instructions": None,
         "temperature": None,
+        "timing": False,  # chat shows no word timings
     }
     streamed = parse(
         OMNI,
