@@ -34,6 +34,7 @@ import aiohttp
 
 from omni_bench.chat import QUESTIONS
 from omni_bench.harness import tables
+from omni_bench.harness.served_args import add_served_options
 from omni_bench.harness.server import OmniServer
 from omni_bench.harness.timing import closed_loop, percentiles
 
@@ -217,13 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", action="store_true", help="the thinker on the GPU, bfloat16")
     p.add_argument("--concurrency", default="1,16,64", help="closed-loop levels (1,16,64)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens every answer decodes")
-    p.add_argument("--rounds", type=int, default=2, help="requests per level: rounds x c")
-    p.add_argument("--min-requests", type=int, default=8, help="at least this many per level")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured requests first (2)")
     p.add_argument("--kv-tokens", type=int, default=65536, help="--gpu: KV tokens (65536)")
-    p.add_argument("--ready-timeout", type=float, default=400.0, help="server start, seconds")
-    p.add_argument("--out", type=Path, default=Path("bench-results/chat-serve"))
-    p.add_argument("extra", nargs="*", help="more omni-server arguments, after --")
+    add_served_options(p, "chat-serve", 400.0)
     return p
 
 

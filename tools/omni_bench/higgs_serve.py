@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 from omni_bench import speech
 from omni_bench.harness import tables
 from omni_bench.harness.gpu import GpuMemory
+from omni_bench.harness.served_args import add_served_options
 from omni_bench.harness.server import OmniServer
 from omni_server.compiler import DeviceRequest, MachineFacts, compile_repository
 
@@ -289,8 +290,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="layouts: replica counts of `pipeline`, each with flags: v the vocoder in each "
         "replica, m MPS on, e the vocoder eager, f<N> first_lookahead_frames N (1,3)",
     )
-    p.add_argument("--rounds", type=int, default=2, help="requests per level: rounds x c")
-    p.add_argument("--min-requests", type=int, default=8, help="at least this many per level")
     p.add_argument("--audio-seconds", type=float, default=6.0, help="audio per request (6)")
     p.add_argument(
         "--kv-tokens",
@@ -300,9 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--voice", default="higgs")
     p.add_argument("--dataset", type=Path, default=speech.DEFAULT_DATASET)
-    p.add_argument("--ready-timeout", type=float, default=400.0, help="server start, seconds")
-    p.add_argument("--out", type=Path, default=Path("bench-results/higgs-serve"))
-    p.add_argument("extra", nargs="*", help="more omni-server arguments, after --")
+    add_served_options(p, "higgs-serve", 400.0)
     return p
 
 

@@ -51,6 +51,7 @@ import numpy as np
 
 from omni_bench.harness import tables
 from omni_bench.harness.gpu import GpuMemory
+from omni_bench.harness.served_args import add_served_options
 from omni_bench.harness.server import OmniServer
 from omni_bench.harness.timing import closed_loop, machine, percentiles
 from omni_server.compiler import DeviceRequest, MachineFacts, compile_repository
@@ -443,8 +444,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", default="1,16,64", help="closed-loop levels (1,16,64)")
     p.add_argument("--max-tokens", type=int, default=64, help="text tokens every answer (64)")
     p.add_argument("--audio-seconds", type=float, default=6.0, help="speech every answer (6)")
-    p.add_argument("--rounds", type=int, default=2, help="requests per level: rounds x c (2)")
-    p.add_argument("--min-requests", type=int, default=8, help="at least this many a level (8)")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured requests first (2)")
     p.add_argument("--clip-seconds", type=float, default=2.0, help="the spoken question (2)")
     p.add_argument("--voice", default="ethan", help="one of the model's voices (ethan)")
@@ -454,9 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="--gpu: the thinker's pinned KV tokens (default: what the largest level needs)",
     )
-    p.add_argument("--ready-timeout", type=float, default=600.0, help="server start, seconds")
-    p.add_argument("--out", type=Path, default=Path("bench-results/omni-serve"))
-    p.add_argument("extra", nargs="*", help="more omni-server arguments, after --")
+    add_served_options(p, "omni-serve", 600.0)
     return p
 
 

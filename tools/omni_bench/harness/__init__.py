@@ -8,4 +8,6 @@ it measures:
     tables   markdown table lines: a header, rows (printed as they come, or joined)
     plots    figures against concurrency, written as PNG
     gpu      the GPU's memory in use (nvidia-smi): now, and a run's peak
+    served_args  the options every served benchmark takes alike (--rounds, --min-requests,
+             --ready-timeout, --out, the omni-server arguments after --)
 """
