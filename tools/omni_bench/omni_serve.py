@@ -19,7 +19,8 @@ in its 45 %).
 
 Each level: c clients in a closed loop (`rounds x c` requests, at least `--min-requests`),
 each a streamed `POST /v1/chat/completions` with `modalities: ["text", "audio"]`, pcm16 audio
-in one of the model's voices, greedy (`temperature` 0, the talker too) and seeded: every other
+in one of the model's voices, greedy (`--temperature` 0, the talker too; above 0 both sample)
+and seeded: every other
 request is a short written question, the others a spoken one (an `input_audio` part: a
 synthetic 16 kHz clip the bench makes once, `spoken_clip`: voiced harmonics in syllable-long
 bursts, not words: a random model cannot tell speech from noise, and the audio tower's cost is
@@ -193,7 +194,7 @@ def request_body(q: Question, args: argparse.Namespace, clip_b64: str) -> dict[s
         "modalities": ["text", "audio"],
         "audio": {"voice": args.voice, "format": "pcm16"},
         "max_completion_tokens": args.max_tokens,
-        "temperature": 0,
+        "temperature": args.temperature,
         "seed": q.index,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -447,6 +448,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="unmeasured requests first (2)")
     p.add_argument("--clip-seconds", type=float, default=2.0, help="the spoken question (2)")
     p.add_argument("--voice", default="ethan", help="one of the model's voices (ethan)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every request's temperature (0: greedy; above, the thinker and the talker sample, "
+        "seeded by the request's index)",
+    )
     p.add_argument(
         "--kv-tokens",
         type=int,

@@ -100,20 +100,19 @@ def request_seed(seed: int | None) -> int:
     return secrets.randbits(64) if seed is None else seed & _M64
 
 
-def sampling_row(params: SamplingParams, seed: int) -> tuple[float, ...]:
-    """A request's constant columns of the sampling table (all but POSITION), computed once."""
-    z = (seed + 0x9E37_79B9_7F4A_7C15) & _M64  # splitmix64: nearby seeds, unrelated keys
+def seed_key(seed: int) -> tuple[float, float]:
+    """The KEY_LO, KEY_HI columns of a 64-bit seed (splitmix64: nearby seeds, unrelated keys)."""
+    z = (seed + 0x9E37_79B9_7F4A_7C15) & _M64
     z = ((z ^ (z >> 30)) * 0xBF58_476D_1CE4_E5B9) & _M64
     z = ((z ^ (z >> 27)) * 0x94D0_49BB_1331_11EB) & _M64
     z ^= z >> 31
-    return (
-        float(params.temperature),
-        float(params.top_k),
-        float(params.top_p),
-        float(params.min_p),
-        float(z & _M32),
-        float(z >> 32),
-    )
+    return float(z & _M32), float(z >> 32)
+
+
+def sampling_row(params: SamplingParams, seed: int) -> tuple[float, ...]:
+    """A request's constant columns of the sampling table (all but POSITION), computed once."""
+    settings = (params.temperature, params.top_k, params.top_p, params.min_p)
+    return (*(float(x) for x in settings), *seed_key(seed))
 
 
 def step_table(rows: list[tuple[float, ...]]) -> torch.Tensor:  # [R, COLUMNS] float64 host

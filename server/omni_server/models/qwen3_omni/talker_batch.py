@@ -14,8 +14,9 @@ A speech's life here, one frame a cycle:
 
 Rows share the talker's weights and every linear / MoE product of a step; attention runs per
 row over each speech's own KV cache (lengths differ), so a row's numbers do not depend on the
-batch. Sampling draws from each speech's own generator (seeded by its request), the same draws
-in the same order whatever the batch: reproducible and batch-independent.
+batch. Sampled codes take the engine's counter-based uniforms (engine/sampling.py) of (the
+speech's seed, its frame's position, the code's group): reproducible and batch-independent,
+the same bits on the CPU and a GPU, and no draw waits for the host.
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from omni_server.engine.sampling import (
+    MIN_P,
+    TEMPERATURE,
+    filtered_draw,
+    request_seed,
+    seed_key,
+    step_table,
+    uniforms,
+)
 from omni_server.models.qwen3_omni.layers import (
     DecoderLayer,
     KVCache,
@@ -59,39 +69,30 @@ class CodeSampling:
             raise ValueError(f"repetition_penalty must be > 0; got {self.repetition_penalty}")
 
 
-Rule = tuple[float, int, int | float, torch.Generator | None]  # temperature, top-k, top-p, draws
+# One row's draw (engine/sampling.py's table row): temperature (0: greedy), top-k (0: off),
+# top-p, the request's key (sampling.seed_key) and the position of the frame drawn. A frame's
+# code 0 draws lane 0 of its position, its code g (1 .. G-1) lane g: every uniform is a pure
+# function of (seed, position, lane), so a seeded speech's frames do not depend on the batch,
+# the device or the order rows were stepped in, and no draw waits for the host.
+Rule = tuple[float, int, float, float, float, int]
+GREEDY_RULE: Rule = (0.0, 0, 1.0, 0.0, 0.0, 0)
 
 
-def pick_rows(logits: torch.Tensor, rules: list[Rule]) -> torch.Tensor:
-    """One id a row of logits [B, V] -> [B] long, on their device (no host sync): greedy rows
-    by one argmax, sampled rows (temperature > 0) each by `sample` from its own generator."""
-    out = torch.argmax(logits, dim=-1)
-    for row, (temperature, top_k, top_p, generator) in enumerate(rules):
-        if temperature > 0:
-            row_logits = logits[row] if generator is None else logits[row].to(generator.device)
-            out[row] = sample(row_logits, temperature, int(top_k), float(top_p), generator)
-    return out
-
-
-def sample(
-    logits: torch.Tensor,  # [V]
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    """Temperature, top-k, top-p (the smallest set of the most likely ids whose mass reaches
-    top_p, at least one), then one draw from `generator`: a 0-d long tensor."""
-    logits = logits.float() / temperature
-    if 0 < top_k < logits.shape[0]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, -float("inf"))
-    if top_p < 1.0:
-        ordered, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(ordered, -1)
-        drop = probs.cumsum(-1) - probs >= top_p  # the mass before it already suffices
-        logits = logits.index_fill(0, order[drop], -float("inf"))
-    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[0]
+def pick_rows(logits: torch.Tensor, rules: list[Rule], lane: int = 0) -> torch.Tensor:
+    """One id a row of logits [B, V] -> [B] long, on their device with no host sync: greedy
+    rows their argmax; sampled rows (temperature > 0) by temperature, top-k, top-p, then the
+    inverse CDF at the uniform of (key, position, lane) (sampling.filtered_draw)."""
+    greedy = torch.argmax(logits, dim=-1)
+    if not any(rule[0] > 0 for rule in rules):
+        return greedy
+    # TEMPERATURE, TOP_K, TOP_P, MIN_P, KEY_LO, KEY_HI, POSITION: one table, one copy
+    rows: list[tuple[float, ...]] = [
+        (t, float(k), float(p), 0.0, lo, hi, float(pos)) for t, k, p, lo, hi, pos in rules
+    ]
+    table = step_table(rows).to(logits.device, non_blocking=logits.device.type == "cuda")
+    settings = table[:, TEMPERATURE : MIN_P + 1].to(torch.float32)
+    picked = filtered_draw(logits.float(), settings, uniforms(table, lane))
+    return torch.where(settings[:, TEMPERATURE] > 0, picked, greedy)
 
 
 @dataclass(eq=False)
@@ -103,7 +104,8 @@ class SpeechState:
     logits: torch.Tensor  # [V]: the next frame's code-0 logits
     hidden: torch.Tensor  # [1, 1, hidden]: the talker's last normed hidden state
     sampling: CodeSampling
-    generator: torch.Generator | None
+    key: tuple[float, float]  # the speech's seed as its draws' key (sampling.seed_key)
+    position: int  # the talker position of the next frame's code 0 (the prompt's length first)
     first_codes: list[int] = field(default_factory=list)  # code 0 of every frame so far
     pending: torch.Tensor | None = None  # [1, 1, hidden]: the last frame's summed embeddings
 
@@ -124,11 +126,8 @@ def start(
     kv = KVCache.for_decoder(talker.shape, prompt.shape[1] + max_frames + 1, like=prompt)
     hidden, _ = talker.model(prompt, prompt_positions(0, prompt.shape[1]), kv)
     last = hidden[:, -1:]
-    generator = None
-    if sampling.temperature > 0:
-        generator = torch.Generator(device=prompt.device)
-        generator.manual_seed(seed if seed is not None else int(torch.seed()))
-    return SpeechState(kv, talker.codec_head(last)[0, 0], last, sampling, generator)
+    key = seed_key(request_seed(seed))
+    return SpeechState(kv, talker.codec_head(last)[0, 0], last, sampling, key, prompt.shape[1])
 
 
 def choose_code0s(talker: Talker, states: list[SpeechState]) -> list[int]:
@@ -145,8 +144,10 @@ def choose_code0s(talker: Talker, states: list[SpeechState]) -> list[int]:
         if state.sampling.suppress_eos:
             logits[row, talker.ids.codec_eos] = -float("inf")
     logits[:, talker.suppressed] = -float("inf")
-    rules = [(s.sampling.temperature, s.sampling.top_k, s.sampling.top_p, s.generator)
-             for s in states]  # fmt: skip
+    rules: list[Rule] = [
+        (s.sampling.temperature, s.sampling.top_k, s.sampling.top_p, *s.key, s.position)
+        for s in states
+    ]
     codes: list[int] = pick_rows(logits, rules).tolist()
     return codes
 
@@ -160,7 +161,7 @@ def complete(talker: Talker, states: list[SpeechState], code0s: list[int]) -> li
     hidden = torch.cat([s.hidden for s in states])  # [B, 1, h]
     rules: list[Rule] = [
         (s.sampling.temperature, s.sampling.predictor_top_k, s.sampling.predictor_top_p,
-         s.generator)
+         *s.key, s.position)
         for s in states
     ]  # fmt: skip
     picked, step_input = residual_codes(talker.code_predictor, hidden, first, rules)
@@ -168,6 +169,7 @@ def complete(talker: Talker, states: list[SpeechState], code0s: list[int]) -> li
     for row, (state, code0) in enumerate(zip(states, code0s, strict=True)):
         state.pending = step_input[row : row + 1]
         state.first_codes.append(code0)
+        state.position += 1
     return [[code0, *rest] for code0, rest in zip(code0s, codes, strict=True)]
 
 
@@ -175,17 +177,18 @@ def residual_codes(
     predictor: CodePredictor,
     hidden: torch.Tensor,  # [B, 1, h] the talker's last normed hidden state of each row
     first: torch.Tensor,  # [B, 1, h] each row's code-0 embedding
-    rules: list[Rule],
+    rules: list[Rule],  # each row's, at its frame's position: code g draws lane g
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes 1 .. G-1 of B frames [B, G - 1] (on the device) by one code predictor run over
-    all rows (a fresh KV cache of G positions), and each row's G code embeddings summed
-    [B, 1, h] (code 0's first, then in group order: the talker's next input, minus its text)."""
+    """Codes 1 .. G-1 of B frames [B, G - 1] (on the device, no host sync) by one code
+    predictor run over all rows (a fresh KV cache of G positions), and each row's G code
+    embeddings summed [B, 1, h] (code 0's first, then in group order: the talker's next input,
+    minus its text)."""
     groups = len(predictor.lm_head) + 1
     kv = KVCache.for_decoder(predictor.shape, groups, batch=hidden.shape[0], like=hidden)
     x, step_input, picked = torch.cat((hidden, first), dim=1), first.clone(), []
     for g in range(groups - 1):
         out, _ = predictor.model(x, torch.arange(kv.length, kv.length + x.shape[1]), kv)
-        ids = pick_rows(predictor.lm_head[g](out[:, -1]), rules)  # [B]
+        ids = pick_rows(predictor.lm_head[g](out[:, -1]), rules, lane=g + 1)  # [B]
         picked.append(ids)
         x = predictor.codec_embedding[g](ids[:, None])  # [B, 1, h]
         step_input = step_input + x

@@ -12,13 +12,15 @@ state (model.py).
              feed, a generated position's = its frame's G code embeddings summed + its text
     sample   code 0 of every row (repetition penalty over its codes 0 so far, the reference's
              suppression, then greedy or the request's seeded top-k / top-p), then codes
-             1 .. G-1 of every row not ending by one code predictor run for all
+             1 .. G-1 of every row not ending by one code predictor run for all; one host
+             read of code 0, one of the frames (no draw waits for the host)
     record   append(): the frame (TokenEvent.audio_frames), codec EOS ends ("stop"), the
              frame cap (max_tokens) too ("length")
 
-A row's numbers do not depend on the batch (per-row attention over its own blocks, per-row
-draws from its own generator, in the same order as talker_batch.py's), so a request's frames
-are the same alone or among others, and the same as talker_batch's.
+A row's numbers do not depend on the batch (per-row attention over its own blocks; a sampled
+code is the engine's counter-based draw of (the request's seed, its frame's position, its
+group), as talker_batch.py draws it), so a request's frames are the same alone or among
+others, and the same as talker_batch's.
 """
 
 from __future__ import annotations
@@ -30,11 +32,18 @@ import torch
 from torch import nn
 
 from omni_server.engine.config import LlamaShape
+from omni_server.engine.sampling import KEY_HI, KEY_LO
 from omni_server.engine.sequence import FinishReason, GenerationRequest, Sequence, TokenEvent
 from omni_server.engine.step_batch import StepBatch
 from omni_server.models.qwen3_omni.config import Qwen3OmniConfig
 from omni_server.models.qwen3_omni.talker import CodePredictor
-from omni_server.models.qwen3_omni.talker_batch import CodeSampling, Rule, pick_rows, residual_codes
+from omni_server.models.qwen3_omni.talker_batch import (
+    GREEDY_RULE,
+    CodeSampling,
+    Rule,
+    pick_rows,
+    residual_codes,
+)
 
 
 class TalkerParts(Protocol):
@@ -93,9 +102,6 @@ class TalkerState:
     """One request's talker side (Sequence.state), through preemption."""
 
     feed: TalkerFeed
-    # the request's draws, in talker_batch's order (code 0, then codes 1 .. G-1, a frame): a
-    # frame is drawn once whatever the batch or a recompute, so a seeded request repeats
-    generator: torch.Generator
     first_codes: list[int] = field(default_factory=list)  # code 0 of every frame so far
     sums: list[torch.Tensor] = field(default_factory=list)  # [C] each frame's codes summed
 
@@ -147,13 +153,7 @@ class TalkerHead:
             )
 
     def start(self, request: GenerationRequest, token_ids: list[int]) -> TalkerState:
-        generator = torch.Generator()  # CPU: pick_rows draws there, the same bits on any device
-        seed = request.params.seed
-        if seed is None:
-            generator.seed()  # fresh entropy: unseeded requests differ run to run
-        else:
-            generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-        return TalkerState(self._expected.pop(request.request_id), generator)
+        return TalkerState(self._expected.pop(request.request_id))
 
     def ready(self, seq: Sequence) -> bool:
         """The input of the request's last position is known: a prompt row, or a frame whose
@@ -227,11 +227,15 @@ class TalkerHead:
         suppressed[max(0, vocab - 1024) :] = True
         suppressed[eos] = False
         codes[:, suppressed] = -float("inf")
+        # a frame draws at its code 0's position (the sequence's next token) with the key of
+        # the request's seed (Sequence.sampling_row: a fresh one for an unseeded request)
+        keyed = [
+            (seq.sampling_row[KEY_LO], seq.sampling_row[KEY_HI], seq.num_tokens) for seq in seqs
+        ]
         rules: list[Rule] = [
-            (s.feed.sampling.temperature, s.feed.sampling.top_k, s.feed.sampling.top_p,
-             s.generator)
-            for s in states
-        ]  # fmt: skip
+            (s.feed.sampling.temperature, s.feed.sampling.top_k, s.feed.sampling.top_p, *d)
+            for s, d in zip(states, keyed, strict=True)
+        ]
         code0s: list[int] = pick_rows(codes, rules).tolist()
         draws = [TalkerDraw(c) for c in code0s]
         going = [row for row, c in enumerate(code0s) if c != eos]
@@ -242,7 +246,7 @@ class TalkerHead:
         first = self.model.embed(torch.tensor([code0s[r] for r in going], device=logits.device))
         predictor_rules: list[Rule] = [
             (states[r].feed.sampling.temperature, states[r].feed.sampling.predictor_top_k,
-             states[r].feed.sampling.predictor_top_p, states[r].generator)
+             states[r].feed.sampling.predictor_top_p, *keyed[r])
             for r in going
         ]  # fmt: skip
         with torch.no_grad():
@@ -271,7 +275,7 @@ class TalkerHead:
         vocab = self.model.shape.vocab_size
         code0s = torch.argmax(logits[:, :vocab], dim=-1)
         dtype = self.model.embed.weight.dtype
-        greedy: list[Rule] = [(0.0, 0, 1.0, None)] * logits.shape[0]
+        greedy = [GREEDY_RULE] * logits.shape[0]
         with torch.no_grad():
             residual_codes(
                 self.model.code_predictor,
