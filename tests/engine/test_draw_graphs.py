@@ -78,7 +78,7 @@ def test_replays_copy_n_rows_in_and_read_n_rows_out(monkeypatch: pytest.MonkeyPa
         logits, *inputs = (x[:b] for x in statics)
         out = self.draw(variant, logits, *inputs)
         graph = _StandInGraph(lambda: out.copy_(self.draw(variant, logits, *inputs)))
-        return draw_graphs.CapturedDraw(graph, logits, inputs, out)  # type: ignore[arg-type]
+        return draw_graphs.CapturedDraw(graph, logits, inputs, (out,))  # type: ignore[arg-type]
 
     monkeypatch.setattr(DrawGraphs, "_capture", capture)
     graphs = DrawGraphs(graph_draw, 8, torch.device("cpu"))

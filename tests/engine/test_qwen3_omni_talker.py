@@ -215,10 +215,14 @@ def test_a_request_without_its_feed_is_refused(engine: Engine) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graphs"])
 def test_cuda_fp32_gives_the_cpus_frames(engine: Engine, folder: Path, graphs: bool) -> None:
-    greedy = [s for s in SPEECHES if s.sampling is GREEDY]
-    on_cpu = run(engine, greedy)
+    """Greedy and seeded-sampled frames on CUDA equal the CPU's: the talker's forward and, with
+    graphs, the code predictor's frames replayed from its captured graphs (head.capture_draws)
+    draw the same codes as the CPU's eager run."""
+    on_cpu = run(engine, SPEECHES)
     gpu = talker_engine(folder, config("cuda", cuda_graphs=graphs))
     assert (gpu.runner.graphs is not None) == graphs
-    on_gpu = run(gpu, greedy)
-    for speech in greedy:
+    head = gpu.model.head
+    assert isinstance(head, TalkerHead) and (head.graphs is not None) == graphs
+    on_gpu = run(gpu, SPEECHES)
+    for speech in SPEECHES:
         assert frames(on_gpu[speech.name]) == frames(on_cpu[speech.name]), speech.name

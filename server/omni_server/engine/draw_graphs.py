@@ -32,14 +32,14 @@ class CapturedDraw:
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor  # [b, V] static input
     inputs: list[torch.Tensor]  # [b, ...] static inputs (tables, device tensors)
-    out: torch.Tensor  # [b, ...] static output
+    out: tuple[torch.Tensor, ...]  # [b, ...] static outputs (a draw returns one or a tuple)
 
 
 class DrawGraphs:
     """A draw function's graphs on one device (module doc): call it as the function."""
 
-    def __init__(self, draw: Callable[..., torch.Tensor], max_rows: int, device: torch.device):
-        # draw(variant, logits [b, V], *inputs [b, ...]) -> [b, ...]
+    def __init__(self, draw: Callable[..., Any], max_rows: int, device: torch.device):
+        # draw(variant, logits [b, V], *inputs [b, ...]) -> [b, ...] or a tuple of them
         self.draw = draw
         self.device = device
         self.buckets = batch_buckets(max_rows)
@@ -54,11 +54,18 @@ class DrawGraphs:
     def max_rows(self) -> int:
         return self.buckets[-1]
 
-    @torch.inference_mode()
     def __call__(
         self, variant: Hashable, logits: torch.Tensor, inputs: list[torch.Tensor]
     ) -> torch.Tensor:
         """draw(variant, logits, *inputs) for the n rows of `logits`, from a graph."""
+        (out,) = self.outputs(variant, logits, inputs)
+        return out
+
+    @torch.inference_mode()
+    def outputs(
+        self, variant: Hashable, logits: torch.Tensor, inputs: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, ...]:
+        """`__call__` for a draw of several outputs: each one's first n rows."""
         n = logits.shape[0]
         b = bucket_for(n, self.buckets)
         shapes = tuple((tuple(x.shape[1:]), x.dtype) for x in (logits, *inputs))
@@ -71,7 +78,7 @@ class DrawGraphs:
         for static, x in zip(g.inputs, inputs, strict=True):
             static[:n].copy_(x, non_blocking=True)
         g.graph.replay()
-        return g.out[:n]
+        return tuple(out[:n] for out in g.out)
 
     def _statics(
         self, shapes: tuple[Any, ...], logits: torch.Tensor, inputs: list[torch.Tensor]
@@ -101,4 +108,4 @@ class DrawGraphs:
             out = self.draw(variant, static_logits, *static)
         if self.pool is None:
             self.pool = graph.pool()
-        return CapturedDraw(graph, static_logits, static, out)
+        return CapturedDraw(graph, static_logits, static, out if isinstance(out, tuple) else (out,))

@@ -75,21 +75,28 @@ class CodeSampling:
 # function of (seed, position, lane), so a seeded speech's frames do not depend on the batch,
 # the device or the order rows were stepped in, and no draw waits for the host.
 Rule = tuple[float, int, float, float, float, int]
-GREEDY_RULE: Rule = (0.0, 0, 1.0, 0.0, 0.0, 0)
 
 
-def pick_rows(logits: torch.Tensor, rules: list[Rule], lane: int = 0) -> torch.Tensor:
-    """One id a row of logits [B, V] -> [B] long, on their device with no host sync: greedy
-    rows their argmax; sampled rows (temperature > 0) by temperature, top-k, top-p, then the
-    inverse CDF at the uniform of (key, position, lane) (sampling.filtered_draw)."""
-    greedy = torch.argmax(logits, dim=-1)
+def draw_table(rules: list[Rule], device: torch.device) -> torch.Tensor | None:
+    """The rows' draws as one table [B, COLUMNS] on `device` (one copy), None when every row is
+    greedy (then `pick_rows` is one argmax)."""
     if not any(rule[0] > 0 for rule in rules):
-        return greedy
-    # TEMPERATURE, TOP_K, TOP_P, MIN_P, KEY_LO, KEY_HI, POSITION: one table, one copy
+        return None
+    # TEMPERATURE, TOP_K, TOP_P, MIN_P, KEY_LO, KEY_HI, POSITION
     rows: list[tuple[float, ...]] = [
         (t, float(k), float(p), 0.0, lo, hi, float(pos)) for t, k, p, lo, hi, pos in rules
     ]
-    table = step_table(rows).to(logits.device, non_blocking=logits.device.type == "cuda")
+    return step_table(rows).to(device, non_blocking=device.type == "cuda")
+
+
+def pick_rows(logits: torch.Tensor, table: torch.Tensor | None, lane: int = 0) -> torch.Tensor:
+    """One id a row of logits [B, V] -> [B] long, pure tensor work on their device (no host
+    sync; a CUDA graph can hold it): greedy rows (temperature 0, or no `table`) their argmax;
+    sampled rows by temperature, top-k, top-p, then the inverse CDF at the uniform of (key,
+    position, lane) (sampling.filtered_draw)."""
+    greedy = torch.argmax(logits, dim=-1)
+    if table is None:
+        return greedy
     settings = table[:, TEMPERATURE : MIN_P + 1].to(torch.float32)
     picked = filtered_draw(logits.float(), settings, uniforms(table, lane))
     return torch.where(settings[:, TEMPERATURE] > 0, picked, greedy)
@@ -148,7 +155,7 @@ def choose_code0s(talker: Talker, states: list[SpeechState]) -> list[int]:
         (s.sampling.temperature, s.sampling.top_k, s.sampling.top_p, *s.key, s.position)
         for s in states
     ]
-    codes: list[int] = pick_rows(logits, rules).tolist()
+    codes: list[int] = pick_rows(logits, draw_table(rules, logits.device)).tolist()
     return codes
 
 
@@ -164,7 +171,8 @@ def complete(talker: Talker, states: list[SpeechState], code0s: list[int]) -> li
          *s.key, s.position)
         for s in states
     ]  # fmt: skip
-    picked, step_input = residual_codes(talker.code_predictor, hidden, first, rules)
+    table = draw_table(rules, device)
+    picked, step_input = residual_codes(talker.code_predictor, hidden, first, table)
     codes: list[list[int]] = picked.tolist()  # [B, G - 1]: one host sync
     for row, (state, code0) in enumerate(zip(states, code0s, strict=True)):
         state.pending = step_input[row : row + 1]
@@ -177,18 +185,20 @@ def residual_codes(
     predictor: CodePredictor,
     hidden: torch.Tensor,  # [B, 1, h] the talker's last normed hidden state of each row
     first: torch.Tensor,  # [B, 1, h] each row's code-0 embedding
-    rules: list[Rule],  # each row's, at its frame's position: code g draws lane g
+    table: torch.Tensor | None,  # draw_table of the rows' frames (None: all greedy)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes 1 .. G-1 of B frames [B, G - 1] (on the device, no host sync) by one code
     predictor run over all rows (a fresh KV cache of G positions), and each row's G code
     embeddings summed [B, 1, h] (code 0's first, then in group order: the talker's next input,
-    minus its text)."""
+    minus its text). Code g draws lane g of its frame's position. Pure tensor work with no host
+    sync: the talker family replays it from CUDA graphs (head.py)."""
     groups = len(predictor.lm_head) + 1
     kv = KVCache.for_decoder(predictor.shape, groups, batch=hidden.shape[0], like=hidden)
     x, step_input, picked = torch.cat((hidden, first), dim=1), first.clone(), []
     for g in range(groups - 1):
-        out, _ = predictor.model(x, torch.arange(kv.length, kv.length + x.shape[1]), kv)
-        ids = pick_rows(predictor.lm_head[g](out[:, -1]), rules, lane=g + 1)  # [B]
+        positions = torch.arange(kv.length, kv.length + x.shape[1], device=x.device)
+        out, _ = predictor.model(x, positions, kv)
+        ids = pick_rows(predictor.lm_head[g](out[:, -1]), table, lane=g + 1)  # [B]
         picked.append(ids)
         x = predictor.codec_embedding[g](ids[:, None])  # [B, 1, h]
         step_input = step_input + x

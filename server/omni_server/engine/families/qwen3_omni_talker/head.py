@@ -32,15 +32,16 @@ import torch
 from torch import nn
 
 from omni_server.engine.config import LlamaShape
-from omni_server.engine.sampling import KEY_HI, KEY_LO
+from omni_server.engine.draw_graphs import DrawGraphs
+from omni_server.engine.sampling import COLUMNS, KEY_HI, KEY_LO
 from omni_server.engine.sequence import FinishReason, GenerationRequest, Sequence, TokenEvent
 from omni_server.engine.step_batch import StepBatch
 from omni_server.models.qwen3_omni.config import Qwen3OmniConfig
 from omni_server.models.qwen3_omni.talker import CodePredictor
 from omni_server.models.qwen3_omni.talker_batch import (
-    GREEDY_RULE,
     CodeSampling,
     Rule,
+    draw_table,
     pick_rows,
     residual_codes,
 )
@@ -128,6 +129,7 @@ class TalkerHead:
         self.model = model
         self._expected: dict[str, TalkerFeed] = {}  # request id -> feed, until start()
         self._specials: tuple[torch.Tensor, torch.Tensor] | None = None  # tts_eos, tts_pad
+        self.graphs: DrawGraphs | None = None  # capture_draws: the code predictor's frames
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -236,29 +238,50 @@ class TalkerHead:
             (s.feed.sampling.temperature, s.feed.sampling.top_k, s.feed.sampling.top_p, *d)
             for s, d in zip(states, keyed, strict=True)
         ]
-        code0s: list[int] = pick_rows(codes, rules).tolist()
+        code0s: list[int] = pick_rows(codes, draw_table(rules, codes.device)).tolist()
         draws = [TalkerDraw(c) for c in code0s]
         going = [row for row, c in enumerate(code0s) if c != eos]
         if not going:
             return draws
-        dtype = self.model.embed.weight.dtype
-        index = torch.tensor(going, device=logits.device)
-        first = self.model.embed(torch.tensor([code0s[r] for r in going], device=logits.device))
         predictor_rules: list[Rule] = [
             (states[r].feed.sampling.temperature, states[r].feed.sampling.predictor_top_k,
              states[r].feed.sampling.predictor_top_p, *keyed[r])
             for r in going
         ]  # fmt: skip
-        with torch.no_grad():
-            rest, sums = residual_codes(
-                self.model.code_predictor,
-                hidden.index_select(0, index).to(dtype)[:, None],
-                first[:, None],
-                predictor_rules,
-            )
+        index = torch.tensor(going, device=logits.device)
+        rows = hidden.index_select(0, index)
+        first = torch.tensor([code0s[r] for r in going], device=logits.device)
+        table = draw_table(predictor_rules, logits.device)
+        if self.graphs is not None and len(going) <= self.graphs.max_rows:
+            sampled = table is not None
+            inputs = [first] if table is None else [first, table]
+            rest, sums = self.graphs.outputs(sampled, rows, inputs)
+            sums = sums.clone()  # the graph's static output: the next replay overwrites it
+        else:
+            rest, sums = self._frames(table is not None, rows, first, table)
         for k, (row, others) in enumerate(zip(going, rest.tolist(), strict=True)):
-            draws[row] = TalkerDraw(code0s[row], [code0s[row], *others], sums[k, 0])
+            draws[row] = TalkerDraw(code0s[row], [code0s[row], *others], sums[k])
         return draws
+
+    @torch.no_grad()
+    def _frames(
+        self,
+        sampled: bool,
+        hidden: torch.Tensor,  # [B, C] float32: the talker's last normed hidden state
+        code0: torch.Tensor,  # [B] int64
+        table: torch.Tensor | None = None,  # [B, COLUMNS] draw_table of the predictor's draws
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes 1 .. G-1 [B, G - 1] and the frame's G code embeddings summed [B, C] for rows
+        whose code 0 is chosen: tensor work alone, so `capture_draws` can hold it in graphs
+        (`sampled` fixes the branch at capture: without it every row is greedy)."""
+        dtype = self.model.embed.weight.dtype
+        rest, sums = residual_codes(
+            self.model.code_predictor,
+            hidden.to(dtype)[:, None],
+            self.model.embed(code0)[:, None],
+            table if sampled else None,
+        )
+        return rest, sums[:, 0]
 
     def draw(
         self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None
@@ -268,21 +291,25 @@ class TalkerHead:
         raise NotImplementedError("the talker's steps never go in flight (argmax_is_draw)")
 
     def capture_draws(self, max_rows: int, device: torch.device, width: int | None) -> None:
-        """Nothing to capture: code 0 and the code predictor's run are eager (the decode
-        graphs hold the talker's forward)."""
+        """The code predictor's G - 1 steps (and their draws) as CUDA graphs, greedy and
+        sampled, for every rows bucket, captured now: eagerly a frame is ~G x layers x 30 small
+        kernels, launch-bound (the profile in docs/models.md); a replay is one launch. Code 0
+        stays eager (its repetition penalty reads the host's codes so far)."""
+        if self.graphs is not None and self.graphs.max_rows >= max_rows:
+            return
+        self.graphs = DrawGraphs(self._frames, max_rows, device)
+        width = self.model.shape.hidden_size
+        for b in self.graphs.buckets:
+            hidden = torch.zeros(b, width, device=device)
+            code0 = torch.zeros(b, dtype=torch.int64, device=device)
+            table = torch.zeros(b, COLUMNS, dtype=torch.float64, device=device)
+            self.graphs.outputs(False, hidden, [code0])
+            self.graphs.outputs(True, hidden, [code0, table])
 
     def profile_sample(self, logits: torch.Tensor) -> None:
         vocab = self.model.shape.vocab_size
         code0s = torch.argmax(logits[:, :vocab], dim=-1)
-        dtype = self.model.embed.weight.dtype
-        greedy = [GREEDY_RULE] * logits.shape[0]
-        with torch.no_grad():
-            residual_codes(
-                self.model.code_predictor,
-                logits[:, vocab:].to(dtype)[:, None],
-                self.model.embed(code0s)[:, None],
-                greedy,
-            )
+        self._frames(False, logits[:, vocab:], code0s)
 
     def append(self, seq: Sequence, draw: TalkerDraw) -> TokenEvent:
         """Record a frame (or codec EOS): the token appended is code 0 (the position's id; its
