@@ -19,7 +19,9 @@ Whisper's known quirks, and what the judge does about each:
   log-mel, as OpenAI's Whisper does (faster-whisper pads the features with zeros instead,
   which reads as quiet noise, not silence); the alignment sees only the clip's own frames.
 - the 20 ms frame: a word starts at the first encoder frame the path gives it (a frame's
-  centre), so a start is known to +-10 ms.
+  centre), so a start is known to +-10 ms. It is not what limits the judge: the median of
+  four alignments shifted by 5 ms each was no closer on the tuning sentences, nor was any
+  other choice of tiny.en's heads than its alignment heads (OpenAI's; docs/voice.md).
 - its lag: Whisper places a word's start after its sound begins. On the tuning sentences
   (`sentences.txt`, `--lag`: words whose start follows >= 30 ms below -40 dB, against that
   silence's end) its starts lag the onset by 49, 77, 60 ms median at speed 1, 0.5, 2 (the
