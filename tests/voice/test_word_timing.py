@@ -134,8 +134,8 @@ def test_word_starts_agree_with_whisper_on_held_out_sentences(voice, whisper_jud
 
 # Measured on the 12 held-out sentences (docs/voice.md "Word timing": 50, 88, 30 ms median;
 # 148, 254, 94 ms p95), with a little margin. The issue asked 50 ms median and 100 ms p95:
-# met at speed 2, the median at speed 1; Whisper tiny's alignment errs by more than that on
-# some words (the worst ones are its own: the table in docs/voice.md lists them beside the
-# audio's onsets), most at speed 0.5.
+# met at speed 2, the median at speed 1. Whisper tiny's alignment errs by more than that on
+# some words, most at speed 0.5: where the audio shows a worst word's start, ours is within
+# 30 ms of it and Whisper's 130 ms or more away (docs/voice.md lists them).
 WHISPER_MEDIAN_MS = {1.0: 55, 0.5: 95, 2.0: 35}
 WHISPER_P95_MS = {1.0: 160, 0.5: 270, 2.0: 105}
