@@ -181,6 +181,19 @@ def test_fused_kernels_equal_torch(dtype: torch.dtype) -> None:
     untouched = torch.ones(200, dtype=torch.bool, device="cuda")
     untouched[slots] = False
     assert (k_cache[untouched] == 0).all() and (v_cache[untouched] == 0).all()
+    # rows of a view (a one-KV-head model's k_norm reads K's 64 columns of a fused [T, H*D]
+    # projection): the output is contiguous and the norm of each row; writing it at the view's
+    # row stride overran it (the Qwen3-Omni talker's bf16 fault, docs/gpu.md)
+    fused_qkv = (torch.randn(tokens, 4 * dim, generator=gen) * 3).to("cuda", dtype)
+    k_rows = fused_qkv[:, 2 * dim : 3 * dim]  # stride (4 * dim, 1)
+    head_norm = RMSNorm(dim, 1e-6).to("cuda", dtype)
+    expected = head_norm.weight * torch.nn.functional.rms_norm(
+        k_rows.float(), (dim,), None, 1e-6
+    ).to(dtype)
+    strided = fused.rms_norm(k_rows, head_norm.weight, 1e-6)
+    assert strided.is_contiguous() and strided.shape == (tokens, dim)
+    bound = 2 * torch.finfo(dtype).eps * expected.float().abs().max().item()
+    assert (strided.float() - expected.float()).abs().max().item() <= bound
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -19,8 +19,9 @@ in its 45 %).
 
 Each level: c clients in a closed loop (`rounds x c` requests, at least `--min-requests`),
 each a streamed `POST /v1/chat/completions` with `modalities: ["text", "audio"]`, pcm16 audio
-in one of the model's voices, greedy (`--temperature` 0, the talker too; above 0 both sample)
-and seeded: every other
+in one of the model's voices, the text greedy (`--temperature` 0) and seeded, the speech
+sampled as the talker stage's defaults say (temperature 0.9, top-k 50: a chat's `temperature`
+is the text's) with the request's seed: every other
 request is a short written question, the others a spoken one (an `input_audio` part: a
 synthetic 16 kHz clip the bench makes once, `spoken_clip`: voiced harmonics in syllable-long
 bursts, not words: a random model cannot tell speech from noise, and the audio tower's cost is
@@ -452,8 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--temperature",
         type=float,
         default=0.0,
-        help="every request's temperature (0: greedy; above, the thinker and the talker sample, "
-        "seeded by the request's index)",
+        help="every request's (text) temperature (0: greedy; the speech samples as the talker "
+        "stage's parameters say), seeded by the request's index",
     )
     p.add_argument(
         "--kv-tokens",

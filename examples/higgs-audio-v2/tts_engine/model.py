@@ -89,10 +89,7 @@ class TTSEngine(StageBackend):
         if graphs is None or tokens <= 0:  # 0: captured on first use, as before
             return
         self.engine.warmup(capture_all_graphs=False)
-        lengths = [n for n in graphs.context_buckets if n <= max(tokens, graphs.context_buckets[0])]
-        for length in lengths:
-            for b in graphs.batch_buckets:
-                graphs.graph_for(b, length)
+        lengths = self.engine.capture_graphs(tokens)
         log.info("tts_engine: %d decode graphs captured (contexts %s)",
                  len(graphs.batch_buckets) * len(lengths), lengths)  # fmt: skip
 

@@ -19,6 +19,7 @@ the talker nothing.
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Any
 
 import torch
@@ -48,6 +49,8 @@ from omni_server.models.qwen3_omni.config import Qwen3OmniConfig
 from omni_server.models.qwen3_omni.folder import CheckpointFolderError, checkpoint_folder
 from omni_server.models.qwen3_omni.handoff import TalkerOpening, ThinkerTokens
 
+log = logging.getLogger("omni_server.examples.qwen3_omni.thinker")
+
 
 class Thinker(StageBackend):
     def initialize(self, context: StageContext) -> None:
@@ -62,6 +65,11 @@ class Thinker(StageBackend):
                 f"parameters.ignore_eos must be true or false; found {ignore_eos!r}"
             )
         self.ignore_eos = ignore_eos
+        warm = context.parameters.get("warm_graphs_tokens", 2048)
+        if not isinstance(warm, int) or isinstance(warm, bool) or warm < 0:
+            raise StageConfigError(
+                f"parameters.warm_graphs_tokens must be an integer >= 0; found {warm!r}"
+            )
         if context.device == "cpu":
             torch.set_num_threads(threads)
         try:
@@ -82,6 +90,7 @@ class Thinker(StageBackend):
             self.engine = Engine.from_checkpoint(folder, config, weights=context.shared_weights)
         except (CheckpointFolderError, CheckpointError, MemoryBudgetError, KeyError) as err:
             raise StageConfigError(str(err)) from err
+        self._warm(warm)
         # the audio placeholders: the prompt's multimodal rows (preprocessing refuses images and
         # videos), whose hidden state the talker hears
         self.audio_token_id = model.audio_token_id
@@ -92,6 +101,20 @@ class Thinker(StageBackend):
         # engine id -> the talker's opening, until it goes out with the first ids
         self._opening: dict[str, tuple[tuple[int, ...], SpeechOptions]] = {}
         self._talking: set[str] = set()  # engine ids whose opening went to the talker
+
+    def _warm(self, tokens: int) -> None:
+        """On a GPU, before the first request: one prompt of a whole prefill step (the MoE
+        kernel's prefill tiles compiled, the allocator warm), then the decode graphs of every
+        batch bucket at the contexts up to `tokens` (Engine.capture_graphs). Measured without
+        it: the first wave of each new concurrency waited 2.6-4.5 s for its first token while
+        its buckets were captured (docs/models.md). 0: all on first use."""
+        if self.engine.runner.graphs is None or tokens <= 0:
+            return
+        prompt = [0] * min(self.engine.config.max_step_tokens, self.engine.max_seq_len - 2)
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        self.engine.generate([GenerationRequest("__warm__", prompt, params)])
+        lengths = self.engine.capture_graphs(tokens)
+        log.info("thinker: decode graphs captured at contexts %s", lengths)
 
     def add(self, request: Request) -> None:
         chat = ChatInput.of(request.inputs)

@@ -353,6 +353,23 @@ class Engine:
             width = next(iter(self.runner.graphs.graphs.values())).logits.shape[-1]
             self.head.capture_draws(self.config.max_batch_size, self._device, width)
 
+    def capture_graphs(self, context_tokens: int) -> list[int]:
+        """Capture the decode graphs of every batch bucket at the context buckets up to
+        `context_tokens` now, not on first use while serving: a capture pauses every running
+        request, so a first wave of c requests would otherwise meet its bucket uncaptured
+        (seconds of first-token time, docs/models.md). Unlike `warmup`'s capture_all, the
+        contexts a stage's requests reach, not every bucket up to max_seq_len. Returns the
+        contexts captured ([] without graphs)."""
+        graphs = self.runner.graphs
+        if graphs is None or context_tokens <= 0:
+            return []
+        smallest = graphs.context_buckets[0]
+        lengths = [n for n in graphs.context_buckets if n <= max(context_tokens, smallest)]
+        for length in lengths:
+            for b in graphs.batch_buckets:
+                graphs.graph_for(b, length)
+        return lengths
+
 
 def _warmup_params() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)

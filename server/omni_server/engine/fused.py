@@ -30,9 +30,12 @@ import torch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [T, C]
+    """x's rows may be strided (a head's columns of a fused projection, x.stride(1) == 1); the
+    output is contiguous [T, C]. (Writing the output at x's row stride overran it: a one-KV-head
+    model's k_norm input is such a view; docs/gpu.md.)"""
     kernel = _kernels()["rms_norm"]
     rows, width = x.shape
-    out = torch.empty_like(x)
+    out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     block = 1 << (width - 1).bit_length()
     kernel[(rows,)](x, weight, out, x.stride(0), width, eps, BLOCK=block, num_warps=4)
     return out
@@ -43,8 +46,9 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, C] each -> (h + delta, rms_norm(h + delta))
     kernel = _kernels()["add_rms_norm"]
     rows, width = h.shape
-    total = torch.empty_like(h)
-    out = torch.empty_like(h)
+    # contiguous outputs (the kernel writes row * width), whatever h's strides
+    total = torch.empty((rows, width), dtype=h.dtype, device=h.device)
+    out = torch.empty((rows, width), dtype=h.dtype, device=h.device)
     block = 1 << (width - 1).bit_length()
     kernel[(rows,)](
         delta, h, weight, total, out, delta.stride(0), h.stride(0), width, eps,
@@ -122,7 +126,7 @@ def _kernels() -> dict[str, Any]:
         normed = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)  # torch's .to(dtype)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0)
         y = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * stride + cols, y, mask=ok)
+        tl.store(out_ptr + row * width + cols, y, mask=ok)  # out is contiguous
 
     @triton.jit
     def add_rms_norm_kernel(
