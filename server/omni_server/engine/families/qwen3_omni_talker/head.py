@@ -130,6 +130,7 @@ class TalkerHead:
         self._expected: dict[str, TalkerFeed] = {}  # request id -> feed, until start()
         self._specials: tuple[torch.Tensor, torch.Tensor] | None = None  # tts_eos, tts_pad
         self.graphs: DrawGraphs | None = None  # capture_draws: the code predictor's frames
+        self._never: torch.Tensor | None = None  # _suppressed, once a device
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -216,19 +217,25 @@ class TalkerHead:
         codes, hidden = logits[:, :vocab].clone(), logits[:, vocab:]  # [R, V], [R, C]
         states = [_state(s) for s in seqs]
         eos = self.model.config.talker_ids.codec_eos
+        # repetition penalty over each row's codes 0 so far: the (row, code) pairs of all rows
+        # of one penalty in one copy and one indexed update (a loop of rows was 4 launches and
+        # a copy a row: the host's work grew with the batch); the scalar as the reference's
+        by_penalty: dict[float, tuple[list[int], list[int]]] = {}
         for row, state in enumerate(states):
             penalty = state.feed.sampling.repetition_penalty
             if penalty != 1.0 and state.first_codes:
-                seen = torch.tensor(sorted(set(state.first_codes)), device=codes.device)
-                picked = codes[row, seen]
-                codes[row, seen] = torch.where(picked < 0, picked * penalty, picked / penalty)
-            if state.feed.sampling.suppress_eos:
-                codes[row, eos] = -float("inf")
-        # the reference never lets the last 1024 ids win except codec EOS
-        suppressed = torch.zeros(vocab, dtype=torch.bool, device=codes.device)
-        suppressed[max(0, vocab - 1024) :] = True
-        suppressed[eos] = False
-        codes[:, suppressed] = -float("inf")
+                in_rows, at_codes = by_penalty.setdefault(penalty, ([], []))
+                seen = sorted(set(state.first_codes))
+                in_rows += [row] * len(seen)
+                at_codes += seen
+        for penalty, pairs in by_penalty.items():
+            at = torch.tensor(pairs, device=codes.device).unbind(0)
+            picked = codes[at]
+            codes[at] = torch.where(picked < 0, picked * penalty, picked / penalty)
+        quiet = [row for row, state in enumerate(states) if state.feed.sampling.suppress_eos]
+        if quiet:
+            codes[torch.tensor(quiet, device=codes.device), eos] = -float("inf")
+        codes.masked_fill_(self._suppressed(codes.device), -float("inf"))  # no host sync
         # a frame draws at its code 0's position (the sequence's next token) with the key of
         # the request's seed (Sequence.sampling_row: a fresh one for an unseeded request)
         keyed = [
@@ -282,6 +289,16 @@ class TalkerHead:
             table if sampled else None,
         )
         return rest, sums[:, 0]
+
+    def _suppressed(self, device: torch.device) -> torch.Tensor:
+        """[V] bool: the ids the reference never lets win (the last 1024 but codec EOS)."""
+        if self._never is None or self._never.device != device:
+            vocab, eos = self.model.shape.vocab_size, self.model.config.talker_ids.codec_eos
+            never = torch.zeros(vocab, dtype=torch.bool, device=device)
+            never[max(0, vocab - 1024) :] = True
+            never[eos] = False
+            self._never = never
+        return self._never
 
     def draw(
         self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None
