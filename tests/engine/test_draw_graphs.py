@@ -11,15 +11,8 @@ import torch
 from omni_server.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, draw_graphs
 from omni_server.engine.cuda_graphs import bucket_for
 from omni_server.engine.draw_graphs import DrawGraphs
-from omni_server.engine.sampling import (
-    graph_draw,
-    greedy_tokens,
-    request_seed,
-    sample_on_device,
-    sampling_row,
-    step_table,
-    uniforms,
-)
+from omni_server.engine.sampling import graph_draw, greedy_tokens, sample_on_device, sampling_row
+from omni_server.models.draws import request_seed, step_table, uniforms
 from tests.engine.conftest import TINY
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from omni_server.engine.families.higgs_audio_v2.frames import AudioSpec, draw_frames, frame_table
-from omni_server.engine.sampling import SamplingParams, request_seed, sampling_row
+from omni_server.engine.sampling import SamplingParams, sampling_row
+from omni_server.models.draws import request_seed
 
 # two codebooks of 6 codes, BOS 4 and EOS 5 (the token ids are not read by the draw)
 SPEC = AudioSpec(

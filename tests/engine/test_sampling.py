@@ -6,16 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_server.engine.sampling import (
+from omni_server.engine.sampling import SamplingParams, greedy_tokens, sample, sampling_row
+from omni_server.models.draws import (
     KEY_HI,
     KEY_LO,
     LANES,
     POSITION,
-    SamplingParams,
-    greedy_tokens,
     request_seed,
-    sample,
-    sampling_row,
     step_table,
     uniforms,
 )

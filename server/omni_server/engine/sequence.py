@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
-from omni_server.engine.sampling import SamplingParams, request_seed, sampling_row
+from omni_server.engine.sampling import SamplingParams, sampling_row
 from omni_server.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
+from omni_server.models.draws import request_seed
 from omni_server.playback import Playback
 
 

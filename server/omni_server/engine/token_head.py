@@ -18,17 +18,15 @@ import torch
 
 from omni_server.engine.draw_graphs import DrawGraphs
 from omni_server.engine.sampling import (
-    COLUMNS,
     SamplingParams,
     draw,
     graph_draw,
     greedy_tokens,
-    request_seed,
     sampling_row,
-    step_table,
 )
 from omni_server.engine.sequence import FinishReason, GenerationRequest, Sequence, TokenEvent
 from omni_server.engine.step_batch import StepBatch
+from omni_server.models.draws import COLUMNS, request_seed, step_table
 
 
 class TokenHead:

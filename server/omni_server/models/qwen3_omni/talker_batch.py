@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omni_server.engine.sampling import (
+from omni_server.models.draws import (
     MIN_P,
     TEMPERATURE,
     filtered_draw,
@@ -70,7 +70,7 @@ class CodeSampling:
 
 
 # One row's draw (engine/sampling.py's table row): temperature (0: greedy), top-k (0: off),
-# top-p, the request's key (sampling.seed_key) and the position of the frame drawn. A frame's
+# top-p, the request's key (models/draws.py: seed_key) and the position of the frame drawn. A frame's
 # code 0 draws lane 0 of its position, its code g (1 .. G-1) lane g: every uniform is a pure
 # function of (seed, position, lane), so a seeded speech's frames do not depend on the batch,
 # the device or the order rows were stepped in, and no draw waits for the host.
@@ -93,7 +93,7 @@ def pick_rows(logits: torch.Tensor, table: torch.Tensor | None, lane: int = 0) -
     """One id a row of logits [B, V] -> [B] long, pure tensor work on their device (no host
     sync; a CUDA graph can hold it): greedy rows (temperature 0, or no `table`) their argmax;
     sampled rows by temperature, top-k, top-p, then the inverse CDF at the uniform of (key,
-    position, lane) (sampling.filtered_draw)."""
+    position, lane) (draws.filtered_draw)."""
     greedy = torch.argmax(logits, dim=-1)
     if table is None:
         return greedy
@@ -111,7 +111,7 @@ class SpeechState:
     logits: torch.Tensor  # [V]: the next frame's code-0 logits
     hidden: torch.Tensor  # [1, 1, hidden]: the talker's last normed hidden state
     sampling: CodeSampling
-    key: tuple[float, float]  # the speech's seed as its draws' key (sampling.seed_key)
+    key: tuple[float, float]  # the speech's seed as its draws' key (models/draws.py: seed_key)
     position: int  # the talker position of the next frame's code 0 (the prompt's length first)
     first_codes: list[int] = field(default_factory=list)  # code 0 of every frame so far
     pending: torch.Tensor | None = None  # [1, 1, hidden]: the last frame's summed embeddings

@@ -41,14 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from omni_server.engine.sampling import (
-    COLUMNS,
-    MIN_P,
-    TEMPERATURE,
-    filtered_draw,
-    greedy_tokens,
-    uniforms,
-)
+from omni_server.engine.sampling import greedy_tokens
+from omni_server.models.draws import COLUMNS, MIN_P, TEMPERATURE, filtered_draw, uniforms
 
 
 @dataclass(frozen=True)

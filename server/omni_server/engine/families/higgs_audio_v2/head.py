@@ -26,9 +26,10 @@ from omni_server.engine.families.higgs_audio_v2.frames import (
     draw_frames,
     frame_table,
 )
-from omni_server.engine.sampling import SamplingParams, request_seed, sampling_row
+from omni_server.engine.sampling import SamplingParams, sampling_row
 from omni_server.engine.sequence import FinishReason, GenerationRequest, Sequence, TokenEvent
 from omni_server.engine.step_batch import StepBatch
+from omni_server.models.draws import request_seed
 
 SERVED_RAS_WINDOW = 7  # the published generation_config.json's ras_win_len
 

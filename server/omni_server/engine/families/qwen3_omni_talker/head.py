@@ -33,9 +33,9 @@ from torch import nn
 
 from omni_server.engine.config import LlamaShape
 from omni_server.engine.draw_graphs import DrawGraphs
-from omni_server.engine.sampling import COLUMNS, KEY_HI, KEY_LO
 from omni_server.engine.sequence import FinishReason, GenerationRequest, Sequence, TokenEvent
 from omni_server.engine.step_batch import StepBatch
+from omni_server.models.draws import COLUMNS, KEY_HI, KEY_LO
 from omni_server.models.qwen3_omni.config import Qwen3OmniConfig
 from omni_server.models.qwen3_omni.talker import CodePredictor
 from omni_server.models.qwen3_omni.talker_batch import (
