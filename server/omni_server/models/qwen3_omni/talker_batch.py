@@ -69,8 +69,8 @@ class CodeSampling:
             raise ValueError(f"repetition_penalty must be > 0; got {self.repetition_penalty}")
 
 
-# One row's draw (engine/sampling.py's table row): temperature (0: greedy), top-k (0: off),
-# top-p, the request's key (models/draws.py: seed_key) and the position of the frame drawn. A frame's
+# One row's draw (a row of models/draws.py's table): temperature (0: greedy), top-k (0: off),
+# top-p, the request's key (draws.seed_key) and the position of the frame drawn. A frame's
 # code 0 draws lane 0 of its position, its code g (1 .. G-1) lane g: every uniform is a pure
 # function of (seed, position, lane), so a seeded speech's frames do not depend on the batch,
 # the device or the order rows were stepped in, and no draw waits for the host.
