@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,3 +22,15 @@ def exit_of(argv: Sequence[str], capsys: pytest.CaptureFixture[str]) -> tuple[in
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else 1
     return code, capsys.readouterr().err
+
+
+def resolved_config(
+    repo: Path, overrides: Sequence[str], capsys: pytest.CaptureFixture[str]
+) -> dict[str, Any]:
+    """`omni-server config resolve --repo REPO --show config --format json OVERRIDES` (nothing
+    starts, so it runs here): the config it prints."""
+    argv = ["config", "resolve", "--repo", str(repo), "--show", "config", "--format", "json"]
+    code = main([*argv, *overrides])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    return json.loads(printed.out)
