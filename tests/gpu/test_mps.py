@@ -306,6 +306,8 @@ async def _sigkilled_server_is_cleaned_up(tmp_path: Path, control: str, compute:
             assert _wait_gone(pid), f"MPS process {pid} of the dead run still runs"
 
 
+@pytest.mark.slow  # a server process killed, then a new runtime; the fast tier keeps the start's
+# cleanup of a dead run's daemon (test_start_stops_the_daemon_of_a_dead_run_and_spares_a_stranger)
 async def test_a_sigkilled_servers_daemon_is_stopped_by_the_next_start(tmp_path, fake_control):
     await _sigkilled_server_is_cleaned_up(tmp_path, fake_control, compute=False)
 

@@ -263,6 +263,8 @@ def test_a_stopped_stage_process_is_killed_after_the_heartbeat_timeout_given(tmp
         assert speech.content
 
 
+@pytest.mark.slow  # ~9 s, mostly the stop's graces for a stage stuck in initialize(); the fast
+# tier keeps a failed start's exit 1 and cleanup (tests/gpu/test_gpu_start.py, test_pipelines.py)
 def test_a_pipeline_slower_than_the_start_timeout_exits_1_naming_it(tmp_path):
     repo, _ = flaky_repo(tmp_path)  # the gate never opens: still loading when the bound passes
     # 1 s: the stage cannot be ready whatever the load, as its gate never opens; the stop then
