@@ -6,6 +6,7 @@ child forked from a server that holds the third-party libraries and none of our 
 from __future__ import annotations
 
 import ast
+import functools
 import graphlib
 import importlib.util
 import pkgutil
@@ -89,6 +90,7 @@ def _module_files() -> dict[str, Path]:
     return files
 
 
+@functools.cache  # parsed once for the 14 tests that read it (read-only: none changes it)
 def _import_graph() -> dict[str, set[str]]:
     """Module -> the omni_server modules it imports: every import statement, at module level,
     in a function or under TYPE_CHECKING alike (a circle hidden in a function is still one).
