@@ -183,6 +183,8 @@ async def test_mps_daemon_serves_the_gpu_processes_and_goes_with_the_runtime(
     )
 
 
+@pytest.mark.slow  # a restart under the daemon (two torch-importing stage processes, then a third);
+# the fast tier keeps the clients' MPS environment (above) and restarts (tests/pipeline)
 async def test_a_restarted_process_is_again_a_client_of_the_same_daemon(tmp_path, fake_control):
     plan = two_processes_on_gpu0(tmp_path, "on")
     policy = SupervisionPolicy(backoff_s=0.1)
