@@ -49,6 +49,8 @@ def test_module_imports_alone(fresh: FreshImports, module: str) -> None:
     assert error is None, f"import {module} failed:\n{error[-3000:]}"
 
 
+@pytest.mark.slow  # the forker's start (third-party libraries loaded) for the slow test above:
+# this proof that its failures are seen runs beside that test
 def test_a_failing_import_is_reported_with_its_traceback(fresh: FreshImports) -> None:
     error = fresh.error("omni_server.no_such_module")
     assert error is not None and "ModuleNotFoundError" in error, error
