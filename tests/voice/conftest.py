@@ -1,4 +1,5 @@
-"""Fixtures for the embedded voice tests: the real repository's stages, loaded in-process."""
+"""Fixtures for the embedded voice tests: the real repository's stages, loaded in-process (the
+voice itself, `voice`, is tests/conftest.py's: tests/asr speaks with it too)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from omni_bench.inprocess import InProcessVoice
 from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.plan import Plan
 
@@ -21,11 +21,6 @@ def repository() -> Path:
 @pytest.fixture(scope="session")
 def plan() -> Plan:
     return compile_repository(REPOSITORY)
-
-
-@pytest.fixture(scope="session")
-def voice() -> InProcessVoice:
-    return InProcessVoice(REPOSITORY)
 
 
 @pytest.fixture(scope="session")
