@@ -118,7 +118,10 @@ class TlsProxy:
             while open_ and not self._closing.is_set():
                 held = secure in open_ and secure.pending() > 0  # decrypted, not yet read
                 ready = [key.fileobj for key, _ in selector.select(0 if held else self.POLL_S)]
-                if held:
+                if held or (not ready and secure in open_):
+                    # an idle poll also asks the SSL object itself: bytes it took off the socket
+                    # with a handshake record but has not decrypted show in neither pending()
+                    # nor the selector (a full suite saw a 10 s handshake stall once more)
                     ready.append(secure)
                 for source in dict.fromkeys(ready):
                     if source not in open_:
