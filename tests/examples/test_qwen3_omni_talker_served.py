@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from omni_server.audio import decode
-from omni_server.backend import InvalidRequest, Request, StageContext
+from omni_server.backend import InvalidRequest, Request, StageConfigError, StageContext
 from omni_server.compiler import compile_repository
 from omni_server.contracts import SpeechOptions
 from omni_server.models.qwen3_omni.thinker import Thinker
@@ -362,6 +362,23 @@ def test_an_unknown_voice_names_the_speakers(stages: Stages) -> None:
     assert output.error.param == "voice"
     assert "'nobody'" in str(output.error) and "aiden, chelsie, ethan" in str(output.error)
     assert stages.talker.live_requests == 0
+
+
+@pytest.mark.parametrize("name", ["thinker", "talker"])
+@pytest.mark.parametrize("value", [-1, "2048", True])
+def test_warm_graphs_tokens_must_be_a_count(
+    checkpoint: Checkpoint,  # noqa: F811
+    repo: Path,
+    name: str,
+    value: Any,
+) -> None:
+    """The stages' start-up capture bound (warm_graphs_tokens) refuses what is not a count,
+    naming the field, before any weight is read."""
+    folder = EXAMPLE if name == "thinker" else repo
+    with pytest.raises(
+        StageConfigError, match=r"parameters\.warm_graphs_tokens must be an integer >= 0"
+    ):
+        stage(folder, name, checkpoint.folder, warm_graphs_tokens=value)
 
 
 def test_a_thinker_that_says_nothing_ends_both_stages_silently(stages: Stages) -> None:

@@ -88,6 +88,11 @@ class TalkerStage(StageBackend):
         except CheckpointFolderError as err:
             raise StageConfigError(str(err)) from err
         dtype = self._dtype(params.get("dtype", "auto"), context.device)
+        warm = params.get("warm_graphs_tokens", 2048)
+        if not isinstance(warm, int) or isinstance(warm, bool) or warm < 0:
+            raise StageConfigError(
+                f"parameters.warm_graphs_tokens must be an integer >= 0; found {warm!r}"
+            )
         try:
             config = EngineConfig.from_table(
                 {
@@ -124,11 +129,6 @@ class TalkerStage(StageBackend):
         if not seconds > 0:
             raise StageConfigError(f"parameters.max_audio_seconds must be > 0; got {seconds}")
         self.max_frames = max(1, math.floor(seconds * FRAMES_PER_SECOND + 1e-6))
-        warm = params.get("warm_graphs_tokens", 2048)
-        if not isinstance(warm, int) or isinstance(warm, bool) or warm < 0:
-            raise StageConfigError(
-                f"parameters.warm_graphs_tokens must be an integer >= 0; found {warm!r}"
-            )
         # the decode graphs of every batch bucket at the contexts a speech reaches, captured
         # now (a capture while serving pauses every speech; 0: on first use); the code
         # predictor's graphs were captured with the engine (TalkerHead.capture_draws)
