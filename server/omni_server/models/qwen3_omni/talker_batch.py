@@ -14,7 +14,7 @@ A speech's life here, one frame a cycle:
 
 Rows share the talker's weights and every linear / MoE product of a step; attention runs per
 row over each speech's own KV cache (lengths differ), so a row's numbers do not depend on the
-batch. Sampled codes take the engine's counter-based uniforms (engine/sampling.py) of (the
+batch. Sampled codes take the counter-based uniforms the engine uses (models/draws.py) of (the
 speech's seed, its frame's position, the code's group): reproducible and batch-independent,
 the same bits on the CPU and a GPU, and no draw waits for the host.
 """

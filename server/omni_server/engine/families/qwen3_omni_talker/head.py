@@ -315,9 +315,9 @@ class TalkerHead:
         if self.graphs is not None and self.graphs.max_rows >= max_rows:
             return
         self.graphs = DrawGraphs(self._frames, max_rows, device)
-        width = self.model.shape.hidden_size
+        size = self.model.shape.hidden_size  # the rows' hidden state (`width`: the logits')
         for b in self.graphs.buckets:
-            hidden = torch.zeros(b, width, device=device)
+            hidden = torch.zeros(b, size, device=device)
             code0 = torch.zeros(b, dtype=torch.int64, device=device)
             table = torch.zeros(b, COLUMNS, dtype=torch.float64, device=device)
             self.graphs.outputs(False, hidden, [code0])
