@@ -80,15 +80,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
-def voice():  # type: ignore[no-untyped-def]
-    """The embedded voice, loaded once in this process (omni_bench.inprocess.InProcessVoice): the
-    voice tests' subject, and the speaker of the speech the ASR tests listen to."""
-    from omni_bench.inprocess import InProcessVoice
-
-    return InProcessVoice(EMBEDDED_REPO)
-
-
-@pytest.fixture(scope="session")
 def embedded_server(tmp_path_factory) -> Iterator[ServerProcess]:
     """`python -m omni_server --repo repository`, shared by the whole session. Tests may use it
     but not stop it, break its processes or change what it serves; at the end it must exit 0 on

@@ -6,7 +6,6 @@ child forked from a server that holds the third-party libraries and none of our 
 from __future__ import annotations
 
 import ast
-import functools
 import graphlib
 import importlib.util
 import pkgutil
@@ -49,8 +48,6 @@ def test_module_imports_alone(fresh: FreshImports, module: str) -> None:
     assert error is None, f"import {module} failed:\n{error[-3000:]}"
 
 
-@pytest.mark.slow  # the forker's start (third-party libraries loaded) for the slow test above:
-# this proof that its failures are seen runs beside that test
 def test_a_failing_import_is_reported_with_its_traceback(fresh: FreshImports) -> None:
     error = fresh.error("omni_server.no_such_module")
     assert error is not None and "ModuleNotFoundError" in error, error
@@ -92,7 +89,6 @@ def _module_files() -> dict[str, Path]:
     return files
 
 
-@functools.cache  # parsed once for the 14 tests that read it (read-only: none changes it)
 def _import_graph() -> dict[str, set[str]]:
     """Module -> the omni_server modules it imports: every import statement, at module level,
     in a function or under TYPE_CHECKING alike (a circle hidden in a function is still one).

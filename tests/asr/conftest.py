@@ -26,10 +26,10 @@ def plan() -> Plan:
 
 
 @pytest.fixture(scope="session")
-def clips(voice) -> list[np.ndarray]:
-    """Each of TEXTS spoken by the embedded voice (the session's: tests/conftest.py), 16 kHz."""
-    speaker = asr_audio.VoiceSynth(voice)
-    return [speaker.say(t) for t in TEXTS]
+def clips() -> list[np.ndarray]:
+    """Each of TEXTS spoken by the embedded voice, 16 kHz."""
+    voice = asr_audio.VoiceSynth()
+    return [voice.say(t) for t in TEXTS]
 
 
 @pytest.fixture(scope="session")

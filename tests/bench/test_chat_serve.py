@@ -13,13 +13,12 @@ import sys
 import pytest
 
 from omni_bench import chat_serve
-from tests.helpers.cli import resolved_config
 from tests.helpers.server import ROOT
 
 REPO = ROOT / chat_serve.REPO
 
 
-def test_the_gpu_command_line_resolves_to_the_thinker_on_the_gpu(tmp_path, capsys):
+def test_the_gpu_command_line_resolves_to_the_thinker_on_the_gpu(tmp_path):
     args = chat_serve.build_parser().parse_args(["--checkpoint", str(tmp_path), "--gpu"])
     args.levels = [1, 16, 64]
     overrides = chat_serve.serve_args(args)
@@ -28,7 +27,13 @@ def test_the_gpu_command_line_resolves_to_the_thinker_on_the_gpu(tmp_path, capsy
         "--model-control-mode", "explicit", "--load-model", "smol-chat", "--max-in-flight", "128"
     ]  # fmt: skip
     del overrides[i : i + 6]
-    thinker = resolved_config(REPO, overrides, capsys)["stages"]["thinker"]
+    out = subprocess.run(
+        [sys.executable, "-m", "omni_server", "config", "resolve", "--repo", str(REPO),
+         "--show", "config", "--format", "json", *overrides],
+        capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    thinker = json.loads(out.stdout)["stages"]["thinker"]
     assert thinker["gpu"] == [0] and thinker["engine"]["dtype"] == "bfloat16"
     assert thinker["engine"]["max_batch_size"] == 64  # the largest level steps in one batch
     assert thinker["parameters"]["checkpoint"] == str(tmp_path)

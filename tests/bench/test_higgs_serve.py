@@ -14,7 +14,6 @@ import sys
 import pytest
 
 from omni_bench import higgs_serve
-from tests.helpers.cli import resolved_config
 from tests.helpers.server import ROOT
 
 REPO = ROOT / higgs_serve.REPO
@@ -30,14 +29,21 @@ def _overrides(argv: list[str]) -> list[str]:
     return overrides
 
 
-def _resolved(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
-    return resolved_config(REPO, _overrides(argv), capsys)
+def _resolved(argv: list[str]) -> dict:
+    overrides = _overrides(argv)
+    out = subprocess.run(
+        [sys.executable, "-m", "omni_server", "config", "resolve", "--repo",
+         str(REPO), "--show", "config", "--format", "json", *overrides],
+        capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
 
 
 # two replicas, not the bench's three: `config resolve` bounds a process's replicas by this
 # machine's cores (placement.check_machine), two on CI
 @pytest.mark.parametrize("layout", ["1", "1v", "2", "2v", "1m", "1mef4"])
-def test_the_gpu_placement_resolves(tmp_path, layout, capsys):
+def test_the_gpu_placement_resolves(tmp_path, layout):
     """--gpu: the example's own GPU placement (its [on_gpu]), held to the GPU even on this
     machine without one, with no override of what the example declares there."""
     replicas, vocoders, mps, eager, first = higgs_serve.parse_layout(layout)
@@ -45,7 +51,7 @@ def test_the_gpu_placement_resolves(tmp_path, layout, capsys):
     overrides = _overrides(args)
     for declared in ("dtype", "bfloat16", "cuda_graphs true", "audio_encoder.gpu "):
         assert declared not in " ".join(overrides)  # the example's, not the bench's
-    config = _resolved(args, capsys)
+    config = _resolved(args)
     engine = config["stages"]["tts_engine"]
     assert engine["gpu"] == [0] and engine["engine"]["dtype"] == "bfloat16"
     assert engine["engine"]["max_total_tokens"] == 65536  # the same KV for every count
@@ -68,8 +74,8 @@ def test_the_gpu_placement_resolves(tmp_path, layout, capsys):
     assert config["stages"]["vocoder"]["process"] == ("pipeline" if vocoders else "vocoder")
 
 
-def test_without_gpu_every_stage_runs_on_the_cpu(tmp_path, capsys):
-    config = _resolved(["--checkpoint", str(tmp_path), "--replicas", "2"], capsys)
+def test_without_gpu_every_stage_runs_on_the_cpu(tmp_path):
+    config = _resolved(["--checkpoint", str(tmp_path), "--replicas", "2"])
     assert all("gpu" not in stage for stage in config["stages"].values())
     assert config["stages"]["tts_engine"]["engine"]["dtype"] == "float32"
     assert config["server"]["mps"] == "off" and config["server"]["weight_share"] == "on"

@@ -15,13 +15,12 @@ import wave
 import pytest
 
 from omni_bench import omni_serve
-from tests.helpers.cli import resolved_config
 from tests.helpers.server import ROOT
 
 REPO = ROOT / omni_serve.REPO
 
 
-def test_the_gpu_command_line_holds_the_example_to_the_gpu(tmp_path, capsys):
+def test_the_gpu_command_line_holds_the_example_to_the_gpu(tmp_path):
     args = omni_serve.build_parser().parse_args(
         ["--repo", str(REPO), "--checkpoint", str(tmp_path), "--gpu"]
     )
@@ -30,7 +29,13 @@ def test_the_gpu_command_line_holds_the_example_to_the_gpu(tmp_path, capsys):
     i = overrides.index("--max-in-flight")  # a server option, not a config override
     assert overrides[i + 1] == "128"
     del overrides[i : i + 2]
-    config = resolved_config(REPO, overrides, capsys)
+    out = subprocess.run(
+        [sys.executable, "-m", "omni_server", "config", "resolve", "--repo", str(REPO),
+         "--show", "config", "--format", "json", *overrides],
+        capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    config = json.loads(out.stdout)
     stages = config["stages"]
     for name in ("audio_encoder", "thinker", "talker", "code2wav"):
         assert stages[name]["gpu"] == [0], name

@@ -217,17 +217,11 @@ def test_real_command_exit_code_and_no_traceback(tmp_path: Path) -> None:
     assert "tts/stage.toml" in result.stderr and "not valid TOML" in result.stderr
 
 
-@pytest.fixture(scope="module")
-def serve_help() -> subprocess.CompletedProcess[str]:
-    """`omni-server --help` as a user runs it (one interpreter for the tests that read it)."""
-    return subprocess.run(
+@pytest.mark.timeout(60)
+def test_help_documents_both_commands() -> None:
+    serve = subprocess.run(
         [sys.executable, "-m", "omni_server", "--help"], capture_output=True, text=True, timeout=60
     )
-
-
-@pytest.mark.timeout(60)
-def test_help_documents_both_commands(serve_help: subprocess.CompletedProcess[str]) -> None:
-    serve = serve_help
     assert serve.returncode == 0
     assert "--repo" in serve.stdout and "config resolve" in serve.stdout
     assert "--stages.<stage>.<field>" in serve.stdout
@@ -249,12 +243,12 @@ def _routes(repo: Path) -> set[str]:
     return {re.sub(r"\{[^}]*\}", "{}", r.resource.canonical) for r in app.router.routes()}
 
 
-def test_help_describes_every_endpoint_and_override(
-    repo: Path, serve_help: subprocess.CompletedProcess[str]
-) -> None:
+def test_help_describes_every_endpoint_and_override(repo: Path) -> None:
     """`omni-server --help` names each route the app serves (Triton's /v2/repository/ API as
     one), the ray command, and the override roots and fields docs/repository.md lists."""
-    serve = serve_help
+    serve = subprocess.run(
+        [sys.executable, "-m", "omni_server", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert serve.returncode == 0
     text = re.sub(r"\{[^}]*\}", "{}", serve.stdout)
     missing = [

@@ -4,7 +4,6 @@ tiny random Llama for scheduler behaviour that does not depend on weights."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -118,30 +117,3 @@ def hf_model():  # type: ignore[no-untyped-def]
         dtype=torch.float32,
     )
     return model.eval()
-
-
-@pytest.fixture(scope="session")
-def higgs_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`omni-bench random-checkpoint higgs-audio-v2 --size tiny` (seed 0), written once for the
-    session: the writer's child process imports transformers (~5 s a folder). Read-only: a test
-    that changes a checkpoint copies it first."""
-    from omni_bench.random_checkpoint import main
-
-    out = tmp_path_factory.mktemp("ckpt") / "higgs"
-    assert main(["higgs-audio-v2", "--size", "tiny", "--out", str(out)]) == 0
-    return out
-
-
-@pytest.fixture(scope="session")
-def higgs_long_checkpoint(higgs_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same checkpoint as written with `--audio-eos-scale 0.7` (the end of audio rarer: long
-    greedy generations): a copy whose weights are redrawn in this process, which writes the
-    writer's own weights (test_random_checkpoint.py test_audio_eos_scale_scales_only_the_end_rows).
-    Read-only, like higgs_checkpoint."""
-    import shutil
-
-    from omni_bench.random_checkpoint import redraw_higgs_audio_v2
-
-    folder = tmp_path_factory.mktemp("ckpt-long") / "higgs"
-    shutil.copytree(higgs_checkpoint, folder)
-    return redraw_higgs_audio_v2(folder, 0, 0.7)

@@ -71,10 +71,11 @@ GREEDY_TEXTS = [t for t in TEXTS if t != "0123456789"]
 
 
 @pytest.fixture(scope="module")
-def higgs_dir(higgs_long_checkpoint: Path) -> Path:
-    """Seed 0's folder at AUDIO_EOS_SCALE, written once per session (tests/engine/conftest.py)."""
-    assert SEEDS[0] == 0 and AUDIO_EOS_SCALE == 0.7  # what higgs_long_checkpoint was drawn with
-    return higgs_long_checkpoint
+def higgs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from omni_bench.random_checkpoint import write_higgs_audio_v2
+
+    folder = tmp_path_factory.mktemp("ckpt") / "higgs"
+    return write_higgs_audio_v2(folder, "tiny", seed=SEEDS[0], audio_eos_scale=AUDIO_EOS_SCALE)
 
 
 @pytest.fixture(scope="module")

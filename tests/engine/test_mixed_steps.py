@@ -237,9 +237,11 @@ def test_the_old_all_eager_mixed_step_is_kept_behind_split_mixed() -> None:
 
 
 @pytest.fixture(scope="module")
-def higgs_dir(higgs_long_checkpoint: Path) -> Path:
-    """Seed 0's tiny folder at audio EOS scale 0.7, written once per session (conftest.py)."""
-    return higgs_long_checkpoint
+def higgs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from omni_bench.random_checkpoint import write_higgs_audio_v2
+
+    folder = tmp_path_factory.mktemp("ckpt") / "higgs"
+    return write_higgs_audio_v2(folder, "tiny", seed=0, audio_eos_scale=0.7)
 
 
 @pytest.fixture(scope="module")

@@ -25,9 +25,12 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def higgs_dir(higgs_checkpoint: Path) -> Path:
-    """The command's folder (`main`, written once per session: tests/engine/conftest.py)."""
-    return higgs_checkpoint
+def higgs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from omni_bench.random_checkpoint import main
+
+    out = tmp_path_factory.mktemp("ckpt") / "higgs"
+    assert main(["higgs-audio-v2", "--size", "tiny", "--out", str(out)]) == 0
+    return out
 
 
 def test_layout(higgs_dir: Path) -> None:

@@ -58,15 +58,7 @@ ONE_GPU_STAGE = {
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has GPUs")
-# a server process each: the one line does not depend on mps, so the fast tier runs one of them
-@pytest.mark.parametrize(
-    "mps",
-    [
-        "off",
-        pytest.param("auto", marks=pytest.mark.slow),
-        pytest.param("on", marks=pytest.mark.slow),
-    ],
-)
+@pytest.mark.parametrize("mps", ["off", "auto", "on"])
 def test_gpu_stage_without_a_gpu_exits_1_with_one_line(tmp_path, mps):
     repo = gpu_repo(tmp_path / "repo", ONE_GPU_STAGE, server=f'mps = "{mps}"')
     assert failed_start_line(repo, timeout=60).endswith(

@@ -183,8 +183,6 @@ async def test_mps_daemon_serves_the_gpu_processes_and_goes_with_the_runtime(
     )
 
 
-@pytest.mark.slow  # a restart under the daemon (two torch-importing stage processes, then a third);
-# the fast tier keeps the clients' MPS environment (above) and restarts (tests/pipeline)
 async def test_a_restarted_process_is_again_a_client_of_the_same_daemon(tmp_path, fake_control):
     plan = two_processes_on_gpu0(tmp_path, "on")
     policy = SupervisionPolicy(backoff_s=0.1)
@@ -308,8 +306,6 @@ async def _sigkilled_server_is_cleaned_up(tmp_path: Path, control: str, compute:
             assert _wait_gone(pid), f"MPS process {pid} of the dead run still runs"
 
 
-@pytest.mark.slow  # a server process killed, then a new runtime; the fast tier keeps the start's
-# cleanup of a dead run's daemon (test_start_stops_the_daemon_of_a_dead_run_and_spares_a_stranger)
 async def test_a_sigkilled_servers_daemon_is_stopped_by_the_next_start(tmp_path, fake_control):
     await _sigkilled_server_is_cleaned_up(tmp_path, fake_control, compute=False)
 

@@ -101,8 +101,6 @@ async def test_a_stage_that_runs_out_of_memory_while_it_initializes_is_a_one_lin
     )
 
 
-@pytest.mark.slow  # a server process; the fast tier keeps the runtime's line (above) and a failed
-# start's exit 1 with one line (tests/gpu/test_gpu_start.py)
 def test_the_server_exits_1_with_that_line(tmp_path):
     _plan(
         tmp_path / "repo",

@@ -179,7 +179,7 @@ async def test_admission_is_first_come_and_times_out():
     assert order == ["a", "b", "c"]
     assert admission.in_flight("m") == 0 and admission.queued("m") == 0
 
-    holder = asyncio.ensure_future(take("d", 0.5))  # past e's 0.2 s: timers fire by deadline
+    holder = asyncio.ensure_future(take("d", 1.0))
     await asyncio.sleep(0)
     with pytest.raises(RateLimited):
         await take("e", 0)  # waited 0.2 s in the queue, no place came

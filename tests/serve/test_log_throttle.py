@@ -45,8 +45,6 @@ runpy.run_module("omni_server", run_name="__main__")
 """
 
 
-@pytest.mark.slow  # a server run out of descriptors, then its idle timeout; the fast tier keeps
-# the filter's own test above
 def test_a_server_out_of_descriptors_logs_little_and_recovers(tmp_path):
     port = free_port()
     log_path = tmp_path / "server.log"

@@ -6,17 +6,17 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import urllib.request
 from datetime import datetime
-from pathlib import Path
 
 import openai
 import pytest
 from openai import OpenAI
 
-from tests.helpers.cli import exit_of
-from tests.helpers.server import EMBEDDED_REPO, ServerProcess
+from tests.helpers.server import EMBEDDED_REPO, ROOT, ServerProcess
 from tests.serve.inline import MODEL, stand_in_repo
 
 pytestmark = pytest.mark.timeout(180)
@@ -25,30 +25,19 @@ KEY = "sk-omni-test-key"
 GRACE_S = 3.0
 
 
-def start_keyed_server(root: Path) -> ServerProcess:
+@pytest.fixture
+def keyed_server(tmp_path):
     os.environ["OMNI_SERVER_API_KEY"] = KEY  # the server reads it; the command line stays clean
     try:
-        return ServerProcess.start(
-            stand_in_repo(root / "repo"),
-            root / "server.log",
+        server = ServerProcess.start(
+            stand_in_repo(tmp_path / "repo"),
+            tmp_path / "server.log",
             "--shutdown-grace",
             str(GRACE_S),
         )
     finally:
         del os.environ["OMNI_SERVER_API_KEY"]
-
-
-@pytest.fixture(scope="module")
-def keyed_server(tmp_path_factory):
-    """One keyed server for the tests that only ask it things (the stop test starts its own)."""
-    with start_keyed_server(tmp_path_factory.mktemp("keyed")) as server:
-        yield server
-
-
-@pytest.fixture
-def stopped_server(tmp_path):
-    """A keyed server of the test's own, which the test stops."""
-    with start_keyed_server(tmp_path) as server:
+    with server:
         yield server
 
 
@@ -97,7 +86,7 @@ def test_a_loopback_server_refuses_foreign_host_names(keyed_server):
     assert b"Server: omni-server\r\n" in garbage
 
 
-def test_stop_gives_requests_the_grace_period_then_cancels_them(stopped_server):
+def test_stop_gives_requests_the_grace_period_then_cancels_them(keyed_server):
     """SIGTERM with one short and one long stream in flight: the short one completes, the long
     one is cancelled when the grace period ends (once, not twice), as `server_shutdown`."""
     outcomes: dict[str, str] = {}
@@ -107,7 +96,7 @@ def test_stop_gives_requests_the_grace_period_then_cancels_them(stopped_server):
         fields = {"model": MODEL, "input": f"slow {chunks}", "voice": "hush"}
         body = json.dumps({**fields, "response_format": "pcm"}).encode()
         request = urllib.request.Request(
-            stopped_server.url + "/v1/audio/speech",
+            keyed_server.url + "/v1/audio/speech",
             data=body,
             headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
         )
@@ -129,11 +118,11 @@ def test_stop_gives_requests_the_grace_period_then_cancels_them(stopped_server):
     for thread in threads:
         thread.start()
     assert all(event.wait(60) for event in started.values())
-    stopped_server.terminate()
-    stopped_server.proc.wait(60)
+    keyed_server.terminate()
+    keyed_server.proc.wait(60)
     for thread in threads:
         thread.join(60)
-    log = stopped_server.log()
+    log = keyed_server.log()
     assert outcomes["short"] == f"complete {5 * 480}"
     assert outcomes["long"].startswith("cut")
     assert f"cancelling 1 request(s) still running after {GRACE_S:g} s" in log
@@ -154,10 +143,16 @@ def test_stop_gives_requests_the_grace_period_then_cancels_them(stopped_server):
         (["--heartbeat-timeout", "0.5"], "heartbeat_timeout_s must be 0 (never) or more than"),
     ],
 )
-def test_bad_serve_options_exit_2_naming_them(flags, says, capsys):
-    code, stderr = exit_of(["--repo", str(EMBEDDED_REPO), *flags], capsys)
-    assert code == 2
-    assert says in stderr and "Traceback" not in stderr
+def test_bad_serve_options_exit_2_naming_them(flags, says):
+    done = subprocess.run(
+        [sys.executable, "-m", "omni_server", "--repo", str(EMBEDDED_REPO), *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert done.returncode == 2
+    assert says in done.stderr and "Traceback" not in done.stderr
 
 
 def test_the_official_client_sees_429_as_a_rate_limit(tmp_path):

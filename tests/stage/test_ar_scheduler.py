@@ -123,11 +123,10 @@ async def test_timeout_s_ends_a_request_early_where_the_backend_can(tmp_path, in
     Neither kills the process: the next request is served by the same one."""
     async with running(_timed_plan(tmp_path), inline=inline) as runtime:
         pids = runtime.processes()
-        # both at once (their own stages, their own clocks): one timeout_s of waiting, not two
         ended = runtime.submit(runtime.plan.models["finishes"], {"n": 10**9})
-        failed = runtime.submit(runtime.plan.models["fails"], {"n": 10**9})
         chunks = [c async for c in ended]
         result = await ended.result()
+        failed = runtime.submit(runtime.plan.models["fails"], {"n": 10**9})
         with pytest.raises(PipelineError) as timed_out:
             await failed.result()
         after = runtime.submit(runtime.plan.models["finishes"], {"n": 2})

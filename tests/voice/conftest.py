@@ -1,5 +1,4 @@
-"""Fixtures for the embedded voice tests: the real repository's stages, loaded in-process (the
-voice itself, `voice`, is tests/conftest.py's: tests/asr speaks with it too)."""
+"""Fixtures for the embedded voice tests: the real repository's stages, loaded in-process."""
 
 from __future__ import annotations
 
@@ -7,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from omni_bench.inprocess import InProcessVoice
 from omni_server.compiler.compiler import compile_repository
 from omni_server.compiler.plan import Plan
 
@@ -21,6 +21,11 @@ def repository() -> Path:
 @pytest.fixture(scope="session")
 def plan() -> Plan:
     return compile_repository(REPOSITORY)
+
+
+@pytest.fixture(scope="session")
+def voice() -> InProcessVoice:
+    return InProcessVoice(REPOSITORY)
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ from omni_server.audio import (
 
 pytestmark = pytest.mark.timeout(300)
 
-PARAGRAPH = "The sun rose. Birds sang. A new day began."
+PARAGRAPH = "The sun rose over the hills. Birds began to sing. A new day had started."
 
 
 @pytest.fixture(scope="module")

@@ -14,15 +14,11 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import av
 import numpy as np
 
 from omni_server.audio.resample import resample
-
-if TYPE_CHECKING:
-    from omni_bench.inprocess import InProcessVoice
 
 RATE = 16_000
 # the embedded repository, from the working directory (a source checkout) unless the
@@ -73,11 +69,10 @@ class VoiceSynth:
 
     name = "piper-joe"
 
-    def __init__(self, voice: InProcessVoice | None = None) -> None:
-        """`voice`: one already loaded (a test session's), else the embedded one is loaded."""
+    def __init__(self) -> None:
         from omni_bench.inprocess import InProcessVoice
 
-        self._voice = voice if voice is not None else InProcessVoice(REPOSITORY)
+        self._voice = InProcessVoice(REPOSITORY)
 
     def say(self, text: str) -> np.ndarray:
         speech = self._voice.speak(text, response_format="wav", seed=0)
